@@ -1,0 +1,65 @@
+"""The CLI as a user runs it: a subprocess, its stdout/stderr and exit code."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def train(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "xtrain_core.train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def test_effective_batch_line_and_summary():
+    r = train("--accum-steps", "4", "--micro-batch", "2", "--steps", "3", "--seq-len", "16")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "effective batch = 4 × 2 = 8 sequences (128 tokens)"
+    assert lines[-1].startswith("done: 3 steps, 384 tokens in ")
+    assert "3/3" in r.stderr and "tok/s" in r.stderr  # progress bar
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--accum-steps", "0"], "argument --accum-steps: must be ≥ 1, got 0"),
+    (["--accum-steps", "-1"], "argument --accum-steps: must be ≥ 1, got -1"),
+    (["--accum-steps", "x"], "argument --accum-steps: must be an integer ≥ 1, got 'x'"),
+    (["--micro-batch", "0"], "argument --micro-batch: must be ≥ 1, got 0"),
+    (["--data", "/no/such/file.txt"], "--data /no/such/file.txt: no such file"),
+    (["--seq-len", "65"], "--seq-len 65 exceeds --model tiny's limit of 64"),
+    (["--model", "huge"], "argument --model: invalid choice"),
+    (["--device", "tpu"], "--device must be cpu, cuda or cuda:K, got 'tpu'"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    r = train(*args)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_cuda_without_gpu_is_a_usage_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = train("--device", "cuda")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "xtrain_core.train: error: --device cuda: no CUDA GPU is visible to torch; use --device cpu")
+
+
+def test_data_file_trains(tmp_path):
+    f = tmp_path / "corpus.txt"
+    f.write_text("the quick brown fox jumps over the lazy dog. " * 50, encoding="utf-8")
+    r = train("--data", str(f), "--accum-steps", "2", "--micro-batch", "2", "--steps", "2", "--seq-len", "32")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("effective batch = 2 × 2 = 4 sequences (128 tokens)")
+
+
+def test_short_data_file_is_usage_error(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text("hi")
+    r = train("--data", str(f), "--seq-len", "32")
+    assert r.returncode == 2 and "has 2 bytes; --seq-len 32 needs at least 34" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""  # nothing printed before the error

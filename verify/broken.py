@@ -1,0 +1,96 @@
+"""Deliberately broken trainers. Each reproduces a bug users hit; the gates must reject every one.
+
+They subclass xtrain's AccumTrainer and change one thing, so a rejection can only be caused by that
+one thing.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch.nn.functional as F
+
+from xtrain_core.trainer import AccumTrainer
+
+from .interface import Spec
+
+
+class MissingScale(AccumTrainer):
+    """Backward of the raw micro loss: the boundary gradient is N× the big-batch mean."""
+
+    def micro_step(self, idx, targets, micro):
+        loss = self.model.loss_batched(idx, targets)
+        self._loss_sum = loss.detach() if micro == 0 else self._loss_sum + loss.detach()
+        loss.backward()
+        self._next_micro = micro + 1
+
+
+class ZeroGradInLoop(AccumTrainer):
+    """zero_grad at the start of every micro-step: only the last micro-batch survives."""
+
+    def micro_step(self, idx, targets, micro):
+        self.opt.zero_grad(set_to_none=True)
+        super().micro_step(idx, targets, micro)
+
+
+class StepEveryMicro(AccumTrainer):
+    """optimizer.step() (and zero_grad) after every micro-step: N updates per 'step'."""
+
+    def micro_step(self, idx, targets, micro):
+        super().micro_step(idx, targets, micro)
+        if micro < self.accum_steps - 1:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+
+class SchedulerEveryMicro(AccumTrainer):
+    """LR scheduler stepped per micro-step: warm-up runs N× too fast."""
+
+    def micro_step(self, idx, targets, micro):
+        super().micro_step(idx, targets, micro)
+        if micro < self.accum_steps - 1:
+            with warnings.catch_warnings():  # torch warns when sched.step() precedes opt.step(): that's the bug
+                warnings.simplefilter("ignore", UserWarning)
+                self.sched.step()
+
+
+class N1OtherReduction(AccumTrainer):
+    """N == 1 'fast path' taking the mean per sequence, then over sequences: the same value in exact
+    arithmetic, other rounding (observable when B and S are not powers of two; see the test's cases)."""
+
+    def micro_step(self, idx, targets, micro):
+        if self.accum_steps != 1:
+            return super().micro_step(idx, targets, micro)
+        logits = self.model(idx)  # (B, S, V)
+        rows = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
+        loss = rows.view(targets.shape).mean(1).mean(0)
+        self._loss_sum = loss.detach()
+        loss.backward()
+        self._next_micro = 1
+
+
+class N1ScaledByOne(AccumTrainer):
+    """Always multiplies by 1/N, even at N == 1 (x * 1.0 is bit-exact: this one must PASS)."""
+
+    def micro_step(self, idx, targets, micro):
+        loss = self.model.loss_batched(idx, targets)
+        self._loss_sum = loss.detach() if micro == 0 else self._loss_sum + loss.detach()
+        (loss * (1.0 / self.accum_steps)).backward()
+        self._next_micro = micro + 1
+
+
+def factory(cls):
+    def make(spec: Spec):
+        return cls(spec.build_model(), spec.optim, spec.accum_steps)
+
+    make.__name__ = cls.__name__
+    return make
+
+
+# name -> (factory, the gate that must reject it). N1ScaledByOne is the control: harmless, must pass.
+BROKEN = {
+    "missing_1_over_N": (factory(MissingScale), "equivalence"),
+    "zero_grad_in_micro_loop": (factory(ZeroGradInLoop), "equivalence"),
+    "optimizer_step_every_micro": (factory(StepEveryMicro), "equivalence"),
+    "scheduler_step_every_micro": (factory(SchedulerEveryMicro), "equivalence"),
+    "n1_different_reduction": (factory(N1OtherReduction), "bit_exact"),
+}

@@ -1,0 +1,97 @@
+"""Shared CLI plumbing: bad input is one line on stderr and exit code 2, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+class UsageError(Exception):
+    """Bad user input. str(e) is the whole message: it names the flag and the fix."""
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        PROG[0] = self.prog
+
+    def error(self, message):  # argparse would print the usage block too: keep it to one line
+        fail(f"{message} (see --help)")
+
+
+PROG = ["xtrain"]  # set by each entry point, so errors read "xtrain_core.train: error: ..."
+
+
+def fail(message: str, code: int = 2):
+    print(f"{PROG[0]}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {v}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def resolve_device(name: str):
+    """'cpu' | 'cuda' | 'cuda:K' -> torch.device, or UsageError naming --device."""
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
+        dev = torch.device(name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
+        return dev
+    raise UsageError(f"--device must be cpu, cuda or cuda:K, got {name!r}")
+
+
+class Progress:
+    """A one-line progress bar on stderr (redrawn in place on a TTY, a line every ~10% otherwise)."""
+
+    def __init__(self, total: int, label: str = "", stream=None):
+        self.total, self.label, self.stream = total, label, stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0, self._last = time.perf_counter(), -1
+
+    def update(self, done: int, info: str = "") -> None:
+        frac = done / self.total if self.total else 1.0
+        bar = "#" * int(24 * frac)
+        line = f"{self.label}[{bar:<24}] {done}/{self.total} {info}"
+        if self.tty:
+            self.stream.write("\r" + line + " " * 4)
+            if done == self.total:
+                self.stream.write("\n")
+        else:
+            decile = int(10 * frac)
+            if decile != self._last or done == self.total:
+                self.stream.write(line + "\n")
+                self._last = decile
+        self.stream.flush()

@@ -1,0 +1,115 @@
+"""Configs: one frozen dataclass per concern, validated on construction.
+
+Every error names the field and the offending value, so a CLI can print it as one line.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+def _positive_int(owner: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}.{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{owner}.{name} must be ≥ 1, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A GPT: token + position embedding, pre-LN causal self-attention blocks, MLP, LM head."""
+
+    vocab_size: int = 256
+    """Number of token ids; byte-level data needs 256."""
+    seq_len: int = 64
+    """Longest sequence the position embedding covers (the model's limit)."""
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 64
+    """Residual width; must be divisible by n_head."""
+
+    def __post_init__(self):
+        for f in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            _positive_int("model", f, getattr(self, f))
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model must be divisible by model.n_head, got {self.d_model} and {self.n_head}"
+            )
+
+    @property
+    def n_params(self) -> int:
+        d, v, s, L = self.d_model, self.vocab_size, self.seq_len, self.n_layer
+        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+        return v * d + s * d + L * block + 2 * d + d * v
+
+
+# Named sizes, from tests to the benchmark model of ../shared/anchors (GPT-2-small-like, vocab 8192).
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64),
+    "small": ModelConfig(vocab_size=256, seq_len=256, n_layer=4, n_head=4, d_model=256),
+    "gpt2-ish": ModelConfig(vocab_size=8192, seq_len=512, n_layer=12, n_head=12, d_model=768),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """torch.optim.AdamW, clip_grad_norm_ at the boundary, linear LR warm-up then constant."""
+
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = 1.0
+    """Clip the boundary (mean) gradient to this global L2 norm; None disables clipping."""
+    warmup_steps: int = 0
+    """LR ramps linearly over this many *optimizer* steps (never micro-steps)."""
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1):
+            raise ValueError(f"optim.betas must lie in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"optim.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be ≥ 0, got {self.weight_decay}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"optim.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be an integer ≥ 0, got {self.warmup_steps!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The accumulation schedule: one optimizer step = accum_steps micro-steps of micro_batch sequences."""
+
+    accum_steps: int = 1
+    """N: micro-steps per optimizer step. 1 is the plain, unscaled path."""
+    micro_batch: int = 8
+    """B: sequences per micro-step (per rank under data parallel)."""
+    steps: int = 10
+    """K: optimizer steps."""
+    seq_len: int = 64
+    """S: tokens per sequence; at most model.seq_len."""
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in ("accum_steps", "micro_batch", "steps", "seq_len"):
+            _positive_int("train", f, getattr(self, f))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"train.seed must be an integer ≥ 0, got {self.seed!r}")
+
+    @property
+    def effective_batch(self) -> int:
+        return self.accum_steps * self.micro_batch
+
+    def check_model(self, model: ModelConfig) -> None:
+        if self.seq_len > model.seq_len:
+            raise ValueError(
+                f"train.seq_len must be ≤ model.seq_len, got {self.seq_len} > {model.seq_len}"
+            )
+
+
+def replace(cfg, **changes):
+    """dataclasses.replace, re-validated (frozen configs are rebuilt, so __post_init__ runs)."""
+    return dataclasses.replace(cfg, **changes)

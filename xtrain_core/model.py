@@ -1,0 +1,67 @@
+"""A small GPT. Same architecture as ../shared/anchors/torch_baseline.py so speed and memory compare
+like for like: explicit (non-flash) attention, so activations scale like a textbook trainer, and no
+registered buffers, so DistributedDataParallel has nothing to broadcast at forward.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.h = h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        # (B, T, C) -> (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.h)  # (B, nh, T, T)
+        mask = torch.ones(T, T, device=x.device, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.tok, self.pos = nn.Embedding(cfg.vocab_size, d), nn.Embedding(cfg.seq_len, d)
+        self.blocks = nn.ModuleList(Block(d, cfg.n_head) for _ in range(cfg.n_layer))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) int64 -> logits (B, T, vocab)."""
+        T = idx.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.seq_len {self.cfg.seq_len}")
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))  # (B, T, d)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+    def loss_batched(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy MEAN over all B*T rows: the quantity whose gradient accumulation must scale by 1/N."""
+        logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def build_model(cfg: ModelConfig, seed: int, *, dtype=torch.float32, device="cpu") -> GPT:
+    """Deterministic init from `seed` without disturbing the caller's global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+    return model.to(device=device, dtype=dtype)

@@ -1,0 +1,103 @@
+"""python -m xtrain_core.train --accum-steps N --micro-batch B --steps K [--seq-len S] [--data FILE]
+                             [--device cpu|cuda] [--seed SEED] [--model tiny|small|gpt2-ish]
+
+Trains the GPT with gradient accumulation: each optimizer step is N micro-steps of B sequences,
+an effective batch of N×B sequences while memory holds one micro-batch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .cli import Parser, Progress, UsageError, fail, nonneg_int, positive_float, positive_int, resolve_device
+from .config import PRESETS, OptimConfig, TrainConfig, replace
+
+
+def parse_args(argv=None):
+    p = Parser(prog="xtrain_core.train", description=__doc__.split("\n\n")[1])
+    p.add_argument("--accum-steps", type=positive_int, default=1, help="N: micro-steps per optimizer step")
+    p.add_argument("--micro-batch", type=positive_int, default=8, help="B: sequences per micro-step")
+    p.add_argument("--steps", type=positive_int, default=10, help="K: optimizer steps")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="S: tokens per sequence (default: the model's limit)")
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--data", default=None, help="UTF-8 text file read as byte tokens (default: embedded synthetic stream)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K")
+    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--warmup-steps", type=nonneg_int, default=0)
+    return p.parse_args(argv)
+
+
+def build(args):
+    """Flags -> validated configs, or UsageError naming the flag. Nothing is run or written yet."""
+    import torch  # noqa: F401  (after argument parsing: --help stays fast)
+
+    model_cfg = PRESETS[args.model]
+    seq_len = args.seq_len or model_cfg.seq_len
+    if seq_len > model_cfg.seq_len:
+        raise UsageError(f"--seq-len {seq_len} exceeds --model {args.model}'s limit of {model_cfg.seq_len}; "
+                         f"pass --seq-len ≤ {model_cfg.seq_len}")
+    if args.data is not None:
+        if not os.path.isfile(args.data):
+            raise UsageError(f"--data {args.data}: no such file; pass a UTF-8 text file or omit --data")
+        size = os.path.getsize(args.data)
+        if size < seq_len + 2:
+            raise UsageError(f"--data {args.data} has {size} bytes; --seq-len {seq_len} needs at least {seq_len + 2}")
+        model_cfg = replace(model_cfg, vocab_size=max(256, model_cfg.vocab_size))  # byte tokens
+    train = TrainConfig(accum_steps=args.accum_steps, micro_batch=args.micro_batch, steps=args.steps,
+                        seq_len=seq_len, seed=args.seed)
+    optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps)
+    device = resolve_device(args.device)
+    return model_cfg, train, optim, device
+
+
+def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, out=sys.stdout):
+    import torch
+
+    from .data import TokenStream, split_micro
+    from .model import build_model
+    from .trainer import AccumTrainer
+
+    N, B, S = train.accum_steps, train.micro_batch, train.seq_len
+    E = train.effective_batch
+    print(f"effective batch = {N} × {B} = {E} sequences ({E * S} tokens)", file=out, flush=True)
+    try:
+        stream = TokenStream(model_cfg.vocab_size, S, seed=train.seed, data=data)
+    except ValueError as e:
+        raise UsageError(f"--data: {e}") from None
+    model = build_model(model_cfg, train.seed, device=device)
+    trainer = AccumTrainer(model, optim, N)
+    bar = Progress(train.steps, label="train ")
+    tokens_seen, t0, losses = 0, time.perf_counter(), []
+    for step in range(train.steps):
+        idx, tgt = stream.next(E)  # one draw of N·B sequences, consumed as N groups of B
+        micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in split_micro(idx, tgt, N)]
+        loss = trainer.train_step(micro).item()
+        losses.append(loss)
+        tokens_seen += E * S
+        dt = time.perf_counter() - t0
+        bar.update(step + 1, f"loss {loss:.4f}  {tokens_seen / dt:,.0f} tok/s")
+    dt = time.perf_counter() - t0
+    print(f"done: {train.steps} steps, {tokens_seen:,} tokens in {dt:.2f}s ({tokens_seen / dt:,.0f} tok/s), "
+          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", file=out, flush=True)
+    return losses
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        model_cfg, train, optim, device = build(args)
+    except (UsageError, ValueError) as e:  # config __post_init__ errors name the field
+        fail(str(e))
+    try:
+        run(model_cfg, train, optim, device, data=args.data)
+    except UsageError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
