@@ -65,19 +65,20 @@ class Case:
     optim: OptimConfig
     seed: int = 0
     data_seed: int = 0
+    device: str = "cpu"
 
     @property
     def effective_batch(self) -> int:
         return self.accum_steps * self.micro_batch
 
     def spec(self, *, accum_steps: int | None = None, dtype=torch.float32) -> Spec:
-        return Spec(model=self.model, optim=self.optim, seed=self.seed, dtype=dtype,
+        return Spec(model=self.model, optim=self.optim, seed=self.seed, dtype=dtype, device=self.device,
                     accum_steps=self.accum_steps if accum_steps is None else accum_steps)
 
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K big batches of (N·B, S), drawn in order from one stream."""
         s = TokenStream(self.model.vocab_size, self.seq_len, seed=self.data_seed)
-        return [s.next(self.effective_batch) for _ in range(self.steps)]
+        return [tuple(t.to(self.device) for t in s.next(self.effective_batch)) for _ in range(self.steps)]
 
     def __str__(self):
         m = self.model

@@ -16,8 +16,9 @@ class PlainTrainer:
         self.model = spec.build_model()
         o = spec.optim
         self.cfg = o
+        fused = o.fused if o.fused is not None else spec.device.startswith("cuda")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                     weight_decay=o.weight_decay)
+                                     weight_decay=o.weight_decay, fused=fused or None)
         w = o.warmup_steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / w) if w else 1.0)
         self._loss = None

@@ -3,6 +3,8 @@ smallest case (N=1, B=1, S=1, one layer, one head, K=1), so a failure is reporte
 """
 from __future__ import annotations
 
+import os
+
 from hypothesis import strategies as st
 
 from xtrain_core.config import ModelConfig, OptimConfig
@@ -35,7 +37,7 @@ def optim_configs(draw, *, max_warmup: int = 3) -> OptimConfig:
 
 @st.composite
 def cases(draw, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int = 4,
-          max_seq: int = 24, max_steps: int = 3, model=None) -> Case:
+          max_seq: int = 24, max_steps: int = 3, model=None, device: str | None = None) -> Case:
     """(N, B, S, K, model, optimizer, seeds). N shrinks to min_accum, the rest to 1 / the first choice."""
     m = draw(model if model is not None else model_configs(seq_len=max_seq))
     return Case(
@@ -47,4 +49,10 @@ def cases(draw, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int 
         optim=draw(optim_configs()),
         seed=draw(st.integers(0, 2**16)),
         data_seed=draw(st.integers(0, 2**16)),
+        device=device or gate_device(),
     )
+
+
+def gate_device() -> str:
+    """XTRAIN_TEST_DEVICE=cuda runs the gates on the GPU (the gpu profile's CI gate); default cpu."""
+    return os.environ.get("XTRAIN_TEST_DEVICE", "cpu")

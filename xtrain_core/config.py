@@ -63,6 +63,8 @@ class OptimConfig:
     """Clip the boundary (mean) gradient to this global L2 norm; None disables clipping."""
     warmup_steps: int = 0
     """LR ramps linearly over this many *optimizer* steps (never micro-steps)."""
+    fused: bool | None = None
+    """AdamW's fused kernel; None: fused when the parameters are on CUDA (fastest there), else torch's default."""
 
     def __post_init__(self):
         if not self.lr > 0:

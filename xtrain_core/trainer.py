@@ -28,8 +28,9 @@ from .config import OptimConfig
 
 def make_optimizer(model: nn.Module, cfg: OptimConfig):
     """torch's AdamW and a linear warm-up LambdaLR; the scheduler counts optimizer steps only."""
+    fused = cfg.fused if cfg.fused is not None else next(model.parameters()).is_cuda
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                            weight_decay=cfg.weight_decay)
+                            weight_decay=cfg.weight_decay, fused=fused or None)
     w = cfg.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / w) if w else 1.0)
     return opt, sched

@@ -1,0 +1,58 @@
+"""Report plumbing: machine_info, git commit, UTC time, atomic writes."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import tempfile
+
+import torch
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def machine_info(device=None) -> dict:
+    info = dict(python=platform.python_version(), platform=platform.platform(), cpu_count=os.cpu_count(),
+                torch=torch.__version__, cuda=torch.version.cuda, threads=torch.get_num_threads())
+    if device is not None and torch.device(device).type == "cuda":
+        dev = torch.device(device)
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["gpu_count"] = torch.cuda.device_count()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception as e:  # NVML missing or failing: record why, never crash a report
+            info["driver"] = f"unknown ({type(e).__name__})"
+    return info
+
+
+def header(kind: str, device=None) -> dict:
+    return dict(schema_version=1, kind=kind, machine_info=machine_info(device), git_commit=git_commit(),
+                utc=utc_now())
+
+
+def atomic_write(path: str, data: str | bytes) -> None:
+    """Write to a temp file in the same folder, then os.replace: readers see the old file or the new one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
