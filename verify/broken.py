@@ -54,17 +54,21 @@ class SchedulerEveryMicro(AccumTrainer):
 
 
 class N1OtherReduction(AccumTrainer):
-    """N == 1 'fast path' taking the mean per sequence, then over sequences: the same value in exact
-    arithmetic, other rounding (observable when B and S are not powers of two; see the test's cases)."""
+    """N == 1 path that reduces differently: backward of the SUM over the B·S rows, the gradient divided
+    by B·S at the boundary (the token-weighted recipe). Equal in exact arithmetic; in floating point the
+    division happens after the backward instead of inside it, so gradients round differently whenever
+    B·S is not a power of two."""
 
     def micro_step(self, idx, targets, micro):
         if self.accum_steps != 1:
             return super().micro_step(idx, targets, micro)
         logits = self.model(idx)  # (B, S, V)
-        rows = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
-        loss = rows.view(targets.shape).mean(1).mean(0)
-        self._loss_sum = loss.detach()
-        loss.backward()
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+        total.backward()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(targets.numel())
+        self._loss_sum = total.detach() / targets.numel()
         self._next_micro = 1
 
 

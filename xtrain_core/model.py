@@ -21,14 +21,14 @@ class Block(nn.Module):
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.h = h
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C); masked (T, T) bool, True above the diagonal (future positions)."""
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.h)  # (B, nh, T, T)
-        mask = torch.ones(T, T, device=x.device, dtype=torch.bool).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        att = att.masked_fill(masked, float("-inf")).softmax(-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -49,8 +49,11 @@ class GPT(nn.Module):
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len {self.cfg.seq_len}")
         x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))  # (B, T, d)
+        # The causal mask is built once per forward, not once per layer: launch-bound small micro-batches
+        # (B=1) pay per kernel. Not a registered buffer, so DDP has nothing to broadcast.
+        masked = torch.ones(T, T, device=idx.device, dtype=torch.bool).triu(1)
         for b in self.blocks:
-            x = b(x)
+            x = b(x, masked)
         return self.head(self.ln(x))
 
     def loss_batched(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
