@@ -4,6 +4,7 @@ dev  -- default; random, few examples, fast feedback
 ci   -- extends hypothesis' built-in ci profile: derandomized, no deadline, print_blob
 gpu  -- ci plus more examples, for GPU runners
 """
+import json
 import os
 
 import torch
@@ -28,3 +29,43 @@ if os.environ.get("XTRAIN_TEST_DEVICE", "cpu").startswith("cuda"):
 # CPU results depend on the intra-op thread count (GUIDE §3): reference and candidate run in the same
 # process, and one thread per xdist worker keeps 2-core CI boxes from oversubscribing.
 torch.set_num_threads(int(os.environ.get("XTRAIN_TEST_THREADS", "1")))
+
+
+# -- the run report: workers send their tallies, the controller writes once -------------------------
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from . import stats
+
+    config = session.config
+    if _is_worker(config):
+        config.workeroutput["xtrain_stats"] = stats.dump()
+        return
+    merged = getattr(config, "_xtrain_stats", {})
+    stats.merge(merged, stats.dump())
+    if not merged:
+        return
+    from ._meta import atomic_write, header
+    from .strategies import gate_device
+
+    profile = settings._current_profile or "dev"
+    doc = dict(**header("verify", gate_device()), hypothesis_profile=profile, exitstatus=int(exitstatus),
+               gates=merged)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reports",
+                        f"verify-{profile}.json")
+    atomic_write(path, json.dumps(doc, indent=1))
+
+
+try:
+    import xdist  # noqa: F401
+
+    def pytest_testnodedown(node, error):
+        from . import stats
+
+        blob = getattr(node, "workeroutput", {}).get("xtrain_stats")
+        if blob:
+            stats.merge(node.config.__dict__.setdefault("_xtrain_stats", {}), blob)
+except ImportError:
+    pass

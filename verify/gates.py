@@ -7,7 +7,10 @@ accurate than the fp32 big batch itself:
     err(accum32) ≤ C · err(big32) + F          C = 8, F = 8·eps32 (relative)
 
 so the bound scales with whatever rounding the model and shapes produce, instead of a guessed atol.
-Multi-step params are also checked in float64, where rounding is ~1e-16 and a bug is not.
+That policy is applied to the first step's loss and gradients. After an AdamW step fp32 rounding is
+amplified up to 1/eps in elements whose gradient is ≲ eps (the update is ≈ lr·g/(|g|+eps)), at
+different elements in each run, so multi-step losses and params are checked in float64, where rounding
+is ~1e-16 and stays ≤ 1e-12 after that amplification, while every bug we plant is ≥ 1e-5.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ FLOOR = 8 * EPS32
 # float64 K-step params: worst measured accum64-vs-plain64 max|Δp| was 2.2e-12 over 60 drawn cases
 # (lr up to 1e-2, K=3). 1e-9 leaves >400x headroom and is still 1e5x below one mis-scheduled LR step.
 ATOL64_PARAMS = 1e-9
+RTOL64_LOSS = 1e-9
 
 
 class GateFailure(AssertionError):
@@ -61,38 +65,33 @@ def _check_grads_keys(got: dict, ref: dict, who: str, case: Case, gate: str) -> 
 def check_equivalence(factory: TrainerFactory, case: Case, *, reference=PlainTrainer) -> Comparison:
     """Big-batch equivalence: accumulation (N, B) vs one step on the N·B batch, same init and data.
 
-    Checks the step-0 loss and every parameter's boundary gradient (fp32, ratio policy), the loss of
-    every step and every parameter after K steps (fp32 ratio policy AND float64 absolute).
+    fp32, first step (before any optimizer step can amplify rounding): the loss and every parameter's
+    boundary gradient, by the ratio policy against the float64 plain big batch.
+    float64, all K steps: every step's loss and every parameter after every step, absolute bound.
     """
-    gate, N = "equivalence", case.accum_steps
+    gate = "equivalence"
     batches = case.batches()
-    acc = run(factory(case.spec()), batches, N)
-    big = run(reference(case.spec(accum_steps=1)), batches, 1)
+    acc = run(factory(case.spec()), batches[:1], case.accum_steps)
+    big = run(reference(case.spec(accum_steps=1)), batches[:1], 1)
     ref = run(reference(case.spec(accum_steps=1, dtype=torch.float64)), batches, 1)
-    acc64 = run(factory(case.spec(dtype=torch.float64)), batches, N)
+    acc64 = run(factory(case.spec(dtype=torch.float64)), batches, case.accum_steps)
 
-    worst, worst_ratio = "", 0.0
-
-    def note(r, w):
-        nonlocal worst, worst_ratio
-        if r > worst_ratio:
-            worst, worst_ratio = w, r
-
-    for k, (la, lb, lr) in enumerate(zip(acc.losses, big.losses, ref.losses)):
-        note(_within(f"step {k}", "loss", abs(la - lr) / abs(lr), abs(lb - lr) / abs(lr), case, gate), f"loss step {k}")
+    worst, worst_ratio = "loss", _within("step 0", "loss", abs(acc.losses[0] - ref.losses[0]) / abs(ref.losses[0]),
+                                         abs(big.losses[0] - ref.losses[0]) / abs(ref.losses[0]), case, gate)
     _check_grads_keys(acc.grads0, ref.grads0, "the accumulation run", case, gate)
     for name, g in ref.grads0.items():
-        note(_within(name, "gradient (step 0)", rel_err(acc.grads0[name], g), rel_err(big.grads0[name], g),
-                     case, gate), f"grad {name}")
-    for k, (pa, pb, pr) in enumerate(zip(acc.params, big.params, ref.params)):
-        for name, p in pr.items():
-            note(_within(name, f"parameter after step {k}", rel_err(pa[name], p), rel_err(pb[name], p), case, gate),
-                 f"param {name} step {k}")
-    _check_float64_params(acc64, ref, case)
+        r = _within(name, "gradient (step 0)", rel_err(acc.grads0[name], g), rel_err(big.grads0[name], g), case, gate)
+        if r > worst_ratio:
+            worst, worst_ratio = f"grad {name}", r
+    _check_float64_trajectory(acc64, ref, case)
     return Comparison(worst, worst_ratio)
 
 
-def _check_float64_params(acc64: Trace, ref: Trace, case: Case) -> None:
+def _check_float64_trajectory(acc64: Trace, ref: Trace, case: Case) -> None:
+    for k, (la, lr) in enumerate(zip(acc64.losses, ref.losses)):
+        if not abs(la - lr) <= RTOL64_LOSS * abs(lr):
+            raise GateFailure(f"[equivalence/float64] loss at step {k}: {la!r} vs big batch {lr!r} "
+                              f"(rel {abs(la - lr) / abs(lr):.3e} > {RTOL64_LOSS:.0e}); case {case}")
     for k, (pa, pr) in enumerate(zip(acc64.params, ref.params)):
         for name, p in pr.items():
             d = (pa[name] - p).abs().max().item()

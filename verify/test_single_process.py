@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from xtrain_core.config import ModelConfig, OptimConfig
 
+from . import stats
 from .broken import BROKEN, N1ScaledByOne, factory
 from .gates import GateFailure, check_bit_exact, check_equivalence
 from .interface import Case, xtrain_factory
@@ -15,12 +16,14 @@ from .strategies import cases
 
 @given(cases())
 def test_accumulation_equals_big_batch(case):
-    check_equivalence(xtrain_factory, case)
+    c = check_equivalence(xtrain_factory, case)
+    stats.record("equivalence", ratio=c.worst_ratio, where=f"{c.worst} @ {case}")
 
 
 @given(cases(max_accum=1, max_micro_batch=8))
 def test_accum1_bit_identical_to_plain(case):
     check_bit_exact(xtrain_factory, case)
+    stats.record("bit_exact")
 
 
 # -- the gates must fail on broken trainers -------------------------------------------------------
