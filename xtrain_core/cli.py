@@ -27,24 +27,22 @@ def fail(message: str, code: int = 2):
     raise SystemExit(code)
 
 
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {v}")
-    return v
+def int_at_least(lo: int):
+    """An argparse type: an integer ≥ lo, with an error that names the bound and the input."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer ≥ {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be ≥ {lo}, got {v}")
+        return v
+
+    return parse
 
 
-def nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer ≥ 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {v}")
-    return v
+positive_int, nonneg_int = int_at_least(1), int_at_least(0)
 
 
 def positive_float(text: str) -> float:
