@@ -40,7 +40,9 @@ def measure_request(req: dict) -> dict:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        dist.init_process_group("gloo")
+        import datetime
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         from xtrain_core.config import ModelConfig
 

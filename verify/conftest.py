@@ -19,3 +19,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # CPU results depend on the intra-op thread count (GUIDE §3): reference and candidate run in the same
 # process, and one thread per xdist worker keeps 2-core CI boxes from oversubscribing.
 torch.set_num_threads(int(os.environ.get("XTRAIN_TEST_THREADS", "1")))
+
+# GPU tests hold a shared lock, GPU memory tests an exclusive one (verify/_gpulock.py).
+from ._gpulock import _gpu_sharing  # noqa: E402,F401

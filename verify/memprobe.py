@@ -274,6 +274,16 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
+def optimizer_info(trainer) -> dict | None:
+    """Class and implementation flags of the trainer's torch optimizer (.opt / .optimizer), if exposed."""
+    for attr in ("opt", "optimizer"):
+        opt = getattr(trainer, attr, None)
+        if isinstance(opt, torch.optim.Optimizer):
+            d = opt.defaults
+            return dict(cls=type(opt).__name__, fused=d.get("fused"), foreach=d.get("foreach"))
+    return None
+
+
 def optimizer_state_bytes(trainer) -> int | None:
     """Bytes of the optimizer state, if the trainer exposes its torch optimizer as .opt or .optimizer."""
     for attr in ("opt", "optimizer"):
@@ -321,6 +331,7 @@ def measure(factory: TrainerFactory, spec: Spec, *, micro_batch: int, seq_len: i
     _sync(device)
     param_bytes = _tensor_bytes(list(trainer.params().values()))
     opt_bytes = optimizer_state_bytes(trainer)
+    opt_info = optimizer_info(trainer)
 
     probe.start()
     t0 = time.perf_counter()
@@ -335,7 +346,7 @@ def measure(factory: TrainerFactory, spec: Spec, *, micro_batch: int, seq_len: i
         **peaks,
         param_bytes=param_bytes, grad_bytes=grad_bytes[0], optim_state_bytes=opt_bytes,
         static_bytes=param_bytes + grad_bytes[0] + (opt_bytes or 0),
-        step_ms=dt * 1e3, tok_s=N * B * S / dt, losses=losses,
+        step_ms=dt * 1e3, tok_s=N * B * S / dt, losses=losses, optimizer=opt_info,
     )
 
 

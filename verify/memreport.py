@@ -29,7 +29,9 @@ def overall(report) -> str:
     bad = [v for v in report["invariants"] if v["status"] in ("FAIL", "INCONCLUSIVE")]
     errs = [c for c in report["configs"] if c["peak_bytes"] is None]
     anchor_bad = report.get("anchor") and report["anchor"].get("verdict") == "FAIL"
-    return "FAIL" if bad or errs or anchor_bad else "PASS"
+    if bad or errs or anchor_bad:
+        return "FAIL"
+    return "N/A" if all(v["status"] == "N/A" for v in report["invariants"]) else "PASS"
 
 
 def _cuda(report) -> bool:
@@ -105,6 +107,15 @@ def _md_table(report, configs) -> list[str]:
     return lines
 
 
+def _ours(report) -> str:
+    x = next((x for c in report["configs"] for x in c["ranks"] if "error" not in x), {})
+    o = x.get("optimizer")
+    opt = "optimizer not exposed" if not o else (
+        f"{o['cls']}(fused={o['fused']}, foreach={o['foreach']})" + (" (None/None: torch's default, foreach on CUDA)"
+                                                                     if o["fused"] is None and o["foreach"] is None else ""))
+    return f"`--trainer {report['settings']['trainer']}` = {x.get('trainer_class', '?')}, {opt}"
+
+
 def render_md(report) -> str:
     s, g, mi = report["settings"], report["git"], report["machine_info"]
     E = s["effective_batch"]
@@ -146,7 +157,8 @@ def render_md(report) -> str:
     if a:
         L += ["## Beside plain torch on one H200 (the anchor)", "",
               f"Anchor: `{a['source']}` (../shared/anchors/torch_baseline.py: same model, fp32, TF32 off, warm-up "
-              "step then 3 measured steps, fused AdamW). Ours: xtrain's trainer through the harness interface.", "",
+              "step then 3 measured steps, AdamW(fused=True)). Ours: the trainer under test through the harness "
+              f"interface: {_ours(report)}.", "",
               "| N | B | peak alloc GiB ours / torch | reserved GiB ours / torch | nvml GiB ours / torch | "
               "step ms ours / torch | tok/s ours / torch |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for p in a["pairs"]:
