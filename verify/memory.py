@@ -153,9 +153,18 @@ def build_plan(args) -> Plan:
     anchor = Path(args.anchor) if args.anchor else (DEFAULT_ANCHOR if DEFAULT_ANCHOR.is_file() else None)
     if args.anchor and not anchor.is_file():
         raise UsageError(f"--anchor {args.anchor}: no such file")
+    out = Path(args.out)
+    if rank == 0:  # fail now, not after minutes of measuring
+        import tempfile
+
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=out).close()
+        except OSError as e:
+            raise UsageError(f"--out {args.out}: cannot write there ({e.strerror or e})") from None
     plan = Plan(E=E, world=world, rank=rank, device=device, model_name=model_name, model=model, seq_len=seq,
                 steps=args.steps or (3 if device.type == "cuda" else 2), trainer=args.trainer,
-                threads=args.threads or torch.get_num_threads(), out=Path(args.out), anchor=anchor)
+                threads=args.threads or torch.get_num_threads(), out=out, anchor=anchor)
     plan.configs = plan_configs(plan.E_local)
     return plan
 

@@ -113,10 +113,11 @@ def test_leaky_graph_is_invisible_to_the_equivalence_gate():
     (["--trainer", "nope", "--device", "cpu"], "--trainer: unknown trainer 'nope'"),
     (["--trainer", "no.such.module:f", "--device", "cpu"], "--trainer: cannot load trainer factory"),
     (["--steps", "0"], "argument --steps: must be ≥ 1, got 0"),
+    (["--device", "cpu", "--out", "/proc/no-such-dir"], "--out /proc/no-such-dir: cannot write there"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        main([*args, "--out", str(tmp_path)])
+        main(["--out", str(tmp_path), *args])
     err = capsys.readouterr()
     assert e.value.code == 2 and err.out == ""
     assert err.err.count("\n") == 1 and err.err.startswith("verify.memory: error: ") and needle in err.err, err.err
