@@ -249,11 +249,14 @@ def write_all(report, out: Path) -> list[Path]:
     files[f"{stem}.md"] = render_md(report).encode()
     files[f"{stem}.json"] = (json.dumps(report, indent=1, default=str) + "\n").encode()
     out.mkdir(parents=True, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
     temps = []
     try:
         for name, data in files.items():
             fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
             temps.append((tmp, out / name))
+            os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a report is for people to read
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

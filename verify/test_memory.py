@@ -257,6 +257,21 @@ def test_rss_probe_sees_a_resident_allocation():
     assert out["peak_bytes"] >= 44 * MiB, out
 
 
+def test_rss_probe_without_hwm_reset_says_so(monkeypatch):
+    """Where /proc/self/clear_refs is refused, ru_maxrss still covers the warm-up: the row must say whether
+    the measured steps set the peak (hwm_exact) instead of passing off an upper bound as exact."""
+    from . import memprobe
+
+    monkeypatch.setattr(memprobe, "reset_hwm", lambda: False)
+    p = memprobe.RssProbe()
+    p.start()
+    x = torch.ones(8 * MiB // 4)
+    out = p.stop()
+    del x
+    assert out["hwm_source"] == "ru_maxrss (no reset)"
+    assert out["peak_bytes"] >= 7 * MiB or out["hwm_exact"] is False, out
+
+
 def test_report_write_is_all_or_nothing(tmp_path, monkeypatch):
     from . import memreport
 
