@@ -414,7 +414,7 @@ def check_invariants(per_rank: list[list[dict]], *, E_local: int, cuda: bool) ->
                 c["fails"].append(f"{who}N={nxt[0]},B={nxt[1]} peak {f(p[nxt])} > N={prev[0]},B={prev[1]} "
                                   f"peak {f(p[prev])} + tolerance {f(slack(p[prev]))}")
         if len(A) >= 2:
-            c["notes"].append(f"{who}" + " → ".join(f(p[k]) for k in A))
+            c["notes"].append(f"{who}" + " → ".join(f"N={k[0]}: {f(p[k])}" for k in A))
         # (a2) well below: N=E, B=1 must realise at least half the saving ideal accumulation would. Ideal:
         # one sequence's peak plus the gradient buffers held across micro-steps, peak(1,1) + G.
         c = checks["a2"]
