@@ -107,7 +107,7 @@ def parse_args(argv=None):
                    help="model preset (default: small on cpu, gpt2-ish on cuda, the anchor's model)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="S (default: the model's limit)")
     p.add_argument("--steps", type=positive_int, default=None,
-                   help="measured optimizer steps per configuration, after one warm-up step (default: cpu 2, cuda 3)")
+                   help="measured optimizer steps per configuration, after one warm-up step (default: cpu 1, cuda 3 as the anchor)")
     p.add_argument("--out", default="reports", help="directory for memory-E{E}.json/.md/.png (default reports/)")
     p.add_argument("--trainer", default="xtrain",
                    help="trainer to measure: xtrain (default), a planted bug from verify/broken.py "
@@ -163,7 +163,7 @@ def build_plan(args) -> Plan:
         except OSError as e:
             raise UsageError(f"--out {args.out}: cannot write there ({e.strerror or e})") from None
     plan = Plan(E=E, world=world, rank=rank, device=device, model_name=model_name, model=model, seq_len=seq,
-                steps=args.steps or (3 if device.type == "cuda" else 2), trainer=args.trainer,
+                steps=args.steps or (3 if device.type == "cuda" else 1), trainer=args.trainer,
                 threads=args.threads or torch.get_num_threads(), out=out, anchor=anchor)
     plan.configs = plan_configs(plan.E_local)
     return plan
