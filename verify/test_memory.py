@@ -330,10 +330,13 @@ def test_gpu_sweep_small_model(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rep = _report(tmp_path, 8)
     assert rep["machine_info"]["gpu"] and rep["verdict"] == "PASS"
+    # what is still allocated before each configuration: nothing before the first; afterwards only what
+    # torch keeps for the process (cuBLAS workspaces), the same every time: nothing leaks between configurations
+    left = [c["ranks"][0]["allocated_left_over_bytes"] for c in rep["configs"]]
+    assert left[0] == 0 and max(left[1:]) - min(left[1:]) <= MiB and max(left) < 256 * MiB, left
     for c in rep["configs"]:
         (x,) = c["ranks"]
         assert x["peak_bytes"] >= x["static_bytes"] and x["peak_reserved_bytes"] >= x["peak_bytes"]
-        assert x["allocated_left_over_bytes"] < 4 * MiB  # the reset between configurations really freed it
         if rep["machine_info"]["nvml"] == "ok":
             assert x["nvml_peak_used_bytes"] >= x["peak_reserved_bytes"] and x["nvml_period_s"] == 0.002
         else:
