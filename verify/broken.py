@@ -98,3 +98,34 @@ BROKEN = {
     "scheduler_step_every_micro": (factory(SchedulerEveryMicro), "equivalence"),
     "n1_different_reduction": (factory(N1OtherReduction), "bit_exact"),
 }
+
+
+# -- memory bugs: numerically correct (they pass the equivalence gates), caught by verify.memory ----------
+
+class LeakyGraph(AccumTrainer):
+    """Keeps every micro-step's autograd graph alive until the boundary: backward(retain_graph=True) and
+    the loss stored in a list (the `losses.append(loss)` + retain_graph pattern). Gradients are right;
+    the activations of all N micro-batches stay resident, so peak grows with N like a big batch."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._kept = []
+
+    def micro_step(self, idx, targets, micro):
+        n = self.accum_steps
+        loss = self.model.loss_batched(idx, targets)
+        self._loss_sum = loss.detach() if micro == 0 else self._loss_sum + loss.detach()
+        (loss if n == 1 else loss * (1.0 / n)).backward(retain_graph=True)
+        self._kept.append(loss)
+        self._next_micro = micro + 1
+
+    def optimizer_step(self):
+        out = super().optimizer_step()
+        self._kept.clear()
+        return out
+
+
+# name -> factory; verify.memory --trainer NAME measures one, and must exit 1 on it.
+MEMORY_BROKEN = {
+    "leaky_graph": factory(LeakyGraph),
+}

@@ -69,3 +69,7 @@ try:
             stats.merge(node.config.__dict__.setdefault("_xtrain_stats", {}), blob)
 except ImportError:
     pass
+
+
+# GPU tests hold a shared lock, GPU memory tests an exclusive one (verify/_gpulock.py).
+from ._gpulock import _gpu_sharing  # noqa: E402,F401

@@ -1,0 +1,46 @@
+"""Keeps memory tests off a GPU other tests are using, also under pytest-xdist.
+
+NVML's "device memory used" is device-wide: another test's tensors on the same GPU would show up in a
+memory test's figures (torch's allocator peaks are per process and would not). So every test marked
+`gpu` holds a SHARED lock on one lock file for the duration of the test, and every test marked both
+`gpu` and `memory` an EXCLUSIVE one: a memory test waits until no other GPU test runs, and none
+starts while it does, across xdist workers and concurrent pytest sessions of the same user.
+Path: $XTRAIN_GPU_LOCK, else <tmp>/xtrain-gpu-<uid>.lock. Convention: a test that touches CUDA is
+marked `gpu`.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+
+import pytest
+
+
+def lock_path() -> str:
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.environ.get("XTRAIN_GPU_LOCK", os.path.join(tempfile.gettempdir(), f"xtrain-gpu-{uid}.lock"))
+
+
+@contextmanager
+def gpu_lock(exclusive: bool):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no cross-process lock (and no xdist GPU runs to protect)
+        yield
+        return
+    with open(lock_path(), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_sharing(request):
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    with gpu_lock(exclusive=request.node.get_closest_marker("memory") is not None):
+        yield

@@ -1,0 +1,172 @@
+"""The CPU probe's process management: each configuration is measured in a FRESH process.
+
+A process's peak RSS never goes down and freed heap stays resident (GUIDE §4), so one process cannot
+measure two configurations. Two ways to get a fresh one:
+
+  python -m verify._memprobe REQUEST_JSON   one configuration in this new interpreter (exec; slow start:
+                                            importing torch and its optimizer machinery costs ~3-4 s)
+  python -m verify._memprobe --serve        a zygote: imports torch and the harness once, allocates no
+                                            tensors, then for each request line on stdin FORKS a child
+                                            that measures one configuration and exits. The child has its
+                                            own address space and its own peak-RSS counter (reset through
+                                            /proc/self/clear_refs before the measured steps), exactly like
+                                            an exec'ed process, minus the import time. verify.memory uses
+                                            this; torch's DataLoader forks workers the same way.
+
+Either way the result is one line `MEMPROBE_RESULT {json}` on stdout. A request may carry `env`
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...): with WORLD_SIZE > 1 the child joins a gloo process
+group before building the trainer, so a data-parallel trainer can run its collectives.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+
+MARK = "MEMPROBE_RESULT "
+
+
+def measure_request(req: dict) -> dict:
+    """Measure one configuration in the current (fresh) process."""
+    os.environ.update(req.get("env") or {})
+    import torch
+
+    torch.set_num_threads(req["threads"])
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import datetime
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        from xtrain_core.config import ModelConfig
+
+        from .interface import Spec
+        from .memprobe import RssProbe, measure, resolve_trainer
+
+        spec = Spec(model=ModelConfig(**req["model"]), accum_steps=req["N"], seed=req["seed"], device="cpu")
+        factory = resolve_trainer(req["trainer"])
+        seen = []
+
+        def counting_factory(s):
+            t = factory(s)
+            seen.append(type(t).__name__)
+            return t
+
+        res = measure(counting_factory, spec, micro_batch=req["B"], seq_len=req["S"], steps=req["steps"],
+                      probe=RssProbe(), data_seed=req["data_seed"])
+        res.update(trainer_class=seen[0], threads=torch.get_num_threads(), pid=os.getpid(),
+                   process_group=dict(backend=dist.get_backend(), world=dist.get_world_size()) if world > 1 else None)
+        return res
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _safe(req: dict) -> dict:
+    try:
+        return measure_request(req)
+    except Exception as e:  # noqa: BLE001  (reported as this configuration's error, with the traceback)
+        from .memprobe import _one_line
+
+        return dict(error=f"trainer or probe raised {_one_line(e)}", traceback=traceback.format_exc())
+
+
+def _run_forked(req: dict, timeout: float) -> dict:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the fresh process
+        code = 1
+        try:
+            os.close(r)
+            os.dup2(2, 1)  # stray prints must not reach the zygote's result channel
+            res = _safe(req)
+            data = json.dumps(res).encode()
+            while data:
+                data = data[os.write(w, data):]
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks, deadline = [], time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([r], [], [], left)[0]:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            return dict(error=f"probe process timed out after {timeout:.0f} s")
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if chunks:
+        return json.loads(b"".join(chunks))
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ""
+        return dict(error=f"probe process killed by signal {signal.Signals(sig).name}{hint}")
+    return dict(error=f"probe process exited {os.WEXITSTATUS(status)} without a result")
+
+
+def _run_exec(req: dict, timeout: float) -> dict:
+    import subprocess
+
+    try:
+        p = subprocess.run([sys.executable, "-m", "verify._memprobe", json.dumps(req)], capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"probe process timed out after {timeout:.0f} s")
+    for line in p.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    tail = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    return dict(error=f"probe process exited {p.returncode}: {tail[-1] if tail else 'no output'}")
+
+
+def serve() -> int:
+    import torch
+
+    import torch.distributed  # noqa: F401
+    import xtrain_core.data  # noqa: F401
+    import xtrain_core.trainer  # noqa: F401
+
+    from . import broken, interface, memprobe  # noqa: F401
+
+    # The first optimizer constructor imports torch._dynamo (~1 s): pay it here, once. No tensor this makes
+    # survives: every child starts from import-time state.
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    fork = hasattr(os, "fork")
+    out = sys.stdout
+    out.write(MARK + json.dumps(dict(ready=True, fork=fork, pid=os.getpid())) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        timeout = float(req.get("timeout", 900))
+        res = _run_forked(req, timeout) if fork else _run_exec(req, timeout)
+        out.write(MARK + json.dumps(res) + "\n")
+        out.flush()
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--serve"]:
+        return serve()
+    res = _safe(json.loads(argv[0]))
+    print(MARK + json.dumps(res), flush=True)
+    return 0 if "error" not in res else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""Peak-memory probes, and the one measurement protocol every configuration goes through.
+
+Protocol (`measure`), the same as ../shared/anchors/torch_baseline.py so numbers compare:
+    build the trainer (factory(Spec)), draw steps+1 optimizer steps of N micro-batches (B, S) up front,
+    ONE warm-up optimizer step (allocates the optimizer state; also yields the gradient bytes),
+    start the probe, `steps` measured optimizer steps, stop the probe.
+
+Probes:
+  CPU  `RssProbe`: peak resident set size of THIS process during the measured steps, above the resident
+       set right before them. It must run in a fresh process per configuration (verify/_memprobe.py): a
+       process's high-water mark never goes down (GUIDE §4), and freed heap stays resident, so a second
+       configuration in the same process would start from the first one's leftovers.
+  GPU  `CudaProbe`: torch's caching-allocator peaks (max allocated, max reserved; reset before the
+       measured steps) and, when NVML works, `NvmlSampler`: device memory used (what nvidia-smi shows:
+       CUDA context, every process on that GPU) sampled by a background thread every `period` seconds.
+  NVML missing / failing never raises out of here: `NvmlSampler.open` raises `ProbeUnavailable` with a
+  one-line reason, and a sampler that fails mid-run stops and reports the error instead of a peak.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import sys
+import threading
+import time
+
+import torch
+
+from .interface import Spec, TrainerFactory
+
+MiB = 2**20
+
+
+class ProbeUnavailable(RuntimeError):
+    """A probe cannot run here; str(e) is a one-line reason."""
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text}" if type(e).__name__ not in text else text
+
+
+# -- CPU: resident set size of this process -------------------------------------------------------
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _ru_maxrss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024  # Linux reports KiB, macOS bytes
+
+
+def rss_bytes() -> int | None:
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def reset_hwm() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux ≥ 4.0, /proc/self/clear_refs '5')."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class RssProbe:
+    """Peak RSS during the measured steps minus RSS right before them, in a fresh process.
+
+    The baseline holds: the interpreter and torch, the model's parameters, the optimizer state (made by
+    the warm-up step), the pre-drawn token batches, and heap the warm-up step freed but the C allocator
+    kept (verify/memory.py runs the child with MALLOC_MMAP_THRESHOLD_ fixed so tensor-sized blocks are
+    unmapped on free and this stays small). The figure therefore holds what a training step adds:
+    gradient buffers, activations saved for backward, temporaries, optimizer-step scratch.
+
+    High-water mark: VmHWM after resetting it through /proc/self/clear_refs; where that reset is not
+    allowed, ru_maxrss, which still covers the warm-up step: the figure is then exact only if the
+    measured steps peak higher than the warm-up (they should: the optimizer state now exists), and
+    `hwm_exact` says whether that could be confirmed.
+    """
+
+    kind = "cpu-rss"
+
+    def start(self) -> None:
+        gc.collect()
+        self.base = rss_bytes()
+        if self.base is None:
+            raise ProbeUnavailable("no /proc/self/status: the CPU probe needs Linux")
+        self.reset = reset_hwm()
+        self.ru_before = _ru_maxrss_bytes()
+
+    def stop(self) -> dict:
+        ru_after = _ru_maxrss_bytes()
+        hwm_kib = _status_kib("VmHWM") if self.reset else None
+        peak = hwm_kib * 1024 if hwm_kib is not None else ru_after
+        return dict(
+            peak_bytes=peak - self.base,
+            rss_base_bytes=self.base,
+            rss_peak_bytes=peak,
+            hwm_source="VmHWM reset via /proc/self/clear_refs" if self.reset else "ru_maxrss (no reset)",
+            # with no reset, ru_maxrss also covers the warm-up; it grew during the measured steps only if
+            # they set the peak
+            hwm_exact=bool(self.reset or ru_after > self.ru_before),
+        )
+
+
+# -- GPU: torch's allocator and NVML --------------------------------------------------------------
+
+def nvml_index_for(device: torch.device):
+    """The NVML handle of a torch CUDA device (by UUID, then PCI bus id, then index) and how it was found."""
+    import pynvml
+
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        try:
+            u = str(uuid)
+            return pynvml.nvmlDeviceGetHandleByUUID(u if u.startswith(("GPU-", "MIG-")) else "GPU-" + u), "uuid"
+        except Exception:  # noqa: BLE001  (MIG, old drivers: fall through)
+            pass
+    if hasattr(props, "pci_bus_id"):
+        try:
+            bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+            return pynvml.nvmlDeviceGetHandleByPciBusId(bus), "pci"
+        except Exception:  # noqa: BLE001
+            pass
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        raise ProbeUnavailable(f"cannot map torch device {device} to an NVML device (CUDA_VISIBLE_DEVICES is set)")
+    return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0), "index"
+
+
+class NvmlSampler:
+    """Device memory used (nvmlDeviceGetMemoryInfo(h).used, as nvidia-smi and the anchor read it) for each
+    device, sampled every `period` seconds by a daemon thread; keeps the max per device."""
+
+    def __init__(self, handles, names, period: float, mapping: str):
+        import pynvml
+
+        self.nv, self.handles, self.names, self.period, self.mapping = pynvml, handles, names, period, mapping
+        self._stop = threading.Event()
+        self.error: str | None = None
+
+    @classmethod
+    def open(cls, devices, period: float = 0.002) -> "NvmlSampler":
+        """Raises ProbeUnavailable (one line) when the package, the library or the device is missing."""
+        try:
+            import pynvml
+        except ImportError:
+            raise ProbeUnavailable("NVML unavailable: nvidia-ml-py (pynvml) is not installed") from None
+        try:
+            pynvml.nvmlInit()
+            found = [nvml_index_for(d) for d in devices]
+            handles = [h for h, _ in found]
+            names = [pynvml.nvmlDeviceGetName(h) for h in handles]
+            names = [n.decode() if isinstance(n, bytes) else n for n in names]
+            for h in handles:
+                pynvml.nvmlDeviceGetMemoryInfo(h)
+        except ProbeUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001  (NVMLError_LibraryNotFound, _DriverNotLoaded, _NoPermission, ...)
+            raise ProbeUnavailable(f"NVML unavailable: {_one_line(e)}") from None
+        return cls(handles, names, period, ",".join(m for _, m in found))
+
+    def driver_version(self) -> str | None:
+        try:
+            v = self.nv.nvmlSystemGetDriverVersion()
+            return v.decode() if isinstance(v, bytes) else v
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _used(self) -> list[int]:
+        return [self.nv.nvmlDeviceGetMemoryInfo(h).used for h in self.handles]
+
+    def start(self) -> None:
+        self._stop.clear()
+        self.error, self.samples = None, 0
+        try:
+            self.base = self._used()
+        except Exception as e:  # noqa: BLE001
+            self.error, self.base = _one_line(e), [0] * len(self.handles)
+        self.peak = list(self.base)
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.error is None:
+            try:
+                self.peak = [max(p, u) for p, u in zip(self.peak, self._used())]
+                self.samples += 1
+            except Exception as e:  # noqa: BLE001  (a failing NVML read ends sampling, never the run)
+                self.error = _one_line(e)
+            time.sleep(self.period)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        elapsed = time.perf_counter() - self._t0
+        if self.error is None:
+            try:
+                self.peak = [max(p, u) for p, u in zip(self.peak, self._used())]
+            except Exception as e:  # noqa: BLE001
+                self.error = _one_line(e)
+        ok = self.error is None
+        return dict(
+            nvml_peak_used_bytes=self.peak[0] if ok else None,
+            nvml_base_used_bytes=self.base[0] if ok else None,
+            nvml_per_device=[dict(name=n, peak_used_bytes=p if ok else None) for n, p in zip(self.names, self.peak)],
+            nvml_period_s=self.period,
+            nvml_samples=self.samples,
+            nvml_mean_interval_s=elapsed / self.samples if self.samples else None,
+            nvml_error=self.error,
+        )
+
+
+class CudaProbe:
+    """Allocator peaks of one device (reset right before the measured steps) plus an optional NVML sampler."""
+
+    kind = "cuda-allocator"
+
+    def __init__(self, device: torch.device, nvml: NvmlSampler | None, nvml_reason: str | None = None):
+        self.device, self.nvml, self.nvml_reason = device, nvml, nvml_reason
+
+    def start(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.alloc_base = torch.cuda.memory_allocated(self.device)
+        if self.nvml is not None:
+            self.nvml.start()
+
+    def stop(self) -> dict:
+        torch.cuda.synchronize(self.device)
+        out = dict(
+            peak_bytes=torch.cuda.max_memory_allocated(self.device),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(self.device),
+            allocated_before_bytes=self.alloc_base,
+        )
+        if self.nvml is not None:
+            out.update(self.nvml.stop())
+        else:
+            out.update(nvml_peak_used_bytes=None, nvml_error=self.nvml_reason)
+        return out
+
+
+def cuda_full_reset(device: torch.device) -> int:
+    """Between configurations: free everything the last one left, empty the cache, reset the peaks.
+    Returns the bytes still allocated afterwards (0 unless something outlives its configuration)."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+# -- the protocol ---------------------------------------------------------------------------------
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def optimizer_info(trainer) -> dict | None:
+    """Class and implementation flags of the trainer's torch optimizer (.opt / .optimizer), if exposed."""
+    for attr in ("opt", "optimizer"):
+        opt = getattr(trainer, attr, None)
+        if isinstance(opt, torch.optim.Optimizer):
+            d = opt.defaults
+            return dict(cls=type(opt).__name__, fused=d.get("fused"), foreach=d.get("foreach"))
+    return None
+
+
+def optimizer_state_bytes(trainer) -> int | None:
+    """Bytes of the optimizer state, if the trainer exposes its torch optimizer as .opt or .optimizer."""
+    for attr in ("opt", "optimizer"):
+        opt = getattr(trainer, attr, None)
+        if isinstance(opt, torch.optim.Optimizer):
+            return sum(_tensor_bytes(s) for s in opt.state.values())
+    return None
+
+
+def draw_batches(spec: Spec, micro_batch: int, seq_len: int, n_steps: int, data_seed: int, device):
+    """n_steps optimizer steps, each N micro-batches (B, S), drawn in order from one stream, on `device`."""
+    from xtrain_core.data import TokenStream, split_micro
+
+    s = TokenStream(spec.model.vocab_size, seq_len, seed=data_seed)
+    out = []
+    for _ in range(n_steps):
+        idx, tgt = s.next(spec.accum_steps * micro_batch)
+        out.append([(x.to(device), y.to(device)) for x, y in split_micro(idx, tgt, spec.accum_steps)])
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(factory: TrainerFactory, spec: Spec, *, micro_batch: int, seq_len: int, steps: int, probe,
+            data_seed: int = 1) -> dict:
+    """Warm-up step, then `steps` measured optimizer steps under `probe`. Returns the probe's peaks, the
+    static state, timing and losses for this configuration."""
+    device = torch.device(spec.device)
+    N, B, S = spec.accum_steps, micro_batch, seq_len
+    data = draw_batches(spec, B, S, steps + 1, data_seed, device)
+    trainer = factory(spec)
+
+    def one_step(micro_batches, boundary=None):
+        for m, (x, y) in enumerate(micro_batches):
+            trainer.micro_step(x, y, m)
+        if boundary is not None:
+            boundary()
+        return trainer.optimizer_step()
+
+    grad_bytes = []
+    one_step(data[0], lambda: grad_bytes.append(_tensor_bytes(list(trainer.grads().values()))))  # warm-up
+    _sync(device)
+    param_bytes = _tensor_bytes(list(trainer.params().values()))
+    opt_bytes = optimizer_state_bytes(trainer)
+    opt_info = optimizer_info(trainer)
+
+    probe.start()
+    t0 = time.perf_counter()
+    losses = [one_step(mb) for mb in data[1:]]  # no host sync inside the timed loop
+    _sync(device)
+    dt = (time.perf_counter() - t0) / steps
+    peaks = probe.stop()
+    losses = [float(v) for v in losses]
+    del trainer, data
+    return dict(
+        N=N, B=B, S=S, eff=N * B, steps=steps,
+        **peaks,
+        param_bytes=param_bytes, grad_bytes=grad_bytes[0], optim_state_bytes=opt_bytes,
+        static_bytes=param_bytes + grad_bytes[0] + (opt_bytes or 0),
+        step_ms=dt * 1e3, tok_s=N * B * S / dt, losses=losses, optimizer=opt_info,
+    )
+
+
+# -- which trainer to measure -----------------------------------------------------------------------
+
+def xtrain_for_world(spec: Spec):
+    """xtrain's trainer for this process: the data-parallel one when a process group of world > 1 is up
+    and xtrain_core.distributed provides DistAccumTrainer(model, optim, accum_steps), else AccumTrainer
+    (then each rank accumulates alone: its memory is still exactly one rank's)."""
+    import torch.distributed as dist
+
+    from .interface import xtrain_factory
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            from xtrain_core.distributed import DistAccumTrainer
+        except ModuleNotFoundError as e:
+            if e.name != "xtrain_core.distributed":
+                raise
+        else:
+            return DistAccumTrainer(spec.build_model(), spec.optim, spec.accum_steps)
+    return xtrain_factory(spec)
+
+
+def trainer_names() -> list[str]:
+    from .broken import MEMORY_BROKEN
+
+    return ["xtrain", *sorted(MEMORY_BROKEN)]
+
+
+def resolve_trainer(name: str) -> TrainerFactory:
+    """'xtrain', a planted memory bug from verify/broken.py (MEMORY_BROKEN), or 'module:callable' (a
+    factory Spec -> trainer implementing verify/interface.py). ValueError with a one-line reason."""
+    from .broken import MEMORY_BROKEN
+
+    if name == "xtrain":
+        return xtrain_for_world
+    if name in MEMORY_BROKEN:
+        return MEMORY_BROKEN[name]
+    if ":" in name:
+        import importlib
+
+        mod, _, attr = name.partition(":")
+        try:
+            obj = importlib.import_module(mod)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load trainer factory {name!r}: {_one_line(e)}") from None
+        if not callable(obj):
+            raise ValueError(f"trainer factory {name!r} is not callable")
+        return obj
+    raise ValueError(f"unknown trainer {name!r}; use one of {', '.join(trainer_names())} or module:callable")
