@@ -11,6 +11,9 @@ import torch
 
 
 def git_commit() -> str | None:
+    """HEAD's sha; XTRAIN_GIT_COMMIT wins (device machines receive the tree without .git)."""
+    if os.environ.get("XTRAIN_GIT_COMMIT"):
+        return os.environ["XTRAIN_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
