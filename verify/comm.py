@@ -161,12 +161,12 @@ class Recorder:
             if not new:
                 continue
             first = min(int(e["record_id"]) for e in new)
+            self._last[source] = max(int(e["record_id"]) for e in new)  # the next read starts clean
             if first > last + 1:
                 raise RecorderError(
                     f"flight recorder ({source}) lost entries {last + 1}..{first - 1}: its ring of "
                     f"{os.environ.get('TORCH_FR_BUFFER_SIZE', '?')} entries overflowed between two reads; "
                     f"raise TORCH_FR_BUFFER_SIZE or read more often")
-            self._last[source] = max(int(e["record_id"]) for e in new)
             for e in new:
                 # the same entry may come from both dumps on some builds: keep it once
                 key = (e.get("record_id"), e.get("pg_id"), e.get("profiling_name"), e.get("time_created_ns"))

@@ -175,13 +175,16 @@ class DistAccumTrainer(_Schedule):
         finally:
             self._sync = False
         if sync:
-            for b in range(self._next_bucket, len(self.buckets)):
-                self._left[b] = 0  # buckets holding parameters the graph did not use
-            self._launch_ready()
-            for w in self._works:
-                w.wait()
-            self._works = []
-            self.flat[:self.numel].div_(self.world)  # SUM over ranks -> mean over the global batch
+            self._finish_boundary()
+
+    def _finish_boundary(self) -> None:
+        for b in range(self._next_bucket, len(self.buckets)):
+            self._left[b] = 0  # buckets holding parameters the graph did not use
+        self._launch_ready()
+        for w in self._works:
+            w.wait()
+        self._works = []
+        self.flat[:self.numel].div_(self.world)  # SUM over ranks -> mean over the global batch
 
     # -- the boundary ---------------------------------------------------------------------------
     def grads(self) -> dict[str, torch.Tensor]:
