@@ -109,8 +109,23 @@ def _die_with_parent(owner_pid: int) -> None:
         os._exit(1)
 
 
+def _release_forkserver_pipe() -> None:
+    """A forkserver child inherits the write end of the server's "owner alive" pipe. Holding it keeps
+    the server alive after the owner dies — and so this worker, whose PDEATHSIG waits for the server."""
+    try:
+        from multiprocessing import forkserver
+
+        fd = forkserver._forkserver._forkserver_alive_fd
+        if fd is not None:
+            forkserver._forkserver._forkserver_alive_fd = None
+            os.close(fd)
+    except (AttributeError, OSError):
+        pass
+
+
 def _worker(rank: int, world: int, backend: str, store_path: str, conn, dump_path: str, threads: int,
             owner_pid: int) -> None:
+    _release_forkserver_pipe()
     _die_with_parent(owner_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     import faulthandler
