@@ -76,8 +76,9 @@ def recorder_reads_clean(ctx) -> int:
 def raise_on_rank(ctx, bad: int) -> int:
     if ctx.rank == bad:
         raise ValueError(f"deliberate failure on rank {bad}")
-    dist.all_reduce(torch.ones(1, device=ctx.device))  # the others wait for it in a collective
-    return ctx.rank
+    t = torch.ones(1, device=ctx.device)
+    dist.all_reduce(t)  # the others wait for it in a collective ...
+    return int(t.item())  # ... (NCCL returns at once: .item() waits for the result)
 
 
 def sleep(ctx, seconds: float) -> int:

@@ -38,12 +38,20 @@ ENV_MAX_WORLD = "XTRAIN_DIST_MAX_WORLD"
 DTYPES = (torch.float32, torch.float64)
 
 
+ENV_MIN_WORLD = "XTRAIN_DIST_MIN_WORLD"
+
+
 def max_world() -> int:
     """World sizes the suite draws up to: XTRAIN_DIST_MAX_WORLD (default 4), capped by GPUs under NCCL."""
     w = int(os.environ.get(ENV_MAX_WORLD) or 4)
     if default_backend() == "nccl":
         w = min(w, torch.cuda.device_count())
     return w
+
+
+def min_world() -> int:
+    """The smallest world the suite draws: XTRAIN_DIST_MIN_WORLD (default 1), e.g. 8 to run only world 8."""
+    return min(int(os.environ.get(ENV_MIN_WORLD) or 1), max_world())
 
 
 # -- factories (top-level, so a pool can unpickle them by name) ------------------------------------
@@ -127,7 +135,8 @@ def rank_job(ctx, factory, case: Case, *, dtypes=DTYPES, references: bool = True
 
         for name, dtype, rank in (("big32", torch.float32, 0), ("ref64", torch.float64, ctx.world - 1)):
             if ctx.rank == rank:
-                t = run(PlainTrainer(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device))), batches, 1)
+                on_dev = [(i.to(ctx.device), t.to(ctx.device)) for i, t in batches]
+                t = run(PlainTrainer(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device))), on_dev, 1)
                 out.refs[name] = Trace(t.losses, _cpu(t.grads0), [_cpu(p) for p in t.params])
     return out
 
@@ -318,12 +327,18 @@ def world1_job(ctx, case: Case) -> tuple[Trace, Trace, int]:
     from .interface import run
 
     batches = case.batches()
-    ctx.recorder.read()
-    win = Windows()
-    win.mark(("init",))
-    dist_trace = drive(xtrain_dist_factory(case.spec(device=str(ctx.device))), batches, case, 0, 1, ctx.device, win)
-    n_collectives = len(ctx.recorder.read())
-    single = run(xtrain_single_factory(case.spec(device=str(ctx.device))), batches, case.accum_steps)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # CUDA: no atomics-order differences
+    try:
+        ctx.recorder.read()
+        win = Windows()
+        win.mark(("init",))
+        dist_trace = drive(xtrain_dist_factory(case.spec(device=str(ctx.device))), batches, case, 0, 1, ctx.device, win)
+        n_collectives = len(ctx.recorder.read())
+        on_dev = [(i.to(ctx.device), t.to(ctx.device)) for i, t in batches]
+        single = run(xtrain_single_factory(case.spec(device=str(ctx.device))), on_dev, case.accum_steps)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     cpu = lambda t: Trace(t.losses, _cpu(t.grads0), [_cpu(p) for p in t.params])  # noqa: E731
     return cpu(dist_trace), cpu(single), n_collectives
 
@@ -361,5 +376,5 @@ def check_distributed(factory, case: Case, *, pool=None) -> CommReport:
 
 
 __all__ = ["check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed", "rank_job",
-           "xtrain_dist_factory", "torch_ddp_factory", "IMPL_FACTORIES", "max_world", "GateFailure", "C", "FLOOR",
+           "xtrain_dist_factory", "torch_ddp_factory", "IMPL_FACTORIES", "max_world", "min_world", "GateFailure", "C", "FLOOR",
            "fmt_bytes"]

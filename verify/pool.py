@@ -142,6 +142,7 @@ def _worker(rank: int, world: int, backend: str, store_path: str, conn, dump_pat
 
     torch.set_num_threads(threads)
     if backend == "nccl":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # allows deterministic cuBLAS where a job asks
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False
