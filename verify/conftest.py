@@ -19,3 +19,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # CPU results depend on the intra-op thread count (GUIDE §3): reference and candidate run in the same
 # process, and one thread per xdist worker keeps 2-core CI boxes from oversubscribing.
 torch.set_num_threads(int(os.environ.get("XTRAIN_TEST_THREADS", "1")))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Close this process's rank pools (verify/pool.py), if a distributed test started any: each rank
+    barriers, destroys its process group and exits. (atexit and PR_SET_PDEATHSIG are the backstops.)"""
+    import sys
+
+    pool = sys.modules.get("verify.pool")
+    if pool is not None:
+        pool.close_all()

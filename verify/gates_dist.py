@@ -9,11 +9,12 @@ boundary-only   micro-steps 0..N-2 issue no gradient collective; at the boundary
                 count), so the bytes per optimizer step do not depend on N; nothing outside the trainer's
                 calls. Broadcasts and integer metadata (DDP's parameter sync at construction, its
                 one-time bucket rebuild) are reported apart, not counted as gradient traffic.
-equivalence     vs one process on the big batch N×B_local×W, same init and data: every rank's step
-                loss within max_rel 1e-3 of the fp32 big batch and within the tolerance policy of
-                verify/gates.py (err ≤ C·err(big32) + F vs a float64 reference), every rank's step-0
-                boundary gradient and parameters after every step likewise, the float64 run's
-                parameters within 1e-9; and parameters bitwise identical across ranks after every step.
+equivalence     vs one process on the big batch N×B_local×W, same init and data: every rank's step-0
+                boundary gradient and loss within the tolerance policy of verify/gates.py
+                (err ≤ C·err(big32) + F vs a float64 reference); every step's loss within max_rel 1e-3
+                of the fp32 big batch; the float64 run's parameters after every step within 1e-9 of
+                the float64 big batch; parameters bitwise identical across ranks after every step.
+                (No fp32 per-parameter check after AdamW steps: docs/design.md §5 says why.)
 
 Every failure names the rank, the step, the micro-step and the collective(s) involved.
 """
@@ -289,19 +290,21 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
 
     for o in outcomes:
         acc = o.runs[f32].trace
+        # fp32, what accumulation itself computes: the step-0 boundary gradient and loss, under the policy
         for name, g in ref.grads0.items():
             if name not in acc.grads0:
                 fail(f"no boundary gradient for {name!r}", o.rank, f32, 0)
             within(rel_err(acc.grads0[name], g), rel_err(big.grads0[name], g), f"gradient (step 0) of {name!r}",
                    o.rank, 0)
-        for k, (la, lb, lr) in enumerate(zip(acc.losses, big.losses, ref.losses)):
+        la, lb, lr = acc.losses[0], big.losses[0], ref.losses[0]
+        within(abs(la - lr) / abs(lr), abs(lb - lr) / abs(lr), "loss of step 0", o.rank, 0)
+        # fp32 trajectory: every step's loss within max_rel 1e-3 of the fp32 big batch (the issue's bound;
+        # later steps pass through AdamW, whose ~lr·sign(g) first update turns rounding into sign flips)
+        for k, (la, lb) in enumerate(zip(acc.losses, big.losses)):
             mr = abs(la - lb) / abs(lb)
             if not mr < LOSS_MAX_REL:
                 fail(f"step-{k} loss {la!r} vs the big batch's {lb!r}: rel {mr:.3e} ≥ {LOSS_MAX_REL:g}", o.rank, f32, k)
-            within(abs(la - lr) / abs(lr), abs(lb - lr) / abs(lr), f"loss of step {k}", o.rank, k)
-        for k, (pa, pb, pr) in enumerate(zip(acc.params, big.params, ref.params)):
-            for name, p in pr.items():
-                within(rel_err(pa[name], p), rel_err(pb[name], p), f"parameter {name!r} after step {k}", o.rank, k)
+        # float64: parameters after every step within 1e-9 of the float64 big batch
         if f64 in o.runs:
             for k, (pa, pr) in enumerate(zip(o.runs[f64].trace.params, ref.params)):
                 for name, p in pr.items():
