@@ -40,8 +40,9 @@ def _meta() -> dict:
 
     gpu = {}
     if torch.cuda.is_available():
-        gpu = dict(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
-                   cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())))
+        v = torch.cuda.nccl.version()
+        gpu = dict(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(), cuda=torch.version.cuda,
+                   nccl=".".join(map(str, v)) if isinstance(v, tuple) else str(v))
     return dict(
         version=VERSION,
         datetime=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -130,6 +131,14 @@ def pools(args) -> dict:
             row[f"cold_{method}_s"] = startup + ex
             row[f"pool_start_{method}_s"] = startup
         warm = get_pool(world, args.backend)
+        from .dist_jobs import whoami
+
+        ts = []
+        for _ in range(50):  # the pool's own overhead: a job that does nothing
+            t0 = time.perf_counter()
+            warm.run(whoami)
+            ts.append(time.perf_counter() - t0)
+        row["warm no-op job"] = dict(median_s=statistics.median(ts), max_s=max(ts), n=len(ts))
         for label, case in fixed.items():
             _time_example(xtrain, case, warm)  # first use of these shapes
             ts = [_time_example(xtrain, case, warm) for _ in range(args.reps)]
@@ -166,8 +175,8 @@ def pools(args) -> dict:
 def _pool_row(r: dict) -> str:
     fx = [v for k, v in r.items() if k.startswith("warm ")]
     return (f"world {r['world']}: cold {r['cold_spawn_s']:.2f} s (spawn) / {r['cold_forkserver_s']:.2f} s "
-            f"(forkserver); warm " + ", ".join(f"{v['median_s'] * 1e3:.0f} ms" for v in fx)
-            + " (fixed test-size, tiny preset, drawn median)")
+            f"(forkserver); warm medians " + ", ".join(f"{v['median_s'] * 1e3:.1f} ms" for v in fx)
+            + " (no-op job; examples: test-size, tiny preset, ci-strategy draws)")
 
 
 # -- step-time mode (under torchrun) ---------------------------------------------------------------
