@@ -112,12 +112,13 @@ def pools(args) -> dict:
     os.environ["XTRAIN_DIST_BACKEND"] = args.backend
     xtrain = IMPL_FACTORIES["xtrain"]
     rows = []
-    for world in range(1, args.max_world + 1):
+    worlds = sorted({int(w) for w in args.worlds.split(",")}) if args.worlds else range(1, args.max_world + 1)
+    for world in worlds:
         fixed = _fixed_cases(world)
         first = next(iter(fixed.values()))
         row = dict(world=world)
         # cold: a new pool + one example (+ shutdown not counted); spawn vs forkserver start
-        for method in ("spawn", "forkserver"):
+        for method in ("spawn", "forkserver") if args.backend == "gloo" else ("spawn",):  # NCCL: spawn only
             old = os.environ.get(ENV_START)
             os.environ[ENV_START] = method
             try:
@@ -148,9 +149,11 @@ def pools(args) -> dict:
                                                max_s=ts[-1], n=len(ts))
         rows.append(row)
         print(_pool_row(row), flush=True)
+        _write(args.out, f"bench_dist_pools_{args.backend}.json",  # after every world: a timeout keeps the rest
+               {**_meta(), "results": dict(backend=args.backend, reps=args.reps, examples=rows, partial=True)})
     # bytes per optimizer step, counted: the tiny preset at world 2, N = 1, 4, 8, both implementations
     counted = []
-    if args.max_world >= 2:
+    if max(worlds) >= 2:
         import dataclasses
 
         base = _fixed_cases(2)["preset tiny (L2 d64 V256, N4 B2 S32 K2)"]
@@ -174,8 +177,8 @@ def pools(args) -> dict:
 
 def _pool_row(r: dict) -> str:
     fx = [v for k, v in r.items() if k.startswith("warm ")]
-    return (f"world {r['world']}: cold {r['cold_spawn_s']:.2f} s (spawn) / {r['cold_forkserver_s']:.2f} s "
-            f"(forkserver); warm medians " + ", ".join(f"{v['median_s'] * 1e3:.1f} ms" for v in fx)
+    fork = f" / {r['cold_forkserver_s']:.2f} s (forkserver)" if "cold_forkserver_s" in r else ""
+    return (f"world {r['world']}: cold {r['cold_spawn_s']:.2f} s (spawn){fork}; warm medians " + ", ".join(f"{v['median_s'] * 1e3:.1f} ms" for v in fx)
             + " (no-op job; examples: test-size, tiny preset, ci-strategy draws)")
 
 
@@ -305,7 +308,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="verify.bench_dist", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="reports")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="pool mode")
-    p.add_argument("--max-world", type=int, default=4, help="pool mode")
+    p.add_argument("--max-world", type=int, default=4, help="pool mode: worlds 1..max")
+    p.add_argument("--worlds", default=None, help="pool mode: a comma list instead, e.g. 1,2,8")
     p.add_argument("--reps", type=int, default=None, help="repetitions (pool mode 15, step mode 9)")
     p.add_argument("--drawn", type=int, default=30, help="pool mode: drawn ci-strategy cases per world")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="step mode")

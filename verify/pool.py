@@ -6,9 +6,9 @@ suite keeps ONE pool per (world, backend) per process (= per pytest-xdist worker
     pool = get_pool(world=2)                      # spawned on first use, reused afterwards
     results = pool.run(fn, *args)                 # fn(ctx, *args) on every rank; a list by rank
 
-* Start: fresh processes, never forks of the test process. By default from a multiprocessing
+* Start: fresh processes, never forks of the test process. For gloo by default from a multiprocessing
   forkserver that has imported torch once (a world-4 pool starts in ~0.1 s instead of 9–16 s on a
-  2-core box); XTRAIN_POOL_START=spawn for plain spawn.
+  2-core box); NCCL pools use plain spawn (CUDA and forks); XTRAIN_POOL_START=spawn|forkserver.
 * Rendezvous: a FileStore in a fresh `tempfile.mkdtemp()` directory — no ports, so parallel xdist
   workers never collide.
 * Jobs: a picklable top-level callable + args, sent to each rank over its own duplex pipe as plain
@@ -53,11 +53,14 @@ ENV_START = "XTRAIN_POOL_START"
 PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel"]
 
 
-def start_method() -> str:
-    """forkserver (torch preloaded) where available, else spawn; XTRAIN_POOL_START=spawn|forkserver."""
+def start_method(backend: str = "gloo") -> str:
+    """gloo: forkserver (torch preloaded) where available, else spawn. NCCL: spawn — a server that has
+    imported torch might have touched the CUDA runtime, which a forked child cannot use. Override with
+    XTRAIN_POOL_START=spawn|forkserver."""
     import multiprocessing as mp
 
-    m = os.environ.get(ENV_START) or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    fork_ok = backend != "nccl" and "forkserver" in mp.get_all_start_methods()
+    m = os.environ.get(ENV_START) or ("forkserver" if fork_ok else "spawn")
     if m not in ("forkserver", "spawn"):
         raise ValueError(f"{ENV_START} must be forkserver or spawn, got {m!r}")
     return m
@@ -195,7 +198,7 @@ class RankPool:
         self.world, self.backend = world, backend or default_backend()
         self.threads = threads or int(os.environ.get("XTRAIN_TEST_THREADS", "1"))
         self.dir = tempfile.mkdtemp(prefix=f"xtrain-pool-w{world}-")
-        self.start_method = start_method()
+        self.start_method = start_method(self.backend)
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(PRELOAD)
