@@ -284,6 +284,7 @@ def steps_mode(args) -> dict | None:
             torch.cuda.synchronize()
             peaks[k] = torch.cuda.max_memory_allocated() / 2**30
             del t
+    dist.barrier()  # every rank done before teardown (gloo can abort otherwise, GUIDE §3)
     dist.destroy_process_group()
     if not lead:
         return None
@@ -325,7 +326,9 @@ def main(argv=None) -> int:
         if res is not None:
             name = f"bench_dist_steps_{args.device}_w{res['world']}.json"
             print("wrote", _write(args.out, name, {**_meta(), "results": res}))
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no second teardown of the process group by the interpreter
     args.reps = args.reps or 15
     res = pools(args)
     print("wrote", _write(args.out, f"bench_dist_pools_{args.backend}.json", {**_meta(), "results": res}))

@@ -133,9 +133,14 @@ def main(argv=None) -> int:
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted", code=130)
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
+    if world > 1:
+        # gloo sometimes aborts at teardown ("terminate called without an active exception") unless every
+        # rank is done first and the interpreter does not tear the group down again (GUIDE §3).
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
