@@ -48,3 +48,25 @@ def test_bad_input_on_every_rank_is_one_line_exit_2(rank, args, needle):
     r = single(*args, env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_two_nodes_through_torchrun_rendezvous():
+    """Multi-node as torchrun does it (c10d rendezvous, one process per 'node', both on this host):
+    the same losses as one node of two processes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=xtrain-test", "-m", "xtrain_core.train", *ARGS]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+             for _ in range(2)]
+    outs = [n.communicate(timeout=180) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    printed = [o[0] for o in outs if o[0]]
+    assert len(printed) == 1, outs  # rank 0 only, on whichever node got it
+    lines = printed[0].splitlines()
+    assert lines[0] == "effective batch = 2 × 2 × 2 = 8 sequences (128 tokens)"
+    s = single("--accum-steps", "2", "--micro-batch", "4", "--steps", "3", "--seq-len", "16")  # one process, B=4
+    assert lines[1].split("loss ")[-1] == s.stdout.splitlines()[-1].split("loss ")[-1], (lines, s.stdout)

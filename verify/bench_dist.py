@@ -187,7 +187,7 @@ def _pool_row(r: dict) -> str:
 def steps_mode(args) -> dict | None:
     from . import comm
 
-    comm.enable()  # before the process group: the flight recorder counts the collectives
+    comm.enable(nccl=args.device == "cuda")  # before the process group: the flight recorder counts collectives
     import torch
     import torch.distributed as dist
 

@@ -35,10 +35,14 @@ _FLOATING = {"Float", "Double", "Half", "BFloat16", "ComplexFloat", "ComplexDoub
 _TORCH_NAME = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
                "Long": "int64", "Int": "int32", "Bool": "bool", "Byte": "uint8", "Char": "int8"}
 
-def enable(ring: int | None = None) -> int:
-    """Turn the recorder on for process groups created from now on; returns the ring size."""
+def enable(ring: int | None = None, *, nccl: bool = False) -> int:
+    """Turn the recorder on for process groups created from now on; returns the ring size.
+    TORCH_FR_BUFFER_SIZE is read by gloo and (torch 2.11, GUIDE §3) NCCL; older NCCL builds read only
+    TORCH_NCCL_TRACE_BUFFER_SIZE, so NCCL users get both (newer torch warns that it is deprecated)."""
     ring = int(os.environ.get("TORCH_FR_BUFFER_SIZE") or ring or DEFAULT_RING)
-    os.environ["TORCH_FR_BUFFER_SIZE"] = str(ring)  # torch 2.11 NCCL honours it too (GUIDE §3)
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(ring)
+    if nccl:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(ring))
     return ring
 
 
@@ -53,7 +57,7 @@ class Collective:
     sizes: tuple  # input tensor shapes
     dtypes: tuple  # input dtypes, c10d names ("Float", "Long", ...)
     pg: str  # process group: "id 'name'"
-    thread: str  # recording thread id (a Python thread ident for calls made from Python)
+    thread: str  # recording thread id (= Python's threading ident); "?" where the recorder has none
     time_ns: int
 
     @property
@@ -96,7 +100,8 @@ class Collective:
     def describe(self, main_thread: str | None = None) -> str:
         dt = "/".join(sorted({_TORCH_NAME.get(d, d) for d in self.dtypes})) or "?"
         shapes = ",".join("[" + "×".join(str(int(x)) for x in s) + "]" for s in self.sizes)
-        where = "" if main_thread is None or self.thread == main_thread else f", from thread {self.thread} (not the main thread)"
+        known = main_thread is not None and self.thread not in ("?", "")  # older recorders: no thread id
+        where = f", from thread {self.thread} (not the main thread)" if known and self.thread != main_thread else ""
         return (f"{self.backend}:{self.op} {dt} {shapes} = {self.numel} elements, {fmt_bytes(self.nbytes)}, "
                 f"process group {self.pg}{where}")
 

@@ -35,11 +35,8 @@ from .reference import PlainTrainer
 
 SCALARS = 8  # side-channel floats allowed to ride with the gradients (xtrain: Σ raw·B_local and N·B_local)
 LOSS_MAX_REL = 1e-3
-ENV_MAX_WORLD = "XTRAIN_DIST_MAX_WORLD"
+ENV_MAX_WORLD, ENV_MIN_WORLD = "XTRAIN_DIST_MAX_WORLD", "XTRAIN_DIST_MIN_WORLD"
 DTYPES = (torch.float32, torch.float64)
-
-
-ENV_MIN_WORLD = "XTRAIN_DIST_MIN_WORLD"
 
 
 def max_world() -> int:

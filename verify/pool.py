@@ -137,7 +137,7 @@ def _worker(rank: int, world: int, backend: str, store_path: str, conn, dump_pat
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     from . import comm
 
-    comm.enable()
+    comm.enable(nccl=backend == "nccl")
     import datetime
 
     import torch
