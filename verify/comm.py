@@ -182,13 +182,19 @@ class Recorder:
         return out
 
     def check_recording(self, issue) -> None:
-        """Self-test: `issue()` makes one collective; the recorder must report it."""
+        """Self-test: `issue()` makes one collective; the recorder must report it, stamped with the clock
+        the harness marks windows with (time.time_ns())."""
         self.read()
+        t0 = time.time_ns()
         issue()
+        t1 = time.time_ns()
         got = self.read()
         if not got:
             raise RecorderError("the c10d flight recorder recorded nothing: set TORCH_FR_BUFFER_SIZE (comm.enable()) "
                                 "before the process group is created")
+        if not all(t0 <= c.time_ns <= t1 for c in got):
+            raise RecorderError(f"flight recorder timestamps {[c.time_ns for c in got]} are not on time.time_ns()'s "
+                                f"clock ([{t0}, {t1}]): entries cannot be attributed to micro-steps")
 
 
 class Windows:
