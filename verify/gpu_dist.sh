@@ -13,8 +13,8 @@
 set -uo pipefail
 W=${1:?usage: bash verify/gpu_dist.sh WORLD OUT_DIR}
 OUT=${2:?usage: bash verify/gpu_dist.sh WORLD OUT_DIR}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute, before changing directory
 cd "$(dirname "$0")/.."
-mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 PROFILE=$([ "$W" -le 2 ] && echo gpu || echo ci)
