@@ -39,6 +39,11 @@ def _is_worker(config) -> bool:
 def pytest_sessionfinish(session, exitstatus):
     from . import stats
 
+    import sys
+
+    pool = sys.modules.get("verify.pool")
+    if pool is not None:  # close this process's rank pools: each rank barriers, destroys its group, exits
+        pool.close_all()
     config = session.config
     if _is_worker(config):
         config.workeroutput["xtrain_stats"] = stats.dump()

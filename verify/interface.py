@@ -66,23 +66,26 @@ class Case:
     seed: int = 0
     data_seed: int = 0
     device: str = "cpu"
+    world: int = 1
+    """Data-parallel ranks; micro_batch is then B_local, per rank per micro-step."""
 
     @property
     def effective_batch(self) -> int:
-        return self.accum_steps * self.micro_batch
+        return self.accum_steps * self.micro_batch * self.world
 
-    def spec(self, *, accum_steps: int | None = None, dtype=torch.float32) -> Spec:
-        return Spec(model=self.model, optim=self.optim, seed=self.seed, dtype=dtype, device=self.device,
+    def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None) -> Spec:
+        return Spec(model=self.model, optim=self.optim, seed=self.seed, dtype=dtype, device=device or self.device,
                     accum_steps=self.accum_steps if accum_steps is None else accum_steps)
 
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K big batches of (N·B, S), drawn in order from one stream."""
+        """K big batches of (N·B·W, S), drawn in order from one stream."""
         s = TokenStream(self.model.vocab_size, self.seq_len, seed=self.data_seed)
         return [tuple(t.to(self.device) for t in s.next(self.effective_batch)) for _ in range(self.steps)]
 
     def __str__(self):
         m = self.model
-        return (f"N={self.accum_steps} B={self.micro_batch} S={self.seq_len} K={self.steps} "
+        w = f" W={self.world}" if self.world != 1 else ""
+        return (f"N={self.accum_steps} B={self.micro_batch}{w} S={self.seq_len} K={self.steps} "
                 f"model(L={m.n_layer} h={m.n_head} d={m.d_model} V={m.vocab_size}) seed={self.seed}")
 
 

@@ -56,3 +56,16 @@ def cases(draw, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int 
 def gate_device() -> str:
     """XTRAIN_TEST_DEVICE=cuda runs the gates on the GPU (the gpu profile's CI gate); default cpu."""
     return os.environ.get("XTRAIN_TEST_DEVICE", "cpu")
+
+
+@st.composite
+def dist_cases(draw, *, min_world: int = 1, max_world: int = 4, min_accum: int = 1, max_accum: int = 8,
+               max_micro_batch: int = 4, max_seq: int = 24, max_steps: int = 3, model=None) -> Case:
+    """A data-parallel case: `cases(...)` plus a world size W; micro_batch is then B_local (per rank).
+    W shrinks toward min_world, so a failure is reported at the smallest world that shows it."""
+    import dataclasses
+
+    world = draw(st.integers(min_world, max_world))
+    case = draw(cases(min_accum=min_accum, max_accum=max_accum, max_micro_batch=max_micro_batch,
+                      max_seq=max_seq, max_steps=max_steps, model=model))
+    return dataclasses.replace(case, world=world)

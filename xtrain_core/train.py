@@ -1,8 +1,13 @@
 """python -m xtrain_core.train --accum-steps N --micro-batch B --steps K [--seq-len S] [--data FILE]
                              [--device cpu|cuda] [--seed SEED] [--model tiny|small|gpt2-ish]
+torchrun --nproc-per-node W -m xtrain_core.train ... [--ddp-impl xtrain|torch]
 
 Trains the GPT with gradient accumulation: each optimizer step is N micro-steps of B sequences,
 an effective batch of N×B sequences while memory holds one micro-batch.
+
+Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment, W > 1) it trains data-parallel: B is per
+rank, the effective batch is N×B×W, gradients are all-reduced once per optimizer step (gloo on CPU,
+NCCL on CUDA with one GPU per rank, cuda:LOCAL_RANK).
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import time
 
 from .cli import Parser, Progress, UsageError, fail, nonneg_int, positive_float, positive_int, resolve_device
 from .config import PRESETS, OptimConfig, TrainConfig, replace
+from .distributed import IMPLS, torchrun_env
 
 
 def parse_args(argv=None):
@@ -26,11 +32,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup-steps", type=nonneg_int, default=0)
+    p.add_argument("--ddp-impl", choices=IMPLS, default="xtrain",
+                   help="under torchrun: xtrain's boundary all-reduce (default) or torch DDP with no_sync()")
     return p.parse_args(argv)
 
 
-def build(args):
-    """Flags -> validated configs, or UsageError naming the flag. Nothing is run or written yet."""
+def build(args, dist_env=None):
+    """Flags -> validated configs, or UsageError naming the flag. Nothing is run or written yet, and no
+    process group exists: under torchrun every rank fails the same way, and nobody waits for it."""
     import torch  # noqa: F401  (after argument parsing: --help stays fast)
 
     model_cfg = PRESETS[args.model]
@@ -48,54 +57,90 @@ def build(args):
     train = TrainConfig(accum_steps=args.accum_steps, micro_batch=args.micro_batch, steps=args.steps,
                         seq_len=seq_len, seed=args.seed)
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps)
-    device = resolve_device(args.device)
+    if dist_env is not None and dist_env[1] > 1 and args.device.startswith("cuda"):
+        if args.device != "cuda":
+            raise UsageError(f"--device {args.device}: under torchrun each rank uses cuda:LOCAL_RANK; pass --device cuda")
+        device = resolve_device(f"cuda:{dist_env[2]}")  # one GPU per rank
+    else:
+        device = resolve_device(args.device)
     return model_cfg, train, optim, device
 
 
-def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, out=sys.stdout):
+def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, out=sys.stdout, *,
+        rank: int = 0, world: int = 1, impl: str = "xtrain"):
+    """world == 1: the single-process trainer. world > 1: this rank of a data-parallel run (the
+    process group must exist); rank 0 prints."""
     import torch
 
     from .data import TokenStream, split_micro
+    from .distributed import make_trainer, shard
     from .model import build_model
     from .trainer import AccumTrainer
 
     N, B, S = train.accum_steps, train.micro_batch, train.seq_len
-    E = train.effective_batch
-    print(f"effective batch = {N} × {B} = {E} sequences ({E * S} tokens)", file=out, flush=True)
+    E = train.effective_batch * world  # N·B·W sequences per optimizer step
+    lead = rank == 0
+    if lead:
+        w = f" × {world}" if world > 1 else ""
+        print(f"effective batch = {N} × {B}{w} = {E} sequences ({E * S} tokens)", file=out, flush=True)
     try:
         stream = TokenStream(model_cfg.vocab_size, S, seed=train.seed, data=data)
     except ValueError as e:
         raise UsageError(f"--data: {e}") from None
     model = build_model(model_cfg, train.seed, device=device)
-    trainer = AccumTrainer(model, optim, N)
-    bar = Progress(train.steps, label="train ")
+    trainer = AccumTrainer(model, optim, N) if world == 1 else make_trainer(impl, model, optim, N)
+    bar = Progress(train.steps, label="train ") if lead else None
     tokens_seen, t0, losses = 0, time.perf_counter(), []
     for step in range(train.steps):
-        idx, tgt = stream.next(E)  # one draw of N·B sequences, consumed as N groups of B
-        micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in split_micro(idx, tgt, N)]
-        loss = trainer.train_step(micro).item()
+        # One draw of N·B·W sequences, the same on every rank: single process consumes it as N groups of
+        # B; rank r takes its B rows of each of the N global micro-batches (the same union, same order).
+        idx, tgt = stream.next(E)
+        mine = split_micro(idx, tgt, N) if world == 1 else shard(idx, tgt, N, rank, world)
+        micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in mine]
+        loss = trainer.train_step(micro).item()  # world > 1: the global batch's mean loss
         losses.append(loss)
         tokens_seen += E * S
         dt = time.perf_counter() - t0
-        bar.update(step + 1, f"loss {loss:.4f}  {tokens_seen / dt:,.0f} tok/s")
+        if bar:
+            bar.update(step + 1, f"loss {loss:.4f}  {tokens_seen / dt:,.0f} tok/s")
     dt = time.perf_counter() - t0
-    print(f"done: {train.steps} steps, {tokens_seen:,} tokens in {dt:.2f}s ({tokens_seen / dt:,.0f} tok/s), "
-          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", file=out, flush=True)
+    if lead:
+        print(f"done: {train.steps} steps, {tokens_seen:,} tokens in {dt:.2f}s ({tokens_seen / dt:,.0f} tok/s), "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", file=out, flush=True)
     return losses
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    env = torchrun_env()  # (rank, world, local_rank) under torchrun
+    rank, world, _ = env or (0, 1, 0)
+    # Bad input: EVERY rank prints its one line and exits 2 (torchrun stops the others as soon as one
+    # exits, so "rank 0 alone prints" could print nothing).
     try:
-        model_cfg, train, optim, device = build(args)
+        model_cfg, train, optim, device = build(args, env)
     except (UsageError, ValueError) as e:  # config __post_init__ errors name the field
         fail(str(e))
+    if world > 1:
+        import torch
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # env:// rendezvous from torchrun
     try:
-        run(model_cfg, train, optim, device, data=args.data)
+        run(model_cfg, train, optim, device, data=args.data, rank=rank, world=world, impl=args.ddp_impl)
     except UsageError as e:
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted", code=130)
+    if world > 1:
+        # gloo sometimes aborts at teardown ("terminate called without an active exception") unless every
+        # rank is done first and the interpreter does not tear the group down again (GUIDE §3).
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

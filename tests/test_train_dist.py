@@ -1,0 +1,72 @@
+"""The CLI under torchrun (gloo, world 2): the effective-batch line, rank-0-only output, the same losses
+as one process on the same effective batch, and bad input as one line + exit 2 on every rank."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARGS = ["--accum-steps", "2", "--micro-batch", "2", "--steps", "3", "--seq-len", "16"]
+
+
+def torchrun(*args, world=2, timeout=180):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "xtrain_core.train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
+
+
+def single(*args, env=ENV):
+    return subprocess.run([sys.executable, "-m", "xtrain_core.train", *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("impl", ["xtrain", "torch"])
+def test_torchrun_world2_matches_one_process(impl):
+    r = torchrun(*ARGS, "--ddp-impl", impl)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0] == "effective batch = 2 × 2 × 2 = 8 sequences (128 tokens)", r.stdout
+    assert len(lines) == 2 and lines[1].startswith("done: 3 steps, 384 tokens in "), r.stdout  # rank 0 only
+    # the same 8 sequences per step in one process (N=2 micro-steps of B=4): the same loss trajectory
+    s = single("--accum-steps", "2", "--micro-batch", "4", "--steps", "3", "--seq-len", "16")
+    assert s.returncode == 0, s.stderr
+    assert lines[1].split("loss ")[-1] == s.stdout.splitlines()[-1].split("loss ")[-1], (r.stdout, s.stdout)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("args,needle", [
+    (["--accum-steps", "0"], "argument --accum-steps: must be ≥ 1, got 0"),
+    (["--device", "cuda:1"], "--device cuda:1: under torchrun each rank uses cuda:LOCAL_RANK; pass --device cuda"),
+], ids=["accum0", "device-index"])
+def test_bad_input_on_every_rank_is_one_line_exit_2(rank, args, needle):
+    """Each rank (as torchrun starts it: RANK/WORLD_SIZE/LOCAL_RANK) validates before any process group
+    exists, prints one line and exits 2: no rank waits for another, no traceback."""
+    env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
+    r = single(*args, env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_two_nodes_through_torchrun_rendezvous():
+    """Multi-node as torchrun does it (c10d rendezvous, one process per 'node', both on this host):
+    the same losses as one node of two processes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=xtrain-test", "-m", "xtrain_core.train", *ARGS]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+             for _ in range(2)]
+    outs = [n.communicate(timeout=180) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    printed = [o[0] for o in outs if o[0]]
+    assert len(printed) == 1, outs  # rank 0 only, on whichever node got it
+    lines = printed[0].splitlines()
+    assert lines[0] == "effective batch = 2 × 2 × 2 = 8 sequences (128 tokens)"
+    s = single("--accum-steps", "2", "--micro-batch", "4", "--steps", "3", "--seq-len", "16")  # one process, B=4
+    assert lines[1].split("loss ")[-1] == s.stdout.splitlines()[-1].split("loss ")[-1], (lines, s.stdout)

@@ -1,0 +1,218 @@
+"""Counting collectives: the c10d flight recorder, behind one small module.
+
+Why the flight recorder (GUIDE §3): it records inside each c10d backend (ProcessGroupGloo /
+ProcessGroupNCCL), below `torch.distributed`'s Python API. So it sees explicit `dist.all_reduce`,
+DDP's C++ reducer, a call made on the backend object directly, a call from another thread and a call
+on a private process group — CommDebugMode (a dispatch mode of the calling thread) misses the last
+three. What it does not see is traffic outside c10d altogether (a trainer's own sockets).
+
+It is private API, so everything version-specific is here:
+  * enable() before the process group exists: TORCH_FR_BUFFER_SIZE sizes a ring of the last entries
+    (gloo and NCCL, torch 2.11 and 2.13);
+  * read both `_dump_fr_trace` (gloo, torch 2.11/2.13) and `_dump_nccl_trace` (NCCL on torch 2.11
+    records only there), without stack traces (~1 s the first time otherwise), and merge;
+  * `Recorder.read()` returns only entries newer than the previous read, and raises if the ring
+    overflowed in between (entries lost), so a count is never silently short.
+Entries are attributed to harness-controlled windows by time: the harness calls `mark(label)` before
+each micro-step; an entry belongs to the last mark at or before its `time_created_ns` (same clock as
+`time.time_ns()`).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+
+DEFAULT_RING = 512  # entries; a dump costs ~12 µs per entry held, so keep it small
+
+# c10d ScalarType names as the recorder writes them -> element size in bytes
+_ELEM = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
+         "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
+_FLOATING = {"Float", "Double", "Half", "BFloat16", "ComplexFloat", "ComplexDouble", "Float8_e4m3fn",
+             "Float8_e5m2"}
+_TORCH_NAME = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
+               "Long": "int64", "Int": "int32", "Bool": "bool", "Byte": "uint8", "Char": "int8"}
+
+def enable(ring: int | None = None, *, nccl: bool = False) -> int:
+    """Turn the recorder on for process groups created from now on; returns the ring size.
+    TORCH_FR_BUFFER_SIZE is read by gloo and (torch 2.11, GUIDE §3) NCCL; older NCCL builds read only
+    TORCH_NCCL_TRACE_BUFFER_SIZE, so NCCL users get both (newer torch warns that it is deprecated)."""
+    ring = int(os.environ.get("TORCH_FR_BUFFER_SIZE") or ring or DEFAULT_RING)
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(ring)
+    if nccl:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(ring))
+    return ring
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One recorded collective, as the harness reports it."""
+
+    record_id: int
+    source: str  # which dump it came from: "fr" or "nccl"
+    backend: str  # "gloo" | "nccl" | ...
+    op: str  # "all_reduce", "allreduce_coalesced", "broadcast", "all_gather", ...
+    sizes: tuple  # input tensor shapes
+    dtypes: tuple  # input dtypes, c10d names ("Float", "Long", ...)
+    pg: str  # process group: "id 'name'"
+    thread: str  # recording thread id (= Python's threading ident); "?" where the recorder has none
+    time_ns: int
+
+    @property
+    def numel(self) -> int:
+        n = 0
+        for s in self.sizes:
+            k = 1
+            for d in s:
+                k *= int(d)
+            n += k
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for s, d in zip(self.sizes, self.dtypes):
+            k = 1
+            for x in s:
+                k *= int(x)
+            total += k * _ELEM.get(d, 4)
+        return total
+
+    @property
+    def floating(self) -> bool:
+        return any(d in _FLOATING for d in self.dtypes)
+
+    @property
+    def kind(self) -> str:
+        """'gradient' (a reduction, or any non-broadcast collective, of floating data), 'broadcast'
+        (DDP's parameter/buffer sync), 'metadata' (integer-only: DDP's shape check, its one-time bucket
+        rebuild), 'barrier'."""
+        if "barrier" in self.op:
+            return "barrier"
+        if "broadcast" in self.op:
+            return "broadcast" if self.floating else "metadata"
+        if not self.floating:
+            return "metadata"
+        return "gradient"
+
+    def describe(self, main_thread: str | None = None) -> str:
+        dt = "/".join(sorted({_TORCH_NAME.get(d, d) for d in self.dtypes})) or "?"
+        shapes = ",".join("[" + "×".join(str(int(x)) for x in s) + "]" for s in self.sizes)
+        known = main_thread is not None and self.thread not in ("?", "")  # older recorders: no thread id
+        where = f", from thread {self.thread} (not the main thread)" if known and self.thread != main_thread else ""
+        return (f"{self.backend}:{self.op} {dt} {shapes} = {self.numel} elements, {fmt_bytes(self.nbytes)}, "
+                f"process group {self.pg}{where}")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+class RecorderError(RuntimeError):
+    """The recorder cannot give a complete count (off, or its ring overflowed)."""
+
+
+def _dumps() -> list[tuple[str, list[dict]]]:
+    import torch
+
+    c10d = torch._C._distributed_c10d
+    out = []
+    for source, name in (("fr", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace")):
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        try:
+            raw = fn(includeStackTraces=False)
+        except TypeError:  # older signature without keywords
+            raw = fn(True, False, False)
+        except RuntimeError:  # e.g. NCCL dump on a build/process without NCCL groups
+            continue
+        entries = pickle.loads(raw).get("entries", []) if raw else []
+        out.append((source, entries))
+    return out
+
+
+def _parse(source: str, e: dict) -> Collective:
+    name = str(e.get("profiling_name", "?"))
+    backend, _, op = name.partition(":") if ":" in name else ("?", "", name)
+    pg = e.get("process_group")
+    pg_name = pg[1] if isinstance(pg, (tuple, list)) and len(pg) > 1 else ""
+    return Collective(
+        record_id=int(e["record_id"]), source=source, backend=backend, op=op.lower(),
+        sizes=tuple(tuple(s) for s in e.get("input_sizes", ())), dtypes=tuple(e.get("input_dtypes", ())),
+        pg=f"{e.get('pg_id', '?')} {pg_name!r}", thread=str(e.get("thread_id", "?")),
+        time_ns=int(e.get("time_created_ns", 0)))
+
+
+class Recorder:
+    """Reads new flight-recorder entries since the last read (per process; one per rank)."""
+
+    def __init__(self):
+        self._last: dict[str, int] = {}  # source -> highest record_id already returned
+        self.main_thread = str(threading.main_thread().ident)
+
+    def read(self) -> list[Collective]:
+        """Entries recorded since the previous read, oldest first. Raises RecorderError on overflow."""
+        seen, out = set(), []
+        for source, entries in _dumps():
+            last = self._last.get(source, -1)
+            new = [e for e in entries if int(e["record_id"]) > last]
+            if not new:
+                continue
+            first = min(int(e["record_id"]) for e in new)
+            self._last[source] = max(int(e["record_id"]) for e in new)  # the next read starts clean
+            if first > last + 1:
+                raise RecorderError(
+                    f"flight recorder ({source}) lost entries {last + 1}..{first - 1}: its ring of "
+                    f"{os.environ.get('TORCH_FR_BUFFER_SIZE', '?')} entries overflowed between two reads; "
+                    f"raise TORCH_FR_BUFFER_SIZE or read more often")
+            for e in new:
+                # the same entry may come from both dumps on some builds: keep it once
+                key = (e.get("record_id"), e.get("pg_id"), e.get("profiling_name"), e.get("time_created_ns"))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(_parse(source, e))
+        out.sort(key=lambda c: (c.time_ns, c.record_id))
+        return out
+
+    def check_recording(self, issue) -> None:
+        """Self-test: `issue()` makes one collective; the recorder must report it, stamped with the clock
+        the harness marks windows with (time.time_ns())."""
+        self.read()
+        t0 = time.time_ns()
+        issue()
+        t1 = time.time_ns()
+        got = self.read()
+        if not got:
+            raise RecorderError("the c10d flight recorder recorded nothing: set TORCH_FR_BUFFER_SIZE (comm.enable()) "
+                                "before the process group is created")
+        if not all(t0 <= c.time_ns <= t1 for c in got):
+            raise RecorderError(f"flight recorder timestamps {[c.time_ns for c in got]} are not on time.time_ns()'s "
+                                f"clock ([{t0}, {t1}]): entries cannot be attributed to micro-steps")
+
+
+class Windows:
+    """Harness-controlled time marks; `attribute` assigns each entry to the window it was created in."""
+
+    def __init__(self):
+        self.marks: list[tuple[int, object]] = []
+
+    def mark(self, label) -> None:
+        self.marks.append((time.time_ns(), label))
+
+    def attribute(self, entries: list[Collective]) -> dict:
+        """label -> [Collective]; entries before the first mark go to None."""
+        out: dict = {label: [] for _, label in self.marks}
+        times = [t for t, _ in self.marks]
+        import bisect
+
+        for c in entries:
+            i = bisect.bisect_right(times, c.time_ns) - 1
+            out.setdefault(self.marks[i][1] if i >= 0 else None, []).append(c)
+        return out

@@ -1,0 +1,92 @@
+"""Jobs the distributed tests send to rank pools (top-level functions: a pool unpickles them by name)."""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .comm import Windows
+
+
+def probe_counter(ctx) -> dict:
+    """One collective on each path the counter must see; returns window -> [(op, numel, dtypes, kind,
+    pg, off_main_thread)]. Paths: dist.all_reduce, all_reduce_coalesced, the backend object, another
+    thread, a private group, DDP's C++ reducer, a broadcast."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = ctx.device
+    rec, win = ctx.recorder, Windows()
+    rec.read()
+    win.mark("dist.all_reduce")
+    dist.all_reduce(torch.ones(7, device=dev))
+    win.mark("all_reduce_coalesced")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "will be deprecated": still the coalesced path
+        dist.all_reduce_coalesced([torch.ones(3, device=dev), torch.ones(4, device=dev)])
+    win.mark("backend object")
+    dist.group.WORLD._get_backend(dev).allreduce([torch.ones(9, device=dev)]).wait()
+    win.mark("helper thread")
+    th = threading.Thread(target=dist.all_reduce, args=(torch.ones(5, device=dev),), name="helper")
+    th.start()
+    th.join()
+    win.mark("private group")
+    if "private" not in ctx.state:
+        ctx.state["private"] = dist.new_group(list(range(ctx.world)))
+    dist.all_reduce(torch.ones(6, device=dev), group=ctx.state["private"])
+    win.mark("DDP construction")
+    lin = torch.nn.Linear(4, 3).to(dev)  # 15 parameters
+    ddp = DDP(lin, device_ids=[dev] if dev.type == "cuda" else None)
+    win.mark("DDP backward")
+    ddp(torch.ones(2, 4, device=dev)).sum().backward()
+    win.mark("broadcast")
+    dist.broadcast(torch.ones(2, dtype=torch.float64, device=dev), 0)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    win.mark("end")
+    got = win.attribute(rec.read())
+    return {k: [(c.op, c.numel, c.dtypes, c.kind, c.pg, c.thread != rec.main_thread, c.nbytes) for c in v]
+            for k, v in got.items()}
+
+
+def overflow_recorder(ctx, n: int) -> str:
+    """Issue n collectives between two reads; returns the recorder's error (or '' if none)."""
+    from .comm import RecorderError
+
+    ctx.recorder.read()
+    t = torch.ones(1, device=ctx.device)
+    for _ in range(n):
+        dist.all_reduce(t)
+    try:
+        ctx.recorder.read()
+    except RecorderError as e:
+        return str(e)
+    return ""
+
+
+def recorder_reads_clean(ctx) -> int:
+    """After an overflow the recorder carries on: one collective -> one entry."""
+    ctx.recorder.read()
+    dist.all_reduce(torch.ones(1, device=ctx.device))
+    return len(ctx.recorder.read())
+
+
+def raise_on_rank(ctx, bad: int) -> int:
+    if ctx.rank == bad:
+        raise ValueError(f"deliberate failure on rank {bad}")
+    t = torch.ones(1, device=ctx.device)
+    dist.all_reduce(t)  # the others wait for it in a collective ...
+    return int(t.item())  # ... (NCCL returns at once: .item() waits for the result)
+
+
+def sleep(ctx, seconds: float) -> int:
+    time.sleep(seconds)
+    return ctx.rank
+
+
+def whoami(ctx) -> tuple[int, int]:
+    import os
+
+    return ctx.rank, os.getpid()

@@ -1,0 +1,379 @@
+"""Persistent rank pools: `world` worker processes that stay alive across examples.
+
+A cold world-2 spawn + process-group init costs 3–4 s; a job in a warm pool ~16 ms (GUIDE §3). So the
+suite keeps ONE pool per (world, backend) per process (= per pytest-xdist worker) and sends it jobs:
+
+    pool = get_pool(world=2)                      # spawned on first use, reused afterwards
+    results = pool.run(fn, *args)                 # fn(ctx, *args) on every rank; a list by rank
+
+* Start: fresh processes, never forks of the test process. For gloo by default from a multiprocessing
+  forkserver that has imported torch once (a world-4 pool starts in ~0.1 s instead of 9–16 s on a
+  2-core box); NCCL pools use plain spawn (CUDA and forks); XTRAIN_POOL_START=spawn|forkserver.
+* Rendezvous: a FileStore in a fresh `tempfile.mkdtemp()` directory — no ports, so parallel xdist
+  workers never collide.
+* Jobs: a picklable top-level callable + args, sent to each rank over its own duplex pipe as plain
+  `pickle` bytes (torch's multiprocessing reductions would pass tensors by file descriptor, which
+  dies with the sender). Pipes rather than queues: no feeder threads (one cause of unclean gloo
+  teardown), and `multiprocessing.connection.wait` gives one timeout over all ranks.
+* A rank that raises sends its traceback; the job then fails with every rank's traceback (and the
+  stacks of ranks still stuck in a collective), and the pool is replaced.
+* A job that outlives its timeout (XTRAIN_DIST_TIMEOUT seconds, default 120) gets each hung rank's
+  Python stacks via faulthandler (SIGUSR1), the pool is killed, and the job fails with the dumps.
+* No orphans: workers die with their parent (PR_SET_PDEATHSIG on Linux, and EOF on their pipe), the
+  parent closes every pool at exit and on SIGTERM; SIGINT is left to the parent (workers ignore it),
+  whose KeyboardInterrupt unwinds into the same cleanup.
+* Shutdown: barrier, destroy_process_group, os._exit(0) in each worker (0/60 teardown aborts vs 4/65
+  without, GUIDE §3).
+
+Torch is imported lazily: a worker turns the flight recorder on (verify/comm.py) before torch loads.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing import connection
+
+ENV_TIMEOUT = "XTRAIN_DIST_TIMEOUT"
+ENV_BACKEND = "XTRAIN_DIST_BACKEND"
+DEFAULT_TIMEOUT = 120.0
+
+
+ENV_START = "XTRAIN_POOL_START"
+# What the forkserver imports once, so each rank starts in ~0.1 s instead of ~3 s (import torch, and
+# the first optimizer's import of torch._dynamo). The server is single-threaded when it forks.
+PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel"]
+
+
+def start_method(backend: str = "gloo") -> str:
+    """gloo: forkserver (torch preloaded) where available, else spawn. NCCL: spawn — a server that has
+    imported torch might have touched the CUDA runtime, which a forked child cannot use. Override with
+    XTRAIN_POOL_START=spawn|forkserver."""
+    import multiprocessing as mp
+
+    fork_ok = backend != "nccl" and "forkserver" in mp.get_all_start_methods()
+    m = os.environ.get(ENV_START) or ("forkserver" if fork_ok else "spawn")
+    if m not in ("forkserver", "spawn"):
+        raise ValueError(f"{ENV_START} must be forkserver or spawn, got {m!r}")
+    return m
+
+
+def job_timeout() -> float:
+    return float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT)
+
+
+def default_backend() -> str:
+    return os.environ.get(ENV_BACKEND) or "gloo"
+
+
+class DistJobError(AssertionError):
+    """A job failed on some rank (message: every rank's traceback), or hung (message: stack dumps)."""
+
+
+class DistTimeout(DistJobError):
+    pass
+
+
+@dataclass
+class RankContext:
+    """What a job function gets as its first argument, on each rank."""
+
+    rank: int
+    world: int
+    backend: str
+    device: object  # torch.device
+    recorder: object  # verify.comm.Recorder for this process
+    state: dict  # per-worker scratch space that survives across jobs (e.g. a cached private group)
+
+
+# -- the worker (a spawned process) ---------------------------------------------------------------
+
+def _die_with_parent(owner_pid: int) -> None:
+    """SIGKILL this worker when its parent dies (the forkserver, which exits when the owner does, or the
+    owner itself under spawn); exit now if the owner is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    try:
+        os.kill(owner_pid, 0)
+    except ProcessLookupError:
+        os._exit(1)
+
+
+def _release_forkserver_pipe() -> None:
+    """A forkserver child inherits the write end of the server's "owner alive" pipe. Holding it keeps
+    the server alive after the owner dies — and so this worker, whose PDEATHSIG waits for the server."""
+    try:
+        from multiprocessing import forkserver
+
+        fd = forkserver._forkserver._forkserver_alive_fd
+        if fd is not None:
+            forkserver._forkserver._forkserver_alive_fd = None
+            os.close(fd)
+    except (AttributeError, OSError):
+        pass
+
+
+def _worker(rank: int, world: int, backend: str, store_path: str, conn, dump_path: str, threads: int,
+            owner_pid: int) -> None:
+    _release_forkserver_pipe()
+    _die_with_parent(owner_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    import faulthandler
+
+    dump = open(dump_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    from . import comm
+
+    comm.enable(nccl=backend == "nccl")
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # allows deterministic cuBLAS where a job asks
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        device = torch.device("cpu")
+    try:
+        dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=max(600.0, 2 * job_timeout())))
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # first optimizer imports torch._dynamo (~1 s)
+        recorder = comm.Recorder()
+        recorder.check_recording(lambda: dist.all_reduce(torch.zeros(1, device=device)))
+        ctx = RankContext(rank, world, backend, device, recorder, {})
+        conn.send_bytes(pickle.dumps(("ready", os.getpid())))
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+        os._exit(1)
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):  # parent gone
+            os._exit(1)
+        job = pickle.loads(msg)
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            reply = pickle.dumps(("ok", fn(ctx, *args, **kwargs)))
+        except BaseException:
+            reply = pickle.dumps(("err", traceback.format_exc()))
+        conn.send_bytes(reply)
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+        conn.send_bytes(pickle.dumps(("bye", None)))
+    finally:
+        dump.close()
+        os._exit(0)
+
+
+# -- the parent side ------------------------------------------------------------------------------
+
+class RankPool:
+    """`world` spawned ranks in one process group (gloo on CPU, or NCCL with rank r on cuda:r)."""
+
+    def __init__(self, world: int, backend: str | None = None, *, threads: int | None = None,
+                 start_timeout: float | None = None):
+        import multiprocessing as mp
+
+        self.world, self.backend = world, backend or default_backend()
+        self.threads = threads or int(os.environ.get("XTRAIN_TEST_THREADS", "1"))
+        self.dir = tempfile.mkdtemp(prefix=f"xtrain-pool-w{world}-")
+        self.start_method = start_method(self.backend)
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            ctx.set_forkserver_preload(PRELOAD)
+        self.procs, self.conns, self.dumps = [], [], []
+        self.broken = False
+        self.jobs = 0
+        t0 = time.perf_counter()
+        try:
+            for r in range(world):
+                here, there = ctx.Pipe(duplex=True)
+                dump = os.path.join(self.dir, f"stacks-rank{r}.txt")
+                p = ctx.Process(target=_worker, name=f"xtrain-rank{r}-of-{world}", daemon=True,
+                                args=(r, world, self.backend, os.path.join(self.dir, "store"), there, dump,
+                                      self.threads, os.getpid()))
+                p.start()
+                there.close()
+                self.procs.append(p)
+                self.conns.append(here)
+                self.dumps.append(dump)
+            replies = self._collect("start-up", start_timeout or max(180.0, job_timeout()))
+        except BaseException:
+            self.kill()
+            raise
+        self.pids = replies
+        self.startup_s = time.perf_counter() - t0
+
+    @property
+    def alive(self) -> bool:
+        return not self.broken and all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """fn(ctx, *args, **kwargs) on every rank; returns the results by rank, or raises DistJobError."""
+        if not self.alive:
+            raise DistJobError(f"pool of world {self.world} is not usable (a previous job failed or hung)")
+        payload = pickle.dumps((fn, args, kwargs))
+        try:
+            for c in self.conns:
+                c.send_bytes(payload)
+            results = self._collect(getattr(fn, "__qualname__", repr(fn)), timeout or job_timeout())
+        except BaseException:
+            self.kill()  # KeyboardInterrupt included: ranks may be mid-collective
+            raise
+        self.jobs += 1
+        return results
+
+    def _collect(self, what: str, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        got: dict[int, tuple] = {}
+        pending = {c: r for r, c in enumerate(self.conns)}
+        first_err = None
+        while pending:
+            now = time.monotonic()
+            if first_err is not None:  # one rank failed: the others get a short grace, then are dumped
+                limit = min(deadline, first_err + 3.0)
+            else:
+                limit = deadline
+            ready = connection.wait(list(pending), timeout=max(0.0, limit - now))
+            if not ready:
+                break
+            for c in ready:
+                r = pending.pop(c)
+                try:
+                    got[r] = pickle.loads(c.recv_bytes())
+                except (EOFError, OSError):
+                    code = self.procs[r].exitcode
+                    got[r] = ("err", f"rank {r} died (exit code {code}) without a reply")
+                if got[r][0] == "err" and first_err is None:
+                    first_err = time.monotonic()
+        errors = {r: v for r, (k, v) in sorted(got.items()) if k == "err"}
+        if not pending and not errors:
+            return [got[r][1] for r in range(self.world)]
+        # Failure: collect stacks of ranks that never answered, then replace the pool.
+        stuck = sorted(pending.values())
+        stacks = self._stacks(stuck)
+        self.kill()
+        parts = []
+        for r, tb in errors.items():
+            parts.append(f"--- rank {r} raised:\n{tb.rstrip()}")
+        for r in stuck:
+            parts.append(f"--- rank {r} did not finish; its Python stacks:\n{stacks.get(r, '(no dump)').rstrip()}")
+        if errors:
+            head = f"{what} failed on rank(s) {sorted(errors)} of world {self.world}"
+            raise DistJobError(head + "\n" + "\n".join(parts))
+        raise DistTimeout(f"{what} timed out after {timeout:.0f} s ({ENV_TIMEOUT} overrides) in a pool of world "
+                          f"{self.world} ({self.backend}); rank(s) {stuck} hung\n" + "\n".join(parts))
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        if not ranks:
+            return {}
+        sizes = {}
+        for r in ranks:
+            try:
+                sizes[r] = os.path.getsize(self.dumps[r])
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(1.0)  # faulthandler writes from a signal handler; give it a moment
+        out = {}
+        for r in sizes:
+            try:
+                with open(self.dumps[r]) as f:
+                    f.seek(sizes[r])
+                    out[r] = f.read()
+            except OSError:
+                pass
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Graceful: each rank barriers, destroys its group and exits 0; stragglers are killed."""
+        if self.alive:
+            try:
+                for c in self.conns:
+                    c.send_bytes(pickle.dumps(None))
+                deadline = time.monotonic() + timeout
+                for p in self.procs:
+                    p.join(max(0.0, deadline - time.monotonic()))
+            except (OSError, EOFError):
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        self.broken = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+        for c in self.conns:
+            c.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_POOLS: dict[tuple[int, str], RankPool] = {}
+_LOCK = threading.Lock()
+
+
+def get_pool(world: int, backend: str | None = None) -> RankPool:
+    """This process's pool for (world, backend), spawned on first use and replaced if it broke."""
+    key = (world, backend or default_backend())
+    with _LOCK:
+        pool = _POOLS.get(key)
+        if pool is None or not pool.alive:
+            if pool is not None:
+                pool.kill()
+            _install_sigterm()
+            pool = _POOLS[key] = RankPool(world, key[1])
+        return pool
+
+
+def close_all() -> None:
+    while _POOLS:
+        _, pool = _POOLS.popitem()
+        try:
+            pool.close()
+        except BaseException:
+            pool.kill()
+
+
+atexit.register(close_all)
+_SIGTERM_INSTALLED = False
+
+
+def _install_sigterm() -> None:
+    """On SIGTERM close the pools, then die of SIGTERM as before (only if nobody else handles it)."""
+    global _SIGTERM_INSTALLED
+    if _SIGTERM_INSTALLED or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return
+
+    def on_term(signum, frame):
+        for pool in list(_POOLS.values()):
+            pool.kill()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
+    _SIGTERM_INSTALLED = True

@@ -1,0 +1,99 @@
+"""Rank pools (verify/pool.py): warm reuse, a failing rank's traceback, a hung job's stack dumps and
+timeout, and no orphan processes whatever way the owner ends."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from . import dist_jobs
+from .pool import DistJobError, DistTimeout, RankPool, get_pool
+
+pytestmark = pytest.mark.distributed
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids, seconds=15.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = [p for p in pids if not _gone(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+def test_pool_is_reused_warm():
+    pool = get_pool(2)
+    first = pool.run(dist_jobs.whoami)
+    again = get_pool(2).run(dist_jobs.whoami)
+    assert first == again and [r for r, _ in first] == [0, 1]
+
+
+def test_failing_rank_traceback_in_the_error():
+    pool = RankPool(2)
+    with pytest.raises(DistJobError) as e:
+        pool.run(dist_jobs.raise_on_rank, 1)
+    msg = str(e.value)
+    assert "raise_on_rank failed on rank(s) [1] of world 2" in msg
+    assert "ValueError: deliberate failure on rank 1" in msg and "Traceback" in msg
+    # rank 0 was left waiting in the all_reduce: its stack says so
+    assert "rank 0 did not finish" in msg and "in raise_on_rank" in msg, msg
+    assert not pool.alive and _wait_gone(pool.pids) == []
+
+
+def test_hung_job_times_out_with_stack_dumps(monkeypatch):
+    monkeypatch.setenv("XTRAIN_DIST_TIMEOUT", "2")
+    pool = RankPool(2)
+    t0 = time.monotonic()
+    with pytest.raises(DistTimeout) as e:
+        pool.run(dist_jobs.sleep, 60)
+    assert time.monotonic() - t0 < 20
+    msg = str(e.value)
+    assert "timed out after 2 s (XTRAIN_DIST_TIMEOUT overrides)" in msg and "rank(s) [0, 1] hung" in msg
+    assert msg.count('dist_jobs.py", line') >= 2 and "in sleep" in msg, msg  # each rank's Python stack
+    assert not pool.alive and _wait_gone(pool.pids) == []
+
+
+OWNER = """
+import sys
+sys.path.insert(0, {root!r})
+from verify import dist_jobs
+from verify.pool import get_pool
+pool = get_pool(2)
+print(*pool.pids, flush=True)
+pool.run(dist_jobs.sleep, 120)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_no_orphans_when_the_owner_ends(sig):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it), SIGTERM, even SIGKILL of the
+    owner: every rank process is gone within seconds."""
+    p = subprocess.Popen([sys.executable, "-c", OWNER.format(root=ROOT)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = p.stdout.readline()
+        pids = [int(x) for x in line.split()]
+        assert len(pids) == 2, (line, p.stderr.read() if p.poll() is not None else "")
+        time.sleep(0.5)  # the job is running
+        if sig == signal.SIGINT:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
+        p.wait(30)
+        assert _wait_gone(pids) == [], f"orphans after {sig.name}: {pids}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()

@@ -1,0 +1,288 @@
+"""Data-parallel gradient accumulation: micro-steps stay local, ONE all-reduce round at the boundary.
+
+World W ranks; each runs N micro-steps of B_local sequences (rank r's shard of each global micro-batch):
+
+    for micro in 0..N-1:
+        sync = micro == N - 1                  # THE gate: micro-steps 0..N-2 never communicate
+        loss = model.loss_batched(x, y)        # CE mean over B_local·S rows
+        (loss * (1/N)).backward()              # p.grad are views into `flat`: they SUM locally
+        # sync only: as the last backward fills each bucket (a contiguous slice of `flat`), a hook
+        # launches all_reduce(SUM) on it, so communication overlaps the rest of the backward
+    flat[:P] /= W                              # Σ_ranks Σ_local/(N·B_local·S) / W = mean over N·W·B_local
+    clip (pre-scale 1.0); AdamW; LR schedule; flat.zero_()
+
+`flat` (1-D, the params' dtype, P+2 elements):  [ grads, last-registered param first | Σ raw·B_local, N·B_local ]
+The two loss slots ride in the last bucket, so the step loss Σ_ranks(Σ raw·B_local) / Σ_ranks(N·B_local)
+costs no collective of its own. Every p.grad is a view into `flat` (like DDP's gradient_as_bucket_view):
+autograd accumulates into it in place, so there are zero copies and zero_grad is one memset.
+
+W == 1 has nobody to talk to: no hooks fire, no collective, no /W, and the loss is Σ raw / N, so the
+path is AccumTrainer's (same kernels, bit-identical; verify/test_distributed.py proves it).
+
+`TorchDDPTrainer` is the same schedule on torch's DistributedDataParallel with `no_sync()` around the
+forward AND backward of micro-steps 0..N-2: the ecosystem's standard, driven by the same harness.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import OptimConfig
+from .trainer import clip, make_optimizer
+
+IMPLS = ("xtrain", "torch")
+
+
+def _check_accum(accum_steps) -> None:
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps must be an integer ≥ 1, got {accum_steps!r}")
+
+
+def _rank0(group) -> int:
+    """Global rank of the group's rank 0 (the broadcast source)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+class _Schedule:
+    """The micro-step bookkeeping both trainers share: order checks and the local loss sums."""
+
+    def _start(self, accum_steps: int) -> None:
+        _check_accum(accum_steps)
+        self.accum_steps = accum_steps
+        self._next_micro = 0
+        self._loss_sum = None  # Σ raw micro losses (on device, no host sync)
+        self._loss_rows = None  # Σ raw micro loss · B_local: this rank's share of the global mean
+        self._rows = 0  # Σ B_local over micro-steps = N·B_local
+
+    def _enter(self, micro: int) -> None:
+        if micro != self._next_micro:
+            raise RuntimeError(f"micro_step called with micro={micro}, expected {self._next_micro} of {self.accum_steps}")
+
+    def _account(self, raw: torch.Tensor, rows: int, micro: int) -> None:
+        self._loss_sum = raw if micro == 0 else self._loss_sum + raw
+        self._loss_rows = raw * rows if micro == 0 else self._loss_rows + raw * rows
+        self._rows = rows if micro == 0 else self._rows + rows
+        self._next_micro = micro + 1
+
+    def _require_boundary(self, what: str) -> None:
+        if self._next_micro != self.accum_steps:
+            raise RuntimeError(f"{what}() before the boundary: ran {self._next_micro} of {self.accum_steps} micro-steps")
+
+    def _reset(self) -> None:
+        self._loss_sum = self._loss_rows = None
+        self._rows, self._next_micro = 0, 0
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach() for k, p in self.model.named_parameters()}
+
+    def train_step(self, micro_batches) -> torch.Tensor:
+        """micro_batches: N pairs (idx, targets), each (B_local, S): this rank's shards."""
+        if len(micro_batches) != self.accum_steps:
+            raise ValueError(f"expected {self.accum_steps} micro-batches, got {len(micro_batches)}")
+        for i, (x, y) in enumerate(micro_batches):
+            self.micro_step(x, y, i)
+        return self.optimizer_step()
+
+
+class DistAccumTrainer(_Schedule):
+    """xtrain's data-parallel accumulation (see the module docstring). `group`: None = the default group."""
+
+    def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None,
+                 bucket_mb: float = 25.0):
+        self._start(accum_steps)
+        self.model, self.cfg, self.group = model, optim, group
+        self.world = dist.get_world_size(group)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if len({(p.dtype, p.device) for p in params}) != 1:
+            raise ValueError("DistAccumTrainer needs every parameter on one device in one dtype")
+        # Backward produces grads roughly in reverse registration order (head first, embeddings last):
+        # laying `flat` out that way makes each bucket fill up in one piece during the last backward.
+        order = params[::-1]
+        self.numel = sum(p.numel() for p in order)  # P
+        self.flat = torch.zeros(self.numel + 2, dtype=params[0].dtype, device=params[0].device)
+        views, o = [], 0
+        for p in order:
+            views.append(self.flat[o:o + p.numel()].view_as(p))
+            o += p.numel()
+        if self.world > 1:  # every rank starts from rank 0's parameters: stage them in `flat`, one broadcast
+            for p, v in zip(order, views):
+                v.copy_(p.detach())
+            dist.broadcast(self.flat, src=_rank0(group), group=group)
+            with torch.no_grad():
+                for p, v in zip(order, views):
+                    p.copy_(v)
+            self.flat.zero_()
+        # Buckets: contiguous slices of `flat`, cut at parameter edges once ≥ bucket_mb; the last one
+        # also carries the two loss slots. A hook per parameter counts the bucket's grads in.
+        cap = max(1, int(bucket_mb * 2**20 / self.flat.element_size()))
+        self.buckets: list[tuple[int, int]] = []  # [start, end) in elements of `flat`
+        bucket_of, start, o = [], 0, 0
+        for p in order:
+            bucket_of.append(len(self.buckets))
+            o += p.numel()
+            if o - start >= cap:
+                self.buckets.append((start, o))
+                start = o
+        if start < o or not self.buckets:
+            self.buckets.append((start, o))
+        self.buckets[-1] = (self.buckets[-1][0], self.numel + 2)
+        self._members = [bucket_of.count(b) for b in range(len(self.buckets))]
+        for p, v, b in zip(order, views, bucket_of):
+            p.grad = v  # autograd now accumulates straight into `flat`
+            p.register_post_accumulate_grad_hook(self._make_hook(b, v.data_ptr()))
+        self._sync = False
+        self._works: list = []
+        self.opt, self.sched = make_optimizer(model, optim)
+
+    # -- the boundary collective, overlapped with the last backward --------------------------------
+    def _make_hook(self, bucket: int, ptr: int):
+        def ready(p: torch.Tensor) -> None:  # runs after autograd accumulated into p.grad
+            if not self._sync:
+                return
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                raise RuntimeError("a parameter's .grad is no longer its view into the trainer's flat buffer "
+                                   "(model.zero_grad()/optimizer.zero_grad() set it to None?): the trainer owns the grads")
+            self._left[bucket] -= 1
+            self._launch_ready()
+        return ready
+
+    def _launch_ready(self) -> None:
+        # Strictly in bucket order, so every rank issues the same sequence of collectives.
+        while self._next_bucket < len(self.buckets) and self._left[self._next_bucket] == 0:
+            s, e = self.buckets[self._next_bucket]
+            self._works.append(dist.all_reduce(self.flat[s:e], op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+            self._next_bucket += 1
+
+    # -- micro-steps ----------------------------------------------------------------------------
+    def micro_step(self, idx: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
+        self._enter(micro)
+        n = self.accum_steps
+        sync = self.world > 1 and micro == n - 1  # the only line that decides to communicate
+        loss = self.model.loss_batched(idx, targets)  # (B_local, S) -> scalar mean
+        self._account(loss.detach(), idx.shape[0], micro)
+        if sync:
+            self.flat[-2].copy_(self._loss_rows)  # Σ raw·B_local, reduced with the grads
+            self.flat[-1].fill_(self._rows)  # N·B_local
+            self._left, self._next_bucket, self._works = list(self._members), 0, []
+        self._sync = sync
+        try:
+            (loss if n == 1 else loss * (1.0 / n)).backward()  # N == 1: no scale at all (plain graph)
+        finally:
+            self._sync = False
+        if sync:
+            self._finish_boundary()
+
+    def _finish_boundary(self) -> None:
+        for b in range(self._next_bucket, len(self.buckets)):
+            self._left[b] = 0  # buckets holding parameters the graph did not use
+        self._launch_ready()
+        for w in self._works:
+            w.wait()
+        self._works = []
+        self.flat[:self.numel].div_(self.world)  # SUM over ranks -> mean over the global batch
+
+    # -- the boundary ---------------------------------------------------------------------------
+    def grads(self) -> dict[str, torch.Tensor]:
+        self._require_boundary("grads")
+        return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, step, schedule, zero. Returns the step loss: the mean CE over the global effective batch."""
+        self._require_boundary("optimizer_step")
+        clip(self.model, self.cfg)
+        self.opt.step()
+        self.sched.step()
+        n = self.accum_steps
+        if self.world == 1:
+            loss = self._loss_sum if n == 1 else self._loss_sum / n  # AccumTrainer's arithmetic
+        else:
+            loss = self.flat[-2] / self.flat[-1]  # Σ_ranks Σ raw·B_local / (N·B_global): a new tensor
+        self.flat.zero_()  # zero_grad: the grads are views, so one memset (never set them to None)
+        self._reset()
+        return loss
+
+
+class TorchDDPTrainer(_Schedule):
+    """torch DistributedDataParallel; `no_sync()` wraps forward+backward of micro-steps 0..N-2.
+
+    DDP decides at FORWARD whether the coming backward all-reduces (it arms its reducer there), so the
+    context must cover the forward: wrapping only backward syncs every micro-step. The step loss needs
+    one extra 2-element all-reduce at the boundary (DDP's buckets carry gradients only).
+    """
+
+    def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self._start(accum_steps)
+        self.model, self.cfg, self.group = model, optim, group
+        dev = next(model.parameters()).device
+        # gradient_as_bucket_view: grads live in DDP's buckets, as in the anchor measurement
+        self.ddp = DDP(model, process_group=group, device_ids=[dev] if dev.type == "cuda" else None,
+                       gradient_as_bucket_view=True)
+        self.opt, self.sched = make_optimizer(model, optim)
+
+    def micro_step(self, idx: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
+        self._enter(micro)
+        n = self.accum_steps
+        sync = micro == n - 1
+        with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            logits = self.ddp(idx)  # through the wrapper: this forward arms (or not) the reducer
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # = loss_batched
+            (loss if n == 1 else loss * (1.0 / n)).backward()
+        self._account(loss.detach(), idx.shape[0], micro)
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        self._require_boundary("grads")
+        return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
+
+    def optimizer_step(self) -> torch.Tensor:
+        self._require_boundary("optimizer_step")
+        clip(self.model, self.cfg)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        t = torch.stack([self._loss_rows, self._loss_rows.new_tensor(float(self._rows))])
+        dist.all_reduce(t, group=self.group)  # [Σ_ranks Σ raw·B_local, N·B_global]
+        self._reset()
+        return t[0] / t[1]
+
+
+def make_trainer(impl: str, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None):
+    """--ddp-impl xtrain|torch -> a trainer over `group` (None: the default group)."""
+    if impl == "xtrain":
+        return DistAccumTrainer(model, optim, accum_steps, group=group)
+    if impl == "torch":
+        return TorchDDPTrainer(model, optim, accum_steps, group=group)
+    raise ValueError(f"ddp impl must be one of {IMPLS}, got {impl!r}")
+
+
+# -- launch ----------------------------------------------------------------------------------------
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world, local_rank) when launched by torchrun (its RANK/WORLD_SIZE/LOCAL_RANK env), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def shard(idx: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: int, world: int):
+    """One global step batch (N·W·B_local, S) -> this rank's N micro-batches of (B_local, S).
+
+    Global micro-batch n is rows [n·W·B_local, (n+1)·W·B_local) (the single-process split into N),
+    and rank r takes its B_local rows [r·B_local, (r+1)·B_local) of it: over all ranks and micro-steps
+    the union is exactly the single-process big batch, in the same order.
+    """
+    rows = idx.shape[0]
+    if rows % (accum_steps * world):
+        raise ValueError(f"batch of {rows} sequences does not split into {accum_steps} micro-steps × {world} ranks")
+    b = rows // (accum_steps * world)
+    out = []
+    for n in range(accum_steps):
+        lo = (n * world + rank) * b
+        out.append((idx[lo:lo + b], targets[lo:lo + b]))
+    return out
