@@ -33,14 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import OptimConfig
-from .trainer import clip, make_optimizer
+from .trainer import MicroSchedule, check_accum_steps, clip, make_optimizer
 
 IMPLS = ("xtrain", "torch")
-
-
-def _check_accum(accum_steps) -> None:
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps must be an integer ≥ 1, got {accum_steps!r}")
 
 
 def _rank0(group) -> int:
@@ -48,20 +43,16 @@ def _rank0(group) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-class _Schedule:
-    """The micro-step bookkeeping both trainers share: order checks and the local loss sums."""
+class _Schedule(MicroSchedule):
+    """The data-parallel trainers' loss bookkeeping: local sums and this rank's share of the global mean."""
 
     def _start(self, accum_steps: int) -> None:
-        _check_accum(accum_steps)
+        check_accum_steps(accum_steps)
         self.accum_steps = accum_steps
         self._next_micro = 0
         self._loss_sum = None  # Σ raw micro losses (on device, no host sync)
         self._loss_rows = None  # Σ raw micro loss · B_local: this rank's share of the global mean
         self._rows = 0  # Σ B_local over micro-steps = N·B_local
-
-    def _enter(self, micro: int) -> None:
-        if micro != self._next_micro:
-            raise RuntimeError(f"micro_step called with micro={micro}, expected {self._next_micro} of {self.accum_steps}")
 
     def _account(self, raw: torch.Tensor, rows: int, micro: int) -> None:
         self._loss_sum = raw if micro == 0 else self._loss_sum + raw
@@ -69,24 +60,9 @@ class _Schedule:
         self._rows = rows if micro == 0 else self._rows + rows
         self._next_micro = micro + 1
 
-    def _require_boundary(self, what: str) -> None:
-        if self._next_micro != self.accum_steps:
-            raise RuntimeError(f"{what}() before the boundary: ran {self._next_micro} of {self.accum_steps} micro-steps")
-
     def _reset(self) -> None:
         self._loss_sum = self._loss_rows = None
         self._rows, self._next_micro = 0, 0
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return {k: p.detach() for k, p in self.model.named_parameters()}
-
-    def train_step(self, micro_batches) -> torch.Tensor:
-        """micro_batches: N pairs (idx, targets), each (B_local, S): this rank's shards."""
-        if len(micro_batches) != self.accum_steps:
-            raise ValueError(f"expected {self.accum_steps} micro-batches, got {len(micro_batches)}")
-        for i, (x, y) in enumerate(micro_batches):
-            self.micro_step(x, y, i)
-        return self.optimizer_step()
 
 
 class DistAccumTrainer(_Schedule):

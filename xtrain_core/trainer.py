@@ -52,12 +52,42 @@ def plain_step(model, opt, sched, cfg: OptimConfig, idx, targets) -> torch.Tenso
     return loss.detach()
 
 
-class AccumTrainer:
+def check_accum_steps(accum_steps) -> None:
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps must be an integer ≥ 1, got {accum_steps!r}")
+
+
+class MicroSchedule:
+    """What every trainer here shares: micro-step order checks, params(), train_step()."""
+
+    accum_steps: int
+    _next_micro: int
+
+    def _enter(self, micro: int) -> None:
+        if micro != self._next_micro:
+            raise RuntimeError(f"micro_step called with micro={micro}, expected {self._next_micro} of {self.accum_steps}")
+
+    def _require_boundary(self, what: str) -> None:
+        if self._next_micro != self.accum_steps:
+            raise RuntimeError(f"{what}() before the boundary: ran {self._next_micro} of {self.accum_steps} micro-steps")
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach() for k, p in self.model.named_parameters()}
+
+    def train_step(self, micro_batches) -> torch.Tensor:
+        """micro_batches: N pairs (idx, targets), each (B, S) (this rank's shards under data parallel)."""
+        if len(micro_batches) != self.accum_steps:
+            raise ValueError(f"expected {self.accum_steps} micro-batches, got {len(micro_batches)}")
+        for i, (x, y) in enumerate(micro_batches):
+            self.micro_step(x, y, i)
+        return self.optimizer_step()
+
+
+class AccumTrainer(MicroSchedule):
     """Single-process gradient accumulation over `accum_steps` micro-steps."""
 
     def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int):
-        if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-            raise ValueError(f"accum_steps must be an integer ≥ 1, got {accum_steps!r}")
+        check_accum_steps(accum_steps)
         self.model, self.cfg, self.accum_steps = model, optim, accum_steps
         self.opt, self.sched = make_optimizer(model, optim)
         self._loss_sum: torch.Tensor | None = None  # Σ raw micro losses, on device (no host sync)
@@ -66,8 +96,7 @@ class AccumTrainer:
     # -- micro-steps --------------------------------------------------------------------------
     def micro_step(self, idx: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
         n = self.accum_steps
-        if micro != self._next_micro:
-            raise RuntimeError(f"micro_step called with micro={micro}, expected {self._next_micro} of {n}")
+        self._enter(micro)
         loss = self.model.loss_batched(idx, targets)
         raw = loss.detach()
         self._loss_sum = raw if micro == 0 else self._loss_sum + raw
@@ -90,18 +119,3 @@ class AccumTrainer:
         n, s = self.accum_steps, self._loss_sum
         self._loss_sum, self._next_micro = None, 0
         return s if n == 1 else s / n
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return {k: p.detach() for k, p in self.model.named_parameters()}
-
-    def train_step(self, micro_batches) -> torch.Tensor:
-        """micro_batches: N pairs (idx, targets), each (B, S)."""
-        if len(micro_batches) != self.accum_steps:
-            raise ValueError(f"expected {self.accum_steps} micro-batches, got {len(micro_batches)}")
-        for i, (x, y) in enumerate(micro_batches):
-            self.micro_step(x, y, i)
-        return self.optimizer_step()
-
-    def _require_boundary(self, what: str) -> None:
-        if self._next_micro != self.accum_steps:
-            raise RuntimeError(f"{what}() before the boundary: ran {self._next_micro} of {self.accum_steps} micro-steps")
