@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import OptimConfig
-from .trainer import MicroSchedule, check_accum_steps, clip, make_optimizer
+from .trainer import MicroSchedule, check_accum_steps, make_optimizer
 
 IMPLS = ("xtrain", "torch")
 
@@ -163,16 +163,9 @@ class DistAccumTrainer(_Schedule):
         self.flat[:self.numel].div_(self.world)  # SUM over ranks -> mean over the global batch
 
     # -- the boundary ---------------------------------------------------------------------------
-    def grads(self) -> dict[str, torch.Tensor]:
-        self._require_boundary("grads")
-        return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
-
     def optimizer_step(self) -> torch.Tensor:
         """Clip, step, schedule, zero. Returns the step loss: the mean CE over the global effective batch."""
-        self._require_boundary("optimizer_step")
-        clip(self.model, self.cfg)
-        self.opt.step()
-        self.sched.step()
+        self._update()
         n = self.accum_steps
         if self.world == 1:
             loss = self._loss_sum if n == 1 else self._loss_sum / n  # AccumTrainer's arithmetic
@@ -212,15 +205,8 @@ class TorchDDPTrainer(_Schedule):
             (loss if n == 1 else loss * (1.0 / n)).backward()
         self._account(loss.detach(), idx.shape[0], micro)
 
-    def grads(self) -> dict[str, torch.Tensor]:
-        self._require_boundary("grads")
-        return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
-
     def optimizer_step(self) -> torch.Tensor:
-        self._require_boundary("optimizer_step")
-        clip(self.model, self.cfg)
-        self.opt.step()
-        self.sched.step()
+        self._update()
         self.opt.zero_grad(set_to_none=True)
         t = torch.stack([self._loss_rows, self._loss_rows.new_tensor(float(self._rows))])
         dist.all_reduce(t, group=self.group)  # [Σ_ranks Σ raw·B_local, N·B_global]

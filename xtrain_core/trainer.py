@@ -74,6 +74,17 @@ class MicroSchedule:
     def params(self) -> dict[str, torch.Tensor]:
         return {k: p.detach() for k, p in self.model.named_parameters()}
 
+    def grads(self) -> dict[str, torch.Tensor]:
+        self._require_boundary("grads")
+        return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
+
+    def _update(self) -> None:
+        """The boundary's one update: clip the mean gradient, AdamW, LR schedule (never per micro-step)."""
+        self._require_boundary("optimizer_step")
+        clip(self.model, self.cfg)
+        self.opt.step()
+        self.sched.step()
+
     def train_step(self, micro_batches) -> torch.Tensor:
         """micro_batches: N pairs (idx, targets), each (B, S) (this rank's shards under data parallel)."""
         if len(micro_batches) != self.accum_steps:
@@ -105,16 +116,9 @@ class AccumTrainer(MicroSchedule):
         self._next_micro = micro + 1
 
     # -- the boundary -------------------------------------------------------------------------
-    def grads(self) -> dict[str, torch.Tensor]:
-        self._require_boundary("grads")
-        return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
-
     def optimizer_step(self) -> torch.Tensor:
         """Clip, step, schedule, zero. Returns the step loss: mean of the N raw micro losses."""
-        self._require_boundary("optimizer_step")
-        clip(self.model, self.cfg)
-        self.opt.step()
-        self.sched.step()
+        self._update()
         self.opt.zero_grad(set_to_none=True)
         n, s = self.accum_steps, self._loss_sum
         self._loss_sum, self._next_micro = None, 0
