@@ -27,11 +27,14 @@ def utc_now() -> str:
 
 def machine_info(device=None) -> dict:
     info = dict(python=platform.python_version(), platform=platform.platform(), cpu_count=os.cpu_count(),
-                torch=torch.__version__, cuda=torch.version.cuda, threads=torch.get_num_threads())
+                torch=torch.__version__, cuda=torch.version.cuda, threads=torch.get_num_threads(),
+                load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None)  # the box may be shared
     if device is not None and torch.device(device).type == "cuda":
         dev = torch.device(device)
         info["gpu"] = torch.cuda.get_device_name(dev)
         info["gpu_count"] = torch.cuda.device_count()
+        v = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+        info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else (str(v) if v else None)
         try:
             import pynvml
 

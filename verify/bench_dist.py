@@ -10,55 +10,32 @@ TF32 off), N=4, B=8 per rank; plus the collectives the flight recorder counts pe
 
     python -m torch.distributed.run --standalone --nproc-per-node W -m verify.bench_dist --device cuda --out DIR
 
-Both write JSON (machine_info, commit_info, datetime, version, results) and print a table.
+Both write JSON (schema_version, machine_info, git_commit, utc, results; written atomically) and print a table.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
-VERSION = 1
-
 
 def _meta() -> dict:
+    """The common report header (verify/_meta.py): schema_version, machine_info, git commit, UTC time."""
     import torch
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from ._meta import header
 
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    gpu = {}
-    if torch.cuda.is_available():
-        v = torch.cuda.nccl.version()
-        gpu = dict(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(), cuda=torch.version.cuda,
-                   nccl=".".join(map(str, v)) if isinstance(v, tuple) else str(v))
-    return dict(
-        version=VERSION,
-        datetime=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        machine_info=dict(node=platform.node(), python=platform.python_version(), torch=torch.__version__,
-                          cpu_count=os.cpu_count(), machine=platform.machine(), system=platform.system(),
-                          load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None, **gpu),
-        commit_info=dict(id=git("rev-parse", "HEAD"), branch=git("rev-parse", "--abbrev-ref", "HEAD"),
-                         dirty=bool(git("status", "--porcelain"))),
-    )
+    return header("bench_dist", "cuda" if torch.cuda.is_available() else None)
 
 
 def _write(out_dir: str, name: str, payload: dict) -> str:
-    os.makedirs(out_dir, exist_ok=True)
+    from ._meta import atomic_write
+
     path = os.path.join(out_dir, name)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
+    atomic_write(path, json.dumps(payload, indent=1, default=str))
     return path
 
 
