@@ -10,6 +10,17 @@ import tempfile
 import torch
 
 
+def fp32_only() -> None:
+    """TF32 off for matmuls and convolutions: every GPU measurement and gate here means true fp32, as the
+    anchor measured it. (Newer torch prefers fp32_precision and may warn; the effect is the same.)"""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def git_commit() -> str | None:
     """HEAD's sha; XTRAIN_GIT_COMMIT wins (device machines receive the tree without .git)."""
     if os.environ.get("XTRAIN_GIT_COMMIT"):

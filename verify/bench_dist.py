@@ -163,6 +163,7 @@ def _pool_row(r: dict) -> str:
 
 def steps_mode(args) -> dict | None:
     from . import comm
+    from ._meta import fp32_only
 
     comm.enable(nccl=args.device == "cuda")  # before the process group: the flight recorder counts collectives
     import torch
@@ -178,8 +179,7 @@ def steps_mode(args) -> dict | None:
     if cuda:
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        fp32_only()
     else:
         dev = torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -22,7 +22,7 @@ from xtrain_core.model import build_model
 from xtrain_core.trainer import AccumTrainer
 
 from . import _anchor
-from ._meta import atomic_write, header
+from ._meta import atomic_write, fp32_only, header
 
 
 def _sync(dev):
@@ -86,8 +86,7 @@ def main(argv=None):
             raise UsageError(f"--configs must look like 1x32,4x8 (N x B, each ≥ 1), got {a.configs!r}")
     except UsageError as e:
         fail(str(e))
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    fp32_only()
     rows = []
     print(f"{'N':>3} {'B':>3} {'anchor ms':>10} {'xtrain ms':>10} {'ratio':>6} {'tok/s':>9}", flush=True)
     for N, B in configs:

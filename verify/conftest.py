@@ -23,8 +23,9 @@ if os.environ.get("XTRAIN_TEST_DEVICE", "cpu").startswith("cuda"):
     # Bit-exact gates need run-to-run determinism on the GPU; TF32 off so fp32 means fp32.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    from ._meta import fp32_only
+
+    fp32_only()
 
 # CPU results depend on the intra-op thread count (GUIDE §3): reference and candidate run in the same
 # process, and one thread per xdist worker keeps 2-core CI boxes from oversubscribing.

@@ -272,15 +272,11 @@ class GpuRunner:
     def __init__(self, plan: Plan):
         import torch
 
+        from ._meta import fp32_only
         from .memprobe import NvmlSampler, ProbeUnavailable, resolve_trainer
 
-        import warnings
-
         torch.cuda.set_device(plan.device)
-        with warnings.catch_warnings():  # newer torch prefers fp32_precision and may warn; the effect is the same
-            warnings.simplefilter("ignore")
-            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as the anchor measured it
-            torch.backends.cudnn.allow_tf32 = False
+        fp32_only()  # fp32 as the anchor measured it
         self.plan, self.factory = plan, resolve_trainer(plan.trainer)
         try:
             self.nvml, self.nvml_reason = NvmlSampler.open([plan.device], period=0.002), None

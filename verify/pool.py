@@ -137,7 +137,8 @@ def _worker(rank: int, world: int, backend: str, store_path: str, conn, dump_pat
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     from . import comm
 
-    comm.enable(nccl=backend == "nccl")
+    comm.enable(nccl=backend == "nccl")  # before torch.distributed sets up its recorder
+    from ._meta import fp32_only
     import datetime
 
     import torch
@@ -148,8 +149,7 @@ def _worker(rank: int, world: int, backend: str, store_path: str, conn, dump_pat
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # allows deterministic cuBLAS where a job asks
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        fp32_only()
     else:
         device = torch.device("cpu")
     try:

@@ -28,7 +28,3 @@ def merge(into: dict, blob: str) -> None:
         t["examples"] += s["examples"]
         if s["worst_ratio"] > t["worst_ratio"]:
             t["worst_ratio"], t["worst"] = s["worst_ratio"], s["worst"]
-
-
-def local() -> dict:
-    return _STATS
