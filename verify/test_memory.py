@@ -179,6 +179,16 @@ def test_invariants_rank_names_and_errors():
     assert v["a2"]["status"] == "INCONCLUSIVE" and "N=1,B=8 failed to run: CUDA out of memory" in v["a2"]["rows"][0]
 
 
+def test_leaving_n1_may_add_exactly_the_gradient_buffers():
+    """Seen on an H200 (small model, S=64, E=4): peak(N=2,B=2) rose above peak(N=1,B=4) by about the
+    gradient buffers, which live across micro-steps. That is correct accumulation, not growth; more is."""
+    held = {**GOOD, (1, 8): 30, (2, 4): 39, (4, 2): 39.5, (8, 1): 40}  # activations ≪ 10 MiB of gradients
+    assert _status([_rows(held)])["a1"]["status"] == "PASS"
+    more = _status([_rows({**held, (2, 4): 45})])["a1"]  # 15 MiB > 10 MiB of gradients + 4 MiB tolerance
+    assert more["status"] == "FAIL" and more["rows"] == [
+        "N=2,B=4 peak 45.0 MiB > N=1,B=8 peak 30.0 MiB + gradient buffers 10.0 MiB + tolerance 4.0 MiB"]
+
+
 def test_unmeasurable_activations_are_inconclusive_not_pass():
     tiny = {(1, 2): 21, (2, 1): 20, (1, 1): 18}
     v = _status([_rows(tiny)], E=2)
