@@ -1,0 +1,63 @@
+"""verify: prove a trainer's gradient accumulation — anyone's, of any model.
+
+    import verify
+
+    @verify.adapter(data=verify.data.regression(features=8), plain=plain_factory)
+    def factory(spec: verify.Spec):          # your model, loss, optimizer, in spec.dtype on spec.device
+        return MyTrainer(spec)               # micro_step / grads / optimizer_step / params
+
+    pytest --pyargs verify --verify-trainer mypkg.train:factory -n auto
+    python -m verify.selftest --verify-trainer mypkg.train:factory
+
+The public API is `__all__`; every other module and name is internal. Names load on first use, so
+`import verify` costs no hypothesis import.
+"""
+from __future__ import annotations
+
+import importlib
+
+__all__ = [
+    # the trainer protocol and how to declare an adapter
+    "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "load_adapter", "AdapterError", "data",
+    # cases and the gates
+    "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
+    # hypothesis strategies
+    "cases", "dist_cases",
+    # the run report
+    "write_report",
+    # the collective counter
+    "Recorder", "Collective", "Windows",
+    # the memory probe
+    "measure_memory",
+    # the fault-injection self-test
+    "run_selftest", "OPERATORS",
+]
+
+_WHERE = {
+    "Trainer": "protocol", "Spec": "protocol", "Adapter": "protocol", "adapter": "protocol",
+    "Expected": "protocol", "DDP_EXPECTED": "protocol", "load_adapter": "protocol", "AdapterError": "protocol",
+    "Case": "case",
+    "check_equivalence": "gates", "check_bit_exact": "gates", "check_distributed": "gates",
+    "GateFailure": "gates", "GateSkipped": "gates", "GateResult": "gates",
+    "cases": "strategies", "dist_cases": "strategies",
+    "write_report": ("report", "write"),
+    "Recorder": "comm", "Collective": "comm", "Windows": "comm",
+    "measure_memory": ("memory", "measure"),
+    "run_selftest": ("selftest", "run_selftest"), "OPERATORS": ("selftest", "OPERATORS"),
+}
+
+
+def __getattr__(name: str):
+    if name == "data":
+        return importlib.import_module(".data", __name__)
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'verify' has no attribute {name!r}")
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = getattr(importlib.import_module(f".{module}", __name__), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

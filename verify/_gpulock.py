@@ -37,6 +37,16 @@ def gpu_lock(exclusive: bool):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@pytest.fixture
+def gpu_shared():
+    """For gate tests: a shared hold on the GPU while they run on CUDA (memory probes wait for none)."""
+    if not os.environ.get("XTRAIN_TEST_DEVICE", "cpu").startswith("cuda"):
+        yield
+        return
+    with gpu_lock(exclusive=False):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _gpu_sharing(request):
     if request.node.get_closest_marker("gpu") is None:

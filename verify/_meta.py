@@ -1,4 +1,5 @@
-"""Report plumbing: machine_info, git commit, UTC time, atomic writes."""
+"""The one report header (schema_version, machine_info, git commit, UTC time) and atomic writes, for
+every report the harness and the benchmarks write."""
 from __future__ import annotations
 
 import datetime
@@ -21,15 +22,25 @@ def fp32_only() -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
-def git_commit() -> str | None:
-    """HEAD's sha; XTRAIN_GIT_COMMIT wins (device machines receive the tree without .git)."""
+def git_commit(where: str | None = None) -> str | None:
+    """HEAD's sha of the repository at `where` (default: the invoking directory, i.e. the code under
+    test, not this installed package); XTRAIN_GIT_COMMIT wins (GPU machines get trees without .git)."""
     if os.environ.get("XTRAIN_GIT_COMMIT"):
         return os.environ["XTRAIN_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+                              cwd=where or os.getcwd()).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as v
+
+        return v("xtrain")
+    except Exception:  # noqa: BLE001  (running from a source tree that was never installed)
+        return "unknown"
 
 
 def utc_now() -> str:
@@ -56,19 +67,24 @@ def machine_info(device=None) -> dict:
     return info
 
 
+SCHEMA_VERSION = 1
+
+
 def header(kind: str, device=None) -> dict:
-    return dict(schema_version=1, kind=kind, machine_info=machine_info(device), git_commit=git_commit(),
-                utc=utc_now())
+    return dict(schema_version=SCHEMA_VERSION, kind=kind, machine_info=machine_info(device),
+                git_commit=git_commit(), utc=utc_now(), xtrain_version=version())
 
 
-def atomic_write(path: str, data: str | bytes) -> None:
-    """Write to a temp file in the same folder, then os.replace: readers see the old file or the new one."""
+def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:
+    """Write to a temp file in the same folder, then os.replace: readers see the old file or the new one.
+    Reports are for reading: mode 0644 (mkstemp alone would leave 0600)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -145,6 +145,10 @@ def _worker(rank: int, world: int, backend: str, store_path: str, conn, dump_pat
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    # Look like a torchrun rank to libraries that read the environment (Accelerate decides on data
+    # parallelism from it); the group itself comes from the FileStore below.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS=str(threads))
     if backend == "nccl":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # allows deterministic cuBLAS where a job asks
         device = torch.device("cuda", rank)
@@ -204,8 +208,7 @@ class RankPool:
             ctx.set_forkserver_preload(PRELOAD)
         self.procs, self.conns, self.dumps = [], [], []
         self.broken = False
-        self.jobs = 0
-        t0 = time.perf_counter()
+        self._pending: str | None = None  # the job in flight (one at a time)
         try:
             for r in range(world):
                 here, there = ctx.Pipe(duplex=True)
@@ -223,7 +226,6 @@ class RankPool:
             self.kill()
             raise
         self.pids = replies
-        self.startup_s = time.perf_counter() - t0
 
     @property
     def alive(self) -> bool:
@@ -231,18 +233,34 @@ class RankPool:
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         """fn(ctx, *args, **kwargs) on every rank; returns the results by rank, or raises DistJobError."""
+        self.submit(fn, *args, **kwargs)
+        return self.result(timeout)
+
+    def submit(self, fn, *args, **kwargs) -> None:
+        """Start fn(ctx, *args, **kwargs) on every rank and return at once; `result()` collects it. Lets the
+        harness keep two pools busy at the same time (e.g. the world-1 reference beside a world-W run)."""
         if not self.alive:
             raise DistJobError(f"pool of world {self.world} is not usable (a previous job failed or hung)")
+        if self._pending is not None:
+            raise RuntimeError(f"pool of world {self.world} already runs {self._pending}")
         payload = pickle.dumps((fn, args, kwargs))
         try:
             for c in self.conns:
                 c.send_bytes(payload)
-            results = self._collect(getattr(fn, "__qualname__", repr(fn)), timeout or job_timeout())
+        except BaseException:
+            self.kill()
+            raise
+        self._pending = getattr(fn, "__qualname__", repr(fn))
+
+    def result(self, timeout: float | None = None) -> list:
+        what, self._pending = self._pending, None
+        if what is None:
+            raise RuntimeError("result() without a submitted job")
+        try:
+            return self._collect(what, timeout or job_timeout())
         except BaseException:
             self.kill()  # KeyboardInterrupt included: ranks may be mid-collective
             raise
-        self.jobs += 1
-        return results
 
     def _collect(self, what: str, timeout: float) -> list:
         deadline = time.monotonic() + timeout

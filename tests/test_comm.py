@@ -2,10 +2,10 @@
 the harness's windows, classify DDP's non-gradient traffic, and refuse to undercount."""
 import pytest
 
-from .comm import Collective, Windows, _parse
-from .dist_jobs import overflow_recorder, probe_counter, recorder_reads_clean
-from .gates_dist import max_world
-from .pool import get_pool
+from verify.comm import Collective, Windows, _parse
+from verify.dist_jobs import overflow_recorder, probe_counter, recorder_reads_clean
+from verify.gates.distributed import max_world
+from verify.pool import get_pool
 
 pytestmark = pytest.mark.distributed
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.skipif(max_world() < 2, reason="needs world ≥ 2")
 def test_counter_sees_every_path():
     """dist.all_reduce, coalesced, the backend object, a helper thread, a private group (the last three
-    are invisible to CommDebugMode, GUIDE §3), DDP's C++ reducer; sizes, dtypes, group and thread."""
+    are invisible to CommDebugMode: a dispatch mode of the calling thread), DDP's C++ reducer; sizes, dtypes, group and thread."""
     for rank, seen in enumerate(get_pool(2).run(probe_counter)):
         ops = lambda w: [(op, n) for op, n, *_ in seen[w]]  # noqa: E731
         assert ops("dist.all_reduce") == [("all_reduce", 7)], seen

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from xtrain_core.distributed import DistAccumTrainer, TorchDDPTrainer
 
+from . import xtrain
+
 
 class _OverSync(DistAccumTrainer):
     """Correct boundary, plus an extra all-reduce + /W of the gradient buffer after micro-steps 0..N-2."""
@@ -125,34 +127,65 @@ class DDPNoSyncAroundBackwardOnly(TorchDDPTrainer):
         self._account(loss.detach(), idx.shape[0], micro)
 
 
+class BroadcastParamsEveryMicro(DistAccumTrainer):
+    """Re-broadcasts the parameters from rank 0 after every micro-step 0..N-2 ("keep ranks in sync, to
+    be safe"). Numerically invisible (they are equal already) and a full model of traffic per micro-step;
+    before the hole was closed a broadcast before the boundary was filed as "other" and passed."""
+
+    def micro_step(self, idx, targets, micro):
+        super().micro_step(idx, targets, micro)
+        if self.world > 1 and micro < self.accum_steps - 1:
+            for p in self.model.parameters():
+                dist.broadcast(p.data, src=0, group=self.group)
+
+
+class IntViewChecksumEveryMicro(DistAccumTrainer):
+    """All-reduces the gradient buffer's bytes viewed as int32 (a "checksum" of a copy, result discarded)
+    after every micro-step 0..N-2. Numerically invisible; integer traffic used to be filed as metadata."""
+
+    def micro_step(self, idx, targets, micro):
+        super().micro_step(idx, targets, micro)
+        if self.world > 1 and micro < self.accum_steps - 1:
+            dist.all_reduce(self.flat[:self.numel].clone().view(torch.int32), group=self.group)
+
+
 def _factory(cls):
     def make(spec):
-        return cls(spec.build_model(), spec.optim, spec.accum_steps)
+        return cls(xtrain.model_for(spec), xtrain.options_of(spec).optim, spec.accum_steps)
 
     make.__name__ = make.__qualname__ = f"make_{cls.__name__}"
     return make
 
 
-# Factories must pickle by name for the pool: module-level names, one per broken trainer.
-make_AllReduceEveryMicro = _factory(AllReduceEveryMicro)
-make_AllReduceInHelperThread = _factory(AllReduceInHelperThread)
-make_AllReduceOnBackendObject = _factory(AllReduceOnBackendObject)
-make_AllReduceOnPrivateGroup = _factory(AllReduceOnPrivateGroup)
-make_NoAllReduce = _factory(NoAllReduce)
-make_DivideByWorldTwice = _factory(DivideByWorldTwice)
-make_ReduceSomeParams = _factory(ReduceSomeParams)
-make_DDPSyncFlagAfterForward = _factory(DDPSyncFlagAfterForward)
-make_DDPNoSyncAroundBackwardOnly = _factory(DDPNoSyncAroundBackwardOnly)
+def _adapter(cls, base=xtrain.data_parallel):
+    return base.replace(factory=_factory(cls), name=f"broken: {cls.__name__}")
 
-# name -> (factory, what the rejection message must contain: the micro-step and the collective)
+
+# Module-level names: a pool imports each adapter by name.
+all_reduce_every_micro = _adapter(AllReduceEveryMicro)
+all_reduce_in_helper_thread = _adapter(AllReduceInHelperThread)
+all_reduce_on_backend_object = _adapter(AllReduceOnBackendObject)
+all_reduce_on_private_group = _adapter(AllReduceOnPrivateGroup)
+no_all_reduce = _adapter(NoAllReduce)
+divide_by_world_twice = _adapter(DivideByWorldTwice)
+reduce_some_params = _adapter(ReduceSomeParams)
+broadcast_params_every_micro = _adapter(BroadcastParamsEveryMicro)
+int_view_checksum_every_micro = _adapter(IntViewChecksumEveryMicro)
+ddp_sync_flag_after_forward = _adapter(DDPSyncFlagAfterForward, xtrain.torch_ddp)
+ddp_no_sync_around_backward_only = _adapter(DDPNoSyncAroundBackwardOnly, xtrain.torch_ddp)
+
+_BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
+# name -> (adapter, what the rejection message must contain: the micro-step and the collective)
 BROKEN_DIST = {
-    "all_reduce_every_micro_step": (make_AllReduceEveryMicro, r"micro-step 0 of \d+: 1 gradient collective\(s\) before the boundary: \S+:all_reduce"),
-    "all_reduce_in_helper_thread": (make_AllReduceInHelperThread, r"micro-step 0 of \d+: .*all_reduce"),
-    "all_reduce_on_backend_object": (make_AllReduceOnBackendObject, r"micro-step 0 of \d+: .*all_reduce"),
-    "all_reduce_on_private_group": (make_AllReduceOnPrivateGroup, r"micro-step 0 of \d+: .*all_reduce.* process group [1-9]"),
-    "no_all_reduce": (make_NoAllReduce, r"boundary \(micro-step \d+ of \d+, .*\): no gradient all-reduce"),
-    "divide_by_world_twice": (make_DivideByWorldTwice, r"gradient \(step 0\) of .*: error .* the boundary's collectives \(step 0, micro-step \d+ of \d+ .*\): \S+:all_reduce"),
-    "reduce_some_params": (make_ReduceSomeParams, r"boundary \(micro-step \d+ of \d+, .*\): gradient collectives cover \d+ of \d+ gradient elements"),
-    "ddp_sync_flag_after_forward": (make_DDPSyncFlagAfterForward, r"micro-step 0 of \d+: \d+ gradient collective\(s\) before the boundary: \S+:all_reduce"),
-    "ddp_no_sync_around_backward_only": (make_DDPNoSyncAroundBackwardOnly, r"micro-step 0 of \d+: \d+ gradient collective\(s\) before the boundary: \S+:all_reduce"),
+    "all_reduce_every_micro_step": (all_reduce_every_micro, _BEFORE + r"\S+:all_reduce"),
+    "all_reduce_in_helper_thread": (all_reduce_in_helper_thread, _BEFORE + r".*all_reduce"),
+    "all_reduce_on_backend_object": (all_reduce_on_backend_object, _BEFORE + r".*all_reduce"),
+    "all_reduce_on_private_group": (all_reduce_on_private_group, _BEFORE + r".*all_reduce.* process group [1-9]"),
+    "no_all_reduce": (no_all_reduce, r"boundary \(micro-step \d+ of \d+, .*\): no gradient all-reduce"),
+    "divide_by_world_twice": (divide_by_world_twice, r"gradient \(step 0\) of .*: accumulation error .* the boundary's collectives \(step 0, micro-step \d+ of \d+ .*\): \S+:all_reduce"),
+    "reduce_some_params": (reduce_some_params, r"boundary \(micro-step \d+ of \d+, .*\): gradient collectives cover \d+ of \d+ gradient elements"),
+    "broadcast_params_every_micro": (broadcast_params_every_micro, _BEFORE + r"\S+:broadcast float32"),
+    "int_view_checksum_every_micro": (int_view_checksum_every_micro, _BEFORE + r"\S+:all_reduce int32"),
+    "ddp_sync_flag_after_forward": (ddp_sync_flag_after_forward, _BEFORE + r"\S+:all_reduce"),
+    "ddp_no_sync_around_backward_only": (ddp_no_sync_around_backward_only, _BEFORE + r"\S+:all_reduce"),
 }

@@ -1,7 +1,8 @@
 """Deliberately broken trainers. Each reproduces a bug users hit; the gates must reject every one.
 
 They subclass xtrain's AccumTrainer and change one thing, so a rejection can only be caused by that
-one thing.
+one thing. Each is an adapter (xtrain's data and options, this factory) at module level, so rank pools
+can import it by name.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 
 from xtrain_core.trainer import AccumTrainer
 
-from .interface import Spec
+from ..protocol import Spec
+from . import xtrain
 
 
 class MissingScale(AccumTrainer):
@@ -82,21 +84,44 @@ class N1ScaledByOne(AccumTrainer):
         self._next_micro = micro + 1
 
 
+class WritesIntoTargets(AccumTrainer):
+    """Masks the first target of every sequence IN PLACE (`targets[:, 0] = -100`, "skip the BOS token")
+    before its loss. Whoever reads that batch next sees the edit: before the harness handed each call its
+    own copy, the plain reference read the edited storage too, and the bit-exact gate passed."""
+
+    def micro_step(self, idx, targets, micro):
+        targets[:, 0] = -100
+        super().micro_step(idx, targets, micro)
+
+
 def factory(cls):
     def make(spec: Spec):
-        return cls(spec.build_model(), spec.optim, spec.accum_steps)
+        return cls(xtrain.model_for(spec), xtrain.options_of(spec).optim, spec.accum_steps)
 
-    make.__name__ = cls.__name__
+    make.__name__ = make.__qualname__ = f"make_{cls.__name__}"
     return make
 
 
-# name -> (factory, the gate that must reject it). N1ScaledByOne is the control: harmless, must pass.
+def _adapter(cls):
+    return xtrain.single.replace(factory=factory(cls), name=f"broken: {cls.__name__}")
+
+
+missing_1_over_N = _adapter(MissingScale)
+zero_grad_in_micro_loop = _adapter(ZeroGradInLoop)
+optimizer_step_every_micro = _adapter(StepEveryMicro)
+scheduler_step_every_micro = _adapter(SchedulerEveryMicro)
+n1_different_reduction = _adapter(N1OtherReduction)
+writes_into_targets = _adapter(WritesIntoTargets)
+scaled_by_one = _adapter(N1ScaledByOne)
+
+# name -> (adapter, the gate that must reject it). scaled_by_one is the control: harmless, must pass.
 BROKEN = {
-    "missing_1_over_N": (factory(MissingScale), "equivalence"),
-    "zero_grad_in_micro_loop": (factory(ZeroGradInLoop), "equivalence"),
-    "optimizer_step_every_micro": (factory(StepEveryMicro), "equivalence"),
-    "scheduler_step_every_micro": (factory(SchedulerEveryMicro), "equivalence"),
-    "n1_different_reduction": (factory(N1OtherReduction), "bit_exact"),
+    "missing_1_over_N": (missing_1_over_N, "equivalence"),
+    "zero_grad_in_micro_loop": (zero_grad_in_micro_loop, "equivalence"),
+    "optimizer_step_every_micro": (optimizer_step_every_micro, "equivalence"),
+    "scheduler_step_every_micro": (scheduler_step_every_micro, "equivalence"),
+    "n1_different_reduction": (n1_different_reduction, "bit_exact"),
+    "writes_into_targets": (writes_into_targets, "bit_exact"),
 }
 
 
@@ -125,7 +150,7 @@ class LeakyGraph(AccumTrainer):
         return out
 
 
-# name -> factory; verify.memory --trainer NAME measures one, and must exit 1 on it.
-MEMORY_BROKEN = {
-    "leaky_graph": factory(LeakyGraph),
-}
+leaky_graph = _adapter(LeakyGraph)
+
+# name -> adapter; verify.memory --trainer NAME measures one, and must exit 1 on it.
+MEMORY_BROKEN = {"leaky_graph": leaky_graph}

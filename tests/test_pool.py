@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from . import dist_jobs
-from .pool import DistJobError, DistTimeout, RankPool, get_pool
+from verify import dist_jobs
+from verify.pool import DistJobError, DistTimeout, RankPool, get_pool
 
 pytestmark = pytest.mark.distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,91 @@
+"""The single-process gates reject the bugs users hit (verify/adapters/broken.py), pass a harmless
+control, and say what differs. (The gates' runs on xtrain's trainer are verify/test_gates.py.)"""
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from verify.adapters import broken, xtrain
+from verify.adapters.xtrain import XtrainOptions
+from verify.case import Case
+from verify.gates import GateFailure, GateSkipped, check_bit_exact, check_equivalence
+from verify.protocol import Adapter
+from verify.strategies import cases
+from xtrain_core.config import ModelConfig, OptimConfig
+
+SMALL = ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, g) in sorted(broken.BROKEN.items()) if g == "equivalence"])
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_equivalence_rejects(name, data):
+    """Every drawn case with N ≥ 2 (where these bugs exist) must be rejected."""
+    adapter = broken.BROKEN[name][0]
+    case = data.draw(cases(adapter, min_accum=2, max_accum=6))
+    if name == "scheduler_step_every_micro" and case.options.optim.warmup_steps < 2:
+        # warm-up over 0 or 1 steps is a constant LR: the bug needs a schedule that moves to exist
+        o = case.options
+        case = case.replace(options=XtrainOptions(model=o.model, seq_len=o.seq_len,
+                                                  optim=OptimConfig(**{**o.optim.__dict__, "warmup_steps": 2})))
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] .+; case N=\d"):
+        check_equivalence(adapter, case)
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_bit_exact_rejects_other_reduction_at_n1(data):
+    """Sum-then-divide is exact when B·S is a power of two (scaling by 2^-k commutes with every rounding),
+    so the bug only exists, and is only required to be caught, for other B·S."""
+    adapter = broken.n1_different_reduction
+    case = data.draw(cases(adapter, max_accum=1, max_micro_batch=6))
+    n = case.micro_batch * case.options.seq_len
+    assume(n & (n - 1) != 0)
+    with pytest.raises(GateFailure, match=r"^\[bit-exact accum=1\] (gradient|parameter) .+ not bit-identical, max\|Δ\| = \d"):
+        check_bit_exact(adapter, case)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_a_trainer_that_writes_into_its_batch_is_rejected(data):
+    """Hole closed: the harness hands each call its own copy and fails a trainer that edits it in place
+    (before, the plain reference read the edited storage and the bit-exact gate passed)."""
+    case = data.draw(cases(broken.writes_into_targets, max_accum=3))
+    with pytest.raises(GateFailure, match=r"the trainer wrote into its targets \(step 0, micro-step 0 of \d+\)"):
+        (check_bit_exact if case.accum_steps == 1 else check_equivalence)(broken.writes_into_targets, case)
+
+
+def test_scaling_by_one_is_not_a_bug():
+    """Control: x * 1.0 is bit-exact in IEEE arithmetic, so always scaling by 1/N passes the bit-exact gate."""
+    case = Case(accum_steps=1, micro_batch=3, steps=2,
+                options=XtrainOptions(model=SMALL, seq_len=8, optim=OptimConfig(lr=1e-2, warmup_steps=1)))
+    check_bit_exact(broken.scaled_by_one, case)
+
+
+def test_missing_scale_message_names_parameter_and_error():
+    case = Case(accum_steps=4, micro_batch=2, steps=1,
+                options=XtrainOptions(model=SMALL.__class__(vocab_size=32, seq_len=8, n_layer=1, n_head=1, d_model=8),
+                                      seq_len=8, optim=OptimConfig(max_grad_norm=None)))
+    with pytest.raises(GateFailure, match=r"gradient \(step 0\) of '.+': accumulation error [0-9.e+-]+ >"):
+        check_equivalence(broken.missing_1_over_N, case)
+
+
+def test_bit_exact_is_skipped_with_a_reason_without_a_plain_step():
+    no_plain = Adapter(factory=xtrain.single_factory, data=xtrain.tokens, name="no plain step")
+    with pytest.raises(GateSkipped, match="declares no plain .* declare @verify.adapter\\(plain=...\\)"):
+        check_bit_exact(no_plain, Case(accum_steps=1, micro_batch=1, steps=1))
+
+
+def test_reference_is_the_same_trainer_in_float64():
+    """Model-agnostic: a trainer whose big-batch semantics differ from xtrain's (here: no clipping at all,
+    whatever the options say) is judged against ITS OWN big batch, and passes."""
+    from xtrain_core.trainer import AccumTrainer
+
+    def unclipped(spec):
+        o = xtrain.options_of(spec)
+        return AccumTrainer(xtrain.model_for(spec), OptimConfig(**{**o.optim.__dict__, "max_grad_norm": None}),
+                            spec.accum_steps)
+
+    a = Adapter(factory=unclipped, data=xtrain.tokens, name="unclipped")
+    case = Case(accum_steps=3, micro_batch=2, steps=2,
+                options=XtrainOptions(model=SMALL, seq_len=8, optim=OptimConfig(lr=1e-2, max_grad_norm=0.05)))
+    check_equivalence(a, case)

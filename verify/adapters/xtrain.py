@@ -1,0 +1,152 @@
+"""xtrain's trainers as adapters: the default `--verify-trainer` (verify.adapters.xtrain:adapter).
+
+    adapter     AccumTrainer in one process, DistAccumTrainer (boundary all-reduce of a flat buffer)
+                when a process group of world > 1 exists; plain step declared (bit-exact gate runs)
+    torch_ddp   xtrain's model and AdamW under torch DistributedDataParallel with no_sync()
+
+Options (drawn per case by verify.strategies.xtrain_options): the GPT's size, the sequence length and
+the optimizer settings (lr, weight decay, clipping, warm-up). Data: xtrain's own TokenStream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from xtrain_core.config import PRESETS, ModelConfig, OptimConfig
+from xtrain_core.data import TokenStream
+from xtrain_core.model import build_model
+
+from ..protocol import DDP_EXPECTED, Adapter, Spec
+
+__all__ = ["XtrainOptions", "adapter", "torch_ddp", "single", "data_parallel"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class XtrainOptions:
+    model: ModelConfig = field(default_factory=lambda: PRESETS["tiny"])
+    seq_len: int = 16
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self):
+        if not 1 <= self.seq_len <= self.model.seq_len:
+            raise ValueError(f"seq_len must lie in [1, model.seq_len={self.model.seq_len}], got {self.seq_len}")
+
+    def describe(self) -> str:
+        m, o = self.model, self.optim
+        return (f"S={self.seq_len} model(L={m.n_layer} h={m.n_head} d={m.d_model} V={m.vocab_size}) "
+                f"optim(lr={o.lr:g} wd={o.weight_decay:g} clip={o.max_grad_norm} warmup={o.warmup_steps})")
+
+
+def options_of(spec: Spec) -> XtrainOptions:
+    return spec.options if spec.options is not None else XtrainOptions()
+
+
+def model_for(spec: Spec):
+    return build_model(options_of(spec).model, spec.seed, dtype=spec.dtype, device=spec.device)
+
+
+def tokens(rows: int, seed: int, options) -> tuple[torch.Tensor, torch.Tensor]:
+    o = options if options is not None else XtrainOptions()
+    return TokenStream(o.model.vocab_size, o.seq_len, seed=seed).next(rows)
+
+
+def _strategy():
+    from ..strategies import xtrain_options
+
+    return xtrain_options()
+
+
+def _grouped() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+# -- factories -------------------------------------------------------------------------------------------
+
+def single_factory(spec: Spec):
+    from xtrain_core.trainer import AccumTrainer
+
+    return AccumTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps)
+
+
+def dist_factory(spec: Spec):
+    from xtrain_core.distributed import DistAccumTrainer
+
+    return DistAccumTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps)
+
+
+def factory(spec: Spec):
+    """AccumTrainer alone; DistAccumTrainer in a process group of world > 1."""
+    return dist_factory(spec) if _grouped() else single_factory(spec)
+
+
+def torch_ddp_factory(spec: Spec):
+    from xtrain_core.distributed import TorchDDPTrainer
+
+    return TorchDDPTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps)
+
+
+class PlainTrainer:
+    """The textbook no-accumulation step, written here apart from xtrain's trainer: loss.backward();
+    clip; AdamW; LR schedule; zero_grad. What accum_steps=1 must be, bit for bit."""
+
+    def __init__(self, spec: Spec):
+        self.model, o = model_for(spec), options_of(spec).optim
+        self.cfg = o
+        fused = o.fused if o.fused is not None else spec.device.startswith("cuda")
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                     weight_decay=o.weight_decay, fused=fused or None)
+        w = o.warmup_steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / w) if w else 1.0)
+        self._loss = None
+
+    def micro_step(self, idx, targets, micro):
+        if micro != 0:
+            raise RuntimeError(f"the plain step runs one micro-step per optimizer step, got micro={micro}")
+        loss = self.model.loss_batched(idx, targets)
+        loss.backward()
+        self._loss = loss.detach()
+
+    def grads(self):
+        return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
+
+    def optimizer_step(self):
+        if self.cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return self._loss
+
+    def params(self):
+        return {k: p.detach() for k, p in self.model.named_parameters()}
+
+
+_COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions())
+
+adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", **_COMMON)
+torch_ddp = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED,
+                    name="xtrain model under torch DDP no_sync()", **_COMMON)
+single = Adapter(factory=single_factory, plain=PlainTrainer, name="xtrain AccumTrainer", **_COMMON)
+data_parallel = Adapter(factory=dist_factory, data_parallel=True, name="xtrain DistAccumTrainer", **_COMMON)
+
+
+# -- xtrain's own promise: world 1 IS the single-process path -------------------------------------------
+
+def world1_job(ctx, case):
+    """On a one-rank pool: DistAccumTrainer and AccumTrainer on the same data, with the collectives the
+    first one issued (it has nobody to talk to: none)."""
+    from ..case import drive
+
+    batches = case.batches(adapter)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # CUDA: no atomics-order differences
+    try:
+        ctx.recorder.read()
+        got = drive(dist_factory(case.spec(device=str(ctx.device))), batches, case.accum_steps, device=ctx.device)
+        n_collectives = len(ctx.recorder.read())
+        want = drive(single_factory(case.spec(device=str(ctx.device))), batches, case.accum_steps, device=ctx.device)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    return got, want, n_collectives

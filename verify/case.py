@@ -1,0 +1,160 @@
+"""One drawn case, the batches it implies, and the harness's loop that drives a trainer over them.
+
+The harness, not the trainer, owns the data: it draws each optimizer step's global batch once
+(N·B·W rows, from the adapter's `data`), splits it into N micro-batches and W rank shards, and hands
+every call its own copy. After each call it checks that the trainer did not write into what it was
+given: a trainer that edits its batch in place could change what the reference sees.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Case", "Trace", "split", "shard", "drive"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One drawn combination. micro_batch is B per rank per micro-step; world W ranks."""
+
+    accum_steps: int
+    micro_batch: int
+    steps: int
+    world: int = 1
+    seed: int = 0
+    """Model init seed (Spec.seed)."""
+    data_seed: int = 0
+    device: str = "cpu"
+    options: Any = None
+    """The adapter's drawn knobs (model size, optimizer settings, ...), passed on as Spec.options."""
+
+    @property
+    def effective_batch(self) -> int:
+        """Rows per optimizer step over all ranks: N·B·W (the one meaning of "effective batch")."""
+        return self.accum_steps * self.micro_batch * self.world
+
+    def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None):
+        from .protocol import Spec
+
+        return Spec(accum_steps=self.accum_steps if accum_steps is None else accum_steps, dtype=dtype,
+                    device=device or self.device, seed=self.seed, options=self.options)
+
+    def replace(self, **changes) -> "Case":
+        return dataclasses.replace(self, **changes)
+
+    def batches(self, adapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K global batches of N·B·W rows each, on the CPU, one data seed per optimizer step."""
+        return [adapter.batch(self.effective_batch, (self.data_seed << 16) + k, self.options)
+                for k in range(self.steps)]
+
+    def as_dict(self) -> dict:
+        opts = self.options
+        if dataclasses.is_dataclass(opts):
+            opts = {f.name: _plain(getattr(opts, f.name)) for f in dataclasses.fields(opts)}
+        return dict(accum_steps=self.accum_steps, micro_batch=self.micro_batch, steps=self.steps, world=self.world,
+                    effective_batch=self.effective_batch, seed=self.seed, data_seed=self.data_seed,
+                    device=self.device, options=_plain(opts))
+
+    def __str__(self):
+        w = f" W={self.world}" if self.world != 1 else ""
+        opts = "" if self.options is None else f" {_short(self.options)}"
+        return (f"N={self.accum_steps} B={self.micro_batch}{w} K={self.steps} seed={self.seed} "
+                f"data_seed={self.data_seed}{opts}")
+
+
+def _plain(v):
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+def _short(opts) -> str:
+    s = getattr(opts, "describe", None)
+    return s() if callable(s) else repr(opts)
+
+
+@dataclass
+class Trace:
+    """What one run returned: per-step losses, step-0 boundary grads, params after every step (CPU)."""
+
+    losses: list[float]
+    grads0: dict[str, torch.Tensor]
+    params: list[dict[str, torch.Tensor]]
+
+
+def split(inputs: torch.Tensor, targets: torch.Tensor, n: int):
+    """(N·B, ...) -> N micro-batches of (B, ...), in order."""
+    if inputs.shape[0] % n:
+        raise ValueError(f"batch of {inputs.shape[0]} rows does not split into {n} equal micro-batches")
+    return list(zip(inputs.chunk(n), targets.chunk(n)))
+
+
+def shard(inputs: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: int, world: int):
+    """One global step batch (N·W·B, ...) -> rank `rank`'s N micro-batches of (B, ...).
+
+    Global micro-batch n is rows [n·W·B, (n+1)·W·B) (the single-process split into N) and rank r takes
+    rows [r·B, (r+1)·B) of it: over ranks and micro-steps the union is the big batch, in order."""
+    rows = inputs.shape[0]
+    if rows % (accum_steps * world):
+        raise ValueError(f"batch of {rows} rows does not split into {accum_steps} micro-steps × {world} ranks")
+    b = rows // (accum_steps * world)
+    return [(inputs[(n * world + rank) * b:(n * world + rank + 1) * b],
+             targets[(n * world + rank) * b:(n * world + rank + 1) * b]) for n in range(accum_steps)]
+
+
+def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+
+def _cpu(d: dict) -> dict:
+    return {k: v.detach().to("cpu", copy=True) for k, v in d.items()}
+
+
+class _NoMarks:
+    def mark(self, label) -> None:
+        pass
+
+
+def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cpu", rank: int = 0,
+          world: int = 1, windows=None, gate: str = "harness") -> Trace:
+    """The harness's loop: shard each global batch, hand each micro-step its own copy, mark a window
+    before every trainer call (for the collective counter), and return CPU copies of what came back."""
+    windows = windows or _NoMarks()
+    losses, params, grads0 = [], [], None
+    for k, (inputs, targets) in enumerate(batches):
+        given = []
+        for m, (x, y) in enumerate(shard(inputs, targets, accum_steps, rank, world)):
+            x, y = _to(x, device, dtype), _to(y, device, dtype)
+            xc, yc = x.clone(), y.clone()  # the trainer's own copy; x, y stay the harness's
+            given.append((m, x, y, xc, yc))
+            windows.mark(("micro", k, m))
+            trainer.micro_step(xc, yc, m)
+        windows.mark(("boundary", k))
+        g = trainer.grads()
+        if grads0 is None:
+            grads0 = _cpu(g)
+        loss = float(trainer.optimizer_step())
+        windows.mark(("params", k))
+        params.append(_cpu(trainer.params()))
+        windows.mark(("after", k))
+        losses.append(loss)
+        for m, x, y, xc, yc in given:  # after the whole step: a trainer may keep its batch and edit it later
+            for what, mine, theirs in (("inputs", x, xc), ("targets", y, yc)):
+                if not torch.equal(mine, theirs):
+                    from .gates.tolerance import GateFailure
+
+                    raise GateFailure(
+                        f"[{gate}] the trainer wrote into its {what} (step {k}, micro-step {m} of {accum_steps}"
+                        f"{f', rank {rank}' if world > 1 else ''}): the batch it was handed changed in place. A "
+                        f"trainer must not modify its batch (clone it first): in a real loop the same storage "
+                        f"may be read again")
+    return Trace(losses, grads0 or {}, params)

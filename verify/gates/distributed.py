@@ -1,0 +1,304 @@
+"""The data-parallel gates, for any adapter that declares data parallelism.
+
+The trainer runs on every rank of a pool (verify/pool.py) through the same four methods; the harness
+shards the data, marks a window before every call, and counts every collective with the c10d flight
+recorder (verify/comm.py). Its single-process big batch, the reference, is the SAME adapter at
+accum_steps=1 and world 1, run on a one-rank pool beside it. The parent then judges:
+
+boundary-only   micro-steps 0..N-2 issue no collective at all (any op, any dtype), except what the
+                adapter declares `expected` (by op, dtype class and count). At the boundary (micro-step
+                N-1, grads(), optimizer_step()) the floating-point elements reduced cover every gradient
+                element once, plus at most SCALARS side-channel scalars (the step loss), so the bytes per
+                optimizer step do not depend on N. No reduction outside the trainer's calls. Collectives
+                at construction and inside params() are reported, not judged.
+equivalence     every rank vs the reference, with the one policy of tolerance.py: fp32 step-0 boundary
+                gradients and loss, fp32 losses of every step, float64 losses and parameters of every
+                step; and the parameters bitwise identical across ranks after every step.
+
+Every failure names the rank, the step, the micro-step and the collective(s) involved.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..case import Case, Trace, drive
+from ..comm import Collective, Windows
+from ..pool import default_backend, get_pool
+from .single import GateResult
+from .tolerance import GateFailure, Judge
+
+__all__ = ["check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
+           "max_world", "min_world", "SCALARS"]
+
+SCALARS = 8  # side-channel floats allowed to ride with the gradients (xtrain: Σ raw·B_local and N·B_local)
+ENV_MAX_WORLD, ENV_MIN_WORLD = "XTRAIN_DIST_MAX_WORLD", "XTRAIN_DIST_MIN_WORLD"
+DTYPES = (torch.float32, torch.float64)
+F32, F64 = str(torch.float32), str(torch.float64)
+
+
+def max_world() -> int:
+    """World sizes the suite draws up to: XTRAIN_DIST_MAX_WORLD (default 4), capped by GPUs under NCCL."""
+    w = int(os.environ.get(ENV_MAX_WORLD) or 4)
+    if default_backend() == "nccl":
+        w = min(w, torch.cuda.device_count())
+    return w
+
+
+def min_world() -> int:
+    """The smallest world the suite draws: XTRAIN_DIST_MIN_WORLD (default 1), e.g. 8 to run only world 8."""
+    return min(int(os.environ.get(ENV_MIN_WORLD) or 1), max_world())
+
+
+# -- what runs on the ranks ----------------------------------------------------------------------------
+
+@dataclass
+class RankRun:
+    trace: Trace
+    comms: dict  # window label -> [Collective]; ("init",), ("micro", k, m), ("boundary", k), ("params", k), ("after", k)
+    main_thread: str
+    n_params: int  # elements of params() after the run (all of them, used or not)
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    runs: dict  # dtype name -> RankRun
+    refs: dict = field(default_factory=dict)  # "big32" / "ref64" -> Trace (the one-rank reference)
+
+
+def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
+    """On every rank: the trainer in each dtype, windows marked, collectives read."""
+    batches = case.batches(adapter)
+    out = RankOutcome(ctx.rank, {})
+    for dtype in dtypes:
+        ctx.recorder.read()  # forget anything before this run
+        win = Windows()
+        win.mark(("init",))
+        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device)))
+        trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=ctx.rank,
+                      world=ctx.world, windows=win, gate="data-parallel")
+        del trainer
+        comms = win.attribute(ctx.recorder.read())
+        out.runs[str(dtype)] = RankRun(trace, comms, ctx.recorder.main_thread,
+                                       sum(p.numel() for p in trace.params[-1].values()) if trace.params else 0)
+    return out
+
+
+def reference_job(ctx, adapter, case: Case) -> dict:
+    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64."""
+    batches = case.batches(adapter)
+    refs = {}
+    for name, dtype in (("big32", torch.float32), ("ref64", torch.float64)):
+        trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device)))
+        refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate="reference")
+    return refs
+
+
+def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> list[RankOutcome]:
+    """The world-W run and the one-rank reference, side by side on two pools."""
+    pool = pool or get_pool(case.world)
+    if pool.world != case.world:
+        raise ValueError(f"case needs world {case.world}, pool has {pool.world}")
+    if case.world == 1:
+        outcomes = pool.run(rank_job, adapter, case)
+        refs = pool.run(reference_job, adapter, case)[0]
+    else:
+        ref_pool = ref_pool or get_pool(1)
+        ref_pool.submit(reference_job, adapter, case)
+        try:
+            outcomes = pool.run(rank_job, adapter, case)
+        finally:
+            refs = ref_pool.result()[0]
+    for o in outcomes:
+        o.refs = refs
+    return outcomes
+
+
+# -- the counter's verdict -------------------------------------------------------------------------
+
+def _norm(op: str) -> str:
+    return op.replace("_", "").lower()
+
+
+def _dtype_class(c: Collective) -> str:
+    return "floating" if c.floating else "integer"
+
+
+def _reduces(c: Collective) -> bool:
+    """Floating data that is not a broadcast or barrier: gradient-like traffic."""
+    return c.kind == "gradient"
+
+
+@dataclass
+class StepComm:
+    """Per rank, per dtype, per optimizer step: what the counter saw."""
+
+    micro: list  # per micro-step 0..N-2: [Collective]
+    boundary: list  # every collective at micro-step N-1 + grads()/optimizer_step()
+    params: list  # inside params() (reported only)
+
+    @property
+    def reduced(self) -> list:
+        return [c for c in self.boundary if _reduces(c)]
+
+    @property
+    def boundary_elements(self) -> int:
+        return sum(c.numel for c in self.reduced)
+
+    @property
+    def boundary_bytes(self) -> int:
+        return sum(c.nbytes for c in self.reduced)
+
+
+@dataclass
+class CommReport:
+    case: Case
+    grad_elements: int  # P: the reference's gradient elements
+    steps: dict  # (rank, dtype) -> [StepComm]
+    init: dict  # (rank, dtype) -> [Collective] at construction
+    expected_used: list = field(default_factory=list)  # (rank, dtype, step, micro, Expected.why, Collective)
+
+    def per_step(self, rank=0, dtype=F32) -> list[dict]:
+        return [dict(boundary_collectives=len(s.reduced), boundary_bytes=s.boundary_bytes,
+                     boundary_elements=s.boundary_elements, ops=[f"{c.backend}:{c.op}" for c in s.boundary],
+                     before_boundary=[len(m) for m in s.micro])
+                for s in self.steps[(rank, dtype)]]
+
+
+def _split(run: RankRun, case: Case):
+    """Group a run's collectives by optimizer step; also return reductions outside any trainer call."""
+    N, K = case.accum_steps, case.steps
+    steps = [StepComm([[] for _ in range(N - 1)], [], []) for _ in range(K)]
+    init, stray = [], []
+    for label, cs in run.comms.items():
+        for c in cs:
+            if label == ("init",):
+                init.append(c)
+            elif label is not None and label[0] == "micro":
+                _, k, m = label
+                (steps[k].boundary if m == N - 1 else steps[k].micro[m]).append(c)
+            elif label is not None and label[0] == "boundary":
+                steps[label[1]].boundary.append(c)
+            elif label is not None and label[0] == "params":
+                steps[label[1]].params.append(c)
+            elif _reduces(c):
+                where = (f"after step {label[1]}, outside any trainer call" if label else "before the run started")
+                stray.append((where, c))
+    return steps, init, stray
+
+
+def _unexpected(cs: list, expected, k: int, m: int) -> tuple[list, list]:
+    """Split the collectives of micro-step m of step k into (declared-expected, unexpected)."""
+    budget = {i: e.count for i, e in enumerate(expected)
+              if (e.step is None or e.step == k) and (e.micro is None or e.micro == m)}
+    ok, bad = [], []
+    for c in cs:
+        for i, e in enumerate(expected):
+            if budget.get(i, 0) > 0 and _norm(e.op) in _norm(c.op) and e.dtype in ("any", _dtype_class(c)):
+                budget[i] -= 1
+                ok.append((e, c))
+                break
+        else:
+            bad.append(c)
+    return ok, bad
+
+
+def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=()) -> CommReport:
+    """Raises GateFailure naming the rank, step, micro-step and collective on the first violation."""
+    gate, N, W = "boundary-only", case.accum_steps, case.world
+    ref = outcomes[0].refs["ref64"]
+    P = sum(g.numel() for g in ref.grads0.values())
+    report = CommReport(case, P, {}, {})
+    for o in outcomes:
+        for dt, run in o.runs.items():
+            steps, init, stray = _split(run, case)
+            report.steps[(o.rank, dt)], report.init[(o.rank, dt)] = steps, init
+            who = f"rank {o.rank} ({dt.replace('torch.', '')} run)"
+            desc = lambda c: c.describe(run.main_thread)  # noqa: E731
+
+            def fail(msg):
+                raise GateFailure(f"[{gate}] {who}, {msg}; case {case}")
+
+            for where, c in stray[:1]:
+                fail(f"gradient-like collective {where}: {desc(c)}")
+            for k, s in enumerate(steps):
+                for m, cs in enumerate(s.micro):
+                    ok, bad = _unexpected(cs, expected, k, m)
+                    report.expected_used += [(o.rank, dt, k, m, e.why or e.op, c) for e, c in ok]
+                    if bad:
+                        listed = "; ".join(desc(c) for c in bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+                        fail(f"step {k}, micro-step {m} of {N}: {len(bad)} collective(s) before the boundary: {listed}"
+                             f" — micro-steps 0..{N - 2} must not communicate (a collective the trainer needs there "
+                             f"must be declared: Adapter(expected=...))")
+                E, upper = s.boundary_elements, run.n_params + SCALARS
+                listed = "; ".join(desc(c) for c in s.reduced[:4]) or "none"
+                at = f"step {k}, boundary (micro-step {N - 1} of {N}, grads(), optimizer_step())"
+                if E == 0 and W == 1:
+                    continue  # one rank has nobody to reduce with: the single-process path
+                if E == 0:
+                    fail(f"{at}: no gradient all-reduce — expected the {P} gradient elements reduced once across "
+                         f"{W} ranks, saw no floating-point reduction")
+                if E < P:
+                    fail(f"{at}: gradient collectives cover {E} of {P} gradient elements (some parameters not "
+                         f"reduced): {listed}")
+                if E > upper:
+                    fail(f"{at}: {E} elements reduced for {P} gradient elements (+ ≤ {SCALARS} scalars): "
+                         f"gradients reduced more than once: {listed}")
+    return report
+
+
+def boundary_summary(report: CommReport | None, rank: int, dtype: str, step: int) -> str:
+    if report is None or (rank, dtype) not in report.steps:
+        return ""
+    s = report.steps[(rank, dtype)][step]
+    N = report.case.accum_steps
+    cs = "; ".join(c.describe() for c in s.reduced[:4]) or "no gradient collective"
+    return f"; the boundary's collectives (step {step}, micro-step {N - 1} of {N} and optimizer_step()): {cs}"
+
+
+# -- the numbers' verdict --------------------------------------------------------------------------
+
+def check_dist_equivalence(outcomes: list[RankOutcome], case: Case,
+                           report: CommReport | None = None) -> tuple[str, float]:
+    """Every rank vs the one-rank reference on the big batch; returns (the check closest to its bound,
+    its error / bound)."""
+    big, ref = outcomes[0].refs["big32"], outcomes[0].refs["ref64"]
+    worst = ("", 0.0)
+    for o in outcomes:
+        j = Judge("distributed equivalence", case, f"rank {o.rank}: ",
+                  lambda step, o=o: boundary_summary(report, o.rank, F32, step))
+        acc = o.runs[F32].trace
+        j.step0(acc, big, ref)
+        j.loss_trajectory(acc, big)
+        if F64 in o.runs:
+            j.float64(o.runs[F64].trace, ref)
+        if j.worst_ratio >= worst[1]:
+            worst = (f"rank {o.rank}: {j.worst}", j.worst_ratio)
+    for dt in outcomes[0].runs:  # all ranks hold the same parameters, bit for bit, after every step
+        p0 = outcomes[0].runs[dt].trace.params
+        for o in outcomes[1:]:
+            j = Judge("distributed equivalence", case, f"rank {o.rank}: ")
+            for k, (pa, pb) in enumerate(zip(o.runs[dt].trace.params, p0)):
+                for name, p in pb.items():
+                    j.equal(pa.get(name, torch.empty(0)), p,
+                            f"parameter {name!r} after step {k} vs rank 0's ({dt.replace('torch.', '')} run): ranks diverged", k)
+    return worst
+
+
+def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
+    """Both gates on one run: the counter first (its message names the collective), then the numbers."""
+    if not adapter.data_parallel:
+        from .single import GateSkipped
+
+        raise GateSkipped(f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))")
+    outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
+    report = check_boundary_only(outcomes, case, expected=adapter.expected)
+    worst, ratio = check_dist_equivalence(outcomes, case, report)
+    steps = report.steps[(0, F32)]
+    return GateResult("data-parallel", case, worst, ratio, comm=report,
+                      boundary_bytes=[s.boundary_bytes for s in steps],
+                      boundary_collectives=[len(s.reduced) for s in steps],
+                      gradient_bytes=4 * report.grad_elements)

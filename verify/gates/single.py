@@ -1,0 +1,103 @@
+"""The single-process gates, for any adapter. Each raises GateFailure naming what differs.
+
+equivalence  N micro-steps of B rows vs the SAME trainer at accum_steps=1 on the N·B batch, same init
+             and data: fp32 step-0 loss and boundary gradients against the float64 big batch under the
+             policy of tolerance.py, fp32 losses of every step, float64 losses and parameters of every
+             step. So a trainer is judged against its own big-batch semantics, whatever its model.
+bit-exact    accum_steps=1 vs the adapter's declared plain step (no accumulation code at all): every
+             gradient, loss and parameter after K steps torch.equal. Skipped (GateSkipped, with the
+             reason) when the adapter declares no plain step.
+
+An adapter that needs a process group even alone (DDP, Accelerate) is run on a one-rank pool.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..case import Case, drive
+from .tolerance import GateFailure, Judge
+
+__all__ = ["check_equivalence", "check_bit_exact", "GateResult", "GateSkipped"]
+
+
+class GateSkipped(Exception):
+    """The gate does not apply to this adapter; str(e) says why."""
+
+
+class GateResult:
+    """A passed gate: which check came closest to its bound, and how close (error / bound)."""
+
+    def __init__(self, gate: str, case: Case, worst: str = "", ratio: float = 0.0, **extra):
+        self.gate, self.case, self.worst, self.ratio, self.extra = gate, case, worst, ratio, extra
+
+    def __repr__(self):
+        return f"GateResult({self.gate!r}, worst={self.worst!r}, ratio={self.ratio:.3g})"
+
+
+def _equivalence(adapter, case: Case, device: str) -> GateResult:
+    gate, N = "equivalence", case.accum_steps
+    batches = case.batches(adapter)
+    f64 = torch.float64
+    run = lambda n, dtype: drive(adapter(case.spec(accum_steps=n, dtype=dtype, device=device)),  # noqa: E731
+                                 batches, n, dtype=dtype, device=device, gate=gate)
+    acc, big = run(N, torch.float32), run(1, torch.float32)
+    acc64, ref64 = run(N, f64), run(1, f64)
+    j = Judge(gate, case)
+    j.step0(acc, big, ref64)
+    j.loss_trajectory(acc, big)
+    j.float64(acc64, ref64)
+    return GateResult(gate, case, j.worst, j.worst_ratio)
+
+
+def _bit_exact(adapter, case: Case, device: str) -> GateResult:
+    gate = "bit-exact accum=1"
+    if adapter.plain is None:
+        raise GateSkipped(f"{adapter.name} declares no plain (no-accumulation) step; declare "
+                          f"@verify.adapter(plain=...) to prove accum_steps=1 is that step bit for bit")
+    batches = case.batches(adapter)
+    spec = case.spec(accum_steps=1, device=device)
+    got = drive(adapter(spec), batches, 1, device=device, gate=gate)
+    want = drive(adapter.plain(spec), batches, 1, device=device, gate=gate)
+    Judge(gate, case).bit_exact(got, want)
+    return GateResult(gate, case)
+
+
+_GATES = {"equivalence": _equivalence, "bit_exact": _bit_exact}
+
+
+def gate_job(ctx, name: str, adapter, case: Case):
+    """On a pool rank: run one single-process gate there; failures come back as values, not tracebacks."""
+    try:
+        return "ok", _GATES[name](adapter, case, str(ctx.device))
+    except GateFailure as e:
+        return "fail", str(e)
+    except GateSkipped as e:
+        return "skip", str(e)
+
+
+def _run(name: str, adapter, case: Case, pool) -> GateResult:
+    if case.world != 1:
+        raise ValueError(f"single-process gates take world-1 cases, got world {case.world}")
+    if not adapter.process_group:
+        return _GATES[name](adapter, case, case.device)
+    from ..pool import get_pool
+
+    kind, value = (pool or get_pool(1)).run(gate_job, name, adapter, case)[0]
+    if kind == "fail":
+        raise GateFailure(value)
+    if kind == "skip":
+        raise GateSkipped(value)
+    return value
+
+
+def check_equivalence(adapter, case: Case, *, pool=None) -> GateResult:
+    """Big-batch equivalence: accumulation (N, B) vs one step on the N·B batch, same init and data."""
+    return _run("equivalence", adapter, case, pool)
+
+
+def check_bit_exact(adapter, case: Case, *, pool=None) -> GateResult:
+    """accum_steps=1 vs the adapter's plain step: bit-identical grads, losses, params (GateSkipped if
+    the adapter declares no plain step)."""
+    if adapter.plain is None:
+        return _bit_exact(adapter, case, case.device)  # raises GateSkipped without starting a pool
+    return _run("bit_exact", adapter, case, pool)

@@ -1,0 +1,246 @@
+"""What the harness drives, and how a user hands it their trainer.
+
+A trainer implements four methods; the harness owns the loop around them:
+
+    for micro in range(N): trainer.micro_step(inputs, targets, micro)   # one micro-batch, rows first
+    grads = trainer.grads()             # boundary gradient: after accumulation, before clip/step
+    loss  = trainer.optimizer_step()    # clip, optimizer, schedule, zero_grad; returns the step loss
+    trainer.params()                    # name -> tensor, any time
+
+An `Adapter` tells the harness everything else it needs about a trainer, without the harness knowing
+its model, loss or optimizer:
+
+    @verify.adapter(data=verify.data.regression(features=8), plain=my_plain_factory)
+    def factory(spec: verify.Spec) -> Trainer:      # builds the model in spec.dtype on spec.device
+        ...
+
+* `data(rows, seed[, options]) -> (inputs, targets)`: the harness draws each optimizer step's whole
+  batch once, splits it into micro-batches and rank shards along dim 0, and casts floating tensors to
+  the run's dtype. Built-ins: `verify.data`.
+* `plain`: a factory of the textbook no-accumulation step (loss.backward(); step; zero_grad) of the
+  same model and optimizer. Declared: the bit-exact gate proves accum_steps=1 is that step, bit for bit.
+  Not declared: that gate is skipped, saying why.
+* `options`: a hypothesis strategy of the adapter's own knobs (model size, learning rate, ...), drawn
+  into every case and handed to the factory as `spec.options`; `defaults` is the value used where
+  nothing is drawn (the self-test, the memory probe).
+* `data_parallel`: the trainer reduces gradients over torch.distributed's default group when one
+  exists; the distributed gates run it on 1..W ranks. `process_group`: it needs a group even alone
+  (DDP, Accelerate), so its single-process gates run on a one-rank group.
+* `expected`: collectives the trainer legitimately issues on micro-steps 0..N-2 (by op, dtype class
+  and count). Anything else there fails the boundary-only gate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "adapter", "load_adapter", "AdapterError"]
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> None: ...
+    def grads(self) -> dict[str, torch.Tensor]: ...
+    def optimizer_step(self) -> torch.Tensor | float: ...
+    def params(self) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """What a factory is told. It builds a fresh model (init from `seed`, in `dtype`, on `device`), its
+    optimizer and schedule, and a trainer that runs `accum_steps` micro-steps per optimizer step."""
+
+    accum_steps: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    seed: int = 0
+    options: Any = None
+    """The adapter's own knobs, drawn from its `options` strategy (None when it declares none)."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """Collectives a trainer is expected to issue BEFORE the boundary (micro-steps 0..N-2): at most
+    `count` of op `op` carrying `dtype` data ('integer', 'floating' or 'any') in each matching window.
+    `step` / `micro` = None match every optimizer step / micro-step."""
+
+    op: str
+    count: int = 1
+    dtype: str = "any"
+    step: int | None = None
+    micro: int | None = None
+    why: str = ""
+
+    def __post_init__(self):
+        if self.dtype not in ("integer", "floating", "any"):
+            raise ValueError(f"Expected.dtype must be 'integer', 'floating' or 'any', got {self.dtype!r}")
+        if not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"Expected.count must be an integer ≥ 1, got {self.count!r}")
+
+
+# torch DDP rebuilds its buckets once, in the first forward after the first synchronised backward (micro-step
+# 0 of step 1): rank 0 broadcasts the new bucket layout as integer tensors. Seen: 2 broadcasts, gloo and NCCL.
+DDP_EXPECTED = (Expected("broadcast", count=2, dtype="integer", step=1, micro=0,
+                         why="torch DDP's one-time bucket rebuild (bucket layout broadcast from rank 0)"),)
+
+
+class AdapterError(ValueError):
+    """A trainer reference or adapter declaration that cannot be used; str(e) is one line."""
+
+
+def _one_positional(fn) -> bool:
+    """True when fn can be called with exactly one positional argument."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True  # builtins, C callables: trust them
+    try:
+        sig.bind(None)
+        return True
+    except TypeError:
+        return False
+
+
+@dataclass(frozen=True, eq=False)
+class Adapter:
+    """A trainer factory plus the declarations the harness needs (see the module docstring)."""
+
+    factory: Callable[[Spec], Trainer]
+    data: Callable
+    plain: Callable[[Spec], Trainer] | None = None
+    options: Any = None  # a hypothesis SearchStrategy, or None
+    defaults: Any = None
+    data_parallel: bool = False
+    process_group: bool = False
+    expected: tuple[Expected, ...] = ()
+    name: str = ""
+    ref: str | None = field(default=None, compare=False)
+    """'module:attribute' this adapter is importable as; found on first use when not given."""
+    mutation: str | None = None
+    """Set by the self-test: the fault operator wrapped around `factory` (verify.selftest)."""
+
+    def __post_init__(self):
+        for what in ("factory", "data"):
+            if not callable(getattr(self, what)):
+                raise AdapterError(f"adapter {what} must be callable, got {getattr(self, what)!r}")
+        if not _one_positional(self.factory):
+            raise AdapterError(f"the factory {_qual(self.factory)} must take one argument (a verify.Spec)")
+        if self.plain is not None and not (callable(self.plain) and _one_positional(self.plain)):
+            raise AdapterError(f"plain= must be a factory taking one argument (a verify.Spec), got {self.plain!r}")
+        object.__setattr__(self, "expected", tuple(self.expected))
+        if self.process_group and not self.data_parallel:
+            object.__setattr__(self, "data_parallel", True)
+        if not self.name:
+            object.__setattr__(self, "name", self.ref or _qual(self.factory))
+
+    def __call__(self, spec: Spec) -> Trainer:
+        return self.factory(spec)
+
+    def replace(self, **changes) -> "Adapter":
+        changes.setdefault("ref", None)
+        changes.setdefault("name", "")
+        return dataclasses.replace(self, **changes)
+
+    def batch(self, rows: int, seed: int, options=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rows` rows of (inputs, targets) for `seed`, on the CPU."""
+        try:
+            n = len(inspect.signature(self.data).parameters)
+        except (TypeError, ValueError):
+            n = 3
+        out = self.data(rows, seed, options) if n >= 3 else self.data(rows, seed)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+            raise AdapterError(f"data of {self.name} must return (inputs, targets) tensors, got {type(out).__name__}")
+        if out[0].shape[0] != rows or out[1].shape[0] != rows:
+            raise AdapterError(f"data of {self.name} returned {out[0].shape[0]} / {out[1].shape[0]} rows, asked for {rows}")
+        return out[0], out[1]
+
+    # -- pickling: pools rebuild an adapter by importing its reference (strategies do not pickle) --------
+    def locate(self) -> str:
+        if self.ref is None:
+            mod = sys.modules.get(getattr(self.factory, "__module__", None) or "")
+            for name, value in vars(mod or object()).items():
+                if value is self:
+                    object.__setattr__(self, "ref", f"{mod.__name__}:{name}")
+                    break
+            else:
+                raise AdapterError(f"adapter {self.name} is not a module-level name: define it at module level "
+                                   "so worker processes can import it")
+        return self.ref
+
+    def __reduce__(self):
+        return _rebuild, (self.locate(), self.mutation)
+
+
+def _rebuild(ref: str, mutation: str | None) -> Adapter:
+    a = load_adapter(ref)
+    if mutation is not None:
+        from .selftest.operators import OPERATORS
+
+        a = OPERATORS[mutation].apply(a)
+    return a
+
+
+def _qual(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
+            process_group: bool = False, expected=(), name: str = ""):
+    """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter."""
+
+    def wrap(fn) -> Adapter:
+        ref = f"{fn.__module__}:{fn.__qualname__}" if "<locals>" not in fn.__qualname__ else None
+        return Adapter(factory=fn, data=data, plain=plain, options=options, defaults=defaults,
+                       data_parallel=data_parallel, process_group=process_group, expected=expected,
+                       name=name, ref=ref)
+
+    return wrap
+
+
+DEFAULT_REF = "verify.adapters.xtrain:adapter"
+
+
+def load_adapter(ref: str, *, option: str = "--verify-trainer") -> Adapter:
+    """'MODULE:NAME' -> the Adapter it names. The invoking directory is importable (as with `python -m`).
+    AdapterError (one line, naming `option`) for a missing module or name, or a wrong kind of object."""
+    if not isinstance(ref, str) or ref.count(":") != 1 or not all(ref.split(":")):
+        raise AdapterError(f"{option} {ref}: expected MODULE:FACTORY, e.g. mypkg.train:factory")
+    mod_name, attr = ref.split(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise AdapterError(f"{option} {ref}: cannot import {mod_name!r} ({e}); run from the directory that "
+                           f"contains it or install it") from None
+    except Exception as e:  # noqa: BLE001  (the user's module raised while importing)
+        raise AdapterError(f"{option} {ref}: importing {mod_name!r} raised {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AdapterError(f"{option} {ref}: module {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, Adapter):
+        if obj.ref is None:
+            object.__setattr__(obj, "ref", ref)
+        return obj
+    if not callable(obj):
+        raise AdapterError(f"{option} {ref}: {attr!r} is a {type(obj).__name__}, not callable; name a "
+                           f"factory Spec -> trainer")
+    if not _one_positional(obj):
+        raise AdapterError(f"{option} {ref}: {attr}{_sig(obj)} must take exactly one argument (a verify.Spec)")
+    raise AdapterError(f"{option} {ref}: {attr!r} is a plain function; declare its data with "
+                       f"@verify.adapter(data=...) so the harness knows what batches to draw")
+
+
+def _sig(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"

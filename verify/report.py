@@ -1,0 +1,175 @@
+"""The run report: one `verify-report.json` + `verify-report.md` for everything a run proved.
+
+Gate tests call `record(result)` once per passed example (or `skip(gate, reason)`); the pytest plugin
+collects failures from the test reports. Under pytest-xdist each worker ships its tallies to the
+controller (`dump` / `merge`), and only the controller writes, once, atomically, mode 0644. The self-test
+adds its operator × gate table to the same report (`write(..., selftest=...)` keeps the gate section of
+an existing report of the same trainer, and the other way round).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["record", "skip", "write", "read", "render_md", "REPORT_NAME"]
+
+REPORT_NAME = "verify-report"
+_STATS: dict[str, dict] = {}
+
+BOUNDS = {
+    "equivalence": "fp32 step 0: err(acc) ≤ 8·err(big32) + 8·eps32 vs float64; fp32 losses rel < 1e-3; "
+                   "float64 K steps: loss rel ≤ 1e-9, params ≤ 1e-9·max(1,|p|)",
+    "bit_exact": "torch.equal on every gradient, loss and parameter after K steps",
+    "boundary_only": "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 elements",
+    "data_parallel_equivalence": "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
+}
+
+
+def _gate(name: str) -> dict:
+    return _STATS.setdefault(name, dict(examples=0, skipped=0, skip_reason=None, worst_ratio=0.0,
+                                        worst_check="", worst_case=None))
+
+
+def _keep_worst(s: dict, ratio: float, check: str, case) -> None:
+    if s["worst_case"] is None or ratio > s["worst_ratio"]:
+        s.update(worst_ratio=float(ratio), worst_check=check, worst_case=case.as_dict(), worst_case_text=str(case))
+
+
+def record(result) -> None:
+    """One passed example of a gate (a verify.GateResult)."""
+    if result.gate == "data-parallel":
+        ex, w = result.extra, result.case.world
+        b = _gate("boundary_only")
+        b["examples"] += 1
+        b["worlds"] = sorted(set(b.get("worlds", [])) | {w})
+        b["expected_before_boundary"] = b.get("expected_before_boundary", 0) + len(ex["comm"].expected_used)
+        if w > 1:  # world 1 has nobody to reduce with
+            per_step = [by / ex["gradient_bytes"] for by in ex["boundary_bytes"]]
+            for key, vals in (("boundary_bytes_over_gradient_bytes", per_step),
+                              ("boundary_collectives_per_step", ex["boundary_collectives"])):
+                lo, hi = b.get(key, [min(vals), max(vals)])
+                b[key] = [min(lo, min(vals)), max(hi, max(vals))]
+            if b["worst_case"] is None or w * result.case.accum_steps > b["worst_case"]["world"] * b["worst_case"]["accum_steps"]:
+                b.update(worst_check="largest world × N", worst_case=result.case.as_dict(), worst_case_text=str(result.case))
+        e = _gate("data_parallel_equivalence")
+        e["examples"] += 1
+        _keep_worst(e, result.ratio, result.worst, result.case)
+        return
+    key = "bit_exact" if result.gate.startswith("bit-exact") else result.gate
+    s = _gate(key)
+    s["examples"] += 1
+    _keep_worst(s, result.ratio, result.worst, result.case)
+
+
+def skip(gate: str, reason: str) -> None:
+    s = _gate(gate)
+    s["skipped"] += 1
+    s["skip_reason"] = reason
+
+
+def dump() -> str:
+    return json.dumps(_STATS)
+
+
+def merge(into: dict, blob: str) -> None:
+    for gate, s in json.loads(blob).items():
+        t = into.setdefault(gate, s)
+        if t is s:
+            continue
+        t["examples"] += s["examples"]
+        t["skipped"] += s["skipped"]
+        t["skip_reason"] = t["skip_reason"] or s["skip_reason"]
+        if t["worst_case"] is None or (s["worst_case"] is not None and s["worst_ratio"] > t["worst_ratio"]):
+            t.update({k: s.get(k) for k in ("worst_ratio", "worst_check", "worst_case", "worst_case_text")})
+        if "worlds" in s:
+            t["worlds"] = sorted(set(t.get("worlds", [])) | set(s["worlds"]))
+        for key in ("boundary_bytes_over_gradient_bytes", "boundary_collectives_per_step"):
+            if key in s:
+                lo, hi = t.get(key, s[key])
+                t[key] = [min(lo, s[key][0]), max(hi, s[key][1])]
+        if "expected_before_boundary" in s:
+            t["expected_before_boundary"] = t.get("expected_before_boundary", 0) + s["expected_before_boundary"]
+
+
+def local() -> dict:
+    return json.loads(dump())
+
+
+# -- writing -----------------------------------------------------------------------------------------
+
+def paths(folder: str) -> tuple[str, str]:
+    return os.path.join(folder, REPORT_NAME + ".json"), os.path.join(folder, REPORT_NAME + ".md")
+
+
+def read(folder: str) -> dict | None:
+    try:
+        with open(paths(folder)[0]) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write(folder: str, *, trainer: str, settings: dict, gates: dict | None = None, failures=None,
+          selftest: dict | None = None, exitstatus: int | None = None, device=None) -> list[str]:
+    """Render JSON and markdown first, then replace both files. A section not given (gates or selftest)
+    is kept from an existing report of the same trainer, so one report holds a gate run and a self-test."""
+    from ._meta import atomic_write, header
+
+    old = read(folder)
+    same = old is not None and old.get("trainer") == trainer
+    doc = dict(header("verify-report", device), trainer=trainer, settings=settings,
+               gates=gates if gates is not None else (old.get("gates", {}) if same else {}),
+               failures=failures if failures is not None else (old.get("failures", []) if same else []),
+               exitstatus=exitstatus if exitstatus is not None else (old.get("exitstatus") if same else None),
+               selftest=selftest if selftest is not None else (old.get("selftest") if same else None))
+    if same and gates is None:
+        doc["settings"] = {**old.get("settings", {}), **settings}
+    js, md = json.dumps(doc, indent=1, default=str), render_md(doc)
+    jp, mp = paths(folder)
+    atomic_write(jp, js)
+    atomic_write(mp, md)
+    return [jp, mp]
+
+
+def _ratio(x) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+def render_md(doc: dict) -> str:
+    mi = doc.get("machine_info", {})
+    lines = [f"# verify report: `{doc['trainer']}`", "",
+             f"{doc.get('utc')} · commit `{doc.get('git_commit')}` · xtrain {doc.get('xtrain_version')} · "
+             f"torch {mi.get('torch')} · {mi.get('gpu') or 'CPU'} · settings: "
+             + ", ".join(f"{k} {v}" for k, v in doc.get("settings", {}).items() if k != "command"), ""]
+    gates = doc.get("gates") or {}
+    if gates:
+        lines += ["| gate | examples | worst error / bound | where | worst case | bound |", "|---|---|---|---|---|---|"]
+        for name in ("equivalence", "bit_exact", "boundary_only", "data_parallel_equivalence"):
+            g = gates.get(name)
+            if g is None:
+                continue
+            if not g["examples"] and g.get("skip_reason"):
+                lines.append(f"| {name} | skipped | — | — | {g['skip_reason']} | |")
+                continue
+            extra = ""
+            if name == "boundary_only":
+                lo_hi = g.get("boundary_bytes_over_gradient_bytes")
+                extra = (f"worlds {g.get('worlds')}; at world > 1: bytes per step ÷ gradient bytes "
+                         f"{'—' if lo_hi is None else f'{lo_hi[0]:.4f}–{lo_hi[1]:.4f}'}, boundary collectives per "
+                         f"step {g.get('boundary_collectives_per_step')}; declared collectives before the boundary "
+                         f"{g.get('expected_before_boundary', 0)}; largest case: ")
+            short = g.get("worst_case_text") or "—"
+            ratio = "—" if name in ("bit_exact", "boundary_only") else _ratio(g["worst_ratio"])
+            lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | {extra}{short} | "
+                         f"{BOUNDS.get(name, '')} |")
+        lines.append("")
+    fails = doc.get("failures") or []
+    lines.append(f"**{'FAILED: ' + str(len(fails)) + ' test(s)' if fails else 'all gates that ran passed'}**"
+                 + (f" (pytest exit status {doc['exitstatus']})" if doc.get("exitstatus") is not None else ""))
+    for f in fails:
+        lines += ["", f"- `{f['test']}`", "", "  ```", *("  " + ln for ln in f["message"].splitlines()[:12]), "  ```"]
+    st = doc.get("selftest")
+    if st:
+        lines += ["", "## Self-test (fault injection)", "", st.get("table_md", ""), "",
+                  f"Mutation score: **{st.get('score')}** — {st.get('verdict')}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,66 @@
+"""PYTEST_DONT_REWRITE (no rewritten bytecode is cached next to an installed package)
+
+The data-parallel gates on the adapter under proof, when it declares data parallelism: boundary-only
+communication and equivalence to its own one-rank big batch over drawn (N, B_local, world, K, options),
+on warm rank pools (gloo on CPU; --verify-backend nccl on GPUs, rank r on cuda:r). Worlds from
+XTRAIN_DIST_MIN_WORLD (default 1) to XTRAIN_DIST_MAX_WORLD (default 4, capped by GPUs under NCCL).
+"""
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from . import report
+from ._gpulock import gpu_shared  # noqa: F401
+from .gates import check_distributed
+from .gates.distributed import max_world, min_world
+from .strategies import dist_cases
+
+pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
+
+
+def _data_parallel(adapter):
+    if not adapter.data_parallel:
+        reason = f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))"
+        report.skip("boundary_only", reason)
+        pytest.skip(reason)
+
+
+def _budget(share: int, least: int) -> int:
+    """Distributed examples cost ~10× a single-process one: a share of the profile's budget (ci: 100)."""
+    return max(least, settings.default.max_examples // share)
+
+
+def test_data_parallel_boundary_only_and_equivalent(verify_adapter):
+    _data_parallel(verify_adapter)
+
+    @settings(max_examples=_budget(2, 8), deadline=None)
+    @given(data=st.data())
+    def gates(data):
+        case = data.draw(dist_cases(verify_adapter, min_world=min_world(), max_world=max_world()), label="case")
+        event(f"world {case.world}")
+        report.record(check_distributed(verify_adapter, case))
+
+    gates()
+
+
+def test_bytes_per_step_independent_of_N(verify_adapter):
+    """The same case at N and at N=1: the same boundary collectives and bytes in every step."""
+    _data_parallel(verify_adapter)
+    if max_world() < 2:
+        pytest.skip("needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)")
+
+    @settings(max_examples=_budget(30, 3), deadline=None)
+    @given(data=st.data())
+    def same_bytes(data):
+        case = data.draw(dist_cases(verify_adapter, min_world=max(2, min_world()), max_world=max_world(),
+                                    min_accum=2), label="case")
+        got, one = check_distributed(verify_adapter, case), check_distributed(verify_adapter, case.replace(accum_steps=1))
+        for key, steps in one.extra["comm"].steps.items():
+            a = [(s.boundary_bytes, len(s.reduced)) for s in got.extra["comm"].steps[key]]
+            b = [(s.boundary_bytes, len(s.reduced)) for s in steps]
+            if a != b:
+                raise AssertionError(f"rank/dtype {key}: N={case.accum_steps} boundary (bytes, collectives) per step "
+                                     f"{a} vs N=1 {b}; case {case}")
+        report.record(got)
+
+    same_bytes()
