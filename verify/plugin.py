@@ -1,4 +1,5 @@
-"""The pytest plugin (entry point `pytest11: xtrain-verify`): options, hypothesis profiles, the run report.
+"""The pytest plugin (entry point `pytest11: xtrain-verify`, loaded through _xtrain_pytest/entry.py):
+options, hypothesis profiles, the run report.
 
     pytest verify -n auto                                           # this repo: xtrain's trainer
     pytest --pyargs verify --verify-trainer mypkg.train:factory -n auto    # anyone's
@@ -83,6 +84,25 @@ def pytest_configure(config):
         state["adapter"] = _load(state["trainer"])
     xdist = config.pluginmanager.hasplugin("xdist")
     config.pluginmanager.register((_XdistReporter if xdist else _Reporter)(config), "verify-reporter")
+
+
+_PKG = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """Collecting the gate modules from an installed package: no bytecode caches next to them (pytest
+    would otherwise write its rewritten-assert caches into site-packages)."""
+    path = str(getattr(collector, "path", "") or "")
+    if not path.startswith(_PKG + os.sep):
+        return (yield)
+    import sys
+
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = before
 
 
 def _load(ref: str):

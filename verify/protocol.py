@@ -140,6 +140,9 @@ class Adapter:
         if not self.name:
             object.__setattr__(self, "name", self.ref or _qual(self.factory))
 
+    def __repr__(self):
+        return f"Adapter({self.name!r}{', ' + self.mutation if self.mutation else ''})"
+
     def __call__(self, spec: Spec) -> Trainer:
         return self.factory(spec)
 
@@ -193,13 +196,13 @@ def _qual(fn) -> str:
 
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
             process_group: bool = False, expected=(), name: str = ""):
-    """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter."""
+    """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
+    `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
 
-    def wrap(fn) -> Adapter:
-        ref = f"{fn.__module__}:{fn.__qualname__}" if "<locals>" not in fn.__qualname__ else None
+    def wrap(fn) -> Adapter:  # fn: a function or a trainer class, Spec -> trainer
         return Adapter(factory=fn, data=data, plain=plain, options=options, defaults=defaults,
                        data_parallel=data_parallel, process_group=process_group, expected=expected,
-                       name=name, ref=ref)
+                       name=name or f"{fn.__module__}.{fn.__qualname__}")
 
     return wrap
 

@@ -164,8 +164,15 @@ def render_md(doc: dict) -> str:
                          f"{BOUNDS.get(name, '')} |")
         lines.append("")
     fails = doc.get("failures") or []
-    lines.append(f"**{'FAILED: ' + str(len(fails)) + ' test(s)' if fails else 'all gates that ran passed'}**"
-                 + (f" (pytest exit status {doc['exitstatus']})" if doc.get("exitstatus") is not None else ""))
+    if not gates and not fails:
+        lines.append("No gate run recorded yet: `pytest --pyargs verify --verify-trainer "
+                     f"{doc['trainer']} -n auto` adds one.")
+    else:
+        code = doc.get("exitstatus")
+        head = (f"FAILED: {len(fails)} gate test(s)" if fails else "every gate that ran passed")
+        tail = "" if code is None else f" (pytest exit status {code}" + (", from tests other than the gates"
+                                                                          if code and not fails else "") + ")"
+        lines.append(f"**{head}**{tail}")
     for f in fails:
         lines += ["", f"- `{f['test']}`", "", "  ```", *("  " + ln for ln in f["message"].splitlines()[:12]), "  ```"]
     st = doc.get("selftest")

@@ -231,7 +231,7 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=())
                     if bad:
                         listed = "; ".join(desc(c) for c in bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
                         fail(f"step {k}, micro-step {m} of {N}: {len(bad)} collective(s) before the boundary: {listed}"
-                             f" — micro-steps 0..{N - 2} must not communicate (a collective the trainer needs there "
+                             f" — {'micro-step 0' if N == 2 else f'micro-steps 0..{N - 2}'} must not communicate (a collective the trainer needs there "
                              f"must be declared: Adapter(expected=...))")
                 E, upper = s.boundary_elements, run.n_params + SCALARS
                 listed = "; ".join(desc(c) for c in s.reduced[:4]) or "none"

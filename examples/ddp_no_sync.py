@@ -1,0 +1,49 @@
+"""torch DistributedDataParallel with no_sync() on micro-steps 0..N-2 (gloo on CPU, NCCL on GPUs).
+
+    XTRAIN_DIST_MIN_WORLD=2 XTRAIN_DIST_MAX_WORLD=3 pytest --pyargs verify \
+        --verify-trainer examples.ddp_no_sync:factory -n auto
+    python -m verify.selftest --verify-trainer examples.ddp_no_sync:factory
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import verify
+
+
+class Trainer:
+    def __init__(self, spec):
+        torch.manual_seed(spec.seed)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.ddp = DDP(net.to(spec.device, spec.dtype), device_ids=None if spec.device == "cpu" else [spec.device])
+        self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-2)
+        self.n, self.loss = spec.accum_steps, 0.0
+
+    def micro_step(self, x, y, micro):
+        # DDP decides at FORWARD whether the coming backward all-reduces: no_sync() must cover both
+        with self.ddp.no_sync() if micro < self.n - 1 else contextlib.nullcontext():
+            loss = F.mse_loss(self.ddp(x), y)
+            (loss if self.n == 1 else loss / self.n).backward()
+        self.loss = self.loss + loss.detach()
+
+    def grads(self):
+        return {k: p.grad for k, p in self.ddp.module.named_parameters()}
+
+    def optimizer_step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+        loss, self.loss = self.loss / (self.n * dist.get_world_size()), 0.0
+        dist.all_reduce(loss)  # the global batch's mean loss (every rank holds equal micro-batches)
+        return loss
+
+    def params(self):
+        return dict(self.ddp.module.named_parameters())
+
+
+# process_group: DDP needs one even alone, so its single-process gates run on a one-rank group.
+# DDP_EXPECTED: DDP's one-time bucket rebuild broadcasts at micro-step 0 of step 1, declared.
+factory = verify.adapter(data=verify.data.regression(features=8), process_group=True,
+                         expected=verify.DDP_EXPECTED)(Trainer)
