@@ -1,14 +1,21 @@
 """Benchmarks for data-parallel accumulation (a script, not a timed test).
 
-Pool mode — what one distributed gate example costs, cold vs warm, and the bytes counted per step:
+Pool mode — what one distributed gate example (`check_distributed(xtrain.adapter, case)`) costs, cold
+vs warm, and the bytes the flight recorder counts per optimizer step:
 
-    python -m verify.bench_dist [--backend gloo|nccl] [--max-world 4] [--out reports]
+    python -m benchmarks.bench_dist [--backend gloo|nccl] [--max-world 4] [--out reports]
 
-Step-time mode — xtrain's DistAccumTrainer vs torch DDP no_sync() side by side in ONE run (interleaved
-repetitions, median), on the anchor model (preset gpt2-ish: GPT 12L d768 vocab 8192 seq 512, fp32,
-TF32 off), N=4, B=8 per rank; plus the collectives the flight recorder counts per optimizer step:
+  cold = new pools (the world-W pool and, for W > 1, the one-rank pool the reference runs on) + one
+  example; warm = the same on pools that already exist, as inside the test suite.
 
-    python -m torch.distributed.run --standalone --nproc-per-node W -m verify.bench_dist --device cuda --out DIR
+Step-time mode — side by side in ONE run (interleaved repetitions, median), on the anchor model (preset
+gpt2-ish: GPT 12L d768 vocab 8192 seq 512, fp32, TF32 off), N=4, B=8 per rank:
+  xtrain  xtrain's DistAccumTrainer (one boundary all-reduce per bucket of a flat gradient buffer)
+  torch   xtrain's model and optimizer under torch DDP with no_sync() (xtrain_core TorchDDPTrainer)
+  plain   benchmarks/plain_torch.py's GPT and loop under torch DDP with no_sync(): plain PyTorch
+plus the collectives the flight recorder counts in one optimizer step of each:
+
+    python -m torch.distributed.run --standalone --nproc-per-node W -m benchmarks.bench_dist --device cuda --out DIR
 
 Both write JSON (schema_version, machine_info, git_commit, utc, results; written atomically) and print a table.
 """
@@ -26,13 +33,13 @@ def _meta() -> dict:
     """The common report header (verify/_meta.py): schema_version, machine_info, git commit, UTC time."""
     import torch
 
-    from ._meta import header
+    from verify._meta import header
 
     return header("bench_dist", "cuda" if torch.cuda.is_available() else None)
 
 
 def _write(out_dir: str, name: str, payload: dict) -> str:
-    from ._meta import atomic_write
+    from verify._meta import atomic_write
 
     path = os.path.join(out_dir, name)
     atomic_write(path, json.dumps(payload, indent=1, default=str))
@@ -42,14 +49,15 @@ def _write(out_dir: str, name: str, payload: dict) -> str:
 # -- pool mode -------------------------------------------------------------------------------------
 
 def _fixed_cases(world: int):
+    from verify.adapters.xtrain import XtrainOptions
+    from verify.case import Case
     from xtrain_core.config import PRESETS, ModelConfig, OptimConfig
 
-    from .interface import Case
-
-    small = Case(accum_steps=4, micro_batch=2, seq_len=16, steps=2, world=world, optim=OptimConfig(lr=1e-3),
-                 model=ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16))
-    tiny = Case(accum_steps=4, micro_batch=2, seq_len=32, steps=2, world=world, optim=OptimConfig(lr=1e-3),
-                model=PRESETS["tiny"])
+    small = Case(accum_steps=4, micro_batch=2, steps=2, world=world, options=XtrainOptions(
+        model=ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16), seq_len=16,
+        optim=OptimConfig(lr=1e-3)))
+    tiny = Case(accum_steps=4, micro_batch=2, steps=2, world=world, options=XtrainOptions(
+        model=PRESETS["tiny"], seq_len=32, optim=OptimConfig(lr=1e-3)))
     return {"test-size (L1 d16 V64, N4 B2 S16 K2)": small, "preset tiny (L2 d64 V256, N4 B2 S32 K2)": tiny}
 
 
@@ -57,13 +65,14 @@ def _drawn_cases(world: int, n: int):
     """The ci profile's draws: derandomized, as the suite sees them."""
     from hypothesis import HealthCheck, given, settings
 
-    from .strategies import dist_cases
+    from verify.adapters import xtrain
+    from verify.strategies import dist_cases
 
     got = []
 
     @settings(max_examples=n, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(case=dist_cases(min_world=world, max_world=world))
+    @given(case=dist_cases(xtrain.adapter, min_world=world, max_world=world))
     def collect(case):
         got.append(case)
 
@@ -71,46 +80,62 @@ def _drawn_cases(world: int, n: int):
     return got
 
 
-def _time_example(factory, case, pool) -> float:
-    from .gates_dist import check_distributed
+def _time_example(adapter, case, pool, ref_pool=None) -> float:
+    from verify.gates import check_distributed
 
     t0 = time.perf_counter()
-    check_distributed(factory, case, pool=pool)
+    check_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
     return time.perf_counter() - t0
+
+
+def _other(c) -> str:
+    return f"{c.backend}:{c.op} {c.kind}"
+
+
+def _step_row(s) -> dict:
+    """One optimizer step as the counter saw it (verify.gates.distributed.StepComm)."""
+    non_grad = [c for c in [*(c for cs in s.micro for c in cs), *s.boundary] if c.kind != "gradient"]
+    return dict(gradient_collectives=len(s.reduced), boundary_bytes=s.boundary_bytes,
+                boundary_elements=s.boundary_elements, ops=[f"{c.backend}:{c.op}" for c in s.reduced],
+                micro_collectives=[len(cs) for cs in s.micro],  # micro-steps 0..N-2
+                other=[_other(c) for c in non_grad + s.params])
 
 
 def pools(args) -> dict:
     import torch
 
-    from .gates_dist import IMPL_FACTORIES, check_boundary_only, run_distributed
-    from .pool import ENV_START, RankPool, get_pool
+    from verify.adapters import xtrain as adapters
+    from verify.dist_jobs import whoami
+    from verify.gates import check_distributed
+    from verify.pool import ENV_START, RankPool, get_pool
 
     torch.set_num_threads(int(os.environ.get("XTRAIN_TEST_THREADS", "1")))
-    os.environ["XTRAIN_DIST_BACKEND"] = args.backend
-    xtrain = IMPL_FACTORIES["xtrain"]
+    os.environ["XTRAIN_DIST_BACKEND"] = args.backend  # the reference's one-rank pool (get_pool(1)) too
+    xtrain = adapters.adapter
     rows = []
     worlds = sorted({int(w) for w in args.worlds.split(",")}) if args.worlds else range(1, args.max_world + 1)
     for world in worlds:
         fixed = _fixed_cases(world)
         first = next(iter(fixed.values()))
         row = dict(world=world)
-        # cold: a new pool + one example (+ shutdown not counted); spawn vs forkserver start
-        for method in ("spawn", "forkserver") if args.backend == "gloo" else ("spawn",):  # NCCL: spawn only
+        # cold: new pools + one example (+ shutdown not counted); spawn vs forkserver start
+        for method in args.cold:
             old = os.environ.get(ENV_START)
             os.environ[ENV_START] = method
             try:
                 t0 = time.perf_counter()
                 pool = RankPool(world, args.backend)
+                ref_pool = RankPool(1, args.backend) if world > 1 else None  # the reference runs beside it
                 startup = time.perf_counter() - t0
-                ex = _time_example(xtrain, first, pool)
+                ex = _time_example(xtrain, first, pool, ref_pool)
                 pool.close()
+                if ref_pool is not None:
+                    ref_pool.close()
             finally:
                 os.environ.pop(ENV_START) if old is None else os.environ.__setitem__(ENV_START, old)
             row[f"cold_{method}_s"] = startup + ex
             row[f"pool_start_{method}_s"] = startup
         warm = get_pool(world, args.backend)
-        from .dist_jobs import whoami
-
         ts = []
         for _ in range(50):  # the pool's own overhead: a job that does nothing
             t0 = time.perf_counter()
@@ -134,13 +159,11 @@ def pools(args) -> dict:
         import dataclasses
 
         base = _fixed_cases(2)["preset tiny (L2 d64 V256, N4 B2 S32 K2)"]
-        for impl, factory in IMPL_FACTORIES.items():
+        for impl, adapter in (("xtrain", adapters.adapter), ("torch", adapters.torch_ddp)):
             for n in (1, 4, 8):
                 case = dataclasses.replace(base, accum_steps=n, steps=3)
-                outs = run_distributed(factory, case, pool=get_pool(2, args.backend), dtypes=(torch.float32,),
-                                       references=False)
-                rep = check_boundary_only(outs, case)
-                steps = rep.per_step(0, "torch.float32")
+                rep = check_distributed(adapter, case, pool=get_pool(2, args.backend)).extra["comm"]
+                steps = [_step_row(s) for s in rep.steps[(0, "torch.float32")]]
                 init = rep.init[(0, "torch.float32")]
                 counted.append(dict(impl=impl, N=n, grad_elements=rep.grad_elements,
                                     grad_bytes=4 * rep.grad_elements, steps=steps,
@@ -148,22 +171,23 @@ def pools(args) -> dict:
                 s = steps[-1]
                 print(f"  {impl:6s} N={n}: per step {s['gradient_collectives']} gradient collective(s), "
                       f"{s['boundary_bytes']} B at the boundary (grads {4 * rep.grad_elements} B), micro-steps "
-                      f"{s['micro_collectives']}; step 1 other: {steps[1]['other']}", flush=True)
+                      f"{f'0..{n - 2}: ' if n > 1 else ''}{s['micro_collectives'] or 'none'}; step 1 other: "
+                      f"{steps[1]['other']}", flush=True)
     return dict(backend=args.backend, reps=args.reps, examples=rows, bytes_per_step=counted)
 
 
 def _pool_row(r: dict) -> str:
     fx = [v for k, v in r.items() if k.startswith("warm ")]
-    fork = f" / {r['cold_forkserver_s']:.2f} s (forkserver)" if "cold_forkserver_s" in r else ""
-    return (f"world {r['world']}: cold {r['cold_spawn_s']:.2f} s (spawn){fork}; warm medians " + ", ".join(f"{v['median_s'] * 1e3:.1f} ms" for v in fx)
+    cold = " / ".join(f"{r[f'cold_{m}_s']:.2f} s ({m})" for m in ("spawn", "forkserver") if f"cold_{m}_s" in r)
+    return (f"world {r['world']}: cold {cold}; warm medians " + ", ".join(f"{v['median_s'] * 1e3:.1f} ms" for v in fx)
             + " (no-op job; examples: test-size, tiny preset, ci-strategy draws)")
 
 
 # -- step-time mode (under torchrun) ---------------------------------------------------------------
 
 def steps_mode(args) -> dict | None:
-    from . import comm
-    from ._meta import fp32_only
+    from verify import comm
+    from verify._meta import fp32_only
 
     comm.enable(nccl=args.device == "cuda")  # before the process group: the flight recorder counts collectives
     import torch
@@ -173,6 +197,8 @@ def steps_mode(args) -> dict | None:
     from xtrain_core.data import TokenStream
     from xtrain_core.distributed import DistAccumTrainer, TorchDDPTrainer, shard
     from xtrain_core.model import build_model
+
+    from . import plain_torch
 
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     cuda = args.device == "cuda"
@@ -203,8 +229,31 @@ def steps_mode(args) -> dict | None:
             out.append([(x.to(dev), y.to(dev)) for x, y in shard(idx, tgt, N, rank, world)])
         return out
 
-    makers = {"xtrain": lambda: DistAccumTrainer(build_model(cfg, 0, device=dev), optim, N),
-              "torch": lambda: TorchDDPTrainer(build_model(cfg, 0, device=dev), optim, N)}
+    class Plain:
+        """plain_torch's GPT and loop under torch DDP with no_sync(), in the trainer shape used below."""
+
+        def __init__(self):
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            torch.manual_seed(0)  # the same initial weights as build_model(cfg, 0)
+            gpt = plain_torch.GPT(vocab=cfg.vocab_size, d=cfg.d_model, layers=cfg.n_layer, heads=cfg.n_head,
+                                  seq=cfg.seq_len)
+            self.model = DDP(gpt.to(dev), device_ids=[dev] if cuda else None)
+            self.opt = plain_torch.make_optimizer(self.model)
+
+        def train_step(self, micro_batches):
+            plain_torch.train_step(self.model, self.opt, micro_batches)
+
+        def micro_step(self, x, y, m):
+            plain_torch.micro_step(self.model, x, y, N, sync=m == N - 1)
+
+        def optimizer_step(self):
+            plain_torch.finish_step(self.model, self.opt)
+
+    every = {"xtrain": lambda: DistAccumTrainer(build_model(cfg, 0, device=dev), optim, N),
+             "torch": lambda: TorchDDPTrainer(build_model(cfg, 0, device=dev), optim, N),
+             "plain": Plain}
+    makers = {k: every[k] for k in args.sides}
     trainers = {k: make() for k, make in makers.items()}
     for t in trainers.values():  # warm-up: Adam state, DDP's bucket rebuild (second step), allocator
         for micro in batches(2):
@@ -212,7 +261,8 @@ def steps_mode(args) -> dict | None:
     data = batches(args.steps)
     times = {k: [] for k in trainers}
     for rep in range(args.reps):
-        order = list(trainers) if rep % 2 == 0 else list(trainers)[::-1]  # interleaved, alternating first
+        names, r = list(trainers), rep % len(trainers)
+        order = names[r:] + names[:r]  # interleaved, each side first in turn (two sides: alternating)
         for k in order:
             sync()
             t0 = time.perf_counter()
@@ -245,6 +295,7 @@ def steps_mode(args) -> dict | None:
         grads = [c for cs in got.values() for c in cs if c.kind == "gradient"]
         counted[k] = dict(gradient_collectives=len(grads), gradient_bytes=sum(c.nbytes for c in grads),
                           param_bytes=4 * cfg.n_params, per_window=per)
+    del t
     # peak memory: each implementation alone on the device, after its warm-up
     peaks = {}
     if cuda:
@@ -261,16 +312,20 @@ def steps_mode(args) -> dict | None:
             torch.cuda.synchronize()
             peaks[k] = torch.cuda.max_memory_allocated() / 2**30
             del t
-    dist.barrier()  # every rank done before teardown (gloo can abort otherwise, GUIDE §3)
+    dist.barrier()  # every rank done before teardown (gloo's teardown can abort otherwise)
     dist.destroy_process_group()
     if not lead:
         return None
     med = {k: statistics.median(v) for k, v in times.items()}
+    optimizer = ("xtrain, torch: torch.optim.AdamW (fused on CUDA, foreach on CPU: make_optimizer), clip 1.0; "
+                 "plain: torch.optim.AdamW(lr=1e-4, fused on CUDA), clip 1.0")
     res = dict(model=args.model, n_params=cfg.n_params, N=N, B_local=B, seq=S, world=world, device=args.device,
-               dtype="float32", tf32=False, optimizer="torch.optim.AdamW (fused on CUDA, foreach on CPU: make_optimizer), clip 1.0", reps=args.reps,
+               dtype="float32", tf32=False, optimizer=optimizer, sides=list(times), reps=args.reps,
                steps_per_rep=args.steps, step_ms=times, median_step_ms=med,
-               ratio_xtrain_over_torch=med["xtrain"] / med["torch"], collectives_one_step=counted,
-               peak_alloc_gib=peaks)
+               collectives_one_step=counted, peak_alloc_gib=peaks)
+    for other in ("torch", "plain"):
+        if "xtrain" in med and other in med:
+            res[f"ratio_xtrain_over_{other}"] = med["xtrain"] / med[other]
     print(f"{args.model} N={N} B={B}/rank S={S} world={world} {args.device}: median ms/step over {args.reps} "
           f"interleaved reps of {args.steps} steps")
     for k in med:
@@ -278,12 +333,14 @@ def steps_mode(args) -> dict | None:
         print(f"  {k:6s} {med[k]:8.1f} ms  (reps {', '.join(f'{x:.1f}' for x in times[k])})  "
               f"{c['gradient_collectives']} gradient collectives/step, {c['gradient_bytes'] / 2**20:.1f} MiB "
               f"(params {c['param_bytes'] / 2**20:.1f} MiB)" + (f", peak {peaks[k]:.2f} GiB" if k in peaks else ""))
-    print(f"  xtrain / torch = {res['ratio_xtrain_over_torch']:.4f}")
+    for other in ("torch", "plain"):
+        if f"ratio_xtrain_over_{other}" in res:
+            print(f"  xtrain / {other} = {res[f'ratio_xtrain_over_{other}']:.4f}")
     return res
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="verify.bench_dist", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="benchmarks.bench_dist", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="reports")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="pool mode")
     p.add_argument("--max-world", type=int, default=4, help="pool mode: worlds 1..max")
@@ -292,11 +349,22 @@ def main(argv=None) -> int:
     p.add_argument("--drawn", type=int, default=30, help="pool mode: drawn ci-strategy cases per world")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="step mode")
     p.add_argument("--model", default="gpt2-ish", help="step mode: model preset")
-    p.add_argument("--n", type=int, default=4, help="step mode: micro-steps N")
+    p.add_argument("--n", "--accum-steps", dest="n", type=int, default=4,
+                   help="step mode: micro-steps N (under torchrun spell it --accum-steps: torchrun reads --n as its own)")
     p.add_argument("--b", type=int, default=8, help="step mode: B per rank")
     p.add_argument("--seq", type=int, default=None, help="step mode: sequence length (default: the model's)")
     p.add_argument("--steps", type=int, default=5, help="step mode: optimizer steps per repetition")
+    p.add_argument("--sides", default="xtrain,torch,plain", help="step mode: which trainers, comma list of "
+                   "xtrain, torch (xtrain's model under DDP no_sync), plain (benchmarks/plain_torch.py under DDP no_sync)")
+    p.add_argument("--cold", default=None, help="pool mode: start methods timed cold, comma list of spawn, "
+                   "forkserver (default: both on gloo; NCCL: spawn only, CUDA and forks do not mix)")
     args = p.parse_args(argv)
+    args.cold = args.cold.split(",") if args.cold else ["spawn", "forkserver"] if args.backend == "gloo" else ["spawn"]
+    if set(args.cold) - {"spawn", "forkserver"} or (args.backend == "nccl" and "forkserver" in args.cold):
+        p.error(f"--cold must name spawn and/or forkserver (NCCL: spawn only), got {','.join(args.cold)!r}")
+    args.sides = [x for x in args.sides.split(",") if x]
+    if not args.sides or set(args.sides) - {"xtrain", "torch", "plain"}:
+        p.error(f"--sides must name some of xtrain, torch, plain; got {','.join(args.sides)!r}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         args.reps = args.reps or 9
         res = steps_mode(args)
@@ -309,7 +377,7 @@ def main(argv=None) -> int:
     args.reps = args.reps or 15
     res = pools(args)
     print("wrote", _write(args.out, f"bench_dist_pools_{args.backend}.json", {**_meta(), "results": res}))
-    from .pool import close_all
+    from verify.pool import close_all
 
     close_all()
     return 0

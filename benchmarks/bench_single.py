@@ -1,10 +1,13 @@
-"""Single-GPU step time: xtrain's AccumTrainer vs the plain-torch anchor loop, side by side in one run.
+"""Single-GPU step time: xtrain's AccumTrainer vs the plain-torch loop, side by side in one run.
 
-    python -m verify.bench_single --device cuda [--model gpt2-ish] [--rounds 5] [--out reports/h200]
+    python -m benchmarks.bench_single --device cuda [--model gpt2-ish] [--rounds 5] [--out reports/h200]
+    python -m benchmarks.bench_single --device cpu --model tiny --rounds 2 --configs 1x2,2x1   # smoke test
 
-Both sides train the same architecture from the same init on the same token tensors; rounds alternate
-(anchor step, xtrain step, anchor step, ...) so drift in clocks or temperature hits both alike. Each
-timed step ends in torch.cuda.synchronize(). Reports the median step time per side and their ratio.
+The "anchor" side is benchmarks/plain_torch.py: a plain-PyTorch GPT and accumulation loop with the
+protocol of the recorded plain-torch runs (reports/anchors/). Both sides train the same architecture
+from the same initial weights on the same token tensors; rounds alternate (anchor step, xtrain step,
+anchor step, ...) so drift in clocks or temperature hits both alike. Each timed step ends in a device
+synchronize. Reports the median step time per side and their ratio (bench-single.json in --out).
 """
 from __future__ import annotations
 
@@ -21,27 +24,31 @@ from xtrain_core.config import PRESETS, OptimConfig
 from xtrain_core.model import build_model
 from xtrain_core.trainer import AccumTrainer
 
-from . import _anchor
-from ._meta import atomic_write, fp32_only, header
+from verify._meta import atomic_write, fp32_only, header
+
+from . import plain_torch
 
 
 def _sync(dev):
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(dev)  # CPU steps are synchronous already
 
 
 def bench(cfg, dev, N, B, S, rounds):
-    # anchor: its own GPT class and train_steps loop, fused AdamW lr 1e-4, clip 1.0 (torch_baseline.py)
+    # anchor: plain_torch's own GPT and loop, AdamW(lr=1e-4; fused on CUDA), clip 1.0. Seed 0 gives it the
+    # weights build_model(cfg, 0) gives xtrain.
     torch.manual_seed(0)
-    a_model = _anchor.GPT(vocab=cfg.vocab_size, d=cfg.d_model, layers=cfg.n_layer, h=cfg.n_head, seq=cfg.seq_len).to(dev)
-    a_opt = torch.optim.AdamW(a_model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    a_model = plain_torch.GPT(vocab=cfg.vocab_size, d=cfg.d_model, layers=cfg.n_layer, heads=cfg.n_head,
+                              seq=cfg.seq_len).to(dev)
+    a_opt = plain_torch.make_optimizer(a_model)
     x_model = build_model(cfg, 0, device=dev)
+    # torch's AdamW defaults (betas 0.999, weight decay 0.01), as the anchor uses them
     x_tr = AccumTrainer(x_model, OptimConfig(lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, max_grad_norm=1.0), N)
     gen = torch.Generator().manual_seed(1)
-    data = _anchor.batches(gen, N, B, S, cfg.vocab_size, dev)  # N pairs of (B, S)
+    data = plain_torch.random_tokens(gen, N, B, S, cfg.vocab_size, dev)  # N pairs of (B, S)
 
     def a_step():
-        _anchor.train_steps(a_model, a_opt, [data], N)
+        plain_torch.train_step(a_model, a_opt, data)
 
     def x_step():
         x_tr.train_step(data)
@@ -64,7 +71,7 @@ def bench(cfg, dev, N, B, S, rounds):
 
 
 def main(argv=None):
-    p = Parser(prog="verify.bench_single", description="xtrain vs plain-torch step time, side by side")
+    p = Parser(prog="benchmarks.bench_single", description="xtrain vs plain-torch step time, side by side")
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", choices=sorted(PRESETS), default="gpt2-ish")
     p.add_argument("--seq-len", type=positive_int, default=None)

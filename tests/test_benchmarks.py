@@ -1,0 +1,83 @@
+"""Smoke tests of benchmarks/: each script's cheapest configuration, on the CPU, in a subprocess, as a
+user would start it. They prove the scripts still run and write their JSON with the common header, not
+anything about speed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from verify._meta import SCHEMA_VERSION
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # benchmarks/ is a folder of the repository, not part of the installed package
+    sys.path.insert(0, ROOT)
+TINY = ["--seq-len", "16", "--vocab-size", "32", "--d-model", "16", "--n-layer", "1", "--n-head", "2"]
+
+
+def _run(args, out, timeout=120):
+    # One intra-op thread: on a small shared box, spinning OpenMP workers make a tiny step 100x slower.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "XTRAIN_TEST_THREADS": "1"}
+    p = subprocess.run([sys.executable, *args, "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, f"{' '.join(args)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+def _report(path) -> dict:
+    assert path.is_file(), f"{path.name} not written"
+    doc = json.loads(path.read_text())
+    assert doc["schema_version"] == SCHEMA_VERSION
+    assert isinstance(doc["machine_info"], dict) and doc["machine_info"]["torch"] == torch.__version__
+    return doc
+
+
+def test_plain_torch_starts_where_xtrain_starts():
+    """bench_single's promise: under the same seed both models hold the same weights and, on the same
+    tokens, compute the same loss."""
+    from benchmarks import plain_torch
+    from xtrain_core.config import PRESETS
+    from xtrain_core.model import build_model
+
+    cfg = PRESETS["tiny"]
+    torch.manual_seed(0)
+    plain = plain_torch.GPT(vocab=cfg.vocab_size, d=cfg.d_model, layers=cfg.n_layer, heads=cfg.n_head, seq=cfg.seq_len)
+    ours = build_model(cfg, 0)
+    assert sum(p.numel() for p in plain.parameters()) == cfg.n_params
+    (x, y), = plain_torch.random_tokens(torch.Generator().manual_seed(1), 1, 2, 16, cfg.vocab_size, "cpu")
+    torch.testing.assert_close(plain_torch.lm_loss(plain, x, y), ours.loss_batched(x, y), rtol=1e-6, atol=1e-6)
+
+
+def test_bench_single_cpu(tmp_path):
+    _run(["-m", "benchmarks.bench_single", "--device", "cpu", "--model", "tiny", "--seq-len", "8",
+          "--rounds", "1", "--configs", "1x2,2x1"], tmp_path)
+    doc = _report(tmp_path / "bench-single.json")
+    assert [(r["N"], r["B"]) for r in doc["rows"]] == [(1, 2), (2, 1)]
+
+
+def test_plain_torch_cli_cpu(tmp_path):
+    _run(["-m", "benchmarks.plain_torch", "single", "--device", "cpu", "--configs", "2x1", "--steps", "1", *TINY],
+         tmp_path)
+    doc = _report(tmp_path / "plain_torch_single.json")
+    assert doc["rows"][0]["N"] == 2 and doc["rows"][0]["step_ms"] > 0
+
+
+@pytest.mark.distributed
+def test_bench_dist_pools_cpu(tmp_path):
+    _run(["-m", "benchmarks.bench_dist", "--backend", "gloo", "--worlds", "1", "--reps", "1", "--drawn", "1",
+          "--cold", "forkserver"], tmp_path)
+    doc = _report(tmp_path / "bench_dist_pools_gloo.json")
+    assert [r["world"] for r in doc["results"]["examples"]] == [1]
+
+
+@pytest.mark.distributed
+def test_bench_dist_steps_under_torchrun_cpu(tmp_path):
+    _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "benchmarks.bench_dist",
+          "--device", "cpu", "--model", "tiny", "--seq", "8", "--accum-steps", "2", "--b", "1", "--reps", "1",
+          "--steps", "1"], tmp_path)
+    res = _report(tmp_path / "bench_dist_steps_cpu_w2.json")["results"]
+    assert set(res["median_step_ms"]) == {"xtrain", "torch", "plain"}
+    for side, counted in res["collectives_one_step"].items():  # nothing before the last micro-step
+        assert counted["per_window"]["micro 0"] == [], (side, counted["per_window"])
