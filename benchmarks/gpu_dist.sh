@@ -25,7 +25,7 @@ PROFILE=$([ "$W" -le 2 ] && echo gpu || echo ci)
 # The gates' pytest plugin comes with `pip install xtrain` (entry point); from a bare tree, load it by
 # name. Never both: pytest refuses a plugin registered twice.
 PLUGIN=$("$PY" -c "from importlib.metadata import entry_points as e
-print('' if any(p.value == 'verify.plugin' for p in e(group='pytest11')) else '-p verify.plugin')")
+print('' if any(p.value == '_xtrain_pytest.entry' for p in e(group='pytest11')) else '-p _xtrain_pytest.entry')")
 t0=$(date +%s)
 { nvidia-smi -L; "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"; env | grep -E '^NCCL_' ; } > "$OUT/gpus.txt" 2>&1
 
