@@ -1,5 +1,6 @@
-"""python -m verify.memory --effective-batch E [--device auto|cpu|cuda|cuda:K] [--trainer xtrain|leaky_graph|MODULE:FACTORY]
-                        [--model tiny|small|gpt2-ish] [--seq-len S] [--steps K] [--out DIR] [--threads T] [--anchor JSON]
+"""python -m verify.memory --effective-batch E [--device auto|cpu|cuda|cuda:K]
+                        [--trainer xtrain|leaky_graph|MODULE:FACTORY] [--model tiny|small|gpt2-ish] [--seq-len S]
+                        [--steps K] [--out DIR] [--threads T] [--anchor JSON]
 
 Measures the peak memory of gradient accumulation and checks that it follows ONE micro-batch, not N.
 
