@@ -22,16 +22,31 @@ def fp32_only() -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
+def _git(*args: str, where: str | None = None) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=where or os.getcwd())
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
 def git_commit(where: str | None = None) -> str | None:
     """HEAD's sha of the repository at `where` (default: the invoking directory, i.e. the code under
     test, not this installed package); XTRAIN_GIT_COMMIT wins (GPU machines get trees without .git)."""
     if os.environ.get("XTRAIN_GIT_COMMIT"):
         return os.environ["XTRAIN_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=where or os.getcwd()).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return _git("rev-parse", "HEAD", where=where) or None
+
+
+def git_state(where: str | None = None) -> dict:
+    """git_commit plus where it came from, the branch and whether tracked files differ from HEAD (None
+    where there is no git repository: a copied tree names its commit through XTRAIN_GIT_COMMIT)."""
+    head = _git("rev-parse", "HEAD", where=where)
+    status = _git("status", "--porcelain", "--untracked-files=no", where=where) if head else None
+    source = "XTRAIN_GIT_COMMIT" if os.environ.get("XTRAIN_GIT_COMMIT") else ("git" if head else None)
+    return dict(commit=git_commit(where), commit_source=source,
+                branch=_git("rev-parse", "--abbrev-ref", "HEAD", where=where) if head else None,
+                dirty=None if status is None else bool(status))
 
 
 def version() -> str:
@@ -47,21 +62,38 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def machine_info(device=None) -> dict:
-    info = dict(python=platform.python_version(), platform=platform.platform(), cpu_count=os.cpu_count(),
-                torch=torch.__version__, cuda=torch.version.cuda, threads=torch.get_num_threads(),
+    """The machine a report was measured on. `gpu` and `driver` are None unless `device` is a CUDA one."""
+    info = dict(python=platform.python_version(), platform=platform.platform(), node=platform.node(),
+                cpu_count=os.cpu_count(), cpu_model=_cpu_model(), torch=torch.__version__, cuda=torch.version.cuda,
+                threads=torch.get_num_threads(), gpu=None, driver=None,
                 load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None)  # the box may be shared
     if device is not None and torch.device(device).type == "cuda":
         dev = torch.device(device)
-        info["gpu"] = torch.cuda.get_device_name(dev)
+        props = torch.cuda.get_device_properties(dev)
+        info["gpu"] = props.name
+        info["gpu_total_bytes"] = props.total_memory
         info["gpu_count"] = torch.cuda.device_count()
+        info["cudnn"] = torch.backends.cudnn.version()
         v = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
         info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else (str(v) if v else None)
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+            d = pynvml.nvmlSystemGetDriverVersion()
+            info["driver"] = d.decode() if isinstance(d, bytes) else d
         except Exception as e:  # NVML missing or failing: record why, never crash a report
             info["driver"] = f"unknown ({type(e).__name__})"
     return info
@@ -78,14 +110,31 @@ def header(kind: str, device=None) -> dict:
 def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:
     """Write to a temp file in the same folder, then os.replace: readers see the old file or the new one.
     Reports are for reading: mode 0644 (mkstemp alone would leave 0600)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    atomic_write_all({path: data}, mode)
+
+
+def atomic_write_all(files: dict, mode: int = 0o644) -> list[str]:
+    """Several files, all or none: every one is written (and fsynced) to a temp file beside its target
+    first, and only then are they all os.replace'd into place. An error before that point leaves every
+    target as it was and removes the temp files. Returns the paths written, in order."""
+    temps = []
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        for path, data in files.items():
+            path = os.fspath(path)
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+            temps.append((tmp, path))
+            with os.fdopen(fd, "wb") as f:
+                f.write(data.encode() if isinstance(data, str) else data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode)
+        for tmp, path in temps:
+            os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        for tmp, _ in temps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         raise
+    return [path for _, path in temps]

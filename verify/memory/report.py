@@ -1,17 +1,22 @@
-"""Rendering for verify.memory: the stdout table, memory-E{E}.md, memory-E{E}.png, and the atomic write.
+"""The report of a verify.memory run: `assemble` (rows + verdicts + the common header of verify/_meta.py
++ memory-specific provenance), `compare_anchor` (our rows beside plain torch's), and the renderings: the
+stdout table, memory-E{E}.md, memory-E{E}.png; `write_all` writes the three all or none.
 
 Everything renders from the report dict alone (the JSON), so a report can be re-rendered later.
+matplotlib is imported only when the plot is rendered.
 """
 from __future__ import annotations
 
 import io
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-MiB, GiB = 2**20, 2**30
+from .invariants import REL_TOL, tolerance
+from .plan import DEFAULT_ANCHOR, GiB, MiB, Plan
+
+ANCHOR_TARGET_RATIO = 0.126
+"""peak(N=32, B=1) / peak(N=1, B=32) plain torch gave on one H200 (2.0413 / 16.2643 GiB = 0.1255)."""
 
 
 def _unit(report) -> tuple[str, int]:
@@ -46,8 +51,19 @@ def _columns(report):
         cols += [(f"reserved {unit}", lambda x: _fmt(x.get("peak_reserved_bytes"), report)),
                  (f"nvml {unit}", lambda x: _fmt(x.get("nvml_peak_used_bytes"), report))]
     cols += [("step ms", lambda x: "—" if "step_ms" not in x else f"{x['step_ms']:.1f}"),
-             ("tok/s", lambda x: "—" if "tok_s" not in x else f"{x['tok_s']:,.0f}")]
+             _rate_column(report)]
     return cols
+
+
+def _rate_key(report) -> str:
+    """tok_s where the inputs are token ids (every successful row says so), else rows_s."""
+    rows = [x for c in report["configs"] for x in c["ranks"] if "error" not in x]
+    return "tok_s" if rows and all("tok_s" in x for x in rows) else "rows_s"
+
+
+def _rate_column(report):
+    key = _rate_key(report)
+    return (key.replace("_", "/"), lambda x: "—" if key not in x else f"{x[key]:,.0f}")
 
 
 def _cells(report, c, fn) -> str:
@@ -55,12 +71,21 @@ def _cells(report, c, fn) -> str:
     return vals[0] if len(vals) == 1 else " / ".join(vals)
 
 
+def _what(report) -> str:
+    s = report["settings"]
+    params = f"{s['n_params']:,} params" if s.get("n_params") is not None else "params unknown"
+    if s.get("model_name"):
+        m = s["model"]
+        return (f"model {s['model_name']} (L={m['n_layer']} h={m['n_head']} d={m['d_model']} V={m['vocab_size']}, "
+                f"{params}), S={s['seq_len']}")
+    return f"adapter {s.get('adapter_name') or s['trainer']} ({params}; options {s.get('options_text')})"
+
+
 def _header(report) -> str:
-    s, m = report["settings"], report["settings"]["model"]
+    s = report["settings"]
     w = f", world {s['world_size']} (per-rank values r0 / r1 / ...)" if s["world_size"] > 1 else ""
-    return (f"E={s['effective_batch']}{w}, model {s['model_name']} (L={m['n_layer']} h={m['n_head']} d={m['d_model']} "
-            f"V={m['vocab_size']}, {s['n_params']:,} params), S={s['seq_len']}, {s['device']}, fp32, "
-            f"1 warm-up + {s['measured_steps']} measured optimizer steps per configuration, trainer {s['trainer']}")
+    return (f"E={s['effective_batch']}{w}, {_what(report)}, {s['device']}, fp32, 1 warm-up + "
+            f"{s['measured_steps']} measured optimizer steps per configuration, trainer {s['trainer']}")
 
 
 def text_table(report) -> str:
@@ -116,19 +141,25 @@ def _ours(report) -> str:
     return f"`--trainer {report['settings']['trainer']}` = {x.get('trainer_class', '?')}, {opt}"
 
 
+def _commit(report) -> str:
+    g = report.get("git") or {}
+    return (report.get("git_commit") or "unknown")[:12] + (" (dirty)" if g.get("dirty") else "")
+
+
 def render_md(report) -> str:
-    s, g, mi = report["settings"], report["git"], report["machine_info"]
+    s, mi = report["settings"], report["machine_info"]
     E = s["effective_batch"]
     unit, _ = _unit(report)
-    commit = (g.get("commit") or "unknown")[:12] + (" (dirty)" if g.get("dirty") else "")
+    commit = _commit(report)
     dev = mi["gpu"] + (f", driver {mi['driver']}" if mi.get("driver") else "") if mi.get("gpu") else \
         f"CPU ({mi.get('cpu_model') or 'unknown'}, {mi['cpu_count']} cores, {s['threads']} threads)"
     L = [f"# Peak memory vs accumulation steps, E = {E}: **{report['verdict']}**", "",
-         f"`{report.get('command', 'python -m verify.memory')}` · commit `{commit}` · {report['created_utc']} · "
+         f"`{report.get('command', 'python -m verify.memory')}` · commit `{commit}` · {report['utc']} · "
          f"{dev} · torch {mi['torch']}" + (f", CUDA {mi['cuda']}" if mi.get("cuda") else "") + f" · Python {mi['python']}",
          "", _header(report) + ".", "",
-         "Gradient accumulation exists to save memory: an optimizer step over N micro-batches of B sequences should "
-         "peak like ONE micro-batch (plus the gradient buffers, held across micro-steps), not like N·B sequences.",
+         "Gradient accumulation exists to save memory: an optimizer step over N micro-batches of B rows (sequences, "
+         "for a language model) should peak like ONE micro-batch (plus the gradient buffers, held across "
+         "micro-steps), not like N·B rows.",
          "", "## Verdicts", "", "| | invariant | verdict | evidence |", "|---|---|---|---|"]
     for v in report["invariants"]:
         ev = "<br>".join((v["rows"] or v["detail"]))
@@ -153,10 +184,11 @@ def render_md(report) -> str:
         L += ["## Static state", "",
               f"params {_fmt(st['param_bytes'], report)} + gradients {_fmt(st['grad_bytes'], report)} + optimizer "
               f"state {_fmt(st['optim_state_bytes'], report)} = **{_fmt(st['static_bytes'], report)} {unit}** "
-              f"(bytes of the tensors, after the warm-up step; the optimizer state is read from the trainer's `.opt`).", ""]
+              f"(bytes of the tensors, after the warm-up step; the optimizer state is read from the trainer's `.opt` or "
+              f"`.optimizer`; — when it exposes neither).", ""]
     if a:
         L += ["## Beside plain torch on one H200 (the anchor)", "",
-              f"Anchor: `{a['source']}` (../shared/anchors/torch_baseline.py: same model, fp32, TF32 off, warm-up "
+              f"Anchor: `{a['source']}` (plain torch, no xtrain code: the same GPT, fp32 with TF32 off, one warm-up "
               "step then 3 measured steps, AdamW(fused=True)). Ours: the trainer under test through the harness "
               f"interface: {_ours(report)}.", "",
               "| N | B | peak alloc GiB ours / torch | reserved GiB ours / torch | nvml GiB ours / torch | "
@@ -180,8 +212,11 @@ def render_md(report) -> str:
         L.append("- **reserved**: torch.cuda.max_memory_allocated's sibling max_memory_reserved: blocks the caching "
                  "allocator holds, used or not.")
     L += [f"- **isolation**: {pr['isolation']}.",
-          "- **step ms / tok/s**: wall time of the measured optimizer steps (synchronized at the end), tokens = N·B·S "
-          "per rank; the CPU box is shared, so CPU timings are indicative only.", "",
+          (f"- **step ms / tok/s**: wall time of the measured optimizer steps (synchronized at the end); tokens = "
+           "N·B·S per rank" if _rate_key(report) == "tok_s" else
+           "- **step ms / rows/s**: wall time of the measured optimizer steps (synchronized at the end); rows = N·B "
+           "per rank (the inputs are not token ids, so no token rate is claimed)")
+          + "; the CPU box may be shared, so CPU timings are indicative only.", "",
           f"![peak vs N](memory-E{E}.png)", ""]
     return "\n".join(L)
 
@@ -227,9 +262,12 @@ def render_png(report) -> bytes:
         ax.set_ylim(bottom=0)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"peak memory vs N: {report['settings']['model_name']}, S={report['settings']['seq_len']}, "
-                 f"{report['settings']['device']} ({report['verdict']})", fontsize=11)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    s = report["settings"]
+    what = f"{s['model_name']}, S={s['seq_len']}" if s.get("model_name") else (s.get("adapter_name") or s["trainer"])
+    fig.suptitle(f"peak memory vs N: {what}, {s['device']} "
+                 f"({report['verdict']})", fontsize=11)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
@@ -237,35 +275,131 @@ def render_png(report) -> bytes:
 
 
 def write_all(report, out: Path) -> list[Path]:
-    """Render all three files first, then write temp files beside the targets and os.replace them: an error
-    while rendering or writing leaves no partial report (and removes its temp files)."""
+    """Render all three files first, then write them all or none (verify/_meta.py: atomic_write_all): an
+    error while rendering or writing leaves no partial report."""
+    from .._meta import atomic_write_all
+
     stem = f"memory-E{report['settings']['effective_batch']}"
-    files = {f"{stem}.json": None, f"{stem}.md": None, f"{stem}.png": None}
+    files = {}
     try:
-        files[f"{stem}.png"] = render_png(report)
+        png = render_png(report)
     except ImportError:
         print("verify.memory: matplotlib is not installed; writing the report without the plot", file=sys.stderr)
-        del files[f"{stem}.png"]
-    files[f"{stem}.md"] = render_md(report).encode()
-    files[f"{stem}.json"] = (json.dumps(report, indent=1, default=str) + "\n").encode()
-    out.mkdir(parents=True, exist_ok=True)
-    umask = os.umask(0)
-    os.umask(umask)
-    temps = []
-    try:
-        for name, data in files.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
-            temps.append((tmp, out / name))
-            os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a report is for people to read
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        for tmp, final in temps:
-            os.replace(tmp, final)
-    except BaseException:
-        for tmp, _ in temps:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        raise
-    return [final for _, final in temps]
+        png = None
+    files[out / f"{stem}.json"] = json.dumps(report, indent=1, default=str) + "\n"
+    files[out / f"{stem}.md"] = render_md(report)
+    if png is not None:
+        files[out / f"{stem}.png"] = png
+    return [Path(p) for p in atomic_write_all(files)]
+
+
+# -- anchor comparison ----------------------------------------------------------------------------
+
+def anchor_applies(plan: Plan) -> bool:
+    """The anchor's setting: xtrain's options with the gpt2-ish GPT at S=512, E=32, one GPU."""
+    from xtrain_core.config import PRESETS
+
+    return (plan.anchor is not None and plan.cuda and plan.world == 1 and plan.E == 32
+            and plan.model == PRESETS["gpt2-ish"] and plan.seq_len == 512)
+
+
+def compare_anchor(plan: Plan, rows: list[dict]) -> dict | None:
+    """Our rows beside plain torch's (same model, protocol and GPU kind), and the issue's targets."""
+    if not anchor_applies(plan):
+        return None
+    anchor = json.loads(plan.anchor.read_text())
+    by = {(x["N"], x["B"]): x for x in rows if "error" not in x}
+    pairs = []
+    for a in anchor:
+        o = by.get((a["N"], a["B"]))
+        pairs.append(dict(N=a["N"], B=a["B"], anchor=a, ours=None if o is None else dict(
+            peak_alloc_gib=o["peak_bytes"] / GiB, peak_reserved_gib=o["peak_reserved_bytes"] / GiB,
+            nvml_peak_gib=None if o.get("nvml_peak_used_bytes") is None else o["nvml_peak_used_bytes"] / GiB,
+            step_ms=o["step_ms"], tok_s=o["tok_s"], static_gib=o["static_bytes"] / GiB)))
+    a_by = {(a["N"], a["B"]): a for a in anchor}
+    ratio = lambda d, key: d[(32, 1)][key] / d[(1, 32)][key]  # noqa: E731
+    targets = []
+    ours_ratio = by[(32, 1)]["peak_bytes"] / by[(1, 32)]["peak_bytes"] if (32, 1) in by and (1, 32) in by else None
+    targets.append(dict(name="peak allocated ratio (N=32,B=1)/(N=1,B=32)", target=f"≤ {ANCHOR_TARGET_RATIO}",
+                        ours=ours_ratio, anchor=ratio(a_by, "peak_alloc_gib"),
+                        status="PASS" if ours_ratio is not None and ours_ratio <= ANCHOR_TARGET_RATIO else "FAIL"))
+    flat = [by[k]["peak_bytes"] for k in by if k[1] == 1 and k[0] >= 2]
+    a_flat = [a["peak_alloc_gib"] for a in anchor if a["B"] == 1 and a["N"] >= 2]
+    ours_spread = (max(flat) - min(flat)) / min(flat) if flat else None
+    targets.append(dict(name="flatness at B=1, N ≥ 2: (max − min) / min", target=f"≤ {REL_TOL:.0%}",
+                        ours=ours_spread, anchor=(max(a_flat) - min(a_flat)) / min(a_flat),
+                        status="PASS" if ours_spread is not None and ours_spread <= REL_TOL else "FAIL"))
+    src = f"verify/memory/{DEFAULT_ANCHOR.name} (shipped with verify)" if plan.anchor == DEFAULT_ANCHOR \
+        else str(plan.anchor)
+    return dict(source=src, pairs=pairs, targets=targets)
+
+
+def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nvml: str | None = None) -> dict:
+    """The report: the common header (verify/_meta.py), memory-specific provenance, settings, probe
+    definitions, thresholds, every configuration with its per-rank rows, the verdicts, the anchor
+    comparison. `nvml`: why NVML could not be used on this GPU (None: it could)."""
+    from .._meta import git_state, header
+    from ..case import _plain, _short
+    from .probes import probe_definition
+
+    configs = []
+    for i, c in enumerate(plan.configs):
+        ranks = [rows[i] for rows in per_rank]
+        peaks = [x["peak_bytes"] for x in ranks if "error" not in x]
+        configs.append(dict(N=c.N, B=c.B, eff=c.N * c.B * plan.world, sweeps=list(c.sweeps),
+                            peak_bytes=max(peaks) if len(peaks) == len(ranks) else None, ranks=ranks))
+    ok0 = [x for x in per_rank[0] if "error" not in x]
+    static = None if not ok0 else {k: ok0[0][k] for k in ("param_bytes", "grad_bytes", "optim_state_bytes", "static_bytes")}
+    head = header("memory", plan.device if plan.cuda else None)
+    if plan.cuda:
+        head["machine_info"]["nvml"] = "ok" if nvml is None else nvml
+    ref = plan.adapter.locate()
+    git = {k: v for k, v in git_state().items() if k != "commit"}  # the commit is the header's git_commit
+    git["sources_sha256"] = sources_sha256(ref)
+    n_params = plan.model.n_params if plan.model is not None else (ok0[0]["param_count"] if ok0 else None)
+    floor, _ = tolerance(plan.cuda)
+    hwm = all(x.get("hwm_source", "").startswith("VmHWM") for x in ok0)
+    probe = probe_definition(plan.cuda, hwm_reset=hwm)
+    return dict(
+        head, tool="verify.memory", git=git,
+        settings=dict(effective_batch=plan.E, world_size=plan.world, effective_batch_per_rank=plan.E_local,
+                      device=str(plan.device), trainer=plan.trainer, adapter=ref, adapter_name=plan.adapter.name,
+                      options=_plain(plan.options), options_text=_short(plan.options), model_name=plan.model_name,
+                      model=None if plan.model is None else plan.model.__dict__.copy(), n_params=n_params,
+                      seq_len=plan.seq_len, warmup_steps=1, measured_steps=plan.steps, dtype="float32",
+                      threads=plan.threads if not plan.cuda else None, tf32=False if plan.cuda else None,
+                      sweep_A=f"N | {plan.E_local}, B = {plan.E_local}/N (per rank)",
+                      sweep_B="B = 1, N = 1, 2, 4, ... ≤ " + str(plan.E_local)),
+        probe=probe,
+        thresholds=dict(rel=REL_TOL, abs_noise_bytes=floor, well_below="peak(E,1) ≤ ideal + ½·(peak(1,E) − ideal), ideal = peak(1,1) + grad_bytes "
+                        "(at least half the saving of ideal accumulation); INCONCLUSIVE when peak(1,E) − ideal < "
+                        "4 × abs_noise_bytes",
+                        rise="peak(2,1) − peak(1,1) ≤ grad_bytes + max(rel·peak(1,1), abs_noise_bytes)"),
+        static=static, configs=configs, invariants=verdicts,
+        anchor=compare_anchor(plan, per_rank[0]),
+    )
+
+
+# -- provenance -----------------------------------------------------------------------------------
+
+def sources_sha256(adapter_ref: str | None = None) -> str:
+    """sha256 over the measured code: every .py file of xtrain_core and verify as imported (a repository
+    or site-packages), and the adapter's own module. Identifies the code with or without git."""
+    import hashlib
+    import importlib
+
+    import verify
+    import xtrain_core
+
+    files = []
+    for pkg in (xtrain_core, verify):
+        root = Path(pkg.__file__).resolve().parent
+        files += [(f.relative_to(root.parent).as_posix(), f) for f in sorted(root.rglob("*.py"))]
+    mod = importlib.import_module(adapter_ref.split(":")[0]) if adapter_ref else None
+    where = getattr(mod, "__file__", None)
+    if where and not any(Path(where).resolve() == f for _, f in files):
+        files.append((adapter_ref.split(":")[0] + ".py", Path(where)))
+    h = hashlib.sha256()
+    for name, f in files:
+        h.update(name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()

@@ -1,7 +1,7 @@
 """verify.memory: peak memory follows one micro-batch. The CLI end to end (small CPU sweeps, the same code
-path as `python -m verify.memory`), the invariant logic on synthetic rows, the probes' failure modes, and
-proof that a planted leak makes it exit 1. GPU tests run where CUDA is present, alone on the GPU
-(verify/_gpulock.py)."""
+path as `python -m verify.memory`) on xtrain's GPT and on a trainer that is not a GPT, the invariant
+logic on synthetic rows, the measurement protocol, the probes' failure modes, and proof that a planted
+leak makes it exit 1. GPU tests run where CUDA is present, alone on the GPU (verify/_gpulock.py)."""
 from __future__ import annotations
 
 import json
@@ -14,21 +14,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from .memory import MiB, check_invariants, main, plan_configs
+from verify.memory.__main__ import main
+from verify.memory.invariants import check_invariants
+from verify.memory.plan import MiB, plan_configs
 
 pytestmark = pytest.mark.memory
 REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
     ENV.pop(k, None)
 HAS_CUDA = torch.cuda.is_available()
 
 
-def memory_cli(*args, timeout=240, torchrun=None):
+def memory_cli(*args, timeout=240, torchrun=None, env=None):
     pre = [sys.executable, "-m", "verify.memory"] if torchrun is None else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}", "-m", "verify.memory"]
     # own session, so a hang is killed with everything it started (ranks, probe processes), not orphaned
-    p = subprocess.Popen([*pre, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    p = subprocess.Popen([*pre, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV,
                          cwd=str(REPO), start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
@@ -53,15 +56,18 @@ def test_cpu_sweep_passes_and_writes_the_reports(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory-E4.json", "memory-E4.md", "memory-E4.png"]
     rep = _report(tmp_path)
-    assert rep["schema_version"] == 1 and rep["verdict"] == "PASS"
-    for k in ("python", "torch", "cuda", "gpu", "driver", "cpu_count"):
+    assert rep["schema_version"] == 1 and rep["kind"] == "memory" and rep["verdict"] == "PASS"
+    for k in ("python", "torch", "cuda", "gpu", "driver", "cpu_count", "cpu_model"):  # verify/_meta.py's header
         assert k in rep["machine_info"]
-    assert "commit" in rep["git"] and rep["created_utc"].endswith("+00:00")
+    assert "git_commit" in rep and rep["utc"].endswith("+00:00") and len(rep["git"]["sources_sha256"]) == 64
+    s = rep["settings"]
+    assert (s["trainer"], s["adapter"], s["model_name"], s["seq_len"]) == ("xtrain", "verify.adapters.xtrain:adapter", "small", 256)
     assert [(c["N"], c["B"], c["sweeps"]) for c in rep["configs"]] == \
         [(1, 4, ["A"]), (2, 2, ["A"]), (4, 1, ["A", "B"]), (1, 1, ["B"]), (2, 1, ["B"])]
     for c in rep["configs"]:
         (x,) = c["ranks"]
         assert x["peak_bytes"] > 0 and x["isolation"] in ("fork", "exec") and x["trainer_class"] == "AccumTrainer"
+        assert x["S"] == 256 and x["tok_s"] > 0 and "rows_s" not in x and x["input_dtype"] == "torch.int64"
         assert x["static_bytes"] == x["param_bytes"] + x["grad_bytes"] + x["optim_state_bytes"]
         # AdamW: exp_avg + exp_avg_sq, plus a 4-byte step counter per parameter tensor
         assert 0 <= x["optim_state_bytes"] - 2 * x["param_bytes"] < 4096
@@ -91,15 +97,39 @@ def test_planted_leak_exits_1_naming_the_rows(tmp_path):
 
 def test_leaky_graph_is_invisible_to_the_equivalence_gate():
     """Why the memory probe exists: the leak computes exactly the right gradients."""
+    from verify.adapters.broken import MEMORY_BROKEN
+    from verify.adapters.xtrain import XtrainOptions
+    from verify.case import Case
+    from verify.gates import check_equivalence
     from xtrain_core.config import ModelConfig, OptimConfig
 
-    from .broken import MEMORY_BROKEN
-    from .gates import check_equivalence
-    from .interface import Case
-
-    case = Case(accum_steps=3, micro_batch=2, seq_len=8, steps=2,
-                model=ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16), optim=OptimConfig(lr=1e-2))
+    case = Case(accum_steps=3, micro_batch=2, steps=2,
+                options=XtrainOptions(model=ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16),
+                                      seq_len=8, optim=OptimConfig(lr=1e-2)))
     check_equivalence(MEMORY_BROKEN["leaky_graph"], case)
+
+
+def test_a_trainer_that_is_not_a_gpt_end_to_end(tmp_path):
+    """Any adapter: an MLP over float vectors (tests/memory_adapters.py), its own data, options and
+    optimizer, measured through the CLI in fresh probe processes that import it by reference."""
+    env = dict(ENV, PYTHONPATH=os.pathsep.join([str(TESTS), ENV["PYTHONPATH"]]))
+    r = memory_cli("--effective-batch", "4", "--device", "cpu", "--steps", "1", "--threads", "1",
+                   "--verify-trainer", "memory_adapters:mlp", "--out", str(tmp_path), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = _report(tmp_path)
+    s = rep["settings"]
+    assert (s["adapter"], s["model_name"], s["model"], s["seq_len"]) == ("memory_adapters:mlp", None, None, None)
+    assert s["options"] == dict(tokens=2048, features=64, hidden=512, lr=0.01) and s["n_params"] == 296_449
+    assert rep["verdict"] == "PASS" and [v["status"] for v in rep["invariants"]] == ["PASS"] * 4
+    for c in rep["configs"]:
+        (x,) = c["ranks"]
+        assert x["trainer_class"] == "MLPTrainer" and x["optimizer"]["cls"] == "SGD"
+        assert x["input_shape"] == [2048, 64] and x["input_dtype"] == "torch.float64"
+        assert "tok_s" not in x and x["rows_s"] > 0 and "S" not in x  # no tokens claimed for vectors
+        assert x["optim_state_bytes"] == x["param_bytes"]  # SGD momentum: one buffer per parameter
+    assert "rows/s" in r.stdout and "tok/s" not in r.stdout and "adapter position-wise MLP (tests)" in r.stdout
+    md = (tmp_path / "memory-E4.md").read_text()
+    assert "rows/s" in md and "no token rate is claimed" in md
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -110,8 +140,18 @@ def test_leaky_graph_is_invisible_to_the_equivalence_gate():
     (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
     (["--seq-len", "999", "--device", "cpu"], "--seq-len 999 exceeds --model small's limit of 256"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:K, got 'tpu'"),
-    (["--trainer", "nope", "--device", "cpu"], "--trainer: unknown trainer 'nope'"),
-    (["--trainer", "no.such.module:f", "--device", "cpu"], "--trainer: cannot load trainer factory"),
+    (["--trainer", "nope", "--device", "cpu"], "--trainer nope: unknown trainer; use one of xtrain, leaky_graph or MODULE:FACTORY"),
+    (["--trainer", "no.such:f", "--device", "cpu"], "--trainer no.such:f: cannot import 'no.such'"),
+    (["--verify-trainer", "no.such:f", "--device", "cpu"], "--verify-trainer no.such:f: cannot import 'no.such'"),
+    (["--trainer", "memory_adapters:nothing", "--device", "cpu"],
+     "--trainer memory_adapters:nothing: module 'memory_adapters' has no attribute 'nothing'"),
+    (["--trainer", "memory_adapters:MLPTrainer", "--device", "cpu"], "'MLPTrainer' is a plain function; declare its data"),
+    (["--trainer", "memory_adapters:mlp", "--model", "tiny", "--device", "cpu"],
+     "--model applies to xtrain's trainer only; --trainer memory_adapters:mlp (position-wise MLP (tests))"),
+    (["--trainer", "memory_adapters:mlp", "--model", "tiny", "--seq-len", "8", "--device", "cpu"],
+     "--model and --seq-len apply to xtrain's trainer only"),
+    (["--trainer", "leaky_graph", "--seq-len", "999", "--device", "cpu"], "--seq-len 999 exceeds --model small's limit"),
+    (["--anchor", "/no/such.json", "--device", "cpu"], "--anchor /no/such.json: no such file"),
     (["--steps", "0"], "argument --steps: must be ≥ 1, got 0"),
     (["--device", "cpu", "--out", "/proc/no-such-dir"], "--out /proc/no-such-dir: cannot write there"),
 ])
@@ -210,10 +250,109 @@ def test_plans():
     assert [(c.N, c.B, c.sweeps) for c in plan_configs(1)] == [(1, 1, ("A", "B"))]
 
 
+# -- the measurement protocol, for any adapter -----------------------------------------------------------
+
+class _Recorder:
+    """A probe that records when it was started and stopped, relative to the trainer's calls."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def start(self):
+        self.log.append("start")
+
+    def stop(self):
+        self.log.append("stop")
+        return dict(peak_bytes=123)
+
+
+def test_measure_follows_the_protocol():
+    """Batches drawn up front from the adapter's data (N·B rows per step, split into N micro-batches of B,
+    floats cast to the run's dtype), one warm-up step whose boundary grads give grad_bytes, the probe
+    around exactly `steps` optimizer steps."""
+    import memory_adapters
+
+    from verify.memory import measure
+    from verify.protocol import Spec
+
+    log, seen, inputs = [], [], []
+
+    class Logged(memory_adapters.MLPTrainer):
+        def micro_step(self, x, y, micro):
+            seen.append((tuple(x.shape), x.dtype, micro))
+            inputs.append(x.clone())
+            log.append("micro")
+            super().micro_step(x, y, micro)
+
+        def grads(self):
+            log.append("grads")
+            return super().grads()
+
+        def optimizer_step(self):
+            log.append("step")
+            return super().optimizer_step()
+
+    adapter = memory_adapters.tiny_mlp.replace(factory=Logged)
+    spec = Spec(accum_steps=3, dtype=torch.float32, seed=0, options=adapter.defaults)
+    row = measure(adapter, spec, micro_batch=2, steps=2, probe=_Recorder(log))
+    assert log == ["micro"] * 3 + ["grads", "step", "start"] + (["micro"] * 3 + ["step"]) * 2 + ["stop"]
+    assert seen == [((2, 4, 3), torch.float32, m) for m in range(3)] * 3
+    assert (row["N"], row["B"], row["eff"], row["steps"], row["peak_bytes"]) == (3, 2, 6, 2, 123)
+    n = sum(p.numel() for p in Logged(spec).model.parameters())
+    assert row["param_count"] == n and row["param_bytes"] == row["grad_bytes"] == 4 * n
+    assert row["optim_state_bytes"] == 4 * n and row["static_bytes"] == 12 * n  # SGD momentum buffers
+    assert len(row["losses"]) == 2 and row["rows_s"] > 0 and "tok_s" not in row
+    assert row["trainer_class"] == "Logged" and row["optimizer"]["cls"] == "SGD"
+    # the harness's own draw (verify.case): the adapter's batch at seed (data_seed << 16) + step, in order
+    for step in range(3):
+        x = adapter.batch(6, (1 << 16) + step, adapter.defaults)[0].float()
+        for m in range(3):
+            assert torch.equal(inputs[3 * step + m], x[2 * m:2 * m + 2])
+
+
+def test_measure_counts_tokens_only_for_token_ids():
+    from verify.adapters import xtrain
+    from verify.memory import measure
+    from verify.protocol import Spec
+    from xtrain_core.config import ModelConfig, OptimConfig
+
+    opts = xtrain.XtrainOptions(model=ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16),
+                                seq_len=8, optim=OptimConfig())
+    row = measure(xtrain.single, Spec(accum_steps=2, options=opts), micro_batch=3, steps=1, probe=_Recorder([]))
+    assert row["S"] == 8 and row["tok_s"] > 0 and row["input_shape"] == [8] and row["input_dtype"] == "torch.int64"
+    assert "rows_s" not in row and row["trainer_class"] == "AccumTrainer" and row["optimizer"]["cls"] == "AdamW"
+
+
+def test_probe_processes_import_verify_from_where_this_process_did(monkeypatch):
+    """The zygote's PYTHONPATH is the directory holding the `verify` package (the repository here,
+    site-packages when installed), not a path guessed from the repository layout."""
+    import verify
+    from verify.memory.runners import _zygote_env, package_root
+
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    assert package_root() == str(Path(verify.__file__).resolve().parent.parent)
+    env = _zygote_env(type("P", (), dict(threads=1))())
+    assert env["PYTHONPATH"].split(os.pathsep) == [package_root(), "/somewhere/else"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["MALLOC_MMAP_THRESHOLD_"] == "65536"
+
+
+def test_the_anchor_ships_with_the_package():
+    """An installed (non-editable) verify finds the plain-torch anchor: it is package data of verify.memory."""
+    tomllib = pytest.importorskip("tomllib")
+
+    import verify.memory
+    from verify.memory.plan import ANCHOR_NAME, DEFAULT_ANCHOR
+
+    assert DEFAULT_ANCHOR.is_file() and Path(str(DEFAULT_ANCHOR)).parent == Path(verify.memory.__file__).parent
+    assert {(a["N"], a["B"]) for a in json.loads(DEFAULT_ANCHOR.read_text())} >= {(1, 32), (32, 1)}
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert ANCHOR_NAME in pyproject["tool"]["setuptools"]["package-data"]["verify.memory"]
+
+
 # -- probes: failure modes never crash ----------------------------------------------------------------
 
 def test_nvml_unavailable_is_one_line():
-    from .memprobe import NvmlSampler, ProbeUnavailable
+    from verify.memory import NvmlSampler, ProbeUnavailable
 
     try:
         s = NvmlSampler.open([torch.device("cuda", 0)])
@@ -228,7 +367,7 @@ def test_nvml_unavailable_is_one_line():
 
 
 def test_nvml_sampler_failing_mid_run_reports_instead_of_raising():
-    from .memprobe import NvmlSampler
+    from verify.memory import NvmlSampler
 
     class Info:
         used = 5 * MiB
@@ -257,7 +396,7 @@ def test_nvml_sampler_failing_mid_run_reports_instead_of_raising():
 
 
 def test_rss_probe_sees_a_resident_allocation():
-    from .memprobe import RssProbe
+    from verify.memory import RssProbe
 
     p = RssProbe()
     p.start()
@@ -270,10 +409,10 @@ def test_rss_probe_sees_a_resident_allocation():
 def test_rss_probe_without_hwm_reset_says_so(monkeypatch):
     """Where /proc/self/clear_refs is refused, ru_maxrss still covers the warm-up: the row must say whether
     the measured steps set the peak (hwm_exact) instead of passing off an upper bound as exact."""
-    from . import memprobe
+    from verify.memory import probes
 
-    monkeypatch.setattr(memprobe, "reset_hwm", lambda: False)
-    p = memprobe.RssProbe()
+    monkeypatch.setattr(probes, "reset_hwm", lambda: False)
+    p = probes.RssProbe()
     p.start()
     x = torch.ones(8 * MiB // 4)
     out = p.stop()
@@ -283,7 +422,7 @@ def test_rss_probe_without_hwm_reset_says_so(monkeypatch):
 
 
 def test_report_write_is_all_or_nothing(tmp_path, monkeypatch):
-    from . import memreport
+    from verify.memory import report as memreport
 
     (tmp_path / "memory-E4.json").write_text("old")
     rep = json.loads(json.dumps(_fake_report()))
@@ -300,9 +439,9 @@ def test_report_write_is_all_or_nothing(tmp_path, monkeypatch):
 def _fake_report() -> dict:
     rows = _rows({(1, 4): 90, (2, 2): 60, (4, 1): 36, (1, 1): 23, (2, 1): 36})
     configs = [dict(N=r["N"], B=r["B"], eff=r["N"] * r["B"], sweeps=r["sweeps"], peak_bytes=r["peak_bytes"],
-                    ranks=[dict(r, step_ms=1.0, tok_s=2.0)]) for r in rows]
-    return dict(schema_version=1, created_utc="2026-01-01T00:00:00+00:00", git=dict(commit=None), verdict="PASS",
-                machine_info=dict(python="3", torch="2", cuda=None, gpu=None, cpu_count=2, cpu_model="x"),
+                    ranks=[dict(r, step_ms=1.0, tok_s=2.0, S=256)]) for r in rows]
+    return dict(schema_version=1, kind="memory", utc="2026-01-01T00:00:00+00:00", git_commit=None, git=dict(dirty=None),
+                verdict="PASS", machine_info=dict(python="3", torch="2", cuda=None, gpu=None, cpu_count=2, cpu_model="x"),
                 settings=dict(effective_batch=4, world_size=1, device="cpu", model_name="small", seq_len=256,
                               measured_steps=1, trainer="xtrain", threads=1, n_params=1,
                               model=dict(n_layer=1, n_head=1, d_model=8, vocab_size=8)),
@@ -327,6 +466,8 @@ def test_world_2_cpu_reports_per_rank_peaks(tmp_path):
     for c in rep["configs"]:
         assert [x["rank"] for x in c["ranks"]] == [0, 1]
         assert all(x["process_group"] == dict(backend="gloo", world=2) for x in c["ranks"])
+        # xtrain's adapter picks its data-parallel trainer when a group of world > 1 exists
+        assert all(x["trainer_class"] == "DistAccumTrainer" for x in c["ranks"])
         assert c["peak_bytes"] == max(x["peak_bytes"] for x in c["ranks"])
     assert " / " in r.stdout  # per-rank cells in the table
 
@@ -363,14 +504,16 @@ def test_gpu_planted_leak_exits_1(tmp_path):
 
 def test_anchor_comparison_and_gpu_rendering_without_a_gpu(tmp_path):
     """The H200 report's anchor section, rendered from rows that reproduce plain torch's own numbers."""
-    from xtrain_core.config import PRESETS
-
-    from . import memreport
-    from .memory import DEFAULT_ANCHOR, GiB, Plan, compare_anchor
+    from verify.adapters import xtrain
+    from verify.memory import report as memreport
+    from verify.memory.plan import DEFAULT_ANCHOR, GiB, Plan
+    from verify.memory.report import compare_anchor
+    from xtrain_core.config import PRESETS, OptimConfig
 
     anchor = json.loads(DEFAULT_ANCHOR.read_text())
-    plan = Plan(E=32, world=1, rank=0, device=torch.device("cuda", 0), model_name="gpt2-ish", model=PRESETS["gpt2-ish"],
-                seq_len=512, steps=3, trainer="xtrain", threads=1, out=tmp_path, anchor=DEFAULT_ANCHOR,
+    opts = xtrain.XtrainOptions(model=PRESETS["gpt2-ish"], seq_len=512, optim=OptimConfig())
+    plan = Plan(E=32, world=1, rank=0, device=torch.device("cuda", 0), adapter=xtrain.adapter, trainer="xtrain",
+                options=opts, model_name="gpt2-ish", steps=3, threads=1, out=tmp_path, anchor=DEFAULT_ANCHOR,
                 configs=plan_configs(32))
     by = {(a["N"], a["B"]): a for a in anchor}
     by[(4, 1)] = dict(by[(2, 1)], N=4)  # the anchor has no (4,1) / (16,1): use the flat B=1 value
@@ -381,10 +524,15 @@ def test_anchor_comparison_and_gpu_rendering_without_a_gpu(tmp_path):
                  step_ms=by[(c.N, c.B)]["step_ms"], tok_s=by[(c.N, c.B)]["tok_s"], static_bytes=int(by[(c.N, c.B)]["static_gib"] * GiB))
             for c in plan.configs]
     a = compare_anchor(plan, rows)
+    assert a["source"] == "verify/memory/h200_torch_single_E32.json (shipped with verify)"
     assert [t["status"] for t in a["targets"]] == ["PASS", "PASS"]
     assert abs(a["targets"][0]["ours"] - 0.1255) < 1e-3 and a["targets"][0]["anchor"] == pytest.approx(a["targets"][0]["ours"], rel=1e-6)
     worse = [dict(r, peak_bytes=r["peak_bytes"] + 64 * 2**20) if (r["N"], r["B"]) == (32, 1) else r for r in rows]
     assert compare_anchor(plan, worse)["targets"][0]["status"] == "FAIL"  # 64 MiB more at (32,1): ratio 0.1294
+    from dataclasses import replace
+
+    assert compare_anchor(replace(plan, options=replace(opts, seq_len=256)), rows) is None  # not the anchor's setting
+    assert compare_anchor(replace(plan, adapter=None, options=None, model_name=None), rows) is None  # not xtrain's GPT
     inv = check_invariants([rows], E_local=32, cuda=True)
     assert [v["status"] for v in inv] == ["PASS"] * 4, inv
     rep = _fake_report()

@@ -1,20 +1,17 @@
-"""Peak-memory probes, and the one measurement protocol every configuration goes through.
+"""Peak-memory probes, and what a trainer holds between steps.
 
-Protocol (`measure`), the same as ../shared/anchors/torch_baseline.py so numbers compare:
-    build the trainer (factory(Spec)), draw steps+1 optimizer steps of N micro-batches (B, S) up front,
-    ONE warm-up optimizer step (allocates the optimizer state; also yields the gradient bytes),
-    start the probe, `steps` measured optimizer steps, stop the probe.
-
-Probes:
   CPU  `RssProbe`: peak resident set size of THIS process during the measured steps, above the resident
-       set right before them. It must run in a fresh process per configuration (verify/_memprobe.py): a
-       process's high-water mark never goes down (GUIDE §4), and freed heap stays resident, so a second
-       configuration in the same process would start from the first one's leftovers.
+       set right before them. It must run in a fresh process per configuration (verify/memory/_zygote.py):
+       a process's peak-RSS counter only ever grows, and heap the C allocator freed usually stays
+       resident, so a second configuration measured in the same process would start from the first one's
+       leftovers (and the figure would depend on the order of the configurations).
   GPU  `CudaProbe`: torch's caching-allocator peaks (max allocated, max reserved; reset before the
        measured steps) and, when NVML works, `NvmlSampler`: device memory used (what nvidia-smi shows:
        CUDA context, every process on that GPU) sampled by a background thread every `period` seconds.
   NVML missing / failing never raises out of here: `NvmlSampler.open` raises `ProbeUnavailable` with a
   one-line reason, and a sampler that fails mid-run stops and reports the error instead of a peak.
+
+A probe has `start()` and `stop() -> dict` (its figures; `peak_bytes` is the one the invariants check).
 """
 from __future__ import annotations
 
@@ -27,16 +24,15 @@ import time
 
 import torch
 
-from .interface import Spec, TrainerFactory
-
-MiB = 2**20
+__all__ = ["ProbeUnavailable", "RssProbe", "CudaProbe", "NvmlSampler", "cuda_full_reset", "probe_definition",
+           "tensor_bytes", "optimizer_info", "optimizer_state_bytes", "one_line"]
 
 
 class ProbeUnavailable(RuntimeError):
     """A probe cannot run here; str(e) is a one-line reason."""
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return f"{type(e).__name__}: {text}" if type(e).__name__ not in text else text
 
@@ -78,8 +74,8 @@ class RssProbe:
     """Peak RSS during the measured steps minus RSS right before them, in a fresh process.
 
     The baseline holds: the interpreter and torch, the model's parameters, the optimizer state (made by
-    the warm-up step), the pre-drawn token batches, and heap the warm-up step freed but the C allocator
-    kept (verify/memory.py runs the child with MALLOC_MMAP_THRESHOLD_ fixed so tensor-sized blocks are
+    the warm-up step), the pre-drawn batches, and heap the warm-up step freed but the C allocator
+    kept (verify.memory runs the child with MALLOC_MMAP_THRESHOLD_ fixed so tensor-sized blocks are
     unmapped on free and this stays small). The figure therefore holds what a training step adds:
     gradient buffers, activations saved for backward, temporaries, optimizer-step scratch.
 
@@ -168,7 +164,7 @@ class NvmlSampler:
         except ProbeUnavailable:
             raise
         except Exception as e:  # noqa: BLE001  (NVMLError_LibraryNotFound, _DriverNotLoaded, _NoPermission, ...)
-            raise ProbeUnavailable(f"NVML unavailable: {_one_line(e)}") from None
+            raise ProbeUnavailable(f"NVML unavailable: {one_line(e)}") from None
         return cls(handles, names, period, ",".join(m for _, m in found))
 
     def driver_version(self) -> str | None:
@@ -187,7 +183,7 @@ class NvmlSampler:
         try:
             self.base = self._used()
         except Exception as e:  # noqa: BLE001
-            self.error, self.base = _one_line(e), [0] * len(self.handles)
+            self.error, self.base = one_line(e), [0] * len(self.handles)
         self.peak = list(self.base)
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
@@ -199,7 +195,7 @@ class NvmlSampler:
                 self.peak = [max(p, u) for p, u in zip(self.peak, self._used())]
                 self.samples += 1
             except Exception as e:  # noqa: BLE001  (a failing NVML read ends sampling, never the run)
-                self.error = _one_line(e)
+                self.error = one_line(e)
             time.sleep(self.period)
 
     def stop(self) -> dict:
@@ -210,7 +206,7 @@ class NvmlSampler:
             try:
                 self.peak = [max(p, u) for p, u in zip(self.peak, self._used())]
             except Exception as e:  # noqa: BLE001
-                self.error = _one_line(e)
+                self.error = one_line(e)
         ok = self.error is None
         return dict(
             nvml_peak_used_bytes=self.peak[0] if ok else None,
@@ -262,15 +258,44 @@ def cuda_full_reset(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-# -- the protocol ---------------------------------------------------------------------------------
+def probe_definition(cuda: bool, hwm_reset: bool = True) -> dict:
+    """What the report says each figure is (its `probe` section). `hwm_reset`: every CPU row's peak came
+    from VmHWM after a reset (else some from ru_maxrss)."""
+    if cuda:
+        return dict(
+            kind="cuda", primary="peak_bytes = torch.cuda.max_memory_allocated over the measured steps",
+            includes="everything torch's caching allocator handed out on this device: parameters, gradients, "
+                     "optimizer state, batches, activations, temporaries; not the CUDA context, not "
+                     "cached-but-free blocks (those are in peak_reserved_bytes), not other processes.",
+            nvml="nvml_peak_used_bytes = device memory used (nvmlDeviceGetMemoryInfo.used, what nvidia-smi "
+                 "shows: CUDA context, cache, every process on the GPU), max over samples taken by a thread "
+                 "every nvml_period_s during the measured steps",
+            isolation="one process; before each configuration gc.collect, synchronize, empty_cache, "
+                      "reset_peak_memory_stats (allocated_left_over_bytes records what was still allocated)")
+    hwm = ("VmHWM reset via /proc/self/clear_refs right before the measured steps" if hwm_reset else
+           "ru_maxrss where the reset was refused (hwm_exact per row says whether the measured steps set the peak)")
+    return dict(
+        kind="cpu", primary="peak_bytes = peak RSS during the measured steps − RSS right before them",
+        includes="Included: what a training step adds on top of the steady state — gradient buffers, "
+                 "activations saved for backward, temporaries, optimizer-step scratch, and pages first touched "
+                 "during the step. Not included (they are in the baseline): the interpreter and torch, the "
+                 "parameters, the optimizer state (allocated by the warm-up step), the pre-drawn batches. "
+                 f"High-water mark: {hwm}.",
+        isolation="a fresh process per configuration, forked from a `python -m verify.memory._zygote --serve` "
+                  "zygote that imported torch and the adapter and allocated no tensors (own address space, own "
+                  "peak-RSS counter; `isolation` per row says fork or exec); glibc MALLOC_MMAP_THRESHOLD_=65536; "
+                  "torch/OMP threads fixed")
 
-def _tensor_bytes(obj) -> int:
+
+# -- what the trainer holds ---------------------------------------------------------------------------
+
+def tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v) for v in obj)
     return 0
 
 
@@ -289,114 +314,5 @@ def optimizer_state_bytes(trainer) -> int | None:
     for attr in ("opt", "optimizer"):
         opt = getattr(trainer, attr, None)
         if isinstance(opt, torch.optim.Optimizer):
-            return sum(_tensor_bytes(s) for s in opt.state.values())
+            return sum(tensor_bytes(s) for s in opt.state.values())
     return None
-
-
-def draw_batches(spec: Spec, micro_batch: int, seq_len: int, n_steps: int, data_seed: int, device):
-    """n_steps optimizer steps, each N micro-batches (B, S), drawn in order from one stream, on `device`."""
-    from xtrain_core.data import TokenStream, split_micro
-
-    s = TokenStream(spec.model.vocab_size, seq_len, seed=data_seed)
-    out = []
-    for _ in range(n_steps):
-        idx, tgt = s.next(spec.accum_steps * micro_batch)
-        out.append([(x.to(device), y.to(device)) for x, y in split_micro(idx, tgt, spec.accum_steps)])
-    return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(factory: TrainerFactory, spec: Spec, *, micro_batch: int, seq_len: int, steps: int, probe,
-            data_seed: int = 1) -> dict:
-    """Warm-up step, then `steps` measured optimizer steps under `probe`. Returns the probe's peaks, the
-    static state, timing and losses for this configuration."""
-    device = torch.device(spec.device)
-    N, B, S = spec.accum_steps, micro_batch, seq_len
-    data = draw_batches(spec, B, S, steps + 1, data_seed, device)
-    trainer = factory(spec)
-
-    def one_step(micro_batches, boundary=None):
-        for m, (x, y) in enumerate(micro_batches):
-            trainer.micro_step(x, y, m)
-        if boundary is not None:
-            boundary()
-        return trainer.optimizer_step()
-
-    grad_bytes = []
-    one_step(data[0], lambda: grad_bytes.append(_tensor_bytes(list(trainer.grads().values()))))  # warm-up
-    _sync(device)
-    param_bytes = _tensor_bytes(list(trainer.params().values()))
-    opt_bytes = optimizer_state_bytes(trainer)
-    opt_info = optimizer_info(trainer)
-
-    probe.start()
-    t0 = time.perf_counter()
-    losses = [one_step(mb) for mb in data[1:]]  # no host sync inside the timed loop
-    _sync(device)
-    dt = (time.perf_counter() - t0) / steps
-    peaks = probe.stop()
-    losses = [float(v) for v in losses]
-    del trainer, data
-    return dict(
-        N=N, B=B, S=S, eff=N * B, steps=steps,
-        **peaks,
-        param_bytes=param_bytes, grad_bytes=grad_bytes[0], optim_state_bytes=opt_bytes,
-        static_bytes=param_bytes + grad_bytes[0] + (opt_bytes or 0),
-        step_ms=dt * 1e3, tok_s=N * B * S / dt, losses=losses, optimizer=opt_info,
-    )
-
-
-# -- which trainer to measure -----------------------------------------------------------------------
-
-def xtrain_for_world(spec: Spec):
-    """xtrain's trainer for this process: the data-parallel one when a process group of world > 1 is up
-    and xtrain_core.distributed provides DistAccumTrainer(model, optim, accum_steps), else AccumTrainer
-    (then each rank accumulates alone: its memory is still exactly one rank's)."""
-    import torch.distributed as dist
-
-    from .interface import xtrain_factory
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        try:
-            from xtrain_core.distributed import DistAccumTrainer
-        except ModuleNotFoundError as e:
-            if e.name != "xtrain_core.distributed":
-                raise
-        else:
-            return DistAccumTrainer(spec.build_model(), spec.optim, spec.accum_steps)
-    return xtrain_factory(spec)
-
-
-def trainer_names() -> list[str]:
-    from .broken import MEMORY_BROKEN
-
-    return ["xtrain", *sorted(MEMORY_BROKEN)]
-
-
-def resolve_trainer(name: str) -> TrainerFactory:
-    """'xtrain', a planted memory bug from verify/broken.py (MEMORY_BROKEN), or 'module:callable' (a
-    factory Spec -> trainer implementing verify/interface.py). ValueError with a one-line reason."""
-    from .broken import MEMORY_BROKEN
-
-    if name == "xtrain":
-        return xtrain_for_world
-    if name in MEMORY_BROKEN:
-        return MEMORY_BROKEN[name]
-    if ":" in name:
-        import importlib
-
-        mod, _, attr = name.partition(":")
-        try:
-            obj = importlib.import_module(mod)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load trainer factory {name!r}: {_one_line(e)}") from None
-        if not callable(obj):
-            raise ValueError(f"trainer factory {name!r} is not callable")
-        return obj
-    raise ValueError(f"unknown trainer {name!r}; use one of {', '.join(trainer_names())} or module:callable")

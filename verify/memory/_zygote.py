@@ -1,21 +1,27 @@
 """The CPU probe's process management: each configuration is measured in a FRESH process.
 
-A process's peak RSS never goes down and freed heap stays resident (GUIDE §4), so one process cannot
-measure two configurations. Two ways to get a fresh one:
+A process's peak-RSS counter only ever grows, and heap the C allocator freed usually stays resident, so
+one process cannot measure two configurations: the second would start from the first one's leftovers.
+Two ways to get a fresh one:
 
-  python -m verify._memprobe REQUEST_JSON   one configuration in this new interpreter (exec; slow start:
-                                            importing torch and its optimizer machinery costs ~3-4 s)
-  python -m verify._memprobe --serve        a zygote: imports torch and the harness once, allocates no
-                                            tensors, then for each request line on stdin FORKS a child
-                                            that measures one configuration and exits. The child has its
-                                            own address space and its own peak-RSS counter (reset through
-                                            /proc/self/clear_refs before the measured steps), exactly like
-                                            an exec'ed process, minus the import time. verify.memory uses
-                                            this; torch's DataLoader forks workers the same way.
+  python -m verify.memory._zygote REQUEST_JSON       one configuration in this new interpreter (exec; slow
+                                                     start: importing torch and its optimizer machinery
+                                                     costs ~3-4 s)
+  python -m verify.memory._zygote --serve [ADAPTER]  a zygote: imports torch, the harness and the adapter
+                                                     (MODULE:FACTORY) once, allocates no tensors, then for
+                                                     each request line on stdin FORKS a child that
+                                                     measures one configuration and exits. The child has
+                                                     its own address space and its own peak-RSS counter
+                                                     (reset through /proc/self/clear_refs before the
+                                                     measured steps), exactly like an exec'ed process,
+                                                     minus the import time. verify.memory uses this;
+                                                     torch's DataLoader forks workers the same way.
 
-Either way the result is one line `MEMPROBE_RESULT {json}` on stdout. A request may carry `env`
-(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...): with WORLD_SIZE > 1 the child joins a gloo process
-group before building the trainer, so a data-parallel trainer can run its collectives.
+A request names the adapter (`adapter`: its MODULE:FACTORY reference) and carries Spec.options as a
+base64 pickle (`options`), with N, B, steps, seed, data_seed, threads. Either way the result is one line
+`MEMPROBE_RESULT {json}` on stdout. A request may carry `env` (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, ...): with WORLD_SIZE > 1 the child joins a gloo process group before building the trainer,
+so a data-parallel trainer can run its collectives.
 """
 from __future__ import annotations
 
@@ -44,23 +50,18 @@ def measure_request(req: dict) -> dict:
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
-        from xtrain_core.config import ModelConfig
+        import base64
+        import pickle
 
-        from .interface import Spec
-        from .memprobe import RssProbe, measure, resolve_trainer
+        from ..protocol import Spec, load_adapter
+        from . import RssProbe, measure
 
-        spec = Spec(model=ModelConfig(**req["model"]), accum_steps=req["N"], seed=req["seed"], device="cpu")
-        factory = resolve_trainer(req["trainer"])
-        seen = []
-
-        def counting_factory(s):
-            t = factory(s)
-            seen.append(type(t).__name__)
-            return t
-
-        res = measure(counting_factory, spec, micro_batch=req["B"], seq_len=req["S"], steps=req["steps"],
-                      probe=RssProbe(), data_seed=req["data_seed"])
-        res.update(trainer_class=seen[0], threads=torch.get_num_threads(), pid=os.getpid(),
+        adapter = load_adapter(req["adapter"])
+        options = pickle.loads(base64.b64decode(req["options"])) if req.get("options") else adapter.defaults
+        spec = Spec(accum_steps=req["N"], dtype=torch.float32, device="cpu", seed=req["seed"], options=options)
+        res = measure(adapter, spec, micro_batch=req["B"], steps=req["steps"], probe=RssProbe(),
+                      data_seed=req["data_seed"])
+        res.update(threads=torch.get_num_threads(), pid=os.getpid(),
                    process_group=dict(backend=dist.get_backend(), world=dist.get_world_size()) if world > 1 else None)
         return res
     finally:
@@ -73,9 +74,9 @@ def _safe(req: dict) -> dict:
     try:
         return measure_request(req)
     except Exception as e:  # noqa: BLE001  (reported as this configuration's error, with the traceback)
-        from .memprobe import _one_line
+        from .probes import one_line
 
-        return dict(error=f"trainer or probe raised {_one_line(e)}", traceback=traceback.format_exc())
+        return dict(error=f"trainer or probe raised {one_line(e)}", traceback=traceback.format_exc())
 
 
 def _run_forked(req: dict, timeout: float) -> dict:
@@ -121,7 +122,7 @@ def _run_exec(req: dict, timeout: float) -> dict:
     import subprocess
 
     try:
-        p = subprocess.run([sys.executable, "-m", "verify._memprobe", json.dumps(req)], capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "verify.memory._zygote", json.dumps(req)], capture_output=True,
                            text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(error=f"probe process timed out after {timeout:.0f} s")
@@ -132,15 +133,19 @@ def _run_exec(req: dict, timeout: float) -> dict:
     return dict(error=f"probe process exited {p.returncode}: {tail[-1] if tail else 'no output'}")
 
 
-def serve() -> int:
+def serve(ref: str | None = None) -> int:
     import torch
 
     import torch.distributed  # noqa: F401
     import xtrain_core.data  # noqa: F401
     import xtrain_core.trainer  # noqa: F401
 
-    from . import broken, interface, memprobe  # noqa: F401
+    from ..adapters import broken  # noqa: F401
+    from ..protocol import load_adapter
+    from . import probes  # noqa: F401
 
+    if ref is not None:  # import the adapter's module once, here, not in every child
+        load_adapter(ref)
     # The first optimizer constructor imports torch._dynamo (~1 s): pay it here, once. No tensor this makes
     # survives: every child starts from import-time state.
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
@@ -161,8 +166,8 @@ def serve() -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv == ["--serve"]:
-        return serve()
+    if argv[:1] == ["--serve"] and len(argv) <= 2:
+        return serve(argv[1] if len(argv) == 2 else None)
     res = _safe(json.loads(argv[0]))
     print(MARK + json.dumps(res), flush=True)
     return 0 if "error" not in res else 1

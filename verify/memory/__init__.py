@@ -1,0 +1,113 @@
+"""verify.memory: the peak memory of gradient accumulation follows ONE micro-batch, not N of them.
+
+    python -m verify.memory --effective-batch 32 [--trainer xtrain|leaky_graph|MODULE:FACTORY] ...
+
+    from verify.memory import measure, RssProbe, CudaProbe
+    row = measure(adapter, spec, micro_batch=B, steps=K, probe=CudaProbe(device, nvml=None))
+
+`measure` is the measurement protocol every configuration goes through, for any adapter (any model):
+
+    1. draw steps + 1 optimizer steps of data up front: each adapter.batch(N·B rows, seed, spec.options),
+       split into N micro-batches of B rows (verify.case.split), floating tensors cast to spec.dtype,
+       everything moved to spec.device;
+    2. build the trainer: adapter(spec);
+    3. ONE warm-up optimizer step: it allocates the optimizer state, and its boundary grads() give the
+       bytes of the gradient buffers;
+    4. probe.start(); `steps` measured optimizer steps (no host synchronisation inside them);
+       probe.stop().
+
+The plain-torch anchor (verify/memory/h200_torch_single_E32.json) was measured with the same protocol,
+so the two compare. Modules: `plan` (flags -> configurations), `runners` (the CPU zygote client, the
+GPU runner, the sweeps), `probes`, `invariants`, `report` (assembly, anchor comparison, md/png/text),
+`_zygote` (the CPU fork server), `__main__` (the CLI). Importing this package imports neither torch nor
+matplotlib; the probe classes load on first use.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+
+__all__ = ["measure", "RssProbe", "CudaProbe", "NvmlSampler", "ProbeUnavailable", "cuda_full_reset"]
+
+_PROBES = {"RssProbe", "CudaProbe", "NvmlSampler", "ProbeUnavailable", "cuda_full_reset"}
+
+
+def __getattr__(name: str):
+    if name in _PROBES:
+        value = getattr(importlib.import_module(".probes", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _draw(adapter, spec, micro_batch: int, n_steps: int, data_seed: int, device):
+    """n_steps optimizer steps of N micro-batches of B rows, one data seed per step (as verify.case draws
+    them), on `device`; and what one row of inputs looks like."""
+    from ..case import _to, split
+
+    out, first = [], None
+    for k in range(n_steps):
+        x, y = adapter.batch(spec.accum_steps * micro_batch, (data_seed << 16) + k, spec.options)
+        first = x if first is None else first
+        out.append([(_to(a, device, spec.dtype), _to(b, device, spec.dtype))
+                    for a, b in split(x, y, spec.accum_steps)])
+    return out, first
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: int = 1) -> dict:
+    """One configuration (N = spec.accum_steps micro-steps of B = micro_batch rows) under `probe`: the
+    probe's figures, the static state, timing and losses (see the module docstring for the protocol).
+
+    Throughput is `tok_s` (N·B·S per second) when the inputs are 2-D integer token ids (rows, S), else
+    `rows_s` (N·B rows per second): a token count is only claimed where there are tokens."""
+    import torch
+
+    from .probes import optimizer_info, optimizer_state_bytes, tensor_bytes
+
+    device = torch.device(spec.device)
+    N, B = spec.accum_steps, micro_batch
+    data, x0 = _draw(adapter, spec, B, steps + 1, data_seed, device)
+    tokens = x0.dim() == 2 and not x0.is_floating_point() and not x0.is_complex()
+    trainer = adapter(spec)
+
+    def one_step(micro_batches, boundary=None):
+        for m, (x, y) in enumerate(micro_batches):
+            trainer.micro_step(x, y, m)
+        if boundary is not None:
+            boundary()
+        return trainer.optimizer_step()
+
+    grad_bytes = []
+    one_step(data[0], lambda: grad_bytes.append(tensor_bytes(list(trainer.grads().values()))))  # warm-up
+    _sync(device)
+    params = list(trainer.params().values())
+    param_bytes, param_count = tensor_bytes(params), sum(p.numel() for p in params)
+    del params
+    opt_bytes = optimizer_state_bytes(trainer)
+    opt_info = optimizer_info(trainer)
+
+    probe.start()
+    t0 = time.perf_counter()
+    losses = [one_step(mb) for mb in data[1:]]  # no host sync inside the timed loop
+    _sync(device)
+    dt = (time.perf_counter() - t0) / steps
+    peaks = probe.stop()
+    losses = [float(v) for v in losses]
+    trainer_class = type(trainer).__name__
+    del trainer, data
+    rate = dict(S=x0.shape[1], tok_s=N * B * x0.shape[1] / dt) if tokens else dict(rows_s=N * B / dt)
+    return dict(
+        N=N, B=B, eff=N * B, steps=steps, input_shape=list(x0.shape[1:]), input_dtype=str(x0.dtype),
+        **peaks,
+        param_bytes=param_bytes, param_count=param_count, grad_bytes=grad_bytes[0], optim_state_bytes=opt_bytes,
+        static_bytes=param_bytes + grad_bytes[0] + (opt_bytes or 0),
+        step_ms=dt * 1e3, **rate, losses=losses, optimizer=opt_info, trainer_class=trainer_class,
+    )
+
