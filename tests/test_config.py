@@ -37,14 +37,11 @@ def test_optim_config(kw, msg):
     assert str(e.value) == msg
 
 
-def test_seq_len_checked_against_model():
-    with pytest.raises(ValueError, match=r"train.seq_len must be ≤ model.seq_len, got 65 > 64"):
-        TrainConfig(seq_len=65).check_model(PRESETS["tiny"])
+def test_effective_batch_is_n_b_w_and_configs_are_frozen():
+    from xtrain_core.config import effective_batch
 
-
-def test_effective_batch_and_frozen():
+    assert effective_batch(4, 3) == 12 and effective_batch(4, 3, world=2) == 24
     t = TrainConfig(accum_steps=4, micro_batch=3)
-    assert t.effective_batch == 12
     with pytest.raises(Exception):
         t.accum_steps = 2
 

@@ -1,6 +1,6 @@
 """Counting collectives: the c10d flight recorder, behind one small module.
 
-Why the flight recorder (GUIDE §3): it records inside each c10d backend (ProcessGroupGloo /
+Why the flight recorder: it records inside each c10d backend (ProcessGroupGloo /
 ProcessGroupNCCL), below `torch.distributed`'s Python API. So it sees explicit `dist.all_reduce`,
 DDP's C++ reducer, a call made on the backend object directly, a call from another thread and a call
 on a private process group — CommDebugMode (a dispatch mode of the calling thread) misses the last
@@ -37,7 +37,7 @@ _TORCH_NAME = {"Float": "float32", "Double": "float64", "Half": "float16", "BFlo
 
 def enable(ring: int | None = None, *, nccl: bool = False) -> int:
     """Turn the recorder on for process groups created from now on; returns the ring size.
-    TORCH_FR_BUFFER_SIZE is read by gloo and (torch 2.11, GUIDE §3) NCCL; older NCCL builds read only
+    TORCH_FR_BUFFER_SIZE is read by gloo and (torch 2.11, checked on 2×H200) NCCL; older NCCL builds read only
     TORCH_NCCL_TRACE_BUFFER_SIZE, so NCCL users get both (newer torch warns that it is deprecated)."""
     ring = int(os.environ.get("TORCH_FR_BUFFER_SIZE") or ring or DEFAULT_RING)
     os.environ["TORCH_FR_BUFFER_SIZE"] = str(ring)

@@ -1,7 +1,7 @@
 """Persistent rank pools: `world` worker processes that stay alive across examples.
 
-A cold world-2 spawn + process-group init costs 3–4 s; a job in a warm pool ~16 ms (GUIDE §3). So the
-suite keeps ONE pool per (world, backend) per process (= per pytest-xdist worker) and sends it jobs:
+A cold world-2 spawn + process-group init costs 3–4 s; a job in a warm pool ~16 ms (2-core box, tiny
+model, N=4). So the suite keeps ONE pool per (world, backend) per process (= per pytest-xdist worker):
 
     pool = get_pool(world=2)                      # spawned on first use, reused afterwards
     results = pool.run(fn, *args)                 # fn(ctx, *args) on every rank; a list by rank
@@ -23,7 +23,7 @@ suite keeps ONE pool per (world, backend) per process (= per pytest-xdist worker
   parent closes every pool at exit and on SIGTERM; SIGINT is left to the parent (workers ignore it),
   whose KeyboardInterrupt unwinds into the same cleanup.
 * Shutdown: barrier, destroy_process_group, os._exit(0) in each worker (0/60 teardown aborts vs 4/65
-  without, GUIDE §3).
+  without).
 
 Torch is imported lazily: a worker turns the flight recorder on (verify/comm.py) before torch loads.
 """

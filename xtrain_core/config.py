@@ -4,7 +4,6 @@ Every error names the field and the offending value, so a CLI can print it as on
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -43,7 +42,8 @@ class ModelConfig:
         return v * d + s * d + L * block + 2 * d + d * v
 
 
-# Named sizes, from tests to the benchmark model of ../shared/anchors (GPT-2-small-like, vocab 8192).
+# Named sizes, from tests to the benchmark model (GPT-2-small-like: 12 layers, d 768, vocab 8192, seq 512),
+# the model the plain-PyTorch reference numbers in reports/anchors were measured on.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64),
     "small": ModelConfig(vocab_size=256, seq_len=256, n_layer=4, n_head=4, d_model=256),
@@ -101,17 +101,9 @@ class TrainConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"train.seed must be an integer ≥ 0, got {self.seed!r}")
 
-    @property
-    def effective_batch(self) -> int:
-        return self.accum_steps * self.micro_batch
-
-    def check_model(self, model: ModelConfig) -> None:
-        if self.seq_len > model.seq_len:
-            raise ValueError(
-                f"train.seq_len must be ≤ model.seq_len, got {self.seq_len} > {model.seq_len}"
-            )
 
 
-def replace(cfg, **changes):
-    """dataclasses.replace, re-validated (frozen configs are rebuilt, so __post_init__ runs)."""
-    return dataclasses.replace(cfg, **changes)
+def effective_batch(accum_steps: int, micro_batch: int, world: int = 1) -> int:
+    """Sequences per optimizer step over all ranks: N × B × W (B is per rank). The one meaning of
+    "effective batch" here; verify's Case.effective_batch is the same product."""
+    return accum_steps * micro_batch * world

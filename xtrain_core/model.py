@@ -1,5 +1,5 @@
-"""A small GPT. Same architecture as ../shared/anchors/torch_baseline.py so speed and memory compare
-like for like: explicit (non-flash) attention, so activations scale like a textbook trainer, and no
+"""A small GPT. Same architecture as the plain-PyTorch reference (benchmarks/plain_torch.py) so speed
+and memory compare like for like: explicit (non-flash) attention, so activations scale like a textbook trainer, and no
 registered buffers, so DistributedDataParallel has nothing to broadcast at forward.
 """
 from __future__ import annotations
