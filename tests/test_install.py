@@ -2,11 +2,13 @@
 from an empty directory elsewhere a 30-line adapter of a non-GPT model runs every gate through the
 plugin and writes ./reports/verify-report.{json,md} there, and nothing is written into site-packages.
 
-(The venv sees this interpreter's site-packages for torch/hypothesis, so the install takes seconds;
+(The venv reaches this interpreter's site-packages for torch/hypothesis/pip through a .pth file — a
+venv inside a venv would otherwise see only the base interpreter's — so the install takes seconds;
 `pip install --no-deps` installs our package only, from a copy of the source tree.)"""
 import json
 import os
 import shutil
+import site as pysite
 import subprocess
 import sys
 
@@ -33,9 +35,13 @@ def test_installed_plugin_proves_a_users_trainer_from_an_empty_directory(tmp_pat
         (shutil.copytree(s, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
          if os.path.isdir(s) else (src.mkdir(exist_ok=True), shutil.copy(s, src / name)))
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = str(venv / "bin" / "python")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+    own = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True,
+                         text=True, check=True, env=env).stdout.strip()
+    with open(os.path.join(own, "_outer_site.pth"), "w") as f:  # appended after the venv's own site-packages
+        f.write("\n".join(pysite.getsitepackages()) + "\n")
     r = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(src)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
