@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from xtrain_core.trainer import AccumTrainer
 
-from ..protocol import Spec
 from . import xtrain
 
 
@@ -94,16 +93,8 @@ class WritesIntoTargets(AccumTrainer):
         super().micro_step(idx, targets, micro)
 
 
-def factory(cls):
-    def make(spec: Spec):
-        return cls(xtrain.model_for(spec), xtrain.options_of(spec).optim, spec.accum_steps)
-
-    make.__name__ = make.__qualname__ = f"make_{cls.__name__}"
-    return make
-
-
 def _adapter(cls):
-    return xtrain.single.replace(factory=factory(cls), name=f"broken: {cls.__name__}")
+    return xtrain.variant(cls, xtrain.single)
 
 
 missing_1_over_N = _adapter(MissingScale)

@@ -149,16 +149,8 @@ class IntViewChecksumEveryMicro(DistAccumTrainer):
             dist.all_reduce(self.flat[:self.numel].clone().view(torch.int32), group=self.group)
 
 
-def _factory(cls):
-    def make(spec):
-        return cls(xtrain.model_for(spec), xtrain.options_of(spec).optim, spec.accum_steps)
-
-    make.__name__ = make.__qualname__ = f"make_{cls.__name__}"
-    return make
-
-
 def _adapter(cls, base=xtrain.data_parallel):
-    return base.replace(factory=_factory(cls), name=f"broken: {cls.__name__}")
+    return xtrain.variant(cls, base)
 
 
 # Module-level names: a pool imports each adapter by name.

@@ -123,6 +123,19 @@ class PlainTrainer:
         return {k: p.detach() for k, p in self.model.named_parameters()}
 
 
+def variant(cls, base: "Adapter") -> "Adapter":
+    """`base` with its trainer replaced by `cls(model, optim, accum_steps)` (xtrain's trainer signature):
+    how the planted bugs of broken.py / broken_dist.py become adapters. The factory claims `cls`'s
+    module, where the adapter must be a module-level name (pools import it from there)."""
+
+    def make(spec: Spec):
+        return cls(model_for(spec), options_of(spec).optim, spec.accum_steps)
+
+    make.__module__, make.__name__ = cls.__module__, f"make_{cls.__name__}"
+    make.__qualname__ = make.__name__
+    return base.replace(factory=make, name=f"broken: {cls.__name__}")
+
+
 _COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions())
 
 adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", **_COMMON)
