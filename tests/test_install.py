@@ -2,9 +2,11 @@
 from an empty directory elsewhere a 30-line adapter of a non-GPT model runs every gate through the
 plugin and writes ./reports/verify-report.{json,md} there, and nothing is written into site-packages.
 
-(The venv reaches this interpreter's site-packages for torch/hypothesis/pip through a .pth file — a
-venv inside a venv would otherwise see only the base interpreter's — so the install takes seconds;
-`pip install --no-deps` installs our package only, from a copy of the source tree.)"""
+(The venv reaches this interpreter's packages — torch, hypothesis, pip — through a .pth file naming a
+folder of links to them, without xtrain's own install: a venv inside a venv would otherwise see only the
+base interpreter's packages, and an editable xtrain seen there would be a second, different install.
+So the install takes seconds; `pip install --no-deps` installs our package only, from a copy of the
+source tree.)"""
 import json
 import os
 import shutil
@@ -16,6 +18,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ["pyproject.toml", "README.md", "xtrain_core", "verify", "_xtrain_pytest"]
+OURS = ("xtrain", "__editable__", "verify", "_xtrain_pytest", "examples")  # this checkout's install, if any
 
 
 def _tree(folder: str) -> dict:
@@ -40,8 +43,14 @@ def test_installed_plugin_proves_a_users_trainer_from_an_empty_directory(tmp_pat
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     own = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True,
                          text=True, check=True, env=env).stdout.strip()
+    view = tmp_path / "outer-site"
+    view.mkdir()
+    for d in pysite.getsitepackages():
+        for entry in os.listdir(d) if os.path.isdir(d) else []:
+            if not entry.startswith(OURS) and not (view / entry).exists():
+                os.symlink(os.path.join(d, entry), view / entry)
     with open(os.path.join(own, "_outer_site.pth"), "w") as f:  # appended after the venv's own site-packages
-        f.write("\n".join(pysite.getsitepackages()) + "\n")
+        f.write(f"{view}\n")
     r = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(src)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
