@@ -30,6 +30,11 @@ class Case:
     device: str = "cpu"
     options: Any = None
     """The adapter's drawn knobs (model size, optimizer settings, ...), passed on as Spec.options."""
+    precision: str = "fp32"
+    """Autocast precision of the candidate runs (the float64 references never autocast)."""
+    lengths: tuple | None = None
+    """Padded data (adapters with an ignore_index): valid targets per row, K·E entries in row order; the
+    rest of each row's targets become the ignore_index (right padding)."""
 
     @property
     def effective_batch(self) -> int:
@@ -40,14 +45,33 @@ class Case:
         from .protocol import Spec
 
         return Spec(accum_steps=self.accum_steps if accum_steps is None else accum_steps, dtype=dtype,
-                    device=device or self.device, seed=self.seed, options=self.options)
+                    device=device or self.device, seed=self.seed, options=self.options,
+                    precision="fp32" if dtype == torch.float64 else self.precision)
 
     def replace(self, **changes) -> "Case":
         return dataclasses.replace(self, **changes)
 
     def batches(self, adapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K global batches of N·B·W rows each, on the CPU, one data seed per optimizer step."""
-        return [adapter.batch(self.effective_batch, (self.data_seed << 16) + k, self.options)
+        """K global batches of N·B·W rows each, on the CPU, one data seed per optimizer step (right-padded
+        with the adapter's ignore_index where the case has lengths)."""
+        E, out = self.effective_batch, []
+        for k in range(self.steps):
+            x, y = adapter.batch(E, (self.data_seed << 16) + k, self.options)
+            if self.lengths is not None:
+                if adapter.ignore_index is None:
+                    raise ValueError(f"{adapter.name} declares no ignore_index: a padded case does not apply")
+                y = y.clone()
+                for row, n in enumerate(self.lengths[k * E:(k + 1) * E]):
+                    y[row, n:] = adapter.ignore_index
+            out.append((x, y))
+        return out
+
+    def valid_counts(self, adapter) -> list[list[int]] | None:
+        """Per step, the valid targets of each global micro-batch (None for unpadded cases)."""
+        if self.lengths is None:
+            return None
+        E, b = self.effective_batch, self.micro_batch * self.world
+        return [[sum(self.lengths[k * E + i * b:k * E + (i + 1) * b]) for i in range(self.accum_steps)]
                 for k in range(self.steps)]
 
     def as_dict(self) -> dict:
@@ -56,13 +80,16 @@ class Case:
             opts = {f.name: _plain(getattr(opts, f.name)) for f in dataclasses.fields(opts)}
         return dict(accum_steps=self.accum_steps, micro_batch=self.micro_batch, steps=self.steps, world=self.world,
                     effective_batch=self.effective_batch, seed=self.seed, data_seed=self.data_seed,
-                    device=self.device, options=_plain(opts))
+                    device=self.device, precision=self.precision,
+                    lengths=None if self.lengths is None else list(self.lengths), options=_plain(opts))
 
     def __str__(self):
         w = f" W={self.world}" if self.world != 1 else ""
+        p = f" {self.precision}" if self.precision != "fp32" else ""
+        pad = "" if self.lengths is None else f" lengths={list(self.lengths)}"
         opts = "" if self.options is None else f" {_short(self.options)}"
-        return (f"N={self.accum_steps} B={self.micro_batch}{w} K={self.steps} seed={self.seed} "
-                f"data_seed={self.data_seed}{opts}")
+        return (f"N={self.accum_steps} B={self.micro_batch}{w} K={self.steps}{p} seed={self.seed} "
+                f"data_seed={self.data_seed}{opts}{pad}")
 
 
 def _plain(v):

@@ -28,6 +28,14 @@ its model, loss or optimizer:
   (DDP, Accelerate), so its single-process gates run on a one-rank group.
 * `expected`: collectives the trainer legitimately issues on micro-steps 0..N-2 (by op, dtype class
   and count). Anything else there fails the boundary-only gate.
+* `precisions`: the autocast precisions the trainer supports ("fp32", "bf16", "fp16"); the gates draw
+  among them and judge each against float64 with that precision's own rounding.
+* `ignore_index`: the target value that marks padding (e.g. -100). Declared, the gates also draw padded,
+  variable-length batches — empty sequences, micro-batches and ranks included — and expect the token
+  mean: Σ loss over valid targets / their count, over the whole window and every rank.
+* optional trainer method `partial_grads()`: between micro-steps, the gradient `grads()` would return if
+  the window ended now (without changing anything). Given, the long-N gate checks after every micro-step
+  that each micro-batch's contribution landed exactly once.
 """
 from __future__ import annotations
 
@@ -63,6 +71,9 @@ class Spec:
     seed: int = 0
     options: Any = None
     """The adapter's own knobs, drawn from its `options` strategy (None when it declares none)."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 (autocast; parameters in `dtype`): one of the adapter's `precisions`.
+    Float64 runs (the references) always come with "fp32": no autocast."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,8 @@ class Adapter:
     """'module:attribute' this adapter is importable as; found on first use when not given."""
     mutation: str | None = None
     """Set by the self-test: the fault operator wrapped around `factory` (verify.selftest)."""
+    precisions: tuple[str, ...] = ("fp32",)
+    ignore_index: int | None = None
 
     def __post_init__(self):
         for what in ("factory", "data"):
@@ -135,6 +148,10 @@ class Adapter:
         if self.plain is not None and not (callable(self.plain) and _one_positional(self.plain)):
             raise AdapterError(f"plain= must be a factory taking one argument (a verify.Spec), got {self.plain!r}")
         object.__setattr__(self, "expected", tuple(self.expected))
+        object.__setattr__(self, "precisions", tuple(self.precisions))
+        bad = [p for p in self.precisions if p not in ("fp32", "bf16", "fp16")]
+        if bad or not self.precisions:
+            raise AdapterError(f"precisions must be a non-empty subset of fp32, bf16, fp16, got {self.precisions}")
         if self.process_group and not self.data_parallel:
             object.__setattr__(self, "data_parallel", True)
         if not self.name:
@@ -195,14 +212,16 @@ def _qual(fn) -> str:
 
 
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
-            process_group: bool = False, expected=(), name: str = ""):
+            process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
+            ignore_index: int | None = None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
 
     def wrap(fn) -> Adapter:  # fn: a function or a trainer class, Spec -> trainer
         return Adapter(factory=fn, data=data, plain=plain, options=options, defaults=defaults,
                        data_parallel=data_parallel, process_group=process_group, expected=expected,
-                       name=name or f"{fn.__module__}.{fn.__qualname__}")
+                       name=name or f"{fn.__module__}.{fn.__qualname__}", precisions=precisions,
+                       ignore_index=ignore_index)
 
     return wrap
 

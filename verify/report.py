@@ -17,12 +17,15 @@ REPORT_NAME = "verify-report"
 _STATS: dict[str, dict] = {}
 
 BOUNDS = {
-    "equivalence": "fp32 step 0: err(acc) ≤ 8·err(big32) + 8·eps32 vs float64; fp32 losses rel < 1e-3; "
-                   "float64 K steps: loss rel ≤ 1e-9, params ≤ 1e-9·max(1,|p|)",
+    "equivalence": "step 0 (fp32 or the autocast precision): err(acc) ≤ 8·err(big) + 8·eps32 vs float64; fp32 "
+                   "losses rel < 1e-3; float64 K steps: loss rel ≤ 1e-9, params ≤ 1e-9·max(1,|p|)",
     "bit_exact": "torch.equal on every gradient, loss and parameter after K steps",
     "boundary_only": "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 elements",
     "data_parallel_equivalence": "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
+    "split_invariance": "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
+    "partial_sums": "after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ 1e-9",
 }
+ORDER = ("equivalence", "bit_exact", "boundary_only", "data_parallel_equivalence", "split_invariance", "partial_sums")
 
 
 def _gate(name: str) -> dict:
@@ -35,11 +38,17 @@ def _keep_worst(s: dict, ratio: float, check: str, case) -> None:
         s.update(worst_ratio=float(ratio), worst_check=check, worst_case=case.as_dict(), worst_case_text=str(case))
 
 
+def _key(name: str, case) -> str:
+    p = getattr(case, "precision", "fp32")
+    return name if p == "fp32" else f"{name}@{p}"
+
+
 def record(result) -> None:
-    """One passed example of a gate (a verify.GateResult)."""
+    """One passed example of a gate (a verify.GateResult); mixed-precision examples are tallied apart
+    (equivalence@bf16, ...), each precision having its own rounding."""
     if result.gate == "data-parallel":
         ex, w = result.extra, result.case.world
-        b = _gate("boundary_only")
+        b = _gate(_key("boundary_only", result.case))
         b["examples"] += 1
         b["worlds"] = sorted(set(b.get("worlds", [])) | {w})
         b["expected_before_boundary"] = b.get("expected_before_boundary", 0) + len(ex["comm"].expected_used)
@@ -51,12 +60,12 @@ def record(result) -> None:
                 b[key] = [min(lo, min(vals)), max(hi, max(vals))]
             if b["worst_case"] is None or w * result.case.accum_steps > b["worst_case"]["world"] * b["worst_case"]["accum_steps"]:
                 b.update(worst_check="largest world × N", worst_case=result.case.as_dict(), worst_case_text=str(result.case))
-        e = _gate("data_parallel_equivalence")
+        e = _gate(_key("data_parallel_equivalence", result.case))
         e["examples"] += 1
         _keep_worst(e, result.ratio, result.worst, result.case)
         return
-    key = "bit_exact" if result.gate.startswith("bit-exact") else result.gate
-    s = _gate(key)
+    key = "bit_exact" if result.gate.startswith("bit-exact") else result.gate.replace(" ", "_")
+    s = _gate(_key(key, result.case))
     s["examples"] += 1
     if key != "bit_exact":  # bit-exact has no error to rank: every example is torch.equal or a failure
         _keep_worst(s, result.ratio, result.worst, result.case)
@@ -145,24 +154,24 @@ def render_md(doc: dict) -> str:
     gates = doc.get("gates") or {}
     if gates:
         lines += ["| gate | examples | worst error / bound | where | worst case | bound |", "|---|---|---|---|---|---|"]
-        for name in ("equivalence", "bit_exact", "boundary_only", "data_parallel_equivalence"):
-            g = gates.get(name)
-            if g is None:
-                continue
+        names = sorted(gates, key=lambda n: (ORDER.index(n.split("@")[0]) if n.split("@")[0] in ORDER else 99, n))
+        for name in names:
+            g = gates[name]
+            base = name.split("@")[0]
             if not g["examples"] and g.get("skip_reason"):
                 lines.append(f"| {name} | skipped | — | — | {g['skip_reason']} | |")
                 continue
             extra = ""
-            if name == "boundary_only":
+            if base == "boundary_only":
                 lo_hi = g.get("boundary_bytes_over_gradient_bytes")
                 extra = (f"worlds {g.get('worlds')}; at world > 1: bytes per step ÷ gradient bytes "
                          f"{'—' if lo_hi is None else f'{lo_hi[0]:.4f}–{lo_hi[1]:.4f}'}, boundary collectives per "
                          f"step {g.get('boundary_collectives_per_step')}; declared collectives before the boundary "
                          f"{g.get('expected_before_boundary', 0)}; largest case: ")
             short = g.get("worst_case_text") or "—"
-            ratio = "—" if name in ("bit_exact", "boundary_only") else _ratio(g["worst_ratio"])
+            ratio = "—" if base in ("bit_exact", "boundary_only") else _ratio(g["worst_ratio"])
             lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | {extra}{short} | "
-                         f"{BOUNDS.get(name, '')} |")
+                         f"{BOUNDS.get(base, '')} |")
         lines.append("")
     fails = doc.get("failures") or []
     if not gates and not fails:

@@ -1,8 +1,10 @@
 """hypothesis strategies for the gates. Bounds are keyword-only; everything shrinks toward the smallest
 case (N=1, B=1, K=1, world 1, the adapter's smallest options), so a failure is reported at its simplest.
 
-    cases(adapter)                      (N, B, K, seeds, the adapter's drawn options), world 1
+    cases(adapter)                      (N, B, K, seeds, the adapter's drawn options, precision, and —
+                                        for adapters with an ignore_index — padding), world 1
     dist_cases(adapter, max_world=4)    the same plus a world size W; B is then per rank
+    padding(...)                        valid targets per row: empty rows, micro-batches and ranks included
     xtrain_options()                    xtrain's adapter knobs: GPT size, sequence length, optimizer
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ from xtrain_core.config import ModelConfig, OptimConfig
 
 from .case import Case
 
-__all__ = ["cases", "dist_cases", "model_configs", "optim_configs", "xtrain_options", "gate_device"]
+__all__ = ["cases", "dist_cases", "padding", "model_configs", "optim_configs", "xtrain_options", "gate_device"]
 
 
 def gate_device() -> str:
@@ -33,26 +35,58 @@ def _options_strategy(adapter):
 
 
 @st.composite
+def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int, seq_len: int) -> tuple:
+    """Valid targets per row for K steps of N global micro-batches of W·B rows (row order as the harness
+    draws them). Each global micro-batch is full, empty, random, or random with one rank's rows empty;
+    shrinks toward full rows (no padding), so a failure is shown with the least padding that causes it."""
+    out = []
+    for _ in range(steps * accum_steps):
+        mode = draw(st.sampled_from(["full", "random", "empty", "rank_empty"]))
+        empty_rank = draw(st.integers(0, world - 1)) if mode == "rank_empty" else -1
+        for r in range(world):
+            for _ in range(micro_batch):
+                if mode == "full":
+                    out.append(seq_len)
+                elif mode == "empty" or r == empty_rank:
+                    out.append(0)
+                else:
+                    out.append(draw(st.integers(0, seq_len).map(lambda n: seq_len - n)))
+    return tuple(out)
+
+
+def _row_length(adapter, options) -> int:
+    return int(adapter.batch(1, 0, options)[1].reshape(1, -1).shape[1])
+
+
+@st.composite
 def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int = 4,
-          min_steps: int = 1, max_steps: int = 3, device: str | None = None) -> Case:
-    """(N, B, K, seeds, options) for `adapter` at world 1. N shrinks to min_accum, the rest to their minimum."""
-    return Case(
+          min_steps: int = 1, max_steps: int = 3, device: str | None = None, world: int = 1,
+          padded: bool | None = None) -> Case:
+    """(N, B, K, seeds, options, precision[, padding]) for `adapter`. N shrinks to min_accum, the rest to
+    their minimum, the precision to the adapter's first. padded: None draws it (adapters with an
+    ignore_index only), True / False forces it."""
+    c = Case(
         accum_steps=draw(st.integers(min_accum, max_accum)),
         micro_batch=draw(st.integers(1, max_micro_batch)),
         steps=draw(st.integers(min_steps, max_steps)),
+        world=world,
         options=draw(_options_strategy(adapter)),
         seed=draw(st.integers(0, 2**16)),
         data_seed=draw(st.integers(0, 2**16)),
         device=device or gate_device(),
+        precision=draw(st.sampled_from(adapter.precisions)),
     )
+    if adapter.ignore_index is not None and (padded if padded is not None else draw(st.booleans())):
+        c = c.replace(lengths=draw(padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=c.micro_batch,
+                                           world=world, seq_len=_row_length(adapter, c.options))))
+    return c
 
 
 @st.composite
 def dist_cases(draw, adapter, *, min_world: int = 1, max_world: int = 4, **bounds) -> Case:
-    """`cases(adapter, **bounds)` plus a world size W (shrinks toward min_world: a failure is reported at
+    """`cases(adapter, **bounds)` at a world size W (shrinks toward min_world: a failure is reported at
     the smallest world that shows it); micro_batch is then B per rank."""
-    world = draw(st.integers(min_world, max_world))
-    return draw(cases(adapter, **bounds)).replace(world=world)
+    return draw(cases(adapter, world=draw(st.integers(min_world, max_world)), **bounds))
 
 
 # -- xtrain's adapter ----------------------------------------------------------------------------------
@@ -76,10 +110,10 @@ def optim_configs(draw, *, max_warmup: int = 3) -> OptimConfig:
 
 
 @st.composite
-def xtrain_options(draw, *, max_seq: int = 24, model=None, optim=None):
+def xtrain_options(draw, *, max_seq: int = 24, model=None, optim=None, loss_norm: str = "mean"):
     """xtrain's knobs: a small GPT, a sequence length S ≤ max_seq, AdamW settings with clip and warm-up."""
     from .adapters.xtrain import XtrainOptions
 
     m = draw(model if model is not None else model_configs(seq_len=max_seq))
     return XtrainOptions(model=m, seq_len=draw(st.integers(1, min(max_seq, m.seq_len))),
-                         optim=draw(optim if optim is not None else optim_configs()))
+                         optim=draw(optim if optim is not None else optim_configs()), loss_norm=loss_norm)

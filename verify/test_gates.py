@@ -37,3 +37,47 @@ def test_accum1_bit_identical_to_plain(verify_adapter):
         report.record(check_bit_exact(verify_adapter, case))
 
     bit_exact()
+
+
+@pytest.mark.distributed
+def test_split_invariance_on_padded_windows(verify_adapter):
+    """Adapters with an ignore_index: a padded window (empty sequences, micro-batches, ranks included) gives
+    the float64 big batch's token mean under every (N, B, W) split of its rows."""
+    from .gates.distributed import max_world
+    from .gates.windows import check_split_invariance
+
+    if verify_adapter.ignore_index is None:
+        reason = (f"{verify_adapter.name} declares no ignore_index: padded, variable-length windows do not apply "
+                  f"(declare @verify.adapter(ignore_index=-100) for a token-weighted trainer)")
+        report.skip("split_invariance", reason)
+        pytest.skip(reason)
+    worlds = max_world() if verify_adapter.data_parallel else 1
+
+    @settings(max_examples=max(3, settings.default.max_examples // 10), deadline=None)
+    @given(data=st.data())
+    def split_invariance(data):
+        case = data.draw(cases(verify_adapter, max_accum=6, max_micro_batch=2, max_steps=2, padded=True), label="case")
+        report.record(check_split_invariance(verify_adapter, case, max_world=worlds))
+
+    split_invariance()
+
+
+def test_long_accumulation_and_partial_sums(verify_adapter):
+    """N = 64..256 micro-steps: the equivalence gate, and — for trainers with partial_grads() — each
+    micro-step's contribution landing exactly once (the gradient after micro-step n vs the float64 big
+    batch of micro-batches 0..n)."""
+    from .gates import GateSkipped
+    from .gates.windows import check_partial_sums
+
+    @settings(max_examples=max(2, settings.default.max_examples // 30), deadline=None)
+    @given(data=st.data())
+    def long_windows(data):
+        case = data.draw(cases(verify_adapter, min_accum=64, max_accum=256, max_micro_batch=1, max_steps=2),
+                         label="case")
+        report.record(check_equivalence(verify_adapter, case))
+        try:
+            report.record(check_partial_sums(verify_adapter, case))
+        except GateSkipped as e:
+            report.skip("partial_sums", str(e))
+
+    long_windows()

@@ -81,6 +81,12 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps must be an integer ≥ 0, got {self.warmup_steps!r}")
 
 
+LOSS_NORMS = ("mean", "tokens")
+"""mean: CE mean per micro-batch × 1/N (exact for fixed-length data). tokens: Σ CE over valid tokens / the
+window's valid-token count, across micro-steps and ranks (exact for padded / variable-length data)."""
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The accumulation schedule: one optimizer step = accum_steps micro-steps of micro_batch sequences."""
@@ -94,12 +100,20 @@ class TrainConfig:
     seq_len: int = 64
     """S: tokens per sequence; at most model.seq_len."""
     seed: int = 0
+    loss_norm: str = "mean"
+    """How the step's loss and gradient are normalized: see LOSS_NORMS."""
+    precision: str = "fp32"
+    """fp32; bf16 autocast; fp16 autocast with a GradScaler (parameters and gradients stay fp32)."""
 
     def __post_init__(self):
         for f in ("accum_steps", "micro_batch", "steps", "seq_len"):
             _positive_int("train", f, getattr(self, f))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"train.seed must be an integer ≥ 0, got {self.seed!r}")
+        if self.loss_norm not in LOSS_NORMS:
+            raise ValueError(f"train.loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
 
 

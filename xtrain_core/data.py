@@ -50,6 +50,57 @@ class TokenStream:
         return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
+class DocStream:
+    """Documents, one per non-empty line of a UTF-8 text file, each one sequence of byte tokens: inputs
+    doc[:-1], targets doc[1:], truncated to S and right-padded (inputs 0, targets IGNORE = -100, so a
+    one-byte document has no valid target at all). `next(n)` -> (idx, targets), each (n, S) int64, in a
+    seeded shuffled order, epoch after epoch; like TokenStream, next(N·B) == N calls of next(B)."""
+
+    def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0):
+        self.seq_len = seq_len
+        text = open(path, "rb").read().decode("utf-8")  # UnicodeDecodeError / OSError: the caller's to word
+        self.docs = [line.encode("utf-8") for line in text.splitlines() if line.strip()]
+        if not self.docs:
+            raise ValueError(f"{path} holds no non-empty line (one document per line)")
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+
+    def _one(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._order:
+            self._order = list(range(len(self.docs)))
+            self._rng.shuffle(self._order)
+            self._order.reverse()  # pop() from the end = the shuffled order from the start
+        doc = torch.frombuffer(bytearray(self.docs[self._order.pop()]), dtype=torch.uint8).long()
+        n = min(len(doc) - 1, self.seq_len)  # valid targets
+        x = torch.zeros(self.seq_len, dtype=torch.long)
+        y = torch.full((self.seq_len,), -100, dtype=torch.long)
+        if n > 0:
+            x[:n], y[:n] = doc[:n], doc[1:n + 1]
+        return x, y
+
+    def next(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*(self._one() for _ in range(n)))
+        return torch.stack(xs), torch.stack(ys)
+
+
+class Windows:
+    """Micro-batches grouped into accumulation windows of exactly N. A window is never stepped short: a
+    tail of fewer than N micro-batches (data that ends mid-window) is dropped — 1/N over fewer than N
+    micro-steps would weigh them wrongly — and counted in `.dropped` once iteration ends."""
+
+    def __init__(self, micro_batches, accum_steps: int):
+        self.source, self.accum_steps, self.dropped = micro_batches, accum_steps, 0
+
+    def __iter__(self):
+        window = []
+        for mb in self.source:
+            window.append(mb)
+            if len(window) == self.accum_steps:
+                yield window
+                window = []
+        self.dropped = len(window)
+
+
 def split_micro(idx: torch.Tensor, targets: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(N·B, S) -> N micro-batches of (B, S), in order."""
     if idx.shape[0] % n:

@@ -4,23 +4,28 @@ World W ranks; each runs N micro-steps of B_local sequences (rank r's shard of e
 
     for micro in 0..N-1:
         sync = micro == N - 1                  # THE gate: micro-steps 0..N-2 never communicate
-        loss = model.loss_batched(x, y)        # CE mean over B_local·S rows
+        loss = model.loss_batched(x, y)        # CE mean over B_local·S rows   (tokens: Σ CE, valid count)
         (loss * (1/N)).backward()              # p.grad are views into `flat`: they SUM locally
         # sync only: as the last backward fills each bucket (a contiguous slice of `flat`), a hook
         # launches all_reduce(SUM) on it, so communication overlaps the rest of the backward
-    flat[:P] /= W                              # Σ_ranks Σ_local/(N·B_local·S) / W = mean over N·W·B_local
+    flat[:P] /= W                              # mean: Σ_ranks Σ_local/(N·B_local·S) / W = mean over N·W·B_local
+                                               # tokens: flat[:P] /= the global valid-token count, flat[-1]
     clip (pre-scale 1.0); AdamW; LR schedule; flat.zero_()
 
-`flat` (1-D, the params' dtype, P+2 elements):  [ grads, last-registered param first | Σ raw·B_local, N·B_local ]
-The two loss slots ride in the last bucket, so the step loss Σ_ranks(Σ raw·B_local) / Σ_ranks(N·B_local)
-costs no collective of its own. Every p.grad is a view into `flat` (like DDP's gradient_as_bucket_view):
-autograd accumulates into it in place, so there are zero copies and zero_grad is one memset.
+`flat` (1-D, the params' dtype, P+2 elements):  [ grads, last-registered param first | numerator, denominator ]
+mean: the loss slots are (Σ raw·B_local, N·B_local); tokens: (Σ CE over valid tokens, valid tokens). They
+ride in the last bucket, so the step loss numerator/denominator — and under loss_norm="tokens" the global
+token count the gradient is divided by — cost no collective of their own (torchtitan adds an all-reduce
+of the count, Transformers an all_gather, before the step). Every p.grad is a view into `flat` (like DDP's
+gradient_as_bucket_view): autograd accumulates into it in place, zero copies, zero_grad is one memset.
 
-W == 1 has nobody to talk to: no hooks fire, no collective, no /W, and the loss is Σ raw / N, so the
-path is AccumTrainer's (same kernels, bit-identical; verify/test_distributed.py proves it).
+W == 1 has nobody to talk to: no hooks fire, no collective, and the arithmetic is AccumTrainer's (same
+kernels, bit-identical; tests/test_gates_dist.py proves it).
 
 `TorchDDPTrainer` is the same schedule on torch's DistributedDataParallel with `no_sync()` around the
-forward AND backward of micro-steps 0..N-2: the ecosystem's standard, driven by the same harness.
+forward AND backward of micro-steps 0..N-2: the ecosystem's standard, driven by the same harness. Its
+loss slots travel in one 2-element all-reduce at the boundary, with which tokens mode rescales DDP's
+averaged gradient by W / global count.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import OptimConfig
+from .model import IGNORE
 from .trainer import MicroSchedule, check_accum_steps, make_optimizer
 
 IMPLS = ("xtrain", "torch")
@@ -43,36 +49,16 @@ def _rank0(group) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-class _Schedule(MicroSchedule):
-    """The data-parallel trainers' loss bookkeeping: local sums and this rank's share of the global mean."""
-
-    def _start(self, accum_steps: int) -> None:
-        check_accum_steps(accum_steps)
-        self.accum_steps = accum_steps
-        self._next_micro = 0
-        self._loss_sum = None  # Σ raw micro losses (on device, no host sync)
-        self._loss_rows = None  # Σ raw micro loss · B_local: this rank's share of the global mean
-        self._rows = 0  # Σ B_local over micro-steps = N·B_local
-
-    def _account(self, raw: torch.Tensor, rows: int, micro: int) -> None:
-        self._loss_sum = raw if micro == 0 else self._loss_sum + raw
-        self._loss_rows = raw * rows if micro == 0 else self._loss_rows + raw * rows
-        self._rows = rows if micro == 0 else self._rows + rows
-        self._next_micro = micro + 1
-
-    def _reset(self) -> None:
-        self._loss_sum = self._loss_rows = None
-        self._rows, self._next_micro = 0, 0
-
-
-class DistAccumTrainer(_Schedule):
+class DistAccumTrainer(MicroSchedule):
     """xtrain's data-parallel accumulation (see the module docstring). `group`: None = the default group."""
 
     def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None,
-                 bucket_mb: float = 25.0):
-        self._start(accum_steps)
+                 bucket_mb: float = 25.0, loss_norm: str = "mean", precision: str = "fp32"):
+        check_accum_steps(accum_steps)
+        self.accum_steps = accum_steps
         self.model, self.cfg, self.group = model, optim, group
         self.world = dist.get_world_size(group)
+        self._numerics(model, loss_norm, precision)
         params = [p for p in model.parameters() if p.requires_grad]
         if len({(p.dtype, p.device) for p in params}) != 1:
             raise ValueError("DistAccumTrainer needs every parameter on one device in one dtype")
@@ -137,19 +123,22 @@ class DistAccumTrainer(_Schedule):
     # -- micro-steps ----------------------------------------------------------------------------
     def micro_step(self, idx: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
         self._enter(micro)
-        n = self.accum_steps
-        sync = self.world > 1 and micro == n - 1  # the only line that decides to communicate
-        loss = self.model.loss_batched(idx, targets)  # (B_local, S) -> scalar mean
-        self._account(loss.detach(), idx.shape[0], micro)
-        if sync:
-            self.flat[-2].copy_(self._loss_rows)  # Σ raw·B_local, reduced with the grads
-            self.flat[-1].fill_(self._rows)  # N·B_local
+        sync = self.world > 1 and micro == self.accum_steps - 1  # the only line that decides to communicate
+        m = self.model
+        objective = self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1)
+        if sync:  # the step loss's numerator and denominator (tokens: the count), reduced with the grads
+            self.flat[-2].copy_(self._num)
+            if torch.is_tensor(self._den):
+                self.flat[-1].copy_(self._den)
+            else:
+                self.flat[-1].fill_(float(self._den))
             self._left, self._next_bucket, self._works = list(self._members), 0, []
         self._sync = sync
         try:
-            (loss if n == 1 else loss * (1.0 / n)).backward()  # N == 1: no scale at all (plain graph)
+            self._backward(objective)
         finally:
             self._sync = False
+        self._next_micro = micro + 1
         if sync:
             self._finish_boundary()
 
@@ -160,23 +149,39 @@ class DistAccumTrainer(_Schedule):
         for w in self._works:
             w.wait()
         self._works = []
-        self.flat[:self.numel].div_(self.world)  # SUM over ranks -> mean over the global batch
+        if self.loss_norm == "mean":
+            self.flat[:self.numel].div_(self.world)  # SUM over ranks -> mean over the global batch
+        elif self.flat[-1] > 0:  # Σ_ranks Σ/(N·B_local·S) -> Σ over every rank's valid tokens / their count
+            self.flat[:self.numel].mul_(self._positions / self.flat[-1])
 
     # -- the boundary ---------------------------------------------------------------------------
-    def optimizer_step(self) -> torch.Tensor:
-        """Clip, step, schedule, zero. Returns the step loss: the mean CE over the global effective batch."""
-        self._update()
-        n = self.accum_steps
+    def _finish(self) -> None:
         if self.world == 1:
-            loss = self._loss_sum if n == 1 else self._loss_sum / n  # AccumTrainer's arithmetic
+            super()._finish()  # alone: AccumTrainer's arithmetic (the collective's work was done above)
+
+    def _window_tokens(self) -> int | None:
+        if self.loss_norm == "tokens" and self.world > 1:
+            return int(self.flat[-1])
+        return super()._window_tokens()
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, step, schedule, zero. Returns the step loss: the mean CE over the global effective batch
+        (tokens: over its valid tokens; NaN for a window without one)."""
+        self._update()
+        if self.world == 1:
+            loss = self._step_loss()  # AccumTrainer's arithmetic
         else:
-            loss = self.flat[-2] / self.flat[-1]  # Σ_ranks Σ raw·B_local / (N·B_global): a new tensor
+            loss = self.flat[-2] / self.flat[-1]  # Σ_ranks numerator / Σ_ranks denominator: a new tensor
         self.flat.zero_()  # zero_grad: the grads are views, so one memset (never set them to None)
-        self._reset()
+        self._reset_window()
         return loss
 
 
-class TorchDDPTrainer(_Schedule):
+def _ce_mean(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
+
+
+class TorchDDPTrainer(MicroSchedule):
     """torch DistributedDataParallel; `no_sync()` wraps forward+backward of micro-steps 0..N-2.
 
     DDP decides at FORWARD whether the coming backward all-reduces (it arms its reducer there), so the
@@ -184,42 +189,68 @@ class TorchDDPTrainer(_Schedule):
     one extra 2-element all-reduce at the boundary (DDP's buckets carry gradients only).
     """
 
-    def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None):
+    def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None,
+                 loss_norm: str = "mean", precision: str = "fp32"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        self._start(accum_steps)
+        check_accum_steps(accum_steps)
+        self.accum_steps = accum_steps
         self.model, self.cfg, self.group = model, optim, group
+        self.world = dist.get_world_size(group)
+        self._numerics(model, loss_norm, precision)
         dev = next(model.parameters()).device
-        # gradient_as_bucket_view: grads live in DDP's buckets, as in the anchor measurement
+        # gradient_as_bucket_view: grads live in DDP's buckets, as in the plain-torch reference measurement
         self.ddp = DDP(model, process_group=group, device_ids=[dev] if dev.type == "cuda" else None,
                        gradient_as_bucket_view=True)
         self.opt, self.sched = make_optimizer(model, optim)
 
+    def _forward_mean(self, idx, targets):
+        return _ce_mean(self.ddp(idx), targets)  # through the wrapper: this forward arms (or not) the reducer
+
+    def _forward_sum(self, idx, targets):
+        logits = self.ddp(idx)
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                                reduction="sum")
+        return total, (targets != IGNORE).sum()
+
     def micro_step(self, idx: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
         self._enter(micro)
-        n = self.accum_steps
-        sync = micro == n - 1
+        sync = micro == self.accum_steps - 1
         with contextlib.nullcontext() if sync else self.ddp.no_sync():
-            logits = self.ddp(idx)  # through the wrapper: this forward arms (or not) the reducer
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # = loss_batched
-            (loss if n == 1 else loss * (1.0 / n)).backward()
-        self._account(loss.detach(), idx.shape[0], micro)
+            objective = self._objective(self._forward_mean, self._forward_sum, idx, targets, micro,
+                                        alone=self.world == 1)
+            self._backward(objective)
+        self._next_micro = micro + 1
+
+    def _finish(self) -> None:
+        """The boundary's 2-element all-reduce: [numerator, denominator] of the step loss; tokens mode
+        turns DDP's average over ranks into the global token mean with it."""
+        num = self._num
+        den = self._den.to(num.dtype) if torch.is_tensor(self._den) else num.new_tensor(float(self._den))
+        self._slots = torch.stack([num, den])  # in the loss's dtype: float64 runs stay float64
+        dist.all_reduce(self._slots, group=self.group)  # [Σ_ranks numerator, Σ_ranks denominator]
+        plain = self.accum_steps == 1 and self.world == 1
+        if self.loss_norm == "tokens" and not plain:
+            self._normalize(int(self._slots[1]), ranks=self.world)  # DDP averaged over ranks: ×W
+
+    def _window_tokens(self) -> int | None:
+        return int(self._slots[1]) if self.loss_norm == "tokens" else None
 
     def optimizer_step(self) -> torch.Tensor:
         self._update()
         self.opt.zero_grad(set_to_none=True)
-        t = torch.stack([self._loss_rows, self._loss_rows.new_tensor(float(self._rows))])
-        dist.all_reduce(t, group=self.group)  # [Σ_ranks Σ raw·B_local, N·B_global]
-        self._reset()
-        return t[0] / t[1]
+        loss = self._slots[0] / self._slots[1]
+        self._reset_window()
+        return loss
 
 
-def make_trainer(impl: str, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None):
-    """--ddp-impl xtrain|torch -> a trainer over `group` (None: the default group)."""
+def make_trainer(impl: str, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None, **numerics):
+    """--ddp-impl xtrain|torch -> a trainer over `group` (None: the default group); numerics: loss_norm,
+    precision."""
     if impl == "xtrain":
-        return DistAccumTrainer(model, optim, accum_steps, group=group)
+        return DistAccumTrainer(model, optim, accum_steps, group=group, **numerics)
     if impl == "torch":
-        return TorchDDPTrainer(model, optim, accum_steps, group=group)
+        return TorchDDPTrainer(model, optim, accum_steps, group=group, **numerics)
     raise ValueError(f"ddp impl must be one of {IMPLS}, got {impl!r}")
 
 

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 
+IGNORE = -100  # target id of padding: not a token, no loss, not counted
+
 
 class Block(nn.Module):
     def __init__(self, d: int, h: int):
@@ -57,9 +59,19 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
     def loss_batched(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy MEAN over all B*T rows: the quantity whose gradient accumulation must scale by 1/N."""
+        """Cross-entropy MEAN over the B*T rows whose target is not IGNORE (-100; all of them for fixed-length
+        data): the quantity whose gradient accumulation must scale by 1/N."""
         logits = self(idx)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
+
+    def loss_sum(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ cross-entropy over valid targets, number of valid targets): the token-weighted pieces. Summing
+        both over micro-steps and ranks and dividing once is the global batch's token mean (0 / 0 never
+        happens here: an empty micro-batch is (0, 0))."""
+        logits = self(idx)
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                                reduction="sum")
+        return total, (targets != IGNORE).sum()
 
 
 def build_model(cfg: ModelConfig, seed: int, *, dtype=torch.float32, device="cpu") -> GPT:

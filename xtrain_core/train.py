@@ -1,4 +1,5 @@
-"""python -m xtrain_core.train --accum-steps N --micro-batch B --steps K [--seq-len S] [--data FILE]
+"""python -m xtrain_core.train --accum-steps N --micro-batch B --steps K [--seq-len S] [--data FILE | --docs FILE]
+                             [--loss-norm mean|tokens] [--precision fp32|bf16|fp16]
                              [--device cpu|cuda] [--seed SEED] [--model tiny|small|gpt2-ish]
 torchrun --nproc-per-node W -m xtrain_core.train ... [--ddp-impl xtrain|torch]
 
@@ -29,6 +30,14 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=positive_int, default=None, help="S: tokens per sequence (default: the model's limit)")
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--data", default=None, help="UTF-8 text file read as byte tokens (default: embedded synthetic stream)")
+    p.add_argument("--docs", default=None, metavar="FILE",
+                   help="UTF-8 text, one document per line, each one sequence truncated to --seq-len and "
+                        "right-padded with ignored targets (default loss norm: tokens)")
+    p.add_argument("--loss-norm", choices=("mean", "tokens"), default=None,
+                   help="mean: CE mean per micro-batch × 1/N (fixed-length data; the default); tokens: Σ CE over "
+                        "valid tokens / their count over the whole window and every rank (the default with --docs)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="fp32; bf16 autocast; fp16 autocast with a GradScaler (parameters and gradients fp32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K")
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--lr", type=positive_float, default=1e-3)
@@ -48,6 +57,26 @@ def build(args, dist_env=None):
     if seq_len > model_cfg.seq_len:
         raise UsageError(f"--seq-len {seq_len} exceeds --model {args.model}'s limit of {model_cfg.seq_len}; "
                          f"pass --seq-len ≤ {model_cfg.seq_len}")
+    if args.data is not None and args.docs is not None:
+        raise UsageError("--data and --docs: pass one (--data streams a text as byte windows, --docs reads one "
+                         "document per line)")
+    loss_norm = args.loss_norm or ("tokens" if args.docs is not None else "mean")
+    if args.docs is not None:
+        if loss_norm == "mean":
+            raise UsageError("--docs pads sequences, and --loss-norm mean weighs every micro-batch alike whatever its "
+                             "number of valid tokens (wrong on padded data); pass --loss-norm tokens")
+        if not os.path.isfile(args.docs):
+            raise UsageError(f"--docs {args.docs}: no such file; pass a UTF-8 text file, one document per line")
+        from .data import DocStream
+
+        try:
+            DocStream(args.docs, 1)
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--docs {args.docs}: not UTF-8 text (byte {e.start}); pass a UTF-8 text file, "
+                             f"one document per line") from None
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--docs {args.docs}: {e}") from None
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=max(256, model_cfg.vocab_size))  # byte tokens
     if args.data is not None:
         if not os.path.isfile(args.data):
             raise UsageError(f"--data {args.data}: no such file; pass a UTF-8 text file or omit --data")
@@ -56,7 +85,7 @@ def build(args, dist_env=None):
             raise UsageError(f"--data {args.data} has {size} bytes; --seq-len {seq_len} needs at least {seq_len + 2}")
         model_cfg = dataclasses.replace(model_cfg, vocab_size=max(256, model_cfg.vocab_size))  # byte tokens
     train = TrainConfig(accum_steps=args.accum_steps, micro_batch=args.micro_batch, steps=args.steps,
-                        seq_len=seq_len, seed=args.seed)
+                        seq_len=seq_len, seed=args.seed, loss_norm=loss_norm, precision=args.precision)
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps)
     if dist_env is not None and dist_env[1] > 1 and args.device.startswith("cuda"):
         if args.device != "cuda":
@@ -68,12 +97,12 @@ def build(args, dist_env=None):
 
 
 def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, out=sys.stdout, *,
-        rank: int = 0, world: int = 1, impl: str = "xtrain"):
+        rank: int = 0, world: int = 1, impl: str = "xtrain", docs=None):
     """world == 1: the single-process trainer. world > 1: this rank of a data-parallel run (the
     process group must exist); rank 0 prints."""
     import torch
 
-    from .data import TokenStream, split_micro
+    from .data import DocStream, TokenStream, split_micro
     from .distributed import make_trainer, shard
     from .model import build_model
     from .trainer import AccumTrainer
@@ -83,15 +112,20 @@ def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, ou
     lead = rank == 0
     if lead:
         w = f" × {world}" if world > 1 else ""
-        print(f"effective batch = {N} × {B}{w} = {E} sequences ({E * S} tokens)", file=out, flush=True)
+        pad = f"up to {E * S} tokens, padded; loss over valid tokens" if docs is not None else f"{E * S} tokens"
+        extra = "" if train.precision == "fp32" else f", {train.precision} autocast"
+        print(f"effective batch = {N} × {B}{w} = {E} sequences ({pad}){extra}", file=out, flush=True)
     try:
-        stream = TokenStream(model_cfg.vocab_size, S, seed=train.seed, data=data)
+        stream = (DocStream(docs, S, seed=train.seed) if docs is not None
+                  else TokenStream(model_cfg.vocab_size, S, seed=train.seed, data=data))
     except ValueError as e:
-        raise UsageError(f"--data: {e}") from None
+        raise UsageError(f"--{'docs' if docs is not None else 'data'}: {e}") from None
     model = build_model(model_cfg, train.seed, device=device)
-    trainer = AccumTrainer(model, optim, N) if world == 1 else make_trainer(impl, model, optim, N)
+    numerics = dict(loss_norm=train.loss_norm, precision=train.precision)
+    trainer = (AccumTrainer(model, optim, N, **numerics) if world == 1
+               else make_trainer(impl, model, optim, N, **numerics))
     bar = Progress(train.steps, label="train ") if lead else None
-    tokens_seen, t0, losses = 0, time.perf_counter(), []
+    tokens_seen, t0, losses, skipped = 0, time.perf_counter(), [], []
     for step in range(train.steps):
         # One draw of N·B·W sequences, the same on every rank: single process consumes it as N groups of
         # B; rank r takes its B rows of each of the N global micro-batches (the same union, same order).
@@ -99,15 +133,24 @@ def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, ou
         mine = split_micro(idx, tgt, N) if world == 1 else shard(idx, tgt, N, rank, world)
         micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in mine]
         loss = trainer.train_step(micro).item()  # world > 1: the global batch's mean loss
-        losses.append(loss)
-        tokens_seen += E * S
+        tokens_seen += int((tgt != -100).sum()) if docs is not None else E * S  # valid tokens
         dt = time.perf_counter() - t0
+        if trainer.last_skipped:  # no valid token in the window (or an fp16 inf/NaN): no update at all
+            why = "no valid token in the window" if loss != loss else "inf/NaN in the fp16 window"
+            skipped.append(step)
+            if lead:
+                print(f"step {step}: skipped ({why}): no update, schedule not advanced", file=out, flush=True)
+        else:
+            losses.append(loss)
         if bar:
-            bar.update(step + 1, f"loss {loss:.4f}  {tokens_seen / dt:,.0f} tok/s")
+            shown = "skipped" if trainer.last_skipped else f"loss {loss:.4f}"
+            bar.update(step + 1, f"{shown}  {tokens_seen / dt:,.0f} tok/s")
     dt = time.perf_counter() - t0
     if lead:
-        print(f"done: {train.steps} steps, {tokens_seen:,} tokens in {dt:.2f}s ({tokens_seen / dt:,.0f} tok/s), "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", file=out, flush=True)
+        trail = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step taken"
+        skip = f" ({len(skipped)} skipped)" if skipped else ""
+        print(f"done: {train.steps} steps{skip}, {tokens_seen:,} tokens in {dt:.2f}s ({tokens_seen / dt:,.0f} tok/s), "
+              f"{trail}", file=out, flush=True)
     return losses
 
 
@@ -129,7 +172,8 @@ def main(argv=None) -> int:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # env:// rendezvous from torchrun
     try:
-        run(model_cfg, train, optim, device, data=args.data, rank=rank, world=world, impl=args.ddp_impl)
+        run(model_cfg, train, optim, device, data=args.data, rank=rank, world=world, impl=args.ddp_impl,
+            docs=args.docs)
     except UsageError as e:
         fail(str(e))
     except KeyboardInterrupt:

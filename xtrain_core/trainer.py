@@ -12,6 +12,19 @@ The 1/N rides through autograd, so clip and AdamW see exactly the big-batch mean
 With N == 1 the scale is skipped entirely (not even `* 1.0`), so accum_steps=1 runs the same
 kernels as `plain_step` and is bit-identical to it.
 
+loss_norm="tokens" (padded / variable-length data, targets = IGNORE where there is no token): the mean
+over micro-batches is NOT the batch's token mean when micro-batches hold different numbers of valid
+tokens, so each micro-step backwards the SUM of CE over its valid tokens and the boundary divides the
+accumulated gradient by the window's token count (N == 1: the plain token mean, as the plain step).
+The sum is backwarded divided by the window's target positions, N·B·S (known without looking at the
+data), so gradients keep the mean's magnitude (a raw sum overflows fp16 where the mean does not), and
+the boundary multiplies by N·B·S / tokens.
+A window without a single valid token is skipped: no update, no schedule step, `last_skipped` set.
+
+precision: "fp32"; "bf16" autocast (fp32 parameters and gradients); "fp16" autocast with a GradScaler:
+scaled backward per micro-step, ONE unscale at the boundary (before clipping), one scaler.step/update
+per optimizer step, and an inf/NaN anywhere in the window skips the whole step (schedule included).
+
 `AccumTrainer` is the trainer-under-test interface the verify/ harness drives:
     micro_step(idx, targets, micro)  -- forward + scaled backward of micro-step `micro` of N
     grads()                          -- the boundary gradient: after accumulation, before clip/step
@@ -20,10 +33,14 @@ kernels as `plain_step` and is bit-identical to it.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
-from .config import OptimConfig
+from .config import LOSS_NORMS, PRECISIONS, OptimConfig
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_optimizer(model: nn.Module, cfg: OptimConfig):
@@ -58,10 +75,68 @@ def check_accum_steps(accum_steps) -> None:
 
 
 class MicroSchedule:
-    """What every trainer here shares: micro-step order checks, params(), train_step()."""
+    """What every trainer here shares: micro-step order checks, loss normalization and precision, the
+    step loss's bookkeeping, the boundary's one update, params(), train_step()."""
 
     accum_steps: int
     _next_micro: int
+
+    def _numerics(self, model: nn.Module, loss_norm: str, precision: str) -> None:
+        if loss_norm not in LOSS_NORMS:
+            raise ValueError(f"loss_norm must be one of {LOSS_NORMS}, got {loss_norm!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        p = next(model.parameters())
+        if precision != "fp32" and p.dtype != torch.float32:
+            raise ValueError(f"precision {precision} keeps fp32 parameters (autocast), got {p.dtype} parameters")
+        self.loss_norm, self.precision = loss_norm, precision
+        self._device_type = p.device.type
+        self.scaler = torch.amp.GradScaler(p.device.type) if precision == "fp16" else None
+        self.skipped_steps = 0
+        self.last_skipped = False
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._raw_sum = None  # mean: Σ raw micro losses
+        self._num = None  # Σ raw·B (mean) or Σ CE over valid tokens (tokens): this rank's step-loss numerator
+        self._den = 0  # Σ B (mean) or Σ valid tokens (tokens): its denominator (a tensor for tokens)
+        self._unscaled = self._finished = False
+        self._next_micro = 0
+
+    def _amp(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type, dtype=AMP_DTYPES[self.precision])
+
+    def _objective(self, forward_mean, forward_sum, idx, targets, micro: int, *, alone: bool) -> torch.Tensor | None:
+        """The tensor this micro-step backwards (None: nothing to backward), with the step loss accounted.
+        forward_mean / forward_sum: (idx, targets) -> CE mean / (Σ CE, valid count). `alone`: nobody else's
+        micro-batches join this window (one rank), so N == 1 may take the plain path."""
+        n = self.accum_steps
+        with self._amp():
+            if self.loss_norm == "mean":
+                loss = forward_mean(idx, targets)  # (B, S) -> scalar mean
+                raw = loss.detach()
+                self._raw_sum = raw if micro == 0 else self._raw_sum + raw
+                self._num = raw * idx.shape[0] if micro == 0 else self._num + raw * idx.shape[0]
+                self._den += idx.shape[0]
+                return loss if n == 1 else loss * (1.0 / n)  # N == 1: no scale at all (the plain graph)
+            if n == 1 and alone:  # the plain token mean: exactly plain_step's graph
+                loss = forward_mean(idx, targets)
+                count = (targets != -100).sum()
+                self._num, self._den = loss.detach() * count, count
+                self._raw_sum = loss.detach()
+                return loss if int(count) > 0 else None  # 0 tokens: 0/0; the window is skipped
+            total, count = forward_sum(idx, targets)
+            self._num = total.detach() if micro == 0 else self._num + total.detach()
+            self._den = count if micro == 0 else self._den + count
+            self._positions = n * targets.numel()  # N·B·S: this rank's target positions in the window
+            return total * (1.0 / self._positions)  # × N·B·S / tokens at the boundary
+
+    def _backward(self, objective) -> None:
+        if objective is None:
+            return
+        (self.scaler.scale(objective) if self.scaler is not None else objective).backward()
 
     def _enter(self, micro: int) -> None:
         if micro != self._next_micro:
@@ -71,22 +146,98 @@ class MicroSchedule:
         if self._next_micro != self.accum_steps:
             raise RuntimeError(f"{what}() before the boundary: ran {self._next_micro} of {self.accum_steps} micro-steps")
 
+    def _grads_list(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def _normalize(self, tokens: int | None, ranks: int = 1) -> None:
+        """tokens mode, N ≥ 2 or data parallel: the accumulated Σ/(N·B·S) (summed over `ranks`, or their
+        mean: ranks=W) becomes Σ over valid tokens / their count."""
+        if tokens:
+            torch._foreach_mul_(self._grads_list(), ranks * self._positions / tokens)
+
+    def _unscale(self) -> None:
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.opt)  # ONE unscale per window, before anything reads the gradient
+            self._unscaled = True
+
     def params(self) -> dict[str, torch.Tensor]:
         return {k: p.detach() for k, p in self.model.named_parameters()}
 
+    def partial_grads(self) -> dict[str, torch.Tensor]:
+        """Between micro-steps (boundary not reached): the gradient grads() would return if the window
+        ended after the micro-steps run so far — this rank's, before any collective. New tensors; the
+        trainer's state is untouched. Lets a harness check that each micro-step's contribution lands
+        exactly once."""
+        done = self._next_micro
+        if not 0 < done < self.accum_steps:
+            raise RuntimeError(f"partial_grads() between micro-steps only, ran {done} of {self.accum_steps}")
+        if self.loss_norm == "mean":
+            f = self.accum_steps / done  # Σ_{i<done} g_i/N -> their mean
+        else:
+            tokens = int(self._den)
+            f = self._positions / tokens if tokens else 0.0
+        if self.scaler is not None:
+            f /= self.scaler.get_scale()
+        return {k: p.grad.detach() * f for k, p in self.model.named_parameters() if p.grad is not None}
+
     def grads(self) -> dict[str, torch.Tensor]:
         self._require_boundary("grads")
+        self._finish_window()
         return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
 
+    def _finish_window(self) -> None:
+        """Idempotent per window: the token division and the fp16 unscale, so grads() shows the gradient
+        the optimizer will see."""
+        if not self._finished:
+            self._finish()
+            if self._window_tokens() != 0:  # an empty window is skipped whole: the scaler never sees it
+                self._unscale()
+            self._finished = True
+
+    def _finish(self) -> None:  # overridden by the data-parallel trainer (the boundary collective)
+        if self.loss_norm == "tokens" and not (self.accum_steps == 1):
+            self._normalize(int(self._den))
+
+    def _window_tokens(self) -> int | None:
+        return int(self._den) if self.loss_norm == "tokens" else None
+
     def _update(self) -> None:
-        """The boundary's one update: clip the mean gradient, AdamW, LR schedule (never per micro-step)."""
+        """The boundary's one update: clip the mean gradient, step, LR schedule (never per micro-step).
+        Skipped whole (no step, no schedule) for a window without a valid token or, under fp16, with an
+        inf/NaN anywhere in it."""
         self._require_boundary("optimizer_step")
-        clip(self.model, self.cfg)
-        self.opt.step()
-        self.sched.step()
+        self._finish_window()
+        tokens = self._window_tokens()
+        self.last_skipped = tokens == 0
+        if self.last_skipped:
+            pass  # no valid token in the window: no update, no schedule step, the scaler untouched
+        elif self.scaler is not None:
+            clip(self.model, self.cfg)
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.opt)  # skips the step if unscale_ found an inf/NaN in ANY micro-step
+            self.scaler.update()
+            self.last_skipped = self.scaler.get_scale() < scale  # the scale backs off exactly on a skip
+            if not self.last_skipped:
+                self.sched.step()
+        else:
+            clip(self.model, self.cfg)
+            self.opt.step()
+            self.sched.step()
+        self.skipped_steps += int(self.last_skipped)
+        self._finished = False
+
+    def _step_loss(self, local: bool = True) -> torch.Tensor:
+        """This window's loss: mean of the raw micro losses (mean), Σ CE / tokens (tokens; NaN if none)."""
+        n = self.accum_steps
+        if self.loss_norm == "mean":
+            return self._raw_sum if n == 1 else self._raw_sum / n
+        if n == 1:
+            return self._raw_sum if int(self._den) > 0 else torch.full_like(self._raw_sum, float("nan"))
+        return self._num / self._den if int(self._den) > 0 else torch.full_like(self._num, float("nan"))
 
     def train_step(self, micro_batches) -> torch.Tensor:
-        """micro_batches: N pairs (idx, targets), each (B, S) (this rank's shards under data parallel)."""
+        """micro_batches: N pairs (idx, targets), each (B, S) (this rank's shards under data parallel).
+        A window is exactly N micro-batches: fewer is an error, never a silent 1/N over fewer."""
         if len(micro_batches) != self.accum_steps:
             raise ValueError(f"expected {self.accum_steps} micro-batches, got {len(micro_batches)}")
         for i, (x, y) in enumerate(micro_batches):
@@ -97,29 +248,25 @@ class MicroSchedule:
 class AccumTrainer(MicroSchedule):
     """Single-process gradient accumulation over `accum_steps` micro-steps."""
 
-    def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int):
+    def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, loss_norm: str = "mean",
+                 precision: str = "fp32"):
         check_accum_steps(accum_steps)
         self.model, self.cfg, self.accum_steps = model, optim, accum_steps
+        self._numerics(model, loss_norm, precision)
         self.opt, self.sched = make_optimizer(model, optim)
-        self._loss_sum: torch.Tensor | None = None  # Σ raw micro losses, on device (no host sync)
-        self._next_micro = 0
 
     # -- micro-steps --------------------------------------------------------------------------
     def micro_step(self, idx: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
-        n = self.accum_steps
         self._enter(micro)
-        loss = self.model.loss_batched(idx, targets)
-        raw = loss.detach()
-        self._loss_sum = raw if micro == 0 else self._loss_sum + raw
-        # N == 1: no scale at all, so the graph is exactly plain_step's.
-        (loss if n == 1 else loss * (1.0 / n)).backward()
+        m = self.model
+        self._backward(self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=True))
         self._next_micro = micro + 1
 
     # -- the boundary -------------------------------------------------------------------------
     def optimizer_step(self) -> torch.Tensor:
-        """Clip, step, schedule, zero. Returns the step loss: mean of the N raw micro losses."""
+        """Clip, step, schedule, zero. Returns the step loss (NaN for a window without a valid token)."""
         self._update()
         self.opt.zero_grad(set_to_none=True)
-        n, s = self.accum_steps, self._loss_sum
-        self._loss_sum, self._next_micro = None, 0
-        return s if n == 1 else s / n
+        loss = self._step_loss()
+        self._reset_window()
+        return loss

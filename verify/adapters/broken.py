@@ -20,7 +20,7 @@ class MissingScale(AccumTrainer):
 
     def micro_step(self, idx, targets, micro):
         loss = self.model.loss_batched(idx, targets)
-        self._loss_sum = loss.detach() if micro == 0 else self._loss_sum + loss.detach()
+        self._raw_sum = loss.detach() if micro == 0 else self._raw_sum + loss.detach()
         loss.backward()
         self._next_micro = micro + 1
 
@@ -69,7 +69,7 @@ class N1OtherReduction(AccumTrainer):
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.div_(targets.numel())
-        self._loss_sum = total.detach() / targets.numel()
+        self._raw_sum = total.detach() / targets.numel()
         self._next_micro = 1
 
 
@@ -78,7 +78,7 @@ class N1ScaledByOne(AccumTrainer):
 
     def micro_step(self, idx, targets, micro):
         loss = self.model.loss_batched(idx, targets)
-        self._loss_sum = loss.detach() if micro == 0 else self._loss_sum + loss.detach()
+        self._raw_sum = loss.detach() if micro == 0 else self._raw_sum + loss.detach()
         (loss * (1.0 / self.accum_steps)).backward()
         self._next_micro = micro + 1
 
@@ -130,7 +130,7 @@ class LeakyGraph(AccumTrainer):
     def micro_step(self, idx, targets, micro):
         n = self.accum_steps
         loss = self.model.loss_batched(idx, targets)
-        self._loss_sum = loss.detach() if micro == 0 else self._loss_sum + loss.detach()
+        self._raw_sum = loss.detach() if micro == 0 else self._raw_sum + loss.detach()
         (loss if n == 1 else loss * (1.0 / n)).backward(retain_graph=True)
         self._kept.append(loss)
         self._next_micro = micro + 1

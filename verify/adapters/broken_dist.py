@@ -7,6 +7,7 @@ so only the collective counter can catch them — three of them on the paths Com
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -104,11 +105,10 @@ class DDPSyncFlagAfterForward(TorchDDPTrainer):
     def micro_step(self, idx, targets, micro):
         self._enter(micro)
         n = self.accum_steps
-        logits = self.ddp(idx)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = self._objective(self._forward_mean, self._forward_sum, idx, targets, micro, alone=self.world == 1)
         self.ddp.require_backward_grad_sync = micro == n - 1  # too late: the forward already decided
-        (loss if n == 1 else loss * (1.0 / n)).backward()
-        self._account(loss.detach(), idx.shape[0], micro)
+        self._backward(loss)
+        self._next_micro = micro + 1
 
 
 class DDPNoSyncAroundBackwardOnly(TorchDDPTrainer):
@@ -116,15 +116,10 @@ class DDPNoSyncAroundBackwardOnly(TorchDDPTrainer):
 
     def micro_step(self, idx, targets, micro):
         self._enter(micro)
-        n = self.accum_steps
-        logits = self.ddp(idx)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        if micro < n - 1:
-            with self.ddp.no_sync():
-                (loss * (1.0 / n)).backward()
-        else:
-            (loss if n == 1 else loss * (1.0 / n)).backward()
-        self._account(loss.detach(), idx.shape[0], micro)
+        loss = self._objective(self._forward_mean, self._forward_sum, idx, targets, micro, alone=self.world == 1)
+        with self.ddp.no_sync() if micro < self.accum_steps - 1 else contextlib.nullcontext():
+            self._backward(loss)
+        self._next_micro = micro + 1
 
 
 class BroadcastParamsEveryMicro(DistAccumTrainer):

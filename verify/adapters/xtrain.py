@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from xtrain_core.config import PRESETS, ModelConfig, OptimConfig
 from xtrain_core.data import TokenStream
-from xtrain_core.model import build_model
+from xtrain_core.model import IGNORE, build_model
 
 from ..protocol import DDP_EXPECTED, Adapter, Spec
 
-__all__ = ["XtrainOptions", "adapter", "torch_ddp", "single", "data_parallel"]
+__all__ = ["XtrainOptions", "adapter", "tokens_adapter", "torch_ddp", "single", "data_parallel"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +28,7 @@ class XtrainOptions:
     model: ModelConfig = field(default_factory=lambda: PRESETS["tiny"])
     seq_len: int = 16
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss_norm: str = "mean"
 
     def __post_init__(self):
         if not 1 <= self.seq_len <= self.model.seq_len:
@@ -35,8 +36,9 @@ class XtrainOptions:
 
     def describe(self) -> str:
         m, o = self.model, self.optim
+        norm = "" if self.loss_norm == "mean" else f" loss_norm={self.loss_norm}"
         return (f"S={self.seq_len} model(L={m.n_layer} h={m.n_head} d={m.d_model} V={m.vocab_size}) "
-                f"optim(lr={o.lr:g} wd={o.weight_decay:g} clip={o.max_grad_norm} warmup={o.warmup_steps})")
+                f"optim(lr={o.lr:g} wd={o.weight_decay:g} clip={o.max_grad_norm} warmup={o.warmup_steps}){norm}")
 
 
 def options_of(spec: Spec) -> XtrainOptions:
@@ -58,6 +60,16 @@ def _strategy():
     return xtrain_options()
 
 
+def _token_strategy():
+    from ..strategies import xtrain_options
+
+    return xtrain_options(loss_norm="tokens")
+
+
+def numerics(spec: Spec) -> dict:
+    return dict(loss_norm=options_of(spec).loss_norm, precision=spec.precision)
+
+
 def _grouped() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -67,13 +79,13 @@ def _grouped() -> bool:
 def single_factory(spec: Spec):
     from xtrain_core.trainer import AccumTrainer
 
-    return AccumTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps)
+    return AccumTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps, **numerics(spec))
 
 
 def dist_factory(spec: Spec):
     from xtrain_core.distributed import DistAccumTrainer
 
-    return DistAccumTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps)
+    return DistAccumTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps, **numerics(spec))
 
 
 def factory(spec: Spec):
@@ -84,38 +96,62 @@ def factory(spec: Spec):
 def torch_ddp_factory(spec: Spec):
     from xtrain_core.distributed import TorchDDPTrainer
 
-    return TorchDDPTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps)
+    return TorchDDPTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps, **numerics(spec))
 
 
 class PlainTrainer:
     """The textbook no-accumulation step, written here apart from xtrain's trainer: loss.backward();
-    clip; AdamW; LR schedule; zero_grad. What accum_steps=1 must be, bit for bit."""
+    clip; AdamW; LR schedule; zero_grad. What accum_steps=1 must be, bit for bit. Under bf16 the forward
+    runs in autocast; under fp16 also with a GradScaler (scaled backward, unscale, clip, scaler.step,
+    update; a step the scaler skips does not advance the schedule). With loss_norm="tokens" a batch
+    without a valid target is no step at all."""
 
     def __init__(self, spec: Spec):
         self.model, o = model_for(spec), options_of(spec).optim
-        self.cfg = o
+        self.cfg, self.tokens = o, options_of(spec).loss_norm == "tokens"
         fused = o.fused if o.fused is not None else spec.device.startswith("cuda")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                      weight_decay=o.weight_decay, fused=fused or None)
         w = o.warmup_steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / w) if w else 1.0)
-        self._loss = None
+        dev = torch.device(spec.device).type
+        self.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
+        self.autocast = (lambda: torch.autocast(dev, dtype=self.amp)) if self.amp else None
+        self.scaler = torch.amp.GradScaler(dev) if spec.precision == "fp16" else None
+        self._loss, self._empty = None, False
 
     def micro_step(self, idx, targets, micro):
         if micro != 0:
             raise RuntimeError(f"the plain step runs one micro-step per optimizer step, got micro={micro}")
-        loss = self.model.loss_batched(idx, targets)
-        loss.backward()
+        if self.autocast is not None:
+            with self.autocast():
+                loss = self.model.loss_batched(idx, targets)
+        else:
+            loss = self.model.loss_batched(idx, targets)
+        self._empty = self.tokens and int((targets != IGNORE).sum()) == 0
         self._loss = loss.detach()
+        if not self._empty:
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            if self.scaler is not None:
+                self.scaler.unscale_(self.opt)
 
     def grads(self):
         return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
 
     def optimizer_step(self):
+        if self._empty:
+            return torch.full_like(self._loss, float("nan"))
         if self.cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.opt.step()
-        self.sched.step()
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            if self.scaler.get_scale() >= scale:
+                self.sched.step()
+        else:
+            self.opt.step()
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return self._loss
 
@@ -123,22 +159,25 @@ class PlainTrainer:
         return {k: p.detach() for k, p in self.model.named_parameters()}
 
 
-def variant(cls, base: "Adapter") -> "Adapter":
-    """`base` with its trainer replaced by `cls(model, optim, accum_steps)` (xtrain's trainer signature):
-    how the planted bugs of broken.py / broken_dist.py become adapters. The factory claims `cls`'s
-    module, where the adapter must be a module-level name (pools import it from there)."""
+def variant(cls, base: Adapter) -> Adapter:
+    """`base` with its trainer replaced by `cls(model, optim, accum_steps, **numerics)` (xtrain's trainer
+    signature): how the planted bugs of broken*.py become adapters. The factory claims `cls`'s module,
+    where the adapter must be a module-level name (pools import it from there)."""
 
     def make(spec: Spec):
-        return cls(model_for(spec), options_of(spec).optim, spec.accum_steps)
+        return cls(model_for(spec), options_of(spec).optim, spec.accum_steps, **numerics(spec))
 
     make.__module__, make.__name__ = cls.__module__, f"make_{cls.__name__}"
     make.__qualname__ = make.__name__
     return base.replace(factory=make, name=f"broken: {cls.__name__}")
 
 
-_COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions())
+_COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions(), precisions=("fp32", "bf16", "fp16"))
 
 adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", **_COMMON)
+tokens_adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, ignore_index=IGNORE,
+                         name="xtrain, loss_norm=tokens",
+                         **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
 torch_ddp = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED,
                     name="xtrain model under torch DDP no_sync()", **_COMMON)
 single = Adapter(factory=single_factory, plain=PlainTrainer, name="xtrain AccumTrainer", **_COMMON)

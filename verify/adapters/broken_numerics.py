@@ -1,0 +1,176 @@
+"""Deliberately broken trainers of token weighting, mixed precision and long accumulation windows. Each
+reproduces a bug users hit and changes one thing in xtrain's trainer; the gates must reject every one
+where the bug can exist.
+
+token weighting (padded data; every one agrees with the big batch while all micro-batches and ranks hold
+the same number of valid tokens, so only padding shows them — transformers #24725, torchtitan #1842):
+    per_micro_mean          CE mean per micro-batch × 1/N (loss_norm="mean" on padded data)
+    per_rank_mean           each rank divides by its own token count, then the ranks are averaged (/W)
+    count_divided_twice     the accumulated sum divided by the token count twice
+    count_from_first_micro  the window's count taken as N × micro-step 0's count
+mixed precision (fp16 GradScaler, bf16):
+    unscale_update_every_micro   scaler.unscale_() + scaler.update() after every micro-step (an overflow
+                                 check per micro-step): earlier micro-steps are unscaled again and again
+    manual_unscale_every_micro   the accumulated gradient divided by the scale by hand after every
+                                 micro-step, then unscaled once more at the boundary
+    bf16_accumulation_buffer     gradients summed in a bf16 buffer: rounding grows with N
+    sanitize_nonfinite           inf/NaN gradients zeroed per micro-step, so a poisoned window is stepped
+long windows:
+    drop_micro_63           micro-step 63 never backwards (only when N ≥ 64)
+    doubling_buffer         the accumulated gradient doubles before each micro-step adds to it
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from xtrain_core.distributed import DistAccumTrainer
+from xtrain_core.trainer import AccumTrainer
+
+from . import xtrain
+
+
+# -- token weighting ---------------------------------------------------------------------------------
+
+class PerMicroMean(AccumTrainer):
+    """transformers #24725: the CE MEAN of each micro-batch × 1/N, whatever its number of valid tokens."""
+
+    def __init__(self, model, optim, accum_steps, **numerics):
+        super().__init__(model, optim, accum_steps, **{**numerics, "loss_norm": "mean"})
+
+
+class CountDividedTwice(AccumTrainer):
+    def _normalize(self, tokens, ranks=1):
+        super()._normalize(tokens, ranks)
+        if tokens:
+            torch._foreach_div_(self._grads_list(), float(tokens))
+
+
+class CountFromFirstMicro(AccumTrainer):
+    """The window's token count estimated as N × micro-step 0's (exact only for equal micro-batches)."""
+
+    def _objective(self, *a, **k):
+        out = super()._objective(*a, **k)
+        if a[-1] == 0:
+            self._first = int(self._den) if torch.is_tensor(self._den) else self._den
+        return out
+
+    def _normalize(self, tokens, ranks=1):
+        super()._normalize(self.accum_steps * self._first if tokens else tokens, ranks)
+
+
+class PerRankMean(DistAccumTrainer):
+    """Each rank normalizes by its OWN window's token count, the boundary averages the ranks (/W):
+    right only when every rank holds as many valid tokens as every other."""
+
+    def micro_step(self, idx, targets, micro):
+        if micro == self.accum_steps - 1 and self.world > 1:
+            self._local_tokens = int((self._den if micro else 0)) + int((targets != -100).sum())
+        super().micro_step(idx, targets, micro)
+
+    def _objective(self, *a, **k):
+        total = super()._objective(*a, **k)
+        micro = a[-1]
+        if self.world > 1 and micro == self.accum_steps - 1 and self._local_tokens:
+            with torch.no_grad():  # this rank's earlier micro-steps, now normalized by its own count
+                self.flat[:self.numel].mul_(self._positions / self._local_tokens)
+            return total * (self._positions / self._local_tokens)
+        return total
+
+    def _finish_boundary(self):
+        for b in range(self._next_bucket, len(self.buckets)):
+            self._left[b] = 0
+        self._launch_ready()
+        for w in self._works:
+            w.wait()
+        self._works = []
+        self.flat[:self.numel].div_(self.world)  # the average of per-rank means
+
+
+# -- mixed precision ---------------------------------------------------------------------------------
+
+class UnscaleUpdateEveryMicro(AccumTrainer):
+    def micro_step(self, idx, targets, micro):
+        super().micro_step(idx, targets, micro)
+        if self.scaler is not None and micro < self.accum_steps - 1:
+            self.scaler.unscale_(self.opt)  # "check for overflow" each micro-step ...
+            self.scaler.update()  # ... which needs an update() before the next unscale_()
+
+
+class ManualUnscaleEveryMicro(AccumTrainer):
+    def micro_step(self, idx, targets, micro):
+        super().micro_step(idx, targets, micro)
+        if self.scaler is not None and micro < self.accum_steps - 1:
+            torch._foreach_div_(self._grads_list(), self.scaler.get_scale())
+
+
+class Bf16AccumulationBuffer(AccumTrainer):
+    """Each micro-step's gradient is added into a bf16 buffer (8 significant bits): once the running sum
+    is large next to one micro-step's share, additions round away, so the error grows with N."""
+
+    def micro_step(self, idx, targets, micro):
+        super().micro_step(idx, targets, micro)
+        if self.precision != "bf16":
+            return
+        if micro == 0:
+            self._buf = {p: p.grad.to(torch.bfloat16) for p in self.model.parameters() if p.grad is not None}
+        else:
+            for p, b in self._buf.items():
+                b.add_(p.grad.to(torch.bfloat16))
+        for p in self._buf:
+            p.grad = None if micro < self.accum_steps - 1 else self._buf[p].float()
+
+
+class SanitizeNonFinite(AccumTrainer):
+    """nan_to_num on the gradient after every micro-step ("robustness"): an inf in micro-step 0 vanishes
+    and the window is stepped, where it must be skipped whole."""
+
+    def micro_step(self, idx, targets, micro):
+        super().micro_step(idx, targets, micro)
+        with torch.no_grad():
+            for g in self._grads_list():
+                torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+# -- long windows ------------------------------------------------------------------------------------
+
+class DropMicro63(AccumTrainer):
+    def micro_step(self, idx, targets, micro):
+        if self.accum_steps >= 64 and micro == 63:
+            self._enter(micro)
+            self._objective(self.model.loss_batched, self.model.loss_sum, idx, targets, micro, alone=True)
+            self._next_micro = micro + 1  # counted, never backwarded
+            return
+        super().micro_step(idx, targets, micro)
+
+
+class DoublingBuffer(AccumTrainer):
+    def micro_step(self, idx, targets, micro):
+        if micro > 0:
+            torch._foreach_mul_(self._grads_list(), 2.0)
+        super().micro_step(idx, targets, micro)
+
+
+def _adapter(cls, base=xtrain.single):
+    return xtrain.variant(cls, base)
+
+
+_single_tokens = dataclasses.replace(xtrain.tokens_adapter, factory=xtrain.single_factory, data_parallel=False,
+                                     ref=None, name="")
+_dist_tokens = dataclasses.replace(xtrain.tokens_adapter, factory=xtrain.dist_factory, process_group=True, ref=None,
+                                   name="")  # a DistAccumTrainer: even alone it runs in a (one-rank) group
+
+per_micro_mean = _adapter(PerMicroMean, _single_tokens)
+count_divided_twice = _adapter(CountDividedTwice, _single_tokens)
+count_from_first_micro = _adapter(CountFromFirstMicro, _single_tokens)
+per_rank_mean = _adapter(PerRankMean, _dist_tokens)
+unscale_update_every_micro = _adapter(UnscaleUpdateEveryMicro)
+manual_unscale_every_micro = _adapter(ManualUnscaleEveryMicro)
+bf16_accumulation_buffer = _adapter(Bf16AccumulationBuffer)
+sanitize_nonfinite = _adapter(SanitizeNonFinite)
+drop_micro_63 = _adapter(DropMicro63)
+doubling_buffer = _adapter(DoublingBuffer)
+
+TOKEN_BROKEN = {"per_micro_mean": per_micro_mean, "count_divided_twice": count_divided_twice,
+                "count_from_first_micro": count_from_first_micro, "per_rank_mean": per_rank_mean}

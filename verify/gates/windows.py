@@ -1,0 +1,103 @@
+"""Window-level gates: every way to split a window, and every micro-step's contribution.
+
+split invariance   A window of E rows (with drawn padding for adapters that declare an ignore_index) is
+                   one global batch; every (N, B, W) with N·B·W = E must give the float64 big batch's
+                   gradient, loss and K-step parameters, by the same policy as the other gates (each
+                   split runs the equivalence gate at W = 1 and the data-parallel gates at W > 1, whose
+                   references are the same rows). This is where per-micro-batch or per-rank token means,
+                   a count divided twice or a count taken from one micro-step show: they agree with the
+                   big batch only while every micro-batch holds the same number of valid tokens.
+partial sums       For trainers with `partial_grads()`: after micro-step n (boundary not reached), the
+                   gradient the window would have if it ended there equals the float64 big batch of
+                   micro-batches 0..n — so each micro-batch lands exactly once, in order, whatever N
+                   (a micro-step dropped only at N ≥ 64, or an accumulator that doubles each step, show
+                   at the first micro-step where they act, even where clipping hides them in the update).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..case import Case, _cpu, _to, split
+from .single import GateResult, GateSkipped, check_equivalence
+from .tolerance import RTOL64_LOSS, GateFailure, rel_err
+
+__all__ = ["splits", "check_split_invariance", "check_partial_sums"]
+
+
+def splits(E: int, max_world: int) -> list[tuple[int, int, int]]:
+    """Every (N, B, W) with N·B·W = E and W ≤ max_world, single-process ones first."""
+    return [(n, E // (n * w), w) for w in range(1, max_world + 1) if E % w == 0
+            for n in range(1, E // w + 1) if (E // w) % n == 0]
+
+
+def check_split_invariance(adapter, case: Case, *, max_world: int = 1) -> GateResult:
+    """Run every split of `case`'s window (E = N·B·W rows, its data seed and padding); raise GateFailure
+    naming the first split that disagrees with the big batch. Returns the worst error / bound."""
+    from .distributed import check_distributed
+
+    E = case.effective_batch
+    worlds = max_world if adapter.data_parallel else 1
+    worst, where, n_splits = 0.0, "", 0
+    for n, b, w in splits(E, worlds):
+        c = case.replace(accum_steps=n, micro_batch=b, world=w)
+        try:
+            r = check_equivalence(adapter, c) if w == 1 else check_distributed(adapter, c)
+        except GateFailure as e:
+            raise GateFailure(f"[split invariance] split N={n} B={b} W={w} of a window of {E} rows: {e}") from None
+        n_splits += 1
+        if r.ratio >= worst:
+            worst, where = r.ratio, f"N={n} B={b} W={w}: {r.worst}"
+    return GateResult("split invariance", case, where, worst, splits=n_splits)
+
+
+def _prefix_reference(adapter, case: Case, x, y, device) -> dict:
+    """float64 big batch of these rows: the adapter at accum_steps=1, one step, its boundary gradient."""
+    from ..case import drive
+
+    trainer = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=device))
+    batches = [(x, y)]
+    return drive(trainer, batches, 1, dtype=torch.float64, device=device, gate="partial sums").grads0
+
+
+def check_partial_sums(adapter, case: Case) -> GateResult:
+    """After every micro-step n of step 0 (float64, one process), `partial_grads()` vs the float64 big
+    batch of micro-batches 0..n, relative error ≤ RTOL64_LOSS per parameter (a parameter without a
+    gradient in the reference counts as zero)."""
+    gate, N = "partial sums", case.accum_steps
+    if case.world != 1:
+        raise ValueError("the partial-sum gate runs one process (world 1)")
+    if adapter.process_group:
+        raise GateSkipped(f"{adapter.name} needs a process group: the partial-sum gate runs one plain process")
+    device = case.device
+    trainer = adapter(case.spec(dtype=torch.float64, device=device))
+    if not callable(getattr(trainer, "partial_grads", None)):
+        raise GateSkipped(f"{adapter.name}'s trainer has no partial_grads(): the per-micro-step check is optional "
+                          f"(docs/verify-your-trainer.md says how to expose it)")
+    inputs, targets = case.batches(adapter)[0]
+    micro = split(inputs, targets, N)
+    worst, at = 0.0, ""
+    for m, (x, y) in enumerate(micro):
+        xd, yd = _to(x, device, torch.float64), _to(y, device, torch.float64)
+        trainer.micro_step(xd.clone(), yd.clone(), m)
+        if m == N - 1:
+            break  # the last one is the boundary: the equivalence gate's
+        got = _cpu(trainer.partial_grads())
+        want = _prefix_reference(adapter, case, torch.cat([a for a, _ in micro[:m + 1]]),
+                                 torch.cat([b for _, b in micro[:m + 1]]), device)
+        for name in sorted(set(got) | set(want)):
+            g = got.get(name)
+            if g is None:
+                if want[name].abs().max().item() == 0:
+                    continue
+                raise GateFailure(f"[{gate}] after micro-step {m} of {N}: partial_grads() has no gradient for "
+                                  f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}")
+            ref = want.get(name, torch.zeros_like(g))
+            e = rel_err(g, ref)
+            if not e <= RTOL64_LOSS:
+                raise GateFailure(
+                    f"[{gate}] after micro-step {m} of {N} (boundary not reached), gradient of {name!r}: relative "
+                    f"error {e:.3e} > {RTOL64_LOSS:.0e} vs the float64 big batch of micro-batches 0..{m} — that "
+                    f"micro-step's contribution did not land exactly once; case {case}")
+            if e >= worst:
+                worst, at = e, f"after micro-step {m}: {name!r}"
+    return GateResult(gate, case, at, worst / RTOL64_LOSS)
