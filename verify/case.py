@@ -138,6 +138,18 @@ def shard(inputs: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: i
              targets[(n * world + rank) * b:(n * world + rank + 1) * b]) for n in range(accum_steps)]
 
 
+def block_grads(adapter, case: "Case", device) -> list[dict]:
+    """float64 step-0 boundary gradient of every block of rows one micro-step of one rank sums (the
+    adapter at accum_steps=1 on that block alone): the terms of the sum accumulation computes."""
+    inputs, targets = case.batches(adapter)[0]
+    out = []
+    for r in range(case.world):
+        for x, y in shard(inputs, targets, case.accum_steps, r, case.world):
+            t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(device)))
+            out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate="reference").grads0)
+    return out
+
+
 def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:
     return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
 

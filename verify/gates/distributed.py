@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..case import Case, Trace, drive
+from ..case import Case, Trace, block_grads, drive
 from ..comm import Collective, Windows
 from ..pool import default_backend, get_pool
 from .single import GateResult
-from .tolerance import GateFailure, Judge
+from .tolerance import GateFailure, Judge, condition
 
 __all__ = ["check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
@@ -94,6 +94,8 @@ def reference_job(ctx, adapter, case: Case) -> dict:
     for name, dtype in (("big32", torch.float32), ("ref64", torch.float64)):
         trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device)))
         refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate="reference")
+    many = case.accum_steps * case.world > 1
+    refs["kappa"] = condition(block_grads(adapter, case, ctx.device) if many else [], refs["ref64"].grads0)
     return refs
 
 
@@ -271,7 +273,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case,
         j = Judge("distributed equivalence", case, f"rank {o.rank}: ",
                   lambda step, o=o: boundary_summary(report, o.rank, F32, step))
         acc = o.runs[F32].trace
-        j.step0(acc, big, ref)
+        j.step0(acc, big, ref, outcomes[0].refs.get("kappa"))
         j.loss_trajectory(acc, big)
         if F64 in o.runs:
             j.float64(o.runs[F64].trace, ref)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..case import Case, drive
-from .tolerance import GateFailure, Judge
+from ..case import Case, block_grads, drive
+from .tolerance import GateFailure, Judge, condition
 
 __all__ = ["check_equivalence", "check_bit_exact", "GateResult", "GateSkipped"]
 
@@ -43,7 +43,7 @@ def _equivalence(adapter, case: Case, device: str) -> GateResult:
     acc, big = run(N, torch.float32), run(1, torch.float32)
     acc64, ref64 = run(N, f64), run(1, f64)
     j = Judge(gate, case)
-    j.step0(acc, big, ref64)
+    j.step0(acc, big, ref64, condition(block_grads(adapter, case, device) if N > 1 else [], ref64.grads0))
     j.loss_trajectory(acc, big)
     j.float64(acc64, ref64)
     return GateResult(gate, case, j.worst, j.worst_ratio)
