@@ -81,3 +81,22 @@ def test_bench_dist_steps_under_torchrun_cpu(tmp_path):
     assert set(res["median_step_ms"]) == {"xtrain", "torch", "plain"}
     for side, counted in res["collectives_one_step"].items():  # nothing before the last micro-step
         assert counted["per_window"]["micro 0"] == [], (side, counted["per_window"])
+
+
+def test_bf16_accumulation_cpu(tmp_path):
+    """The numerics benchmark's smallest sweep: N = 1, 2, 4, every gate verdict recorded and agreeing with the
+    ratio the script computes; xtrain's fp32 accumulation passes at every N."""
+    out = _run(["-m", "benchmarks.bf16_accumulation", "--max-n", "4", "--seeds", "2"], tmp_path)
+    doc = _report(tmp_path / "bf16-accumulation.json")
+    assert doc["kind"] == "bf16-accumulation" and (tmp_path / "bf16-accumulation.png").stat().st_size > 0
+    assert doc["settings"]["Ns"] == [1, 2, 4] and [r["N"] for r in doc["rows"]] == [1, 2, 4]
+    for r in doc["rows"]:
+        for key in ("err_fp32_accum", "err_bf16_buffer", "err_big_bf16", "err_big_bf16_buffer"):
+            assert 0 < r[key] < 1, (r["N"], key, r[key])
+        assert r["gate_xtrain"]["verdict"] == "passed" and r["worst_fp32_accum"]["ratio"] <= 1
+        assert r["gate_bf16_buffer"]["verdict"] in ("passed", "rejected")
+        assert r["gate_xtrain"]["agrees"] and r["gate_bf16_buffer"]["agrees"]
+        assert set(r["per_parameter"]) and all("kappa" in p for p in r["per_parameter"].values())
+    s = doc["summary"]
+    assert s["xtrain_passes_every_n"] and s["ratio_agrees_with_gate"]
+    assert len(doc["seed_spread"]) == 2 and "bf16 buffer" in out
