@@ -62,11 +62,11 @@ def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tm
     assert one["schema_version"] == 1 and one["utc"] and "torch" in one["machine_info"]
     assert oct((tmp_path / "reports" / "verify-report.json").stat().st_mode & 0o777) == "0o644"
     g = one["gates"]
-    assert g["equivalence"]["examples"] == 15 and 0 < g["equivalence"]["worst_ratio"] < 1
+    assert g["equivalence"]["examples"] >= 15 and 0 < g["equivalence"]["worst_ratio"] < 1  # + the long-N ones
     assert g["equivalence"]["worst_case"]["data_seed"] is not None and g["bit_exact"]["examples"] == 15
     assert "does not declare data parallelism" in g["boundary_only"]["skip_reason"]
     md = (tmp_path / "reports" / "verify-report.md").read_text()
-    assert "| equivalence | 15 |" in md and "every gate that ran passed" in md
+    assert f"| equivalence | {g['equivalence']['examples']} |" in md and "every gate that ran passed" in md
     other = tmp_path / "elsewhere"
     par = pytest_verify(tmp_path, "--verify-trainer", "examples.mlp_regressor:factory", "-n", "2",
                         "--verify-report", str(other))

@@ -53,12 +53,13 @@ class DistAccumTrainer(MicroSchedule):
     """xtrain's data-parallel accumulation (see the module docstring). `group`: None = the default group."""
 
     def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None,
-                 bucket_mb: float = 25.0, loss_norm: str = "mean", precision: str = "fp32"):
+                 bucket_mb: float = 25.0, loss_norm: str = "mean", precision: str = "fp32",
+                 init_scale: float = 2.0**16):
         check_accum_steps(accum_steps)
         self.accum_steps = accum_steps
         self.model, self.cfg, self.group = model, optim, group
         self.world = dist.get_world_size(group)
-        self._numerics(model, loss_norm, precision)
+        self._numerics(model, loss_norm, precision, init_scale)
         params = [p for p in model.parameters() if p.requires_grad]
         if len({(p.dtype, p.device) for p in params}) != 1:
             raise ValueError("DistAccumTrainer needs every parameter on one device in one dtype")
@@ -190,14 +191,14 @@ class TorchDDPTrainer(MicroSchedule):
     """
 
     def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None,
-                 loss_norm: str = "mean", precision: str = "fp32"):
+                 loss_norm: str = "mean", precision: str = "fp32", init_scale: float = 2.0**16):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         check_accum_steps(accum_steps)
         self.accum_steps = accum_steps
         self.model, self.cfg, self.group = model, optim, group
         self.world = dist.get_world_size(group)
-        self._numerics(model, loss_norm, precision)
+        self._numerics(model, loss_norm, precision, init_scale)
         dev = next(model.parameters()).device
         # gradient_as_bucket_view: grads live in DDP's buckets, as in the plain-torch reference measurement
         self.ddp = DDP(model, process_group=group, device_ids=[dev] if dev.type == "cuda" else None,

@@ -81,7 +81,7 @@ class MicroSchedule:
     accum_steps: int
     _next_micro: int
 
-    def _numerics(self, model: nn.Module, loss_norm: str, precision: str) -> None:
+    def _numerics(self, model: nn.Module, loss_norm: str, precision: str, init_scale: float = 2.0**16) -> None:
         if loss_norm not in LOSS_NORMS:
             raise ValueError(f"loss_norm must be one of {LOSS_NORMS}, got {loss_norm!r}")
         if precision not in PRECISIONS:
@@ -91,7 +91,8 @@ class MicroSchedule:
             raise ValueError(f"precision {precision} keeps fp32 parameters (autocast), got {p.dtype} parameters")
         self.loss_norm, self.precision = loss_norm, precision
         self._device_type = p.device.type
-        self.scaler = torch.amp.GradScaler(p.device.type) if precision == "fp16" else None
+        # fp16: torch's GradScaler, starting at init_scale (torch's default 2^16) and backing off on overflow
+        self.scaler = torch.amp.GradScaler(p.device.type, init_scale=init_scale) if precision == "fp16" else None
         self.skipped_steps = 0
         self.last_skipped = False
         self._reset_window()
@@ -249,10 +250,10 @@ class AccumTrainer(MicroSchedule):
     """Single-process gradient accumulation over `accum_steps` micro-steps."""
 
     def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, loss_norm: str = "mean",
-                 precision: str = "fp32"):
+                 precision: str = "fp32", init_scale: float = 2.0**16):
         check_accum_steps(accum_steps)
         self.model, self.cfg, self.accum_steps = model, optim, accum_steps
-        self._numerics(model, loss_norm, precision)
+        self._numerics(model, loss_norm, precision, init_scale)
         self.opt, self.sched = make_optimizer(model, optim)
 
     # -- micro-steps --------------------------------------------------------------------------

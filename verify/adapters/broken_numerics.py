@@ -174,3 +174,36 @@ doubling_buffer = _adapter(DoublingBuffer)
 
 TOKEN_BROKEN = {"per_micro_mean": per_micro_mean, "count_divided_twice": count_divided_twice,
                 "count_from_first_micro": count_from_first_micro, "per_rank_mean": per_rank_mean}
+
+
+# -- a poisoned window, for the fp16 "skip the whole step" check (xtrain-specific: it reaches into .grad) --
+
+def poisoned_window_job(ctx, kind: str, accum_steps: int, poison_rank: int) -> dict:
+    """One fp16 window of `accum_steps` micro-steps on every rank of a pool, with an inf written into one
+    gradient element on rank `poison_rank` right after micro-step 0's backward. kind: "xtrain" (AccumTrainer
+    alone, DistAccumTrainer in a group) or "sanitize" (SanitizeNonFinite, one rank). Returns what the
+    boundary did: whether parameters moved, the schedule advanced, the scale backed off."""
+    from xtrain_core.config import ModelConfig, OptimConfig
+    from xtrain_core.model import build_model
+
+    base = {"xtrain": DistAccumTrainer if ctx.world > 1 else AccumTrainer, "sanitize": SanitizeNonFinite}[kind]
+
+    class Poisoned(base):
+        def micro_step(self, idx, targets, micro):
+            super().micro_step(idx, targets, micro)
+            if micro == 0 and ctx.rank == poison_rank:
+                with torch.no_grad():
+                    self._grads_list()[0].view(-1)[0] = float("inf")
+
+    model = build_model(ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16), 0, device=ctx.device)
+    t = Poisoned(model, OptimConfig(lr=1e-2, warmup_steps=3), accum_steps, precision="fp16")
+    before = {k: v.clone() for k, v in t.params().items()}
+    gen = torch.Generator().manual_seed(1)
+    micro = [(torch.randint(0, 32, (2, 8), generator=gen).to(ctx.device),
+              torch.randint(0, 32, (2, 8), generator=gen).to(ctx.device)) for _ in range(accum_steps)]
+    scale = t.scaler.get_scale()
+    t.train_step(micro)
+    moved = any(not torch.equal(before[k], v) for k, v in t.params().items())
+    finite = all(bool(torch.isfinite(v).all()) for v in t.params().values())
+    return dict(rank=ctx.rank, moved=moved, finite=finite, last_skipped=t.last_skipped,
+                schedule_steps=t.sched.last_epoch, scale_before=scale, scale_after=t.scaler.get_scale())

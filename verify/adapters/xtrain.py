@@ -20,7 +20,7 @@ from xtrain_core.model import IGNORE, build_model
 
 from ..protocol import DDP_EXPECTED, Adapter, Spec
 
-__all__ = ["XtrainOptions", "adapter", "tokens_adapter", "torch_ddp", "single", "data_parallel"]
+__all__ = ["XtrainOptions", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "single", "data_parallel"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,8 +66,14 @@ def _token_strategy():
     return xtrain_options(loss_norm="tokens")
 
 
+# fp16 under the gates: the GradScaler starts at 2^10, not torch's 2^16. Drawn micro-batches can be one token,
+# whose logit gradient (up to 1, times W on a rank before DP's /W) would overflow fp16 at 2^16 where the big
+# batch's does not: a skipped first step in one run and not the other, which is loss scaling, not accumulation.
+INIT_SCALE = 2.0**10
+
+
 def numerics(spec: Spec) -> dict:
-    return dict(loss_norm=options_of(spec).loss_norm, precision=spec.precision)
+    return dict(loss_norm=options_of(spec).loss_norm, precision=spec.precision, init_scale=INIT_SCALE)
 
 
 def _grouped() -> bool:
@@ -117,7 +123,7 @@ class PlainTrainer:
         dev = torch.device(spec.device).type
         self.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
         self.autocast = (lambda: torch.autocast(dev, dtype=self.amp)) if self.amp else None
-        self.scaler = torch.amp.GradScaler(dev) if spec.precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler(dev, init_scale=INIT_SCALE) if spec.precision == "fp16" else None
         self._loss, self._empty = None, False
 
     def micro_step(self, idx, targets, micro):
@@ -180,6 +186,9 @@ tokens_adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True
                          **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
 torch_ddp = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED,
                     name="xtrain model under torch DDP no_sync()", **_COMMON)
+torch_ddp_tokens = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED, ignore_index=IGNORE,
+                           name="xtrain model under torch DDP no_sync(), loss_norm=tokens",
+                           **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
 single = Adapter(factory=single_factory, plain=PlainTrainer, name="xtrain AccumTrainer", **_COMMON)
 data_parallel = Adapter(factory=dist_factory, data_parallel=True, name="xtrain DistAccumTrainer", **_COMMON)
 

@@ -1,0 +1,114 @@
+"""The gates on token-weighted, mixed-precision and long windows: xtrain passes them, and the planted bugs
+of verify/adapters/broken_numerics.py are rejected wherever they can exist."""
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from verify.adapters import broken_numerics as bn
+from verify.adapters import xtrain
+from verify.case import Case
+from verify.gates import GateFailure, check_distributed, check_equivalence
+from verify.gates.distributed import max_world
+from verify.gates.windows import check_partial_sums, check_split_invariance, splits
+from verify.strategies import cases, dist_cases
+from xtrain_core.config import ModelConfig, OptimConfig
+
+WORLDS = min(3, max_world())
+SMALL = xtrain.XtrainOptions(model=ModelConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=1, d_model=8), seq_len=4,
+                             optim=OptimConfig(lr=1e-2))
+
+
+def _budget(share: int, least: int) -> int:
+    return max(least, settings.default.max_examples // share)
+
+
+def test_splits_enumerates_every_factorization():
+    assert splits(4, 2) == [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2)]
+    assert all(n * b * w == 12 for n, b, w in splits(12, 4)) and len(splits(12, 4)) == 15
+
+
+@pytest.mark.distributed
+@settings(max_examples=_budget(25, 4), deadline=None)
+@given(data=st.data())
+def test_xtrain_tokens_is_split_invariant_on_padded_windows(data):
+    case = data.draw(cases(xtrain.tokens_adapter, max_accum=4, max_micro_batch=2, max_steps=2, padded=True))
+    check_split_invariance(xtrain.tokens_adapter, case, max_world=WORLDS)
+
+
+@pytest.mark.distributed
+@settings(max_examples=_budget(10, 5), deadline=None)
+@given(data=st.data())
+def test_torch_ddp_tokens_passes_the_data_parallel_gates_on_padded_data(data):
+    check_distributed(xtrain.torch_ddp_tokens, data.draw(dist_cases(xtrain.torch_ddp_tokens, max_world=WORLDS)))
+
+
+def _uneven(case) -> bool:
+    """Some step holds rows with different numbers of valid targets, and some valid target at all."""
+    E = case.effective_batch
+    steps = [case.lengths[k * E:(k + 1) * E] for k in range(case.steps)]
+    return any(len(set(s)) > 1 and sum(s) > 0 for s in steps)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(bn.TOKEN_BROKEN))
+@settings(max_examples=_budget(30, 3), deadline=None)
+@given(data=st.data())
+def test_split_invariance_rejects_broken_token_weighting(name, data):
+    """Each bug agrees with the big batch while every block of rows holds as many valid tokens as every
+    other: on windows whose rows differ it must be rejected, naming the split."""
+    adapter = bn.TOKEN_BROKEN[name]
+    case = data.draw(cases(adapter, min_accum=2, max_accum=4, max_micro_batch=2, max_steps=1, padded=True))
+    assume(_uneven(case))
+    if name == "per_rank_mean":
+        assume(WORLDS >= 2 and case.effective_batch % 2 == 0)
+    with pytest.raises(GateFailure, match=r"^\[split invariance\] split N=\d+ B=\d+ W=\d+ of a window of \d+ rows: \["):
+        check_split_invariance(adapter, case, max_world=WORLDS)
+
+
+@pytest.mark.parametrize("name", ["unscale_update_every_micro", "manual_unscale_every_micro"])
+@settings(max_examples=_budget(30, 3), deadline=None)
+@given(data=st.data())
+def test_equivalence_rejects_grad_scaler_misuse(name, data):
+    adapter = getattr(bn, name)
+    case = data.draw(cases(adapter, min_accum=2, max_accum=6)).replace(precision="fp16")
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] "):
+        check_equivalence(adapter, case)
+
+
+def test_bf16_accumulation_buffer_is_rejected_in_long_windows():
+    """Rounding in a bf16 buffer grows with N (benchmarks/bf16_accumulation.py plots it): in the long
+    windows the suite draws it is rejected, while xtrain's fp32 accumulation of the same bf16 micro-steps
+    passes."""
+    opts = xtrain.XtrainOptions(model=ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=1, d_model=32),
+                                seq_len=16, optim=OptimConfig(lr=1e-2))
+    case = Case(accum_steps=256, micro_batch=1, steps=1, options=opts, precision="bf16", seed=3, data_seed=4)
+    assert check_equivalence(xtrain.single, case).ratio < 0.5
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] gradient \(step 0\)"):
+        check_equivalence(bn.bf16_accumulation_buffer, case)
+
+
+def test_a_micro_step_dropped_only_at_n_64_is_found_where_it_happens():
+    short = Case(accum_steps=63, micro_batch=1, steps=1, options=SMALL, seed=1, data_seed=2)
+    check_equivalence(bn.drop_micro_63, short)  # N < 64: the bug does not exist
+    check_partial_sums(bn.drop_micro_63, short)
+    long = short.replace(accum_steps=96)
+    with pytest.raises(GateFailure, match=r"^\[partial sums\] after micro-step 63 of 96 \(boundary not reached\)"):
+        check_partial_sums(bn.drop_micro_63, long)
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] "):
+        check_equivalence(bn.drop_micro_63, long)
+
+
+def test_a_doubling_accumulator_hidden_by_clipping_is_found_at_micro_step_1():
+    opts = xtrain.XtrainOptions(model=SMALL.model, seq_len=4, optim=OptimConfig(lr=1e-2, max_grad_norm=0.01))
+    case = Case(accum_steps=70, micro_batch=1, steps=2, options=opts, seed=5, data_seed=6)
+    with pytest.raises(GateFailure, match=r"^\[partial sums\] after micro-step 1 of 70"):
+        check_partial_sums(bn.doubling_buffer, case)
+    check_partial_sums(xtrain.single, case)
+
+
+@settings(max_examples=_budget(30, 3), deadline=None)
+@given(data=st.data())
+def test_partial_sums_hold_for_xtrain_in_every_precision_and_norm(data):
+    adapter = data.draw(st.sampled_from([xtrain.single, xtrain.tokens_adapter]))
+    case = data.draw(cases(adapter, min_accum=2, max_accum=12, max_steps=1))
+    check_partial_sums(adapter, case)
