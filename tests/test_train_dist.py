@@ -70,3 +70,18 @@ def test_two_nodes_through_torchrun_rendezvous():
     assert lines[0] == "effective batch = 2 × 2 × 2 = 8 sequences (128 tokens)"
     s = single("--accum-steps", "2", "--micro-batch", "4", "--steps", "3", "--seq-len", "16")  # one process, B=4
     assert lines[1].split("loss ")[-1] == s.stdout.splitlines()[-1].split("loss ")[-1], (lines, s.stdout)
+
+
+def test_torchrun_docs_token_weighted_matches_one_process(tmp_path):
+    """Padded documents, --loss-norm tokens (the --docs default): world 2 × N=2 × B=2 prints the losses of
+    one process with N=2 × B=4 — the global token count rides in the boundary all-reduce."""
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(["gradient accumulation", "a", "token weighted means over valid tokens only",
+                               "xy", "padded"] * 3) + "\n")
+    args = ["--docs", str(docs), "--steps", "3", "--seq-len", "16", "--accum-steps", "2"]
+    r = torchrun(*args, "--micro-batch", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = single(*args, "--micro-batch", "4")
+    assert s.returncode == 0, s.stderr
+    last = lambda out: out.splitlines()[-1].split("loss ")[-1]  # noqa: E731
+    assert last(r.stdout) == last(s.stdout), (r.stdout, s.stdout)

@@ -19,7 +19,7 @@ def probe_counter(ctx) -> dict:
 
     dev = ctx.device
     rec, win = ctx.recorder, Windows()
-    rec.read()
+    rec.discard()
     win.mark("dist.all_reduce")
     dist.all_reduce(torch.ones(7, device=dev))
     win.mark("all_reduce_coalesced")
@@ -55,7 +55,7 @@ def overflow_recorder(ctx, n: int) -> str:
     """Issue n collectives between two reads; returns the recorder's error (or '' if none)."""
     from .comm import RecorderError
 
-    ctx.recorder.read()
+    ctx.recorder.discard()
     t = torch.ones(1, device=ctx.device)
     for _ in range(n):
         dist.all_reduce(t)
@@ -68,7 +68,7 @@ def overflow_recorder(ctx, n: int) -> str:
 
 def recorder_reads_clean(ctx) -> int:
     """After an overflow the recorder carries on: one collective -> one entry."""
-    ctx.recorder.read()
+    ctx.recorder.discard()
     dist.all_reduce(torch.ones(1, device=ctx.device))
     return len(ctx.recorder.read())
 

@@ -74,7 +74,7 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
     batches = case.batches(adapter)
     out = RankOutcome(ctx.rank, {})
     for dtype in dtypes:
-        ctx.recorder.read()  # forget anything before this run
+        ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)
         win = Windows()
         win.mark(("init",))
         trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device)))
