@@ -33,6 +33,8 @@ its model, loss or optimizer:
 * `ignore_index`: the target value that marks padding (e.g. -100). Declared, the gates also draw padded,
   variable-length batches — empty sequences, micro-batches and ranks included — and expect the token
   mean: Σ loss over valid targets / their count, over the whole window and every rank.
+* `counts`: a function case -> CountRow (verify.gates.counts) declaring the exact collectives of the
+  trainer's sync mode, by family, per micro-step and at the boundary; checked instead of the default rule.
 * optional trainer method `partial_grads()`: between micro-steps, the gradient `grads()` would return if
   the window ended now (without changing anything). Given, the long-N gate checks after every micro-step
   that each micro-batch's contribution landed exactly once.
@@ -138,6 +140,10 @@ class Adapter:
     """Set by the self-test: the fault operator wrapped around `factory` (verify.selftest)."""
     precisions: tuple[str, ...] = ("fp32",)
     ignore_index: int | None = None
+    counts: Callable | None = None
+    """case -> verify.gates.counts.CountRow: the exact collectives per micro-step and at the boundary of
+    this adapter's sync mode (FSDP all-gathers, reduce-scatters, ...). Without it: none before the boundary
+    (but `expected`), and every gradient element reduced once at it."""
 
     def __post_init__(self):
         for what in ("factory", "data"):
@@ -213,7 +219,7 @@ def _qual(fn) -> str:
 
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
-            ignore_index: int | None = None):
+            ignore_index: int | None = None, counts=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
 
@@ -221,7 +227,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
         return Adapter(factory=fn, data=data, plain=plain, options=options, defaults=defaults,
                        data_parallel=data_parallel, process_group=process_group, expected=expected,
                        name=name or f"{fn.__module__}.{fn.__qualname__}", precisions=precisions,
-                       ignore_index=ignore_index)
+                       ignore_index=ignore_index, counts=counts)
 
     return wrap
 

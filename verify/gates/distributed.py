@@ -139,8 +139,8 @@ class StepComm:
     """Per rank, per dtype, per optimizer step: what the counter saw."""
 
     micro: list  # per micro-step 0..N-2: [Collective]
-    boundary: list  # every collective at micro-step N-1 + grads()/optimizer_step()
-    params: list  # inside params() (reported only)
+    boundary: list  # every collective at micro-step N-1 + optimizer_step()
+    params: list  # inside grads() and params(): the harness reading state (reported only)
 
     @property
     def reduced(self) -> list:
@@ -184,7 +184,7 @@ def _split(run: RankRun, case: Case):
                 (steps[k].boundary if m == N - 1 else steps[k].micro[m]).append(c)
             elif label is not None and label[0] == "boundary":
                 steps[label[1]].boundary.append(c)
-            elif label is not None and label[0] == "params":
+            elif label is not None and label[0] in ("params", "grads"):
                 steps[label[1]].params.append(c)
             elif _reduces(c):
                 where = (f"after step {label[1]}, outside any trainer call" if label else "before the run started")
@@ -208,8 +208,10 @@ def _unexpected(cs: list, expected, k: int, m: int) -> tuple[list, list]:
     return ok, bad
 
 
-def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=()) -> CommReport:
-    """Raises GateFailure naming the rank, step, micro-step and collective on the first violation."""
+def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(), row=None) -> CommReport:
+    """Raises GateFailure naming the rank, step, micro-step and collective on the first violation. `row`
+    (a counts.CountRow): the exact collectives of the trainer's sync mode, checked instead of "none before
+    the boundary" (the elements rule too, where the row gives one)."""
     gate, N, W = "boundary-only", case.accum_steps, case.world
     ref = outcomes[0].refs["ref64"]
     P = sum(g.numel() for g in ref.grads0.values())
@@ -227,6 +229,9 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=())
             for where, c in stray[:1]:
                 fail(f"gradient-like collective {where}: {desc(c)}")
             for k, s in enumerate(steps):
+                if row is not None:
+                    _check_row(row, s, k, N, W, expected, report, o.rank, dt, desc, fail)
+                    continue
                 for m, cs in enumerate(s.micro):
                     ok, bad = _unexpected(cs, expected, k, m)
                     report.expected_used += [(o.rank, dt, k, m, e.why or e.op, c) for e, c in ok]
@@ -250,6 +255,34 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=())
                     fail(f"{at}: {E} elements reduced for {P} gradient elements (+ ≤ {SCALARS} scalars): "
                          f"gradients reduced more than once: {listed}")
     return report
+
+
+def _check_row(row, s: StepComm, k: int, N: int, W: int, expected, report, rank, dt, desc, fail) -> None:
+    """One step of one rank against its count table row: every micro-step before the boundary, the
+    boundary, and the elements the boundary's reductions carry."""
+    from .counts import check_row
+
+    if W == 1:
+        return  # alone there is nothing to count against a data-parallel row (world 1 = the plain path)
+    for m, cs in enumerate(s.micro):
+        ok, rest = _unexpected(cs, expected, k, m)
+        report.expected_used += [(rank, dt, k, m, e.why or e.op, c) for e, c in ok]
+        msg = check_row(row, rest, row.before, f"step {k}, micro-step {m} of {N} (before the boundary)", desc,
+                        row.first_micro if (k, m) == (0, 0) else None)
+        if msg:
+            fail(msg)
+    ok, rest = _unexpected(s.boundary, expected, k, N - 1)
+    report.expected_used += [(rank, dt, k, N - 1, e.why or e.op, c) for e, c in ok]
+    msg = check_row(row, rest, row.boundary, f"step {k}, boundary (micro-step {N - 1} of {N}, optimizer_step())",
+                    desc, row.first_micro if (k, N) == (0, 1) else None)
+    if msg:
+        fail(msg)
+    if row.elements is not None:
+        lo, hi = row.elements
+        E = s.boundary_elements
+        if not (lo <= E and (hi is None or E <= hi)):
+            fail(f"step {k}, boundary: the reductions carry {E} floating elements, count table row {row.mode!r} "
+                 f"expects {lo}..{'' if hi is None else hi} (the gradient once, plus side channels)")
 
 
 def boundary_summary(report: CommReport | None, rank: int, dtype: str, step: int) -> str:
@@ -297,7 +330,8 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
 
         raise GateSkipped(f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))")
     outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
-    report = check_boundary_only(outcomes, case, expected=adapter.expected)
+    row = adapter.counts(case) if adapter.counts is not None else None
+    report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row)
     worst, ratio = check_dist_equivalence(outcomes, case, report)
     steps = report.steps[(0, F32)]
     return GateResult("data-parallel", case, worst, ratio, comm=report,
