@@ -41,7 +41,7 @@ from .config import OptimConfig
 from .model import IGNORE
 from .trainer import MicroSchedule, check_accum_steps, make_optimizer
 
-IMPLS = ("xtrain", "torch")
+IMPLS = ("xtrain", "torch", "fsdp2")
 
 
 def _rank0(group) -> int:
@@ -252,6 +252,10 @@ def make_trainer(impl: str, model: nn.Module, optim: OptimConfig, accum_steps: i
         return DistAccumTrainer(model, optim, accum_steps, group=group, **numerics)
     if impl == "torch":
         return TorchDDPTrainer(model, optim, accum_steps, group=group, **numerics)
+    if impl == "fsdp2":
+        from .fsdp import FSDP2Trainer
+
+        return FSDP2Trainer(model, optim, accum_steps, group=group, **numerics)
     raise ValueError(f"ddp impl must be one of {IMPLS}, got {impl!r}")
 
 

@@ -1,7 +1,7 @@
 """python -m xtrain_core.train --accum-steps N --micro-batch B --steps K [--seq-len S] [--data FILE | --docs FILE]
                              [--loss-norm mean|tokens] [--precision fp32|bf16|fp16]
                              [--device cpu|cuda] [--seed SEED] [--model tiny|small|gpt2-ish]
-torchrun --nproc-per-node W -m xtrain_core.train ... [--ddp-impl xtrain|torch]
+torchrun --nproc-per-node W -m xtrain_core.train ... [--ddp-impl xtrain|torch|fsdp2]
 
 Trains the GPT with gradient accumulation: each optimizer step is N micro-steps of B sequences,
 an effective batch of N×B sequences while memory holds one micro-batch.
@@ -43,7 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup-steps", type=nonneg_int, default=0)
     p.add_argument("--ddp-impl", choices=IMPLS, default="xtrain",
-                   help="under torchrun: xtrain's boundary all-reduce (default) or torch DDP with no_sync()")
+                   help="under torchrun: xtrain's boundary all-reduce (default), torch DDP with no_sync(), or FSDP2 "
+                        "(fully_shard per block, set_requires_gradient_sync at the boundary)")
     return p.parse_args(argv)
 
 
@@ -84,6 +85,9 @@ def build(args, dist_env=None):
         if size < seq_len + 2:
             raise UsageError(f"--data {args.data} has {size} bytes; --seq-len {seq_len} needs at least {seq_len + 2}")
         model_cfg = dataclasses.replace(model_cfg, vocab_size=max(256, model_cfg.vocab_size))  # byte tokens
+    if args.ddp_impl == "fsdp2" and args.precision == "fp16":
+        raise UsageError("--ddp-impl fsdp2 --precision fp16: not offered (a GradScaler would not agree on inf/NaN "
+                         "across gradient shards); pass --precision bf16 or fp32")
     train = TrainConfig(accum_steps=args.accum_steps, micro_batch=args.micro_batch, steps=args.steps,
                         seq_len=seq_len, seed=args.seed, loss_norm=loss_norm, precision=args.precision)
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps)

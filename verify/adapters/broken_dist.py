@@ -176,3 +176,48 @@ BROKEN_DIST = {
     "ddp_sync_flag_after_forward": (ddp_sync_flag_after_forward, _BEFORE + r"\S+:all_reduce"),
     "ddp_no_sync_around_backward_only": (ddp_no_sync_around_backward_only, _BEFORE + r"\S+:all_reduce"),
 }
+
+
+# -- FSDP2 ------------------------------------------------------------------------------------------------
+
+from xtrain_core.fsdp import FSDP2Trainer  # noqa: E402
+
+
+class FSDP2SyncAlways(FSDP2Trainer):
+    """set_requires_gradient_sync never turned off: every micro-step reduce-scatters every unit."""
+
+    def micro_step(self, idx, targets, micro):
+        self._enter(micro)
+        self.model.set_requires_gradient_sync(True)
+        m = self.model
+        self._backward(self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1))
+        self._next_micro = micro + 1
+
+
+class FSDP2SwitchAfterForward(FSDP2Trainer):
+    """The sync switch set between forward and backward (the build-nanogpt placement)."""
+
+    def micro_step(self, idx, targets, micro):
+        self._enter(micro)
+        m = self.model
+        objective = self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1)
+        self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
+        self._backward(objective)
+        self._next_micro = micro + 1
+
+
+class FSDP2SwitchAfterBackward(FSDP2Trainer):
+    """The sync switch set AFTER the backward it was meant for: each micro-step runs with the previous
+    one's setting (micro-step 0 with FSDP2's default, sync on; the boundary with sync off)."""
+
+    def micro_step(self, idx, targets, micro):
+        self._enter(micro)
+        m = self.model
+        self._backward(self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1))
+        self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
+        self._next_micro = micro + 1
+
+
+fsdp2_sync_always = _adapter(FSDP2SyncAlways, xtrain.fsdp2)
+fsdp2_switch_after_forward = _adapter(FSDP2SwitchAfterForward, xtrain.fsdp2)
+fsdp2_switch_after_backward = _adapter(FSDP2SwitchAfterBackward, xtrain.fsdp2)

@@ -20,7 +20,8 @@ from xtrain_core.model import IGNORE, build_model
 
 from ..protocol import DDP_EXPECTED, Adapter, Spec
 
-__all__ = ["XtrainOptions", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "single", "data_parallel"]
+__all__ = ["XtrainOptions", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "fsdp2", "fsdp2_keep",
+           "fsdp2_tokens", "single", "data_parallel"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +104,49 @@ def torch_ddp_factory(spec: Spec):
     from xtrain_core.distributed import TorchDDPTrainer
 
     return TorchDDPTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps, **numerics(spec))
+
+
+def fsdp2_factory(spec: Spec, reshard_after_forward: bool = True):
+    from xtrain_core.fsdp import FSDP2Trainer
+
+    return FSDP2Trainer(model_for(spec), options_of(spec).optim, spec.accum_steps,
+                        reshard_after_forward=reshard_after_forward, **numerics(spec))
+
+
+def fsdp2_keep_factory(spec: Spec):
+    return fsdp2_factory(spec, reshard_after_forward=False)
+
+
+def fsdp2_row(case, reshard_after_forward: bool = True):
+    """FSDP2's count table row for this case: U units (the blocks + the root); per micro-step each unit
+    all-gathers its parameters for the forward and, resharded after it, again for the backward; at the
+    boundary each unit reduces its gradient once (reduce_scatter; gloo has none, FSDP2 all-reduces there)
+    and clipping all-reduces the per-parameter norms. Reductions carry the padded gradient once (FSDP2
+    pads each parameter's dim 0 to a multiple of W) plus those norms."""
+    import math
+
+    from ..gates.counts import CountRow
+    from ..pool import default_backend
+
+    o = options_of(case.spec())
+    U, W = o.model.n_layer + 1, case.world
+    gathers = U * (2 if reshard_after_forward else 1)
+    model = build_model(o.model, 0)
+    shapes = [p.shape for p in model.parameters()]
+    P = sum(math.prod(s) for s in shapes)
+    padded = sum(math.ceil(s[0] / W) * W * math.prod(s[1:]) for s in shapes)
+    clip = len(shapes) if o.optim.max_grad_norm is not None else 0
+    boundary = {"all_gather": gathers}
+    if default_backend() == "nccl":
+        boundary.update(reduce_scatter=U, **({"all_reduce": 1} if clip else {}))
+    else:
+        boundary["all_reduce"] = U + (1 if clip else 0)
+    mode = f"FSDP2, {'reshard' if reshard_after_forward else 'keep'} after forward, {U} units"
+    return CountRow(mode=mode, before={"all_gather": gathers}, boundary=boundary, elements=(P, padded + clip))
+
+
+def fsdp2_keep_row(case):
+    return fsdp2_row(case, reshard_after_forward=False)
 
 
 class PlainTrainer:
@@ -189,6 +233,14 @@ torch_ddp = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_
 torch_ddp_tokens = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED, ignore_index=IGNORE,
                            name="xtrain model under torch DDP no_sync(), loss_norm=tokens",
                            **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
+fsdp2 = Adapter(factory=fsdp2_factory, process_group=True, counts=fsdp2_row, name="xtrain model under FSDP2",
+                **{**_COMMON, "precisions": ("fp32", "bf16")})
+fsdp2_keep = Adapter(factory=fsdp2_keep_factory, process_group=True, counts=fsdp2_keep_row,
+                     name="xtrain model under FSDP2, no reshard after forward", **{**_COMMON, "precisions": ("fp32", "bf16")})
+fsdp2_tokens = Adapter(factory=fsdp2_factory, process_group=True, counts=fsdp2_row, ignore_index=IGNORE,
+                       name="xtrain model under FSDP2, loss_norm=tokens",
+                       **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens"),
+                          "precisions": ("fp32", "bf16")})
 single = Adapter(factory=single_factory, plain=PlainTrainer, name="xtrain AccumTrainer", **_COMMON)
 data_parallel = Adapter(factory=dist_factory, data_parallel=True, name="xtrain DistAccumTrainer", **_COMMON)
 

@@ -77,5 +77,6 @@ def check_row(row: CountRow, observed: list, want: dict, where: str, describe, e
         return None
     got = ", ".join(f"{k}×{n}" for k, n in sorted(seen.items())) or "none"
     exp = ", ".join(f"{k}×{_fmt(v)}" for k, v in sorted(need.items())) or "none"
-    listed = "; ".join(describe(c) for c in observed[:4]) + (f" (+{len(observed) - 4} more)" if len(observed) > 4 else "")
+    off = [c for c in observed if family(c.op) in bad] + [c for c in observed if family(c.op) not in bad]
+    listed = "; ".join(describe(c) for c in off[:4]) + (f" (+{len(off) - 4} more)" if len(off) > 4 else "")
     return (f"{where}: count table row {row.mode!r} expects {exp}, observed {got}" + (f": {listed}" if listed else ""))

@@ -1,0 +1,93 @@
+"""Accumulation under FSDP2 (torch.distributed.fsdp.fully_shard): parameters and gradients sharded over
+the W ranks, one FSDP unit per transformer block plus the root (embeddings, final norm, head).
+
+    for micro in 0..N-1:
+        model.set_requires_gradient_sync(micro == N - 1)   # THE gate, set BEFORE the forward
+        loss = model.loss_batched(x, y)                     # each unit all-gathers its parameters
+        (loss * (1/N)).backward()                           # 0..N-2: gradients accumulate UNSHARDED, locally
+                                                            # N-1: each unit reduce-scatters its gradient once
+    clip; AdamW on the shards; LR schedule; zero_grad
+
+reshard_after_forward=True frees each unit's gathered parameters after its forward and gathers them again
+for its backward (2 all-gathers per unit per micro-step, least memory); False keeps them to the backward
+(1 all-gather per unit per micro-step). Either way micro-steps 0..N-2 never reduce gradients: the cost of
+the no-sync window is memory — every rank holds its unit's full, unsharded gradient until the boundary.
+
+FSDP2 averages over ranks when it reduces (÷W); the step loss's numerator and denominator travel in one
+2-element all-reduce at the boundary, with which loss_norm="tokens" turns that average into the global
+token mean (as TorchDDPTrainer does). fp16 is not offered: a GradScaler must agree on inf/NaN across the
+shards, which torch.amp.GradScaler does not do for sharded gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .config import OptimConfig
+from .trainer import MicroSchedule, check_accum_steps, make_optimizer
+
+
+class FSDP2Trainer(MicroSchedule):
+    """xtrain's GPT under FSDP2 with set_requires_gradient_sync as the accumulation gate."""
+
+    def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, reshard_after_forward: bool = True,
+                 loss_norm: str = "mean", precision: str = "fp32", init_scale: float = 2.0**16, group=None):
+        from torch.distributed.fsdp import fully_shard
+
+        check_accum_steps(accum_steps)
+        if precision == "fp16":
+            raise ValueError("precision fp16 is not offered under FSDP2 (its GradScaler would not agree on inf/NaN "
+                             "across gradient shards); use bf16 or fp32")
+        if group is not None:
+            raise ValueError("FSDP2Trainer shards over the default process group")
+        self.accum_steps, self.cfg, self.world = accum_steps, optim, dist.get_world_size()
+        self._numerics(model, loss_norm, precision, init_scale)
+        self.reshard_after_forward = reshard_after_forward
+        for block in model.blocks:  # one unit per block: its all-gather / reduce-scatter overlap the next's
+            fully_shard(block, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)  # the root: everything else
+        self.model = model
+        self.units = len(model.blocks) + 1
+        self.opt, self.sched = make_optimizer(model, optim)  # AdamW over this rank's shards
+
+    def micro_step(self, idx: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
+        self._enter(micro)
+        self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)  # before the forward that uses it
+        m = self.model
+        self._backward(self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1))
+        self._next_micro = micro + 1
+
+    def _finish(self) -> None:
+        """The boundary's 2-element all-reduce of the step loss's numerator and denominator; tokens mode
+        rescales FSDP2's average over ranks into the global token mean with it."""
+        num = self._num
+        den = self._den.to(num.dtype) if torch.is_tensor(self._den) else num.new_tensor(float(self._den))
+        self._slots = torch.stack([num, den])
+        dist.all_reduce(self._slots)
+        plain = self.accum_steps == 1 and self.world == 1
+        if self.loss_norm == "tokens" and not plain:
+            self._normalize(int(self._slots[1]), ranks=self.world)
+
+    def _window_tokens(self) -> int | None:
+        return int(self._slots[1]) if self.loss_norm == "tokens" else None
+
+    def _grads_list(self) -> list[torch.Tensor]:
+        return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                for p in self.model.parameters() if p.grad is not None]
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients (all-gathered from the shards: the harness reads them; training never does)."""
+        self._require_boundary("grads")
+        self._finish_window()
+        return {k: p.grad.full_tensor() for k, p in self.model.named_parameters() if p.grad is not None}
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach().full_tensor() for k, p in self.model.named_parameters()}
+
+    def optimizer_step(self) -> torch.Tensor:
+        self._update()
+        self.opt.zero_grad(set_to_none=True)
+        loss = self._slots[0] / self._slots[1]
+        self._reset_window()
+        return loss
