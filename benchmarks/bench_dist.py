@@ -17,6 +17,9 @@ plus the collectives the flight recorder counts in one optimizer step of each:
 
     python -m torch.distributed.run --standalone --nproc-per-node W -m benchmarks.bench_dist --device cuda --out DIR
 
+FSDP2's saving: `--sides fsdp2,fsdp2-sync-every-micro` times FSDP2 with set_requires_gradient_sync at the
+boundary against the same trainer reducing every micro-step.
+
 Both write JSON (schema_version, machine_info, git_commit, utc, results; written atomically) and print a table.
 """
 from __future__ import annotations
@@ -250,9 +253,16 @@ def steps_mode(args) -> dict | None:
         def optimizer_step(self):
             plain_torch.finish_step(self.model, self.opt)
 
+    def fsdp2(sync_every_micro: bool):
+        from verify.adapters.broken_dist import FSDP2SyncAlways
+        from xtrain_core.fsdp import FSDP2Trainer
+
+        cls = FSDP2SyncAlways if sync_every_micro else FSDP2Trainer  # the same trainer, the gate never shut
+        return lambda: cls(build_model(cfg, 0, device=dev), optim, N)
+
     every = {"xtrain": lambda: DistAccumTrainer(build_model(cfg, 0, device=dev), optim, N),
              "torch": lambda: TorchDDPTrainer(build_model(cfg, 0, device=dev), optim, N),
-             "plain": Plain}
+             "plain": Plain, "fsdp2": fsdp2(False), "fsdp2-sync-every-micro": fsdp2(True)}
     makers = {k: every[k] for k in args.sides}
     trainers = {k: make() for k, make in makers.items()}
     for t in trainers.values():  # warm-up: Adam state, DDP's bucket rebuild (second step), allocator
@@ -326,6 +336,8 @@ def steps_mode(args) -> dict | None:
     for other in ("torch", "plain"):
         if "xtrain" in med and other in med:
             res[f"ratio_xtrain_over_{other}"] = med["xtrain"] / med[other]
+    if "fsdp2" in med and "fsdp2-sync-every-micro" in med:  # what the skipped reduce-scatters save
+        res["ratio_fsdp2_over_sync_every_micro"] = med["fsdp2"] / med["fsdp2-sync-every-micro"]
     print(f"{args.model} N={N} B={B}/rank S={S} world={world} {args.device}: median ms/step over {args.reps} "
           f"interleaved reps of {args.steps} steps")
     for k in med:
@@ -336,6 +348,9 @@ def steps_mode(args) -> dict | None:
     for other in ("torch", "plain"):
         if f"ratio_xtrain_over_{other}" in res:
             print(f"  xtrain / {other} = {res[f'ratio_xtrain_over_{other}']:.4f}")
+    if "ratio_fsdp2_over_sync_every_micro" in res:
+        print(f"  fsdp2 / fsdp2-sync-every-micro = {res['ratio_fsdp2_over_sync_every_micro']:.4f} (the reduce-scatters "
+              f"micro-steps 0..N-2 skip)")
     return res
 
 
@@ -355,7 +370,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None, help="step mode: sequence length (default: the model's)")
     p.add_argument("--steps", type=int, default=5, help="step mode: optimizer steps per repetition")
     p.add_argument("--sides", default="xtrain,torch,plain", help="step mode: which trainers, comma list of "
-                   "xtrain, torch (xtrain's model under DDP no_sync), plain (benchmarks/plain_torch.py under DDP no_sync)")
+                   "xtrain, torch (xtrain's model under DDP no_sync), plain (benchmarks/plain_torch.py under DDP no_sync), "
+                   "fsdp2 (FSDP2, sync at the boundary), fsdp2-sync-every-micro (the same, reduce-scatter every micro-step)")
     p.add_argument("--cold", default=None, help="pool mode: start methods timed cold, comma list of spawn, "
                    "forkserver (default: both on gloo; NCCL: spawn only, CUDA and forks do not mix)")
     args = p.parse_args(argv)
@@ -363,8 +379,9 @@ def main(argv=None) -> int:
     if set(args.cold) - {"spawn", "forkserver"} or (args.backend == "nccl" and "forkserver" in args.cold):
         p.error(f"--cold must name spawn and/or forkserver (NCCL: spawn only), got {','.join(args.cold)!r}")
     args.sides = [x for x in args.sides.split(",") if x]
-    if not args.sides or set(args.sides) - {"xtrain", "torch", "plain"}:
-        p.error(f"--sides must name some of xtrain, torch, plain; got {','.join(args.sides)!r}")
+    sides = {"xtrain", "torch", "plain", "fsdp2", "fsdp2-sync-every-micro"}
+    if not args.sides or set(args.sides) - sides:
+        p.error(f"--sides must name some of {', '.join(sorted(sides))}; got {','.join(args.sides)!r}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         args.reps = args.reps or 9
         res = steps_mode(args)

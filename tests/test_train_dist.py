@@ -85,3 +85,19 @@ def test_torchrun_docs_token_weighted_matches_one_process(tmp_path):
     assert s.returncode == 0, s.stderr
     last = lambda out: out.splitlines()[-1].split("loss ")[-1]  # noqa: E731
     assert last(r.stdout) == last(s.stdout), (r.stdout, s.stdout)
+
+
+def test_torchrun_fsdp2_matches_one_process():
+    """FSDP2 (--ddp-impl fsdp2), world 2 × N=2 × B=2: the final loss of one process on batches of 8."""
+    r = torchrun("--ddp-impl", "fsdp2", "--accum-steps", "2", "--micro-batch", "2", "--steps", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = single("--accum-steps", "1", "--micro-batch", "8", "--steps", "3")
+    assert s.returncode == 0, s.stderr
+    got, want = (float(out.splitlines()[-1].split("-> ")[-1]) for out in (r.stdout, s.stdout))
+    assert abs(got - want) <= 1e-3 * abs(want), (r.stdout, s.stdout)
+
+
+def test_fsdp2_with_fp16_is_refused_before_any_group_exists():
+    env = {**ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    r = single("--ddp-impl", "fsdp2", "--precision", "fp16", env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--ddp-impl fsdp2 --precision fp16: not offered" in r.stderr

@@ -1,0 +1,73 @@
+"""FSDP2 accumulation (xtrain_core/fsdp.py) through the gates: equivalence to the one-rank big batch and the
+count table row of its sync mode, per micro-step and at the boundary; and the FSDP2 bugs it must reject."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verify.adapters import broken_dist, xtrain
+from verify.case import Case
+from verify.gates import GateFailure, check_distributed
+from verify.gates.distributed import max_world
+from verify.strategies import dist_cases
+from xtrain_core.config import ModelConfig, OptimConfig
+
+pytestmark = [pytest.mark.distributed, pytest.mark.skipif(max_world() < 2, reason="needs world ≥ 2")]
+WORLDS = dict(min_world=2, max_world=min(3, max_world()))
+TWO_BLOCKS = xtrain.XtrainOptions(model=ModelConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16),
+                                  seq_len=8, optim=OptimConfig(lr=1e-2, warmup_steps=2))
+
+
+def _budget(share: int, least: int) -> int:
+    return max(least, settings.default.max_examples // share)
+
+
+@pytest.mark.parametrize("adapter", [xtrain.fsdp2, xtrain.fsdp2_keep, xtrain.fsdp2_tokens],
+                         ids=["reshard", "keep", "tokens"])
+@settings(max_examples=_budget(25, 4), deadline=None)
+@given(data=st.data())
+def test_fsdp2_passes_its_count_row_and_the_equivalence_gate(adapter, data):
+    """Per micro-step only parameter all-gathers (2 per unit resharded, 1 kept), at the boundary one
+    reduction per unit; the gradient equals the big batch's; full_tensor() of every parameter is bit-equal
+    across ranks after every step."""
+    case = data.draw(dist_cases(adapter, **WORLDS, max_accum=4, max_steps=2))
+    r = check_distributed(adapter, case)
+    steps = r.extra["comm"].steps[(0, str(torch.float32))]
+    assert all(len(m) == adapter.counts(case).before["all_gather"] for s in steps for m in s.micro)
+
+
+def test_the_row_names_reduce_scatter_on_nccl_and_all_reduce_on_gloo(monkeypatch):
+    case = Case(accum_steps=4, micro_batch=2, steps=1, world=2, options=TWO_BLOCKS)
+    gloo = xtrain.fsdp2_row(case)
+    assert gloo.before == {"all_gather": 6} and gloo.boundary == {"all_gather": 6, "all_reduce": 4}
+    monkeypatch.setenv("XTRAIN_DIST_BACKEND", "nccl")
+    nccl = xtrain.fsdp2_keep_row(case)
+    assert nccl.before == {"all_gather": 3} and nccl.boundary == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 1}
+    P = TWO_BLOCKS.model.n_params
+    assert nccl.elements[0] == P and nccl.elements[1] >= P
+
+
+@pytest.mark.parametrize("name,where", [
+    ("fsdp2_sync_always", r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2, reshard after "
+                          r"forward, \d+ units' expects all_gather×\d+, observed all_gather×\d+, all_reduce×\d+: "
+                          r"gloo:all_reduce float32"),
+    ("fsdp2_switch_after_backward", r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"),
+])
+@settings(max_examples=_budget(30, 3), deadline=None)
+@given(data=st.data())
+def test_rejects_fsdp2_sync_bugs_naming_the_row(name, where, data):
+    """Sync never disabled: every micro-step reduces every unit. The switch set after the backward it was
+    meant for: micro-step 0 runs with FSDP2's default (sync on)."""
+    adapter = getattr(broken_dist, name)
+    case = data.draw(dist_cases(adapter, **WORLDS, min_accum=2, max_accum=4, max_steps=2))
+    with pytest.raises(GateFailure) as e:
+        check_distributed(adapter, case)
+    assert e.match(where), str(e.value)
+
+
+def test_fsdp2_switch_set_after_forward_is_harmless():
+    """Unlike DDP (which arms its reducer at forward), FSDP2 reads set_requires_gradient_sync in its
+    post-backward hooks: set between forward and backward it still takes effect. The gates agree."""
+    case = Case(accum_steps=3, micro_batch=2, steps=2, world=2, options=TWO_BLOCKS, seed=1, data_seed=2)
+    r = check_distributed(broken_dist.fsdp2_switch_after_forward, case)
+    assert r.ratio < 1, f"torch {torch.__version__}: FSDP2 with the switch after forward failed: {r}"
