@@ -31,6 +31,20 @@ def test_effective_batch_line_and_summary():
     (["--seq-len", "65"], "--seq-len 65 exceeds --model tiny's limit of 64"),
     (["--model", "huge"], "argument --model: invalid choice"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:K, got 'tpu'"),
+    # sizes a run can never meet: refused before anything allocates, with the limit in the message
+    (["--accum-steps", "99999999999999999999"], "argument --accum-steps: must be ≤ 1048576, got 99999999999999999999"),
+    (["--micro-batch", "99999999999999999999"], "argument --micro-batch: must be ≤ 65536, got 99999999999999999999"),
+    (["--steps", "99999999999999999999"], "argument --steps: must be ≤ 1000000000, got 99999999999999999999"),
+    (["--accum-steps", "4096", "--micro-batch", "8192"], "effective batch 4096 × 8192 = 33554432 sequences per step "
+                                                          "exceeds 16777216"),
+    (["--seed", "99999999999999999999"], "argument --seed: must be ≤ 9223372036854775807, got 99999999999999999999"),
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0, got -1.0"),
+    (["--data", "/dev/null"], "--data /dev/null: not a regular file; pass a UTF-8 text file or omit --data"),
+    (["--data", "/tmp"], "--data /tmp: is a directory; pass a UTF-8 text file or omit --data"),
+    (["--data", "/bin/ls"], "--data /bin/ls: not UTF-8 text (byte "),
+    (["--device", "cuda:7"], "--device cuda:7: "),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):
     r = train(*args)

@@ -97,3 +97,55 @@ def test_no_orphans_when_the_owner_ends(sig):
         if p.poll() is None:
             p.kill()
         p.communicate()
+
+
+@pytest.mark.parametrize("code,needle", [(9, "rank 1 died (exit code 9) without a reply"),
+                                         (-9, "rank 1 died (killed by signal SIGKILL) without a reply")])
+def test_a_dead_rank_is_reported_with_its_exit_code_or_signal(code, needle):
+    pool = RankPool(2)
+    with pytest.raises(DistJobError) as e:
+        pool.run(dist_jobs.exit_on_rank, 1, code)
+    assert needle in str(e.value), str(e.value)
+    assert _wait_gone(pool.pids) == []
+
+
+STALE_OWNER = """
+import sys
+sys.path.insert(0, {root!r})
+from verify.pool import RankPool
+pool = RankPool(1)
+print(pool.dir, flush=True)
+import time
+time.sleep(120)
+"""
+
+
+def test_folders_of_sigkilled_owners_are_reclaimed_by_the_next_pool(tmp_path):
+    """20 pool owners killed with SIGKILL (nothing of theirs runs to clean up) leave their folders; every
+    pool that starts removes the folders whose owner is dead (so later batches already reclaim earlier
+    ones), and the next pool after all 20 leaves none behind — live owners' folders stay."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    dirs = []
+    for batch in range(4):  # 5 at a time: a 2-core box
+        owners = [subprocess.Popen([sys.executable, "-c", STALE_OWNER.format(root=ROOT)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                  for _ in range(5)]
+        for p in owners:
+            line = p.stdout.readline().strip()
+            assert line.startswith(str(tmp_path)), (line, p.stderr.read() if p.poll() is not None else "")
+            dirs.append(line)
+        for p in owners:
+            os.killpg(p.pid, signal.SIGKILL)  # the owner and its ranks: nothing gets to clean up
+            p.wait(30)
+            p.communicate()
+    stale = [d for d in dirs if os.path.isdir(d)]
+    assert len(dirs) == 20 and len(stale) >= 5, stale  # at least the last batch's, nobody left to clean them
+    live = subprocess.Popen([sys.executable, "-c", STALE_OWNER.format(root=ROOT)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        live_dir = live.stdout.readline().strip()
+        left = [d for d in os.listdir(tmp_path) if d.startswith("xtrain-pool-")]
+        assert left == [os.path.basename(live_dir)], left  # 20 reclaimed, the live owner's kept
+    finally:
+        os.killpg(live.pid, signal.SIGKILL)
+        live.communicate()

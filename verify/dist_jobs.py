@@ -90,3 +90,15 @@ def whoami(ctx) -> tuple[int, int]:
     import os
 
     return ctx.rank, os.getpid()
+
+
+def exit_on_rank(ctx, bad: int, code: int) -> int:
+    """Rank `bad` dies without a reply: os._exit(code), or SIGKILL itself when code < 0."""
+    import os
+    import signal
+
+    if ctx.rank == bad:
+        if code < 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(code)
+    return ctx.rank

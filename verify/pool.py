@@ -19,6 +19,8 @@ model, N=4). So the suite keeps ONE pool per (world, backend) per process (= per
   stacks of ranks still stuck in a collective), and the pool is replaced.
 * A job that outlives its timeout (XTRAIN_DIST_TIMEOUT seconds, default 120) gets each hung rank's
   Python stacks via faulthandler (SIGUSR1), the pool is killed, and the job fails with the dumps.
+* Stale folders: a folder's name carries its owner's pid; each new pool removes the folders of owners
+  that are gone (SIGKILL leaves no chance to clean up).
 * No orphans: workers die with their parent (PR_SET_PDEATHSIG on Linux, and EOF on their pipe), the
   parent closes every pool at exit and on SIGTERM; SIGINT is left to the parent (workers ignore it),
   whose KeyboardInterrupt unwinds into the same cleanup.
@@ -201,7 +203,9 @@ class RankPool:
 
         self.world, self.backend = world, backend or default_backend()
         self.threads = threads or int(os.environ.get("XTRAIN_TEST_THREADS", "1"))
-        self.dir = tempfile.mkdtemp(prefix=f"xtrain-pool-w{world}-")
+        reclaim_stale()
+        # The owner's pid is in the name: a later pool can tell whether this folder's owner still lives.
+        self.dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}w{world}-{os.getpid()}-")
         self.start_method = start_method(self.backend)
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
@@ -281,8 +285,7 @@ class RankPool:
                 try:
                     got[r] = pickle.loads(c.recv_bytes())
                 except (EOFError, OSError):
-                    code = self.procs[r].exitcode
-                    got[r] = ("err", f"rank {r} died (exit code {code}) without a reply")
+                    got[r] = ("err", f"rank {r} died ({self._death(r)}) without a reply")
                 if got[r][0] == "err" and first_err is None:
                     first_err = time.monotonic()
         errors = {r: v for r, (k, v) in sorted(got.items()) if k == "err"}
@@ -302,6 +305,20 @@ class RankPool:
             raise DistJobError(head + "\n" + "\n".join(parts))
         raise DistTimeout(f"{what} timed out after {timeout:.0f} s ({ENV_TIMEOUT} overrides) in a pool of world "
                           f"{self.world} ({self.backend}); rank(s) {stuck} hung\n" + "\n".join(parts))
+
+    def _death(self, r: int) -> str:
+        """How rank r ended: its pipe closed first, so wait a moment for the process to be reaped."""
+        p = self.procs[r]
+        p.join(5)
+        code = p.exitcode
+        if code is None:
+            return "pipe closed, process still running"
+        if code < 0:
+            try:
+                return f"killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         if not ranks:
@@ -347,6 +364,34 @@ class RankPool:
         for c in self.conns:
             c.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+DIR_PREFIX = "xtrain-pool-"
+
+
+def reclaim_stale() -> list[str]:
+    """Remove the rendezvous folders of pool owners that are gone (an owner killed with SIGKILL never
+    cleans up): <tmp>/xtrain-pool-w<W>-<owner pid>-<random> with no process of that pid. Returns them."""
+    tmp, out = tempfile.gettempdir(), []
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return out
+    for name in names:
+        parts = name[len(DIR_PREFIX):].split("-") if name.startswith(DIR_PREFIX) else []
+        if len(parts) < 3 or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): keep it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+        out.append(name)
+    return out
 
 
 _POOLS: dict[tuple[int, str], RankPool] = {}

@@ -27,8 +27,9 @@ def fail(message: str, code: int = 2):
     raise SystemExit(code)
 
 
-def int_at_least(lo: int):
-    """An argparse type: an integer ≥ lo, with an error that names the bound and the input."""
+def int_at_least(lo: int, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi], with an error that names the bound and the input. hi is a
+    size a run can ever meet: past it the run could only exhaust memory or time, so it is refused up front."""
 
     def parse(text: str) -> int:
         try:
@@ -37,21 +38,27 @@ def int_at_least(lo: int):
             raise argparse.ArgumentTypeError(f"must be an integer ≥ {lo}, got {text!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be ≥ {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"must be ≤ {hi}, got {v}")
         return v
 
     return parse
 
 
 positive_int, nonneg_int = int_at_least(1), int_at_least(0)
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes a signed 64-bit integer
 
 
 def positive_float(text: str) -> float:
+    """A finite number > 0 (inf and nan are numbers to float(), not to an optimizer)."""
+    import math
+
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {v}")
     return v
 
 
@@ -62,11 +69,15 @@ def resolve_device(name: str):
     if name == "cpu":
         return torch.device("cpu")
     if name.startswith("cuda"):
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise UsageError(f"--device must be cpu, cuda or cuda:K, got {name!r}") from None
         if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
-        dev = torch.device(name)
+            raise UsageError(f"--device {name}: no CUDA GPU is visible to torch; use --device cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
+            n = torch.cuda.device_count()
+            raise UsageError(f"--device {name}: only {n} GPU(s) visible (cuda:0..cuda:{n - 1}); pass one of those")
         return dev
     raise UsageError(f"--device must be cpu, cuda or cuda:K, got {name!r}")
 
@@ -93,3 +104,23 @@ class Progress:
                 self.stream.write(line + "\n")
                 self._last = decile
         self.stream.flush()
+
+
+def text_file(flag: str, path: str) -> None:
+    """UsageError unless `path` is a regular, readable, UTF-8 text file (one line naming the flag)."""
+    import os
+
+    fix = "pass a UTF-8 text file" + (" or omit --data" if flag == "--data" else ", one document per line")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory; {fix}")
+    if not os.path.exists(path):
+        raise UsageError(f"{flag} {path}: no such file; {fix}")
+    if not os.path.isfile(path):
+        raise UsageError(f"{flag} {path}: not a regular file; {fix}")
+    try:
+        with open(path, "rb") as f:
+            f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag} {path}: not UTF-8 text (byte {e.start}); {fix}") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e.strerror}); {fix}") from None

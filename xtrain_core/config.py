@@ -67,8 +67,8 @@ class OptimConfig:
     """AdamW's fused kernel; None: fused when the parameters are on CUDA (fastest there), else torch's default."""
 
     def __post_init__(self):
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not (self.lr > 0 and self.lr != float("inf")):
+            raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}")
         if not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1):
             raise ValueError(f"optim.betas must lie in [0, 1), got {self.betas}")
         if not self.eps > 0:
@@ -80,6 +80,13 @@ class OptimConfig:
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be an integer ≥ 0, got {self.warmup_steps!r}")
 
+
+# Sizes a run can ever meet (bigger ones could only run out of memory or time): checked before anything
+# allocates, so an absurd flag is one line, not an OOM minutes later.
+MAX_ACCUM_STEPS = 2**20
+MAX_MICRO_BATCH = 2**16
+MAX_STEPS = 10**9
+MAX_EFFECTIVE_BATCH = 2**24  # sequences per optimizer step, over all ranks
 
 LOSS_NORMS = ("mean", "tokens")
 """mean: CE mean per micro-batch × 1/N (exact for fixed-length data). tokens: Σ CE over valid tokens / the
@@ -108,8 +115,11 @@ class TrainConfig:
     def __post_init__(self):
         for f in ("accum_steps", "micro_batch", "steps", "seq_len"):
             _positive_int("train", f, getattr(self, f))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"train.seed must be an integer ≥ 0, got {self.seed!r}")
+        for f, hi in (("accum_steps", MAX_ACCUM_STEPS), ("micro_batch", MAX_MICRO_BATCH), ("steps", MAX_STEPS)):
+            if getattr(self, f) > hi:
+                raise ValueError(f"train.{f} must be ≤ {hi}, got {getattr(self, f)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"train.seed must be an integer in [0, 2^63), got {self.seed!r}")
         if self.loss_norm not in LOSS_NORMS:
             raise ValueError(f"train.loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}")
         if self.precision not in PRECISIONS:

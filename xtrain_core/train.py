@@ -17,17 +17,20 @@ import os
 import sys
 import time
 
-from .cli import Parser, Progress, UsageError, fail, nonneg_int, positive_float, positive_int, resolve_device
-from .config import PRESETS, OptimConfig, TrainConfig, effective_batch
+from .cli import SEED_MAX, Parser, Progress, UsageError, fail, int_at_least, positive_float, resolve_device, text_file
+from .config import (MAX_ACCUM_STEPS, MAX_EFFECTIVE_BATCH, MAX_MICRO_BATCH, MAX_STEPS, PRESETS, OptimConfig,
+                     TrainConfig, effective_batch)
 from .distributed import IMPLS, torchrun_env
 
 
 def parse_args(argv=None):
     p = Parser(prog="xtrain_core.train", description=__doc__.split("\n\n")[1])
-    p.add_argument("--accum-steps", type=positive_int, default=1, help="N: micro-steps per optimizer step")
-    p.add_argument("--micro-batch", type=positive_int, default=8, help="B: sequences per micro-step")
-    p.add_argument("--steps", type=positive_int, default=10, help="K: optimizer steps")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="S: tokens per sequence (default: the model's limit)")
+    p.add_argument("--accum-steps", type=int_at_least(1, MAX_ACCUM_STEPS), default=1,
+                   help=f"N: micro-steps per optimizer step (≤ {MAX_ACCUM_STEPS})")
+    p.add_argument("--micro-batch", type=int_at_least(1, MAX_MICRO_BATCH), default=8,
+                   help=f"B: sequences per micro-step (≤ {MAX_MICRO_BATCH}; N × B × W ≤ {MAX_EFFECTIVE_BATCH})")
+    p.add_argument("--steps", type=int_at_least(1, MAX_STEPS), default=10, help="K: optimizer steps")
+    p.add_argument("--seq-len", type=int_at_least(1), default=None, help="S: tokens per sequence (default: the model's limit)")
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--data", default=None, help="UTF-8 text file read as byte tokens (default: embedded synthetic stream)")
     p.add_argument("--docs", default=None, metavar="FILE",
@@ -39,9 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="fp32; bf16 autocast; fp16 autocast with a GradScaler (parameters and gradients fp32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K")
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=0)
     p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--warmup-steps", type=nonneg_int, default=0)
+    p.add_argument("--warmup-steps", type=int_at_least(0, MAX_STEPS), default=0)
     p.add_argument("--ddp-impl", choices=IMPLS, default="xtrain",
                    help="under torchrun: xtrain's boundary all-reduce (default), torch DDP with no_sync(), or FSDP2 "
                         "(fully_shard per block, set_requires_gradient_sync at the boundary)")
@@ -54,6 +57,12 @@ def build(args, dist_env=None):
     import torch  # noqa: F401  (after argument parsing: --help stays fast)
 
     model_cfg = PRESETS[args.model]
+    world = dist_env[1] if dist_env is not None else 1
+    E = effective_batch(args.accum_steps, args.micro_batch, world)
+    if E > MAX_EFFECTIVE_BATCH:
+        w = f" × {world}" if world > 1 else ""
+        raise UsageError(f"effective batch {args.accum_steps} × {args.micro_batch}{w} = {E} sequences per step exceeds "
+                         f"{MAX_EFFECTIVE_BATCH}; lower --accum-steps or --micro-batch")
     seq_len = args.seq_len or model_cfg.seq_len
     if seq_len > model_cfg.seq_len:
         raise UsageError(f"--seq-len {seq_len} exceeds --model {args.model}'s limit of {model_cfg.seq_len}; "
@@ -66,21 +75,16 @@ def build(args, dist_env=None):
         if loss_norm == "mean":
             raise UsageError("--docs pads sequences, and --loss-norm mean weighs every micro-batch alike whatever its "
                              "number of valid tokens (wrong on padded data); pass --loss-norm tokens")
-        if not os.path.isfile(args.docs):
-            raise UsageError(f"--docs {args.docs}: no such file; pass a UTF-8 text file, one document per line")
+        text_file("--docs", args.docs)
         from .data import DocStream
 
         try:
             DocStream(args.docs, 1)
-        except UnicodeDecodeError as e:
-            raise UsageError(f"--docs {args.docs}: not UTF-8 text (byte {e.start}); pass a UTF-8 text file, "
-                             f"one document per line") from None
         except (OSError, ValueError) as e:
             raise UsageError(f"--docs {args.docs}: {e}") from None
         model_cfg = dataclasses.replace(model_cfg, vocab_size=max(256, model_cfg.vocab_size))  # byte tokens
     if args.data is not None:
-        if not os.path.isfile(args.data):
-            raise UsageError(f"--data {args.data}: no such file; pass a UTF-8 text file or omit --data")
+        text_file("--data", args.data)
         size = os.path.getsize(args.data)
         if size < seq_len + 2:
             raise UsageError(f"--data {args.data} has {size} bytes; --seq-len {seq_len} needs at least {seq_len + 2}")
