@@ -45,6 +45,7 @@ class CountRow:
     boundary: dict = field(default_factory=dict)  # family -> count at the boundary
     elements: tuple | None = None  # (lo, hi) floating elements reduced at the boundary; None: the default rule
     first_micro: dict = field(default_factory=dict)  # extra on micro-step 0 of step 0 (e.g. a graph-recording pass)
+    first_elements: int = 0  # floating elements those extra collectives may add where micro-step 0 is the boundary (N = 1)
 
     def describe(self) -> str:
         f = lambda d: ", ".join(f"{k}×{_fmt(v)}" for k, v in sorted(d.items())) or "none"  # noqa: E731

@@ -1,0 +1,88 @@
+"""The GPU CI gate's one command, on the CPU box: what it would run for 1 and 2 GPUs, its refusal without
+a GPU, its summary; and the workflows, linted by actionlint."""
+import os
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from verify import gpu_gate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _names(steps):
+    return [s[0] for s in steps]
+
+
+def test_the_plan_follows_the_gpus(tmp_path):
+    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=False)
+    one = gpu_gate.plan(1, str(tmp_path), args, ROOT)
+    assert _names(one) == ["gates", "gpu-tests", "memory"]
+    gates = one[0][1]
+    assert "--verify-device" in gates and "cuda" in gates and one[0][2]["HYPOTHESIS_PROFILE"] == "gpu"
+    two = gpu_gate.plan(2, str(tmp_path), args, ROOT)
+    assert _names(two) == ["gates", "gpu-tests", "memory", "nccl"]
+    name, cmd, env = two[-1]
+    assert "--verify-backend" in cmd and "nccl" in cmd and env["XTRAIN_DIST_MAX_WORLD"] == "2"
+    assert "tests/test_fsdp.py" in cmd and "tests/test_ddp_modes.py" in cmd
+    installed = gpu_gate.plan(8, str(tmp_path), SimpleNamespace(profile="ci", max_world=4, no_memory=True), None)
+    assert _names(installed) == ["gates", "nccl"] and "--pyargs" in installed[0][1]
+    assert installed[-1][2]["XTRAIN_DIST_MAX_WORLD"] == "4"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_without_a_gpu_it_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "verify.gpu_gate", "--out", str(tmp_path / "out")], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("verify.gpu_gate: error: no CUDA GPU is visible to torch") and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_summary_names_each_step_and_fails_when_one_does(tmp_path):
+    doc = dict(machine_info=dict(gpu_count=2, gpu="NVIDIA H200", torch="2.11", cuda="13.0", nccl="2.28", driver="580"),
+               git_commit="abc", utc="now", out=str(tmp_path),
+               steps=[dict(step="gates", returncode=0, seconds=40.2, last_line="300 passed"),
+                      dict(step="nccl", returncode=1, seconds=90, last_line="1 failed, 30 passed")])
+    md = gpu_gate.summary_md(doc)
+    assert md.startswith("## verify GPU gate: FAILED") and "| nccl | FAILED (1) | 90 | 1 failed, 30 passed |" in md
+
+
+def test_workflows_pass_actionlint():
+    exe = shutil.which("actionlint")
+    if exe is None:
+        pytest.skip("actionlint is not installed (pip install 'xtrain[test]' brings it)")
+    flows = [os.path.join(ROOT, ".github", "workflows", f) for f in ("ci.yml", "gpu.yml")]
+    r = subprocess.run([exe, *flows], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(flows[0]) as f:  # the CPU workflow runs exactly the README's test command (through .ci/run)
+        assert "run: bash .ci/run" in f.read()
+    with open(flows[1]) as f:
+        gpu = f.read()
+    assert "runs-on: [self-hosted, linux, gpu]" in gpu and "python3 -m verify.gpu_gate --out gpu-reports" in gpu
+    assert "GITHUB_STEP_SUMMARY" in gpu and "upload-artifact" in gpu
+
+
+def test_actionlint_can_fail(tmp_path):
+    exe = shutil.which("actionlint")
+    if exe is None:
+        pytest.skip("actionlint is not installed")
+    bad = tmp_path / "bad.yml"
+    bad.write_text("name: x\non: push\njobs:\n  a:\n    runs-on: ubuntu-latest\n    steps:\n      - run: echo ${{ github.nosuch }}\n")
+    r = subprocess.run([exe, str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "nosuch" in r.stdout + r.stderr
+
+
+def test_the_tools_default_outputs_are_ignored_so_a_run_never_dirties_the_references():
+    if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    for path in ("reports/memory-E32.json", "reports/memory-E32.png", "reports/verify-report.md",
+                 "reports/bf16-accumulation.json", "reports/bench_dist_pools_gloo.json"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+        assert r.returncode == 0, f"{path} would be tracked: a user's run would dirty the repo"
+    r = subprocess.run(["git", "check-ignore", "-q", "reports/cpu/memory-E32.json"], cwd=ROOT)
+    assert r.returncode == 1  # the committed references are not ignored
