@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+
+pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
 EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate"]

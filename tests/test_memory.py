@@ -51,6 +51,7 @@ def _report(out: Path, E=4) -> dict:
     return json.loads((out / f"memory-E{E}.json").read_text())
 
 
+@pytest.mark.slow
 def test_cpu_sweep_passes_and_writes_the_reports(tmp_path):
     r = memory_cli(*SMALL, "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -83,6 +84,7 @@ def test_cpu_sweep_passes_and_writes_the_reports(tmp_path):
     assert "5/5" in r.stderr  # progress bar
 
 
+@pytest.mark.slow
 def test_planted_leak_exits_1_naming_the_rows(tmp_path):
     """LeakyGraph keeps each micro-step's graph alive to the boundary: numerically correct, memory O(N)."""
     r = memory_cli(*SMALL, "--trainer", "leaky_graph", "--out", str(tmp_path))
@@ -109,6 +111,7 @@ def test_leaky_graph_is_invisible_to_the_equivalence_gate():
     check_equivalence(MEMORY_BROKEN["leaky_graph"], case)
 
 
+@pytest.mark.slow
 def test_a_trainer_that_is_not_a_gpt_end_to_end(tmp_path):
     """Any adapter: an MLP over float vectors (tests/memory_adapters.py), its own data, options and
     optimizer, measured through the CLI in fresh probe processes that import it by reference."""
@@ -454,6 +457,7 @@ def _fake_report() -> dict:
 # -- world > 1 ------------------------------------------------------------------------------------------
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_world_2_cpu_reports_per_rank_peaks(tmp_path):
     """torchrun, 2 ranks, gloo: each rank measures its own fresh processes, which join a process group of
     their own (so a data-parallel trainer can run collectives); rank 0 writes the per-rank report."""

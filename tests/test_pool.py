@@ -76,6 +76,7 @@ pool.run(dist_jobs.sleep, 120)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_no_orphans_when_the_owner_ends(sig):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it), SIGTERM, even SIGKILL of the
@@ -120,6 +121,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_folders_of_sigkilled_owners_are_reclaimed_by_the_next_pool(tmp_path):
     """20 pool owners killed with SIGKILL (nothing of theirs runs to clean up) leave their folders; every
     pool that starts removes the folders whose owner is dead (so later batches already reclaim earlier
