@@ -124,3 +124,12 @@ def text_file(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: not UTF-8 text (byte {e.start}); {fix}") from None
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot read it ({e.strerror}); {fix}") from None
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world, local_rank) when launched by torchrun (its RANK/WORLD_SIZE/LOCAL_RANK env), else None."""
+    import os
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))

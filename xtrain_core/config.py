@@ -88,6 +88,9 @@ MAX_MICRO_BATCH = 2**16
 MAX_STEPS = 10**9
 MAX_EFFECTIVE_BATCH = 2**24  # sequences per optimizer step, over all ranks
 
+IMPLS = ("xtrain", "torch", "fsdp2")
+"""Data-parallel trainers under torchrun (--ddp-impl): xtrain's flat buffer, torch DDP no_sync, FSDP2."""
+
 LOSS_NORMS = ("mean", "tokens")
 """mean: CE mean per micro-batch × 1/N (exact for fixed-length data). tokens: Σ CE over valid tokens / the
 window's valid-token count, across micro-steps and ranks (exact for padded / variable-length data)."""

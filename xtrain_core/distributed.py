@@ -37,11 +37,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import OptimConfig
+from .cli import torchrun_env  # noqa: F401  (re-exported: where launch code has always found it)
+from .config import IMPLS, OptimConfig
 from .model import IGNORE
 from .trainer import MicroSchedule, check_accum_steps, make_optimizer
 
-IMPLS = ("xtrain", "torch", "fsdp2")
 
 
 def _rank0(group) -> int:
@@ -260,13 +260,6 @@ def make_trainer(impl: str, model: nn.Module, optim: OptimConfig, accum_steps: i
 
 
 # -- launch ----------------------------------------------------------------------------------------
-
-def torchrun_env() -> tuple[int, int, int] | None:
-    """(rank, world, local_rank) when launched by torchrun (its RANK/WORLD_SIZE/LOCAL_RANK env), else None."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
-
 
 def shard(idx: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: int, world: int):
     """One global step batch (N·W·B_local, S) -> this rank's N micro-batches of (B_local, S).

@@ -17,10 +17,10 @@ import os
 import sys
 import time
 
-from .cli import SEED_MAX, Parser, Progress, UsageError, fail, int_at_least, positive_float, resolve_device, text_file
-from .config import (MAX_ACCUM_STEPS, MAX_EFFECTIVE_BATCH, MAX_MICRO_BATCH, MAX_STEPS, PRESETS, OptimConfig,
+from .cli import (SEED_MAX, Parser, Progress, UsageError, fail, int_at_least, positive_float, resolve_device,
+                  text_file, torchrun_env)
+from .config import (IMPLS, MAX_ACCUM_STEPS, MAX_EFFECTIVE_BATCH, MAX_MICRO_BATCH, MAX_STEPS, PRESETS, OptimConfig,
                      TrainConfig, effective_batch)
-from .distributed import IMPLS, torchrun_env
 
 
 def parse_args(argv=None):
@@ -45,10 +45,34 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int_at_least(0, SEED_MAX), default=0)
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup-steps", type=int_at_least(0, MAX_STEPS), default=0)
+    p.add_argument("--threads", type=threads_arg, default="auto",
+                   help="CPU intra-op threads: auto (OpenMP threads sleep when idle instead of spinning, so a CPU "
+                        "other processes share does not collapse; docs/performance.md) or a number")
     p.add_argument("--ddp-impl", choices=IMPLS, default="xtrain",
                    help="under torchrun: xtrain's boundary all-reduce (default), torch DDP with no_sync(), or FSDP2 "
                         "(fully_shard per block, set_requires_gradient_sync at the boundary)")
     return p.parse_args(argv)
+
+
+def threads_arg(text: str):
+    if text == "auto":
+        return text
+    return int_at_least(1, 1024)(text)
+
+
+def set_threads(args) -> None:
+    """Before torch loads its OpenMP runtime (which reads the environment once): auto makes idle OpenMP
+    threads sleep (OMP_WAIT_POLICY=PASSIVE) unless the environment says otherwise. Measured on a 2-core box
+    with other processes on it: spinning threads made a step many times slower (docs/performance.md)."""
+    if args.threads == "auto":
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def apply_threads(args) -> None:
+    import torch
+
+    if args.threads != "auto":
+        torch.set_num_threads(args.threads)
 
 
 def build(args, dist_env=None):
@@ -164,6 +188,7 @@ def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, ou
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    set_threads(args)
     env = torchrun_env()  # (rank, world, local_rank) under torchrun
     rank, world, _ = env or (0, 1, 0)
     # Bad input: EVERY rank prints its one line and exits 2 (torchrun stops the others as soon as one
@@ -172,6 +197,7 @@ def main(argv=None) -> int:
         model_cfg, train, optim, device = build(args, env)
     except (UsageError, ValueError) as e:  # config __post_init__ errors name the field
         fail(str(e))
+    apply_threads(args)
     if world > 1:
         import torch
         import torch.distributed as dist
