@@ -82,6 +82,14 @@ def test_cpu_sweep_passes_and_writes_the_reports(tmp_path):
     assert (tmp_path / "memory-E4.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "verdict: PASS" in r.stdout and "sweep" in r.stdout.splitlines()[2]
     assert "5/5" in r.stderr  # progress bar
+    # one process: AccumTrainer, the memory model's "single" mode, predicted of the CPU probe's quantity
+    pr = rep["prediction"]
+    assert (pr["mode"], pr["probe"], pr["verdict"]) == ("single", "cpu", "PASS") and s["warmup_steps"] == 1
+    for c in rep["configs"]:
+        (x,) = c["ranks"]
+        assert x["predicted_bytes"] == c["predicted_bytes"] == sum(c["predicted_terms"].values())
+        assert 0.8 < x["pred_ratio"] < 1.25
+        assert ("gradients, held across micro-steps" in c["predicted_terms"]) == (c["N"] >= 2)
 
 
 @pytest.mark.slow
@@ -130,9 +138,12 @@ def test_a_trainer_that_is_not_a_gpt_end_to_end(tmp_path):
         assert x["input_shape"] == [2048, 64] and x["input_dtype"] == "torch.float64"
         assert "tok_s" not in x and x["rows_s"] > 0 and "S" not in x  # no tokens claimed for vectors
         assert x["optim_state_bytes"] == x["param_bytes"]  # SGD momentum: one buffer per parameter
+        assert x["predicted_bytes"] is None and x["pred_ratio"] is None  # no memory model for this trainer
+    assert rep["prediction"]["verdict"] == "N/A" and rep["prediction"]["mode"] is None
     assert "rows/s" in r.stdout and "tok/s" not in r.stdout and "adapter position-wise MLP (tests)" in r.stdout
+    assert "meas/pred" in r.stdout and "(model) N/A" in r.stdout
     md = (tmp_path / "memory-E4.md").read_text()
-    assert "rows/s" in md and "no token rate is claimed" in md
+    assert "rows/s" in md and "no token rate is claimed" in md and "Not predicted: no memory model" in md
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -143,7 +154,7 @@ def test_a_trainer_that_is_not_a_gpt_end_to_end(tmp_path):
     (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
     (["--seq-len", "999", "--device", "cpu"], "--seq-len 999 exceeds --model small's limit of 256"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:K, got 'tpu'"),
-    (["--trainer", "nope", "--device", "cpu"], "--trainer nope: unknown trainer; use one of xtrain, leaky_graph or MODULE:FACTORY"),
+    (["--trainer", "nope", "--device", "cpu"], "--trainer nope: unknown trainer; use one of xtrain, torch_ddp, fsdp2, fsdp2_keep, leaky_graph or MODULE:FACTORY"),
     (["--trainer", "no.such:f", "--device", "cpu"], "--trainer no.such:f: cannot import 'no.such'"),
     (["--verify-trainer", "no.such:f", "--device", "cpu"], "--verify-trainer no.such:f: cannot import 'no.such'"),
     (["--trainer", "memory_adapters:nothing", "--device", "cpu"],

@@ -11,15 +11,16 @@
        split into N micro-batches of B rows (verify.case.split), floating tensors cast to spec.dtype,
        everything moved to spec.device;
     2. build the trainer: adapter(spec);
-    3. ONE warm-up optimizer step: it allocates the optimizer state, and its boundary grads() give the
-       bytes of the gradient buffers;
+    3. ONE warm-up optimizer step (`warmup`, default 1; verify.memory --warmup): it allocates the
+       optimizer state, and its boundary grads() give the bytes of the gradient buffers;
     4. probe.start(); `steps` measured optimizer steps (no host synchronisation inside them);
        probe.stop().
 
 The plain-torch anchor (verify/memory/h200_torch_single_E32.json) was measured with the same protocol,
 so the two compare. Modules: `plan` (flags -> configurations), `runners` (the CPU zygote client, the
 GPU runner, the sweeps), `probes`, `invariants`, `report` (assembly, anchor comparison, md/png/text),
-`_zygote` (the CPU fork server), `__main__` (the CLI). Importing this package imports neither torch nor
+`_zygote` (the CPU fork server), `__main__` (the CLI), `model` (the predicted peak per data-parallel
+mode), `modes` + `modes_report` (`python -m verify.memory.modes`: every mode in one command). Importing this package imports neither torch nor
 matplotlib; the probe classes load on first use.
 """
 from __future__ import annotations
@@ -61,9 +62,11 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: int = 1) -> dict:
+def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: int = 1, warmup: int = 1) -> dict:
     """One configuration (N = spec.accum_steps micro-steps of B = micro_batch rows) under `probe`: the
     probe's figures, the static state, timing and losses (see the module docstring for the protocol).
+    `warmup` optimizer steps precede the probe (1: the anchor's protocol; torch DDP rebuilds its gradient
+    buckets in the forward of its SECOND iteration, so its steady state starts after 2).
 
     Throughput is `tok_s` (N·B·S per second) when the inputs are 2-D integer token ids (rows, S), else
     `rows_s` (N·B rows per second): a token count is only claimed where there are tokens."""
@@ -73,7 +76,9 @@ def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: in
 
     device = torch.device(spec.device)
     N, B = spec.accum_steps, micro_batch
-    data, x0 = _draw(adapter, spec, B, steps + 1, data_seed, device)
+    if warmup < 1:
+        raise ValueError(f"warmup must be ≥ 1 (the first step allocates the optimizer state), got {warmup}")
+    data, x0 = _draw(adapter, spec, B, steps + warmup, data_seed, device)
     tokens = x0.dim() == 2 and not x0.is_floating_point() and not x0.is_complex()
     trainer = adapter(spec)
 
@@ -86,6 +91,8 @@ def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: in
 
     grad_bytes = []
     one_step(data[0], lambda: grad_bytes.append(tensor_bytes(list(trainer.grads().values()))))  # warm-up
+    for mb in data[1:warmup]:
+        one_step(mb)
     _sync(device)
     params = list(trainer.params().values())
     param_bytes, param_count = tensor_bytes(params), sum(p.numel() for p in params)
@@ -95,7 +102,7 @@ def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: in
 
     probe.start()
     t0 = time.perf_counter()
-    losses = [one_step(mb) for mb in data[1:]]  # no host sync inside the timed loop
+    losses = [one_step(mb) for mb in data[warmup:]]  # no host sync inside the timed loop
     _sync(device)
     dt = (time.perf_counter() - t0) / steps
     peaks = probe.stop()
@@ -104,7 +111,7 @@ def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: in
     del trainer, data
     rate = dict(S=x0.shape[1], tok_s=N * B * x0.shape[1] / dt) if tokens else dict(rows_s=N * B / dt)
     return dict(
-        N=N, B=B, eff=N * B, steps=steps, input_shape=list(x0.shape[1:]), input_dtype=str(x0.dtype),
+        N=N, B=B, eff=N * B, steps=steps, warmup=warmup, input_shape=list(x0.shape[1:]), input_dtype=str(x0.dtype),
         **peaks,
         param_bytes=param_bytes, param_count=param_count, grad_bytes=grad_bytes[0], optim_state_bytes=opt_bytes,
         static_bytes=param_bytes + grad_bytes[0] + (opt_bytes or 0),

@@ -1,6 +1,7 @@
 """python -m verify.memory --effective-batch E [--device auto|cpu|cuda|cuda:K]
-                        [--trainer xtrain|leaky_graph|MODULE:FACTORY] [--model tiny|small|gpt2-ish] [--seq-len S]
-                        [--steps K] [--out DIR] [--threads T] [--anchor JSON]
+                        [--trainer xtrain|torch_ddp|fsdp2|fsdp2_keep|leaky_graph|MODULE:FACTORY]
+                        [--model tiny|small|gpt2-ish] [--seq-len S] [--steps K] [--warmup K] [--out DIR]
+                        [--threads T] [--anchor JSON]
 
 Measures the peak memory of gradient accumulation and checks that it follows ONE micro-batch, not N.
 
@@ -10,6 +11,9 @@ Measures the peak memory of gradient accumulation and checks that it follows ONE
 Each configuration is isolated: on the CPU a fresh process per configuration (peak RSS above the RSS
 right before the measured steps); on a GPU one process with a full allocator reset between
 configurations (torch's max allocated/reserved, plus NVML device memory used sampled by a thread).
+For the trainers whose data-parallel mode verify/memory/model.py knows (xtrain, torch_ddp, fsdp2,
+fsdp2_keep; xtrain alone is AccumTrainer) every configuration also gets a PREDICTED peak of the same
+quantity the probe measures, and the ratio measured/predicted (reported; exit 1 only if absurd).
 Writes OUT/memory-E{E}.json, .md and .png (atomically, all or none) and exits 1 if an invariant fails:
 
   (a) fixed E: peak does not grow as N grows; peak(N=E, B=1) is well below peak(N=1, B=E)
@@ -51,14 +55,18 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto (cuda if visible, else cpu), cpu, cuda or cuda:K")
     p.add_argument("--trainer", "--verify-trainer", dest="trainer", action=_Trainer, default="xtrain",
                    metavar="NAME|MODULE:FACTORY",
-                   help="trainer to measure: xtrain (default: verify.adapters.xtrain:adapter), leaky_graph (a "
-                        "planted memory bug, verify/adapters/broken.py), or MODULE:FACTORY naming an adapter")
+                   help="trainer to measure: xtrain (default: verify.adapters.xtrain:adapter), torch_ddp, fsdp2, "
+                        "fsdp2_keep (xtrain's GPT under torch DDP no_sync / FSDP2, verify.adapters.xtrain:NAME), "
+                        "leaky_graph (a planted memory bug, verify/adapters/broken.py), or MODULE:FACTORY naming an adapter")
     p.add_argument("--model", choices=sorted(PRESETS), default=None,
                    help="xtrain's trainer only: model preset (default: small on cpu, gpt2-ish on cuda, the anchor's model)")
     p.add_argument("--seq-len", type=positive_int, default=None,
                    help="xtrain's trainer only: S (default: the model's limit)")
     p.add_argument("--steps", type=positive_int, default=None,
-                   help="measured optimizer steps per configuration, after one warm-up step (default: cpu 1, cuda 3 as the anchor)")
+                   help="measured optimizer steps per configuration, after the warm-up (default: cpu 1, cuda 3 as the anchor)")
+    p.add_argument("--warmup", type=positive_int, default=None, metavar="K",
+                   help="warm-up optimizer steps before the measured ones (default: 1 in one process, as the anchor; "
+                        "2 under torchrun: torch DDP rebuilds its gradient buckets in its second iteration)")
     p.add_argument("--out", default="reports", help="directory for memory-E{E}.json/.md/.png (default reports/)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU intra-op threads (default: torch's)")
     p.add_argument("--anchor", default=None,
@@ -83,6 +91,21 @@ def _init_dist(plan: Plan):
         dist.init_process_group("nccl" if plan.cuda else "gloo")
 
 
+def _activations(plan: Plan):
+    """(activations per B, None) for the memory model, or (None, a one-line reason): a prediction is reported,
+    so failing to measure its input never fails the run."""
+    from . import model as mm
+    from .probes import one_line
+    from .runners import activations
+
+    if plan.model is None or mm.mode_of(plan.adapter.locate(), plan.world) is None:
+        return None, None
+    try:
+        return activations(plan), None
+    except Exception as e:  # noqa: BLE001
+        return None, f"activations not measured: {one_line(e)}"
+
+
 def _report(plan: Plan, per_rank, argv, t0) -> dict:
     from . import report as rep
     from .invariants import check_invariants
@@ -91,6 +114,7 @@ def _report(plan: Plan, per_rank, argv, t0) -> dict:
     verdicts = check_invariants(per_rank, E_local=plan.E_local, cuda=plan.cuda)
     nvml = nvml_status(plan)[1] if plan.cuda else None
     report = rep.assemble(plan, per_rank, verdicts, nvml=nvml)
+    rep.add_predictions(report, plan, *_activations(plan))
     report["wall_s"] = time.perf_counter() - t0
     report["command"] = "python -m verify.memory " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))

@@ -18,7 +18,7 @@ Two ways to get a fresh one:
                                                      torch's DataLoader forks workers the same way.
 
 A request names the adapter (`adapter`: its MODULE:FACTORY reference) and carries Spec.options as a
-base64 pickle (`options`), with N, B, steps, seed, data_seed, threads. Either way the result is one line
+base64 pickle (`options`), with N, B, steps, warmup, seed, data_seed, threads. Either way the result is one line
 `MEMPROBE_RESULT {json}` on stdout. A request may carry `env` (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT, ...): with WORLD_SIZE > 1 the child joins a gloo process group before building the trainer,
 so a data-parallel trainer can run its collectives.
@@ -60,7 +60,7 @@ def measure_request(req: dict) -> dict:
         options = pickle.loads(base64.b64decode(req["options"])) if req.get("options") else adapter.defaults
         spec = Spec(accum_steps=req["N"], dtype=torch.float32, device="cpu", seed=req["seed"], options=options)
         res = measure(adapter, spec, micro_batch=req["B"], steps=req["steps"], probe=RssProbe(),
-                      data_seed=req["data_seed"])
+                      data_seed=req["data_seed"], warmup=req.get("warmup", 1))
         res.update(threads=torch.get_num_threads(), pid=os.getpid(),
                    process_group=dict(backend=dist.get_backend(), world=dist.get_world_size()) if world > 1 else None)
         return res
@@ -137,6 +137,7 @@ def serve(ref: str | None = None) -> int:
     import torch
 
     import torch.distributed  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401  (FSDP2 adapters import it lazily: ~0.5 s per child otherwise)
     import xtrain_core.data  # noqa: F401
     import xtrain_core.trainer  # noqa: F401
 

@@ -19,6 +19,9 @@ DEFAULT_ANCHOR = importlib.resources.files(__package__).joinpath(ANCHOR_NAME)
 """Plain torch on one H200 (gpt2-ish, S=512, E=32), shipped inside the package so an installed verify
 finds it too."""
 XTRAIN = "xtrain"
+MODE_TRAINERS = {"torch_ddp": "verify.adapters.xtrain:torch_ddp", "fsdp2": "verify.adapters.xtrain:fsdp2",
+                 "fsdp2_keep": "verify.adapters.xtrain:fsdp2_keep"}
+"""Short --trainer names of the other data-parallel modes of xtrain's GPT (verify/memory/model.py knows them)."""
 
 
 @dataclass
@@ -45,6 +48,9 @@ class Plan:
     out: Path
     anchor: Any  # Path or importlib.resources Traversable, or None
     model_name: str | None = None
+    warmup: int = 1
+    """Warm-up optimizer steps before the probe: 1 in one process (the anchor's protocol), 2 under torchrun
+    (torch DDP rebuilds its gradient buckets in the forward of its second iteration)."""
     configs: list[Config] = field(default_factory=list)
 
     @property
@@ -80,16 +86,18 @@ def plan_configs(e_local: int) -> list[Config]:
 def trainer_names() -> list[str]:
     from ..adapters.broken import MEMORY_BROKEN
 
-    return [XTRAIN, *sorted(MEMORY_BROKEN)]
+    return [XTRAIN, *MODE_TRAINERS, *sorted(MEMORY_BROKEN)]
 
 
 def resolve_adapter(name: str, flag: str = "--trainer"):
-    """'xtrain' (verify.adapters.xtrain:adapter), a planted memory bug (verify.adapters.broken.MEMORY_BROKEN)
+    """'xtrain' (verify.adapters.xtrain:adapter), torch_ddp / fsdp2 / fsdp2_keep (MODE_TRAINERS), a planted memory bug (verify.adapters.broken.MEMORY_BROKEN)
     or 'MODULE:FACTORY' naming an Adapter. AdapterError with a one-line reason naming `flag`."""
     from ..protocol import DEFAULT_REF, AdapterError, load_adapter
 
     if name == XTRAIN:
         return load_adapter(DEFAULT_REF, option=flag)
+    if name in MODE_TRAINERS:
+        return load_adapter(MODE_TRAINERS[name], option=flag)
     if ":" not in name:
         from ..adapters.broken import MEMORY_BROKEN
 
@@ -179,6 +187,7 @@ def build_plan(args) -> Plan:
             raise UsageError(f"--out {args.out}: cannot write there ({e.strerror or e})") from None
     plan = Plan(E=E, world=world, rank=rank, device=device, adapter=adapter, trainer=args.trainer, options=options,
                 model_name=model_name, steps=args.steps or (3 if device.type == "cuda" else 1),
+                warmup=args.warmup or (2 if world > 1 else 1),
                 threads=args.threads or torch.get_num_threads(), out=out, anchor=anchor)
     plan.configs = plan_configs(plan.E_local)
     return plan

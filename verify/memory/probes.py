@@ -25,7 +25,7 @@ import time
 import torch
 
 __all__ = ["ProbeUnavailable", "RssProbe", "CudaProbe", "NvmlSampler", "cuda_full_reset", "probe_definition",
-           "tensor_bytes", "optimizer_info", "optimizer_state_bytes", "one_line"]
+           "tensor_bytes", "optimizer_info", "optimizer_state_bytes", "one_line", "saved_activation_bytes"]
 
 
 class ProbeUnavailable(RuntimeError):
@@ -74,10 +74,11 @@ class RssProbe:
     """Peak RSS during the measured steps minus RSS right before them, in a fresh process.
 
     The baseline holds: the interpreter and torch, the model's parameters, the optimizer state (made by
-    the warm-up step), the pre-drawn batches, and heap the warm-up step freed but the C allocator
-    kept (verify.memory runs the child with MALLOC_MMAP_THRESHOLD_ fixed so tensor-sized blocks are
-    unmapped on free and this stays small). The figure therefore holds what a training step adds:
-    gradient buffers, activations saved for backward, temporaries, optimizer-step scratch.
+    the warm-up step), gradient buffers that live between steps (xtrain's flat buffer, DDP's buckets),
+    the pre-drawn batches, and heap the warm-up step freed but the C allocator kept (verify.memory runs
+    the child with MALLOC_MMAP_THRESHOLD_ fixed so tensor-sized blocks are unmapped on free and this
+    stays small). The figure therefore holds what a training step adds: gradients it allocates,
+    activations saved for backward, temporaries, optimizer-step scratch.
 
     High-water mark: VmHWM after resetting it through /proc/self/clear_refs; where that reset is not
     allowed, ru_maxrss, which still covers the warm-up step: the figure is then exact only if the
@@ -276,10 +277,13 @@ def probe_definition(cuda: bool, hwm_reset: bool = True) -> dict:
            "ru_maxrss where the reset was refused (hwm_exact per row says whether the measured steps set the peak)")
     return dict(
         kind="cpu", primary="peak_bytes = peak RSS during the measured steps − RSS right before them",
-        includes="Included: what a training step adds on top of the steady state — gradient buffers, "
-                 "activations saved for backward, temporaries, optimizer-step scratch, and pages first touched "
-                 "during the step. Not included (they are in the baseline): the interpreter and torch, the "
-                 "parameters, the optimizer state (allocated by the warm-up step), the pre-drawn batches. "
+        includes="Included: what a training step adds on top of the steady state — activations saved for "
+                 "backward, temporaries, gradients the step allocates (a trainer that frees them between steps, "
+                 "zero_grad(set_to_none=True); FSDP2's unsharded gradients and gathered parameters), optimizer-step "
+                 "scratch, and pages first touched during the step. Not included (they are in the baseline): the "
+                 "interpreter and torch, the parameters, the optimizer state (allocated by the warm-up step), "
+                 "gradient buffers that live between steps (xtrain's flat buffer, DDP's buckets), the pre-drawn "
+                 "batches. "
                  f"High-water mark: {hwm}.",
         isolation="a fresh process per configuration, forked from a `python -m verify.memory._zygote --serve` "
                   "zygote that imported torch and the adapter and allocated no tensors (own address space, own "
@@ -290,7 +294,11 @@ def probe_definition(cuda: bool, hwm_reset: bool = True) -> dict:
 # -- what the trainer holds ---------------------------------------------------------------------------
 
 def tensor_bytes(obj) -> int:
+    """Bytes this process holds: a DTensor (FSDP2's sharded parameters and optimizer state) counts its local
+    shard, not the global tensor."""
     if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "to_local"):
+            obj = obj.to_local()
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
@@ -316,3 +324,32 @@ def optimizer_state_bytes(trainer) -> int | None:
         if isinstance(opt, torch.optim.Optimizer):
             return sum(tensor_bytes(s) for s in opt.state.values())
     return None
+
+
+# -- activations of one micro-batch, measured directly (not from a peak) ------------------------------
+
+def saved_activation_bytes(model, forward, *args) -> dict:
+    """Run `forward(*args)` once (grad enabled) and count what autograd SAVES for backward: every distinct
+    storage packed by torch.autograd.graph.saved_tensors_hooks, whole storage bytes once each, the
+    model's parameters excluded (they are counted as parameters). Saved tensors only: not temporaries
+    that live and die inside an op or inside the backward. Also the bytes of the model's output (the
+    logits), from a forward hook. Returns {'saved_bytes', 'saved_tensors', 'output_bytes'}; the graph is
+    freed before returning."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: dict[int, int] = {}
+    out = []
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in params and st._cdata not in seen:
+            seen[st._cdata] = st.nbytes()
+        return t
+
+    hook = model.register_forward_hook(lambda m, i, o: out.append(tensor_bytes(o)))
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward(*args)
+        del loss
+    finally:
+        hook.remove()
+    return dict(saved_bytes=sum(seen.values()), saved_tensors=len(seen), output_bytes=out[0] if out else 0)

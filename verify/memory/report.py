@@ -34,7 +34,8 @@ def overall(report) -> str:
     bad = [v for v in report["invariants"] if v["status"] in ("FAIL", "INCONCLUSIVE")]
     errs = [c for c in report["configs"] if c["peak_bytes"] is None]
     anchor_bad = report.get("anchor") and report["anchor"].get("verdict") == "FAIL"
-    if bad or errs or anchor_bad:
+    model_bad = (report.get("prediction") or {}).get("verdict") == "FAIL"
+    if bad or errs or anchor_bad or model_bad:
         return "FAIL"
     return "N/A" if all(v["status"] == "N/A" for v in report["invariants"]) else "PASS"
 
@@ -50,7 +51,9 @@ def _columns(report):
     if _cuda(report):
         cols += [(f"reserved {unit}", lambda x: _fmt(x.get("peak_reserved_bytes"), report)),
                  (f"nvml {unit}", lambda x: _fmt(x.get("nvml_peak_used_bytes"), report))]
-    cols += [("step ms", lambda x: "—" if "step_ms" not in x else f"{x['step_ms']:.1f}"),
+    cols += [(f"pred {unit}", lambda x: _fmt(x.get("predicted_bytes"), report)),
+             ("meas/pred", lambda x: "—" if x.get("pred_ratio") is None else f"{x['pred_ratio']:.2f}"),
+             ("step ms", lambda x: "—" if "step_ms" not in x else f"{x['step_ms']:.1f}"),
              _rate_column(report)]
     return cols
 
@@ -66,9 +69,9 @@ def _rate_column(report):
     return (key.replace("_", "/"), lambda x: "—" if key not in x else f"{x[key]:,.0f}")
 
 
-def _cells(report, c, fn) -> str:
+def _cells(report, c, fn, once=False) -> str:
     vals = [("ERROR" if "error" in x else fn(x)) for x in c["ranks"]]
-    return vals[0] if len(vals) == 1 else " / ".join(vals)
+    return vals[0] if len(vals) == 1 or (once and len(set(vals)) == 1) else " / ".join(vals)
 
 
 def _what(report) -> str:
@@ -84,7 +87,7 @@ def _what(report) -> str:
 def _header(report) -> str:
     s = report["settings"]
     w = f", world {s['world_size']} (per-rank values r0 / r1 / ...)" if s["world_size"] > 1 else ""
-    return (f"E={s['effective_batch']}{w}, {_what(report)}, {s['device']}, fp32, 1 warm-up + "
+    return (f"E={s['effective_batch']}{w}, {_what(report)}, {s['device']}, fp32, {s.get('warmup_steps', 1)} warm-up + "
             f"{s['measured_steps']} measured optimizer steps per configuration, trainer {s['trainer']}")
 
 
@@ -94,7 +97,7 @@ def text_table(report) -> str:
     body = []
     for c in report["configs"]:
         body.append([",".join(c["sweeps"]), str(c["N"]), str(c["B"]), str(c["eff"]),
-                     *[_cells(report, c, fn) for _, fn in cols]])
+                     *[_cells(report, c, fn, h.startswith("pred")) for h, fn in cols]])
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     line = lambda r: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
     out = [f"memory: {_header(report)}", f"peak: {report['probe']['primary']}", line(head)]
@@ -113,6 +116,11 @@ def text_table(report) -> str:
         out.append(f"({v['id']}) {v['status']:<12} {v['claim']}")
         for r in v["rows"]:
             out.append(f"      {r}")
+    pr = report.get("prediction")
+    if pr:
+        out.append(f"(model) {pr['verdict']:<10} {pr['claim']}")
+        for r in pr["rows"]:
+            out.append(f"      {r}")
     a = report.get("anchor")
     if a:
         for t in a["targets"]:
@@ -128,7 +136,7 @@ def _md_table(report, configs) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for c in configs:
         lines.append("| " + " | ".join([str(c["N"]), str(c["B"]), str(c["eff"]),
-                                        *[_cells(report, c, fn) for _, fn in cols]]) + " |")
+                                        *[_cells(report, c, fn, h.startswith("pred")) for h, fn in cols]]) + " |")
     return lines
 
 
@@ -179,13 +187,15 @@ def render_md(report) -> str:
     errs = [(c, x) for c in report["configs"] for x in c["ranks"] if "error" in x]
     if errs:
         L += ["Errors:", ""] + [f"- N={c['N']}, B={c['B']}, rank {x['rank']}: {x['error']}" for c, x in errs] + [""]
+    L += _md_prediction(report)
     st = report["static"]
     if st:
         L += ["## Static state", "",
               f"params {_fmt(st['param_bytes'], report)} + gradients {_fmt(st['grad_bytes'], report)} + optimizer "
               f"state {_fmt(st['optim_state_bytes'], report)} = **{_fmt(st['static_bytes'], report)} {unit}** "
-              f"(bytes of the tensors, after the warm-up step; the optimizer state is read from the trainer's `.opt` or "
-              f"`.optimizer`; — when it exposes neither).", ""]
+              f"(bytes of the tensors, after the warm-up step, as the trainer's params() and grads() return them: "
+              f"FSDP2's are the gathered full tensors, a rank holds 1/W of the parameters; the optimizer state is "
+              f"read from the trainer's `.opt` or `.optimizer`, a DTensor's local shard; — when it exposes neither).", ""]
     if a:
         L += ["## Beside plain torch on one H200 (the anchor)", "",
               f"Anchor: `{a['source']}` (plain torch, no xtrain code: the same GPT, fp32 with TF32 off, one warm-up "
@@ -247,12 +257,16 @@ def render_png(report) -> bytes:
                     continue
                 ax.plot(ns, [float("nan") if y is None else y for y in ys], style,
                         label=label + (f" (rank {r})" if world > 1 else ""))
+        pred = [c.get("predicted_bytes") for c in cs]
+        if any(p is not None for p in pred):
+            ax.plot(ns, [float("nan") if p is None else p / scale for p in pred], "k--x", lw=1,
+                    label=f"predicted ({report['prediction']['mode']}, verify/memory/model.py)")
         st = report["static"]
         if st:
             if cuda:
                 ax.axhline(st["static_bytes"] / scale, color="k", lw=1, ls="-.",
                            label="static floor: params + grads + optimizer state")
-            else:
+            elif not any(p is not None for p in pred):  # with a prediction, the model says what the step adds
                 ax.axhline(st["grad_bytes"] / scale, color="k", lw=1, ls="-.",
                            label=f"floor in this figure: gradient buffers (params + optimizer state, {(st['param_bytes'] + (st['optim_state_bytes'] or 0)) / scale:.0f} {unit}, sit in the baseline)")
         ax.set_xscale("log", base=2)
@@ -366,7 +380,7 @@ def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nv
                       device=str(plan.device), trainer=plan.trainer, adapter=ref, adapter_name=plan.adapter.name,
                       options=_plain(plan.options), options_text=_short(plan.options), model_name=plan.model_name,
                       model=None if plan.model is None else plan.model.__dict__.copy(), n_params=n_params,
-                      seq_len=plan.seq_len, warmup_steps=1, measured_steps=plan.steps, dtype="float32",
+                      seq_len=plan.seq_len, warmup_steps=plan.warmup, measured_steps=plan.steps, dtype="float32",
                       threads=plan.threads if not plan.cuda else None, tf32=False if plan.cuda else None,
                       sweep_A=f"N | {plan.E_local}, B = {plan.E_local}/N (per rank)",
                       sweep_B="B = 1, N = 1, 2, 4, ... ≤ " + str(plan.E_local)),
@@ -378,6 +392,94 @@ def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nv
         static=static, configs=configs, invariants=verdicts,
         anchor=compare_anchor(plan, per_rank[0]),
     )
+
+
+# -- the memory model's predictions (verify/memory/model.py) --------------------------------------
+
+QUANTITY = {
+    "cpu": "the same quantity as the CPU probe: what a step allocates above the RSS right before the measured "
+           "steps (activations, the loss's backward temporaries, gradients a step creates, FSDP2's gathered "
+           "parameters); parameters, AdamW state, xtrain's flat buffer and DDP's buckets exist between steps, "
+           "sit in the probe's baseline and are not counted",
+    "cuda": "the same quantity as the GPU probe (torch.cuda.max_memory_allocated): every term, parameters, "
+            "gradients, AdamW state and buffers included",
+}
+
+
+def add_predictions(report: dict, plan: Plan, acts: dict | None, error: str | None = None) -> None:
+    """Predicted peak per configuration and rank (`predicted_bytes`, `pred_ratio` = measured/predicted in
+    every rank row; `predicted_bytes`, `predicted_terms` per configuration) and the `prediction` section:
+    mode, inputs, the quantity predicted, verdict (FAIL only for an absurd ratio, see model.ABSURD)."""
+    from . import model as mm
+    from .invariants import tolerance
+
+    ok = [x for c in report["configs"] for x in c["ranks"] if "error" not in x]
+    cls = {x.get("trainer_class") for x in ok}
+    mode = mm.mode_of(plan.adapter.locate(), plan.world, cls.pop() if len(cls) == 1 else None) \
+        if plan.model is not None and ok else None
+    probe = "cuda" if plan.cuda else "cpu"
+    claim = "measured/predicted within the absurd bounds " + f"[{mm.ABSURD[0]}, {mm.ABSURD[1]}] (reported, not judged inside them)"
+    for c in report["configs"]:
+        c.update(predicted_bytes=None, predicted_terms=None)
+        for x in c["ranks"]:
+            x.update(predicted_bytes=None, pred_ratio=None)
+    if mode is None or acts is None:
+        why = error or ("no memory model for this trainer (xtrain, torch_ddp, fsdp2, fsdp2_keep only)" if mode is None
+                        else "activations not measured")
+        report["prediction"] = dict(mode=mode, verdict="N/A", claim=claim, rows=[why], reason=why)
+        return
+    m = plan.model
+    z = mm.gpt_sizes(m.vocab_size, m.seq_len, m.n_layer, m.d_model, plan.world, elem_bytes=4)
+    floor, _ = tolerance(plan.cuda)
+    absurd, judged = [], 0
+    for c in report["configs"]:
+        a = acts[c["B"]]
+        pred = mm.predict(mode, c["N"], z, a["saved_bytes"], a["output_bytes"], probe=probe)
+        c.update(predicted_bytes=pred["bytes"], predicted_terms=pred["terms"],
+                 pred_ratio=None if c["peak_bytes"] is None else c["peak_bytes"] / pred["bytes"])
+        for x in c["ranks"]:
+            if "error" in x:
+                continue
+            r = x["peak_bytes"] / pred["bytes"] if pred["bytes"] > 0 else None
+            x.update(predicted_bytes=pred["bytes"], pred_ratio=r)
+            verdict = mm.judge(r, pred["bytes"], floor)
+            judged += verdict != "unjudged"
+            if verdict == "absurd":
+                absurd.append(f"rank {x['rank']}: N={c['N']},B={c['B']} measured {_fmt(x['peak_bytes'], report)} / "
+                              f"predicted {_fmt(pred['bytes'], report)} = {r:.2f}")
+    status = "FAIL" if absurd else "PASS" if judged else "N/A"
+    report["prediction"] = dict(
+        mode=mode, probe=probe, quantity=QUANTITY[probe], verdict=status, claim=claim, absurd_bounds=list(mm.ABSURD),
+        rows=absurd or ([] if judged else [f"every prediction under 4 × the noise floor ({_fmt(floor, report)})"]),
+        sizes=dict(params=z.params, elem_bytes=z.elem_bytes, world=z.world, shard=z.shard, units=list(z.units)),
+        activations={str(B): v for B, v in sorted(acts.items())}, model="verify/memory/model.py", doc=mm.__doc__)
+
+
+def _md_prediction(report) -> list[str]:
+    pr = report.get("prediction")
+    if not pr:
+        return []
+    unit, _ = _unit(report)
+    L = ["## Predicted peak (memory model)", ""]
+    if pr["mode"] is None or pr["verdict"] == "N/A" and "sizes" not in pr:
+        return L + [f"Not predicted: {pr['reason']}.", ""]
+    z = pr["sizes"]
+    acts = ", ".join(f"B={B}: {_fmt(v['saved_bytes'], report)}" for B, v in pr["activations"].items())
+    L += [f"Mode **{pr['mode']}** (`verify/memory/model.py`): P = {z['params']:,} parameter elements × {z['elem_bytes']} B, "
+          f"W = {z['world']}, FSDP2 shard {z['shard']:,} elements, units (root, blocks) {z['units'][0]:,}, "
+          f"{z['units'][1] if len(z['units']) > 1 else 0:,} × {len(z['units']) - 1}. Activations of one micro-batch "
+          f"(bytes saved for backward by one forward, counted by saved_tensors_hooks; saved tensors, not temporaries), "
+          f"{unit}: {acts}.", "",
+          f"The prediction is {pr['quantity']}. Model check (exit 1 only outside the absurd bounds "
+          f"{pr['absurd_bounds']}, predictions ≥ 4 × the noise floor): **{pr['verdict']}**.", "",
+          f"| N | B | predicted {unit} | measured / predicted | terms counted ({unit}) |", "|---:|---:|---:|---:|---|"]
+    for c in report["configs"]:
+        if c["predicted_bytes"] is None:
+            continue
+        r = _cells(report, c, lambda x: "—" if x.get("pred_ratio") is None else f"{x['pred_ratio']:.2f}")
+        t = "; ".join(f"{k} {_fmt(v, report)}" for k, v in c["predicted_terms"].items())
+        L.append(f"| {c['N']} | {c['B']} | {_fmt(c['predicted_bytes'], report)} | {r} | {t} |")
+    return L + [""]
 
 
 # -- provenance -----------------------------------------------------------------------------------

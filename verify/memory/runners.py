@@ -88,7 +88,7 @@ class CpuProbeServer:
 
     def request(self, c: Config, port: int | None = None) -> dict:
         p = self.plan
-        req = dict(adapter=self.ref, options=self.options, N=c.N, B=c.B, steps=p.steps, seed=0,
+        req = dict(adapter=self.ref, options=self.options, N=c.N, B=c.B, steps=p.steps, warmup=p.warmup, seed=0,
                    data_seed=1 + p.rank, threads=p.threads, timeout=self.timeout)
         if p.world > 1:
             req["env"] = dict(RANK=str(p.rank), WORLD_SIZE=str(p.world), LOCAL_RANK=str(p.rank),
@@ -167,7 +167,7 @@ class GpuRunner:
         leftover = cuda_full_reset(p.device)
         spec = Spec(accum_steps=c.N, dtype=torch.float32, device=str(p.device), seed=0, options=p.options)
         try:
-            res = measure(p.adapter, spec, micro_batch=c.B, steps=p.steps,
+            res = measure(p.adapter, spec, micro_batch=c.B, steps=p.steps, warmup=p.warmup,
                           probe=CudaProbe(p.device, self.nvml, self.nvml_reason), data_seed=1 + p.rank)
         except torch.cuda.OutOfMemoryError:
             res = dict(error="CUDA out of memory")
@@ -178,6 +178,30 @@ class GpuRunner:
         res.update(allocated_left_over_bytes=leftover)
         cuda_full_reset(p.device)
         return res
+
+
+def activations(plan: Plan) -> dict[int, dict]:
+    """The activation input of verify/memory/model.py, per micro-batch size B of the plan: one forward of
+    xtrain's GPT (plan.model) on B rows of the adapter's data, on the plan's device, counted by
+    probes.saved_activation_bytes (bytes saved for backward, and the logits' bytes). Measured here, apart
+    from the peak probes and after them: on the GPU its memory is freed before anything else runs."""
+    import torch
+    from xtrain_core.model import build_model
+
+    from ..case import _to
+    from .probes import saved_activation_bytes
+
+    model = build_model(plan.model, 0, device=plan.device)
+    loss = model.loss_batched if getattr(plan.options, "loss_norm", "mean") == "mean" else model.loss_sum
+    out = {}
+    for B in sorted({c.B for c in plan.configs}):
+        x, y = plan.adapter.batch(B, 1 << 16, plan.options)
+        out[B] = saved_activation_bytes(model, loss, _to(x, plan.device, torch.float32),
+                                        _to(y, plan.device, torch.float32))
+    del model
+    if plan.cuda:
+        torch.cuda.empty_cache()
+    return out
 
 
 def dist_or_none():
