@@ -34,6 +34,21 @@ def test_the_plan_follows_the_gpus(tmp_path):
     assert installed[-1][2]["XTRAIN_DIST_MAX_WORLD"] == "4"
 
 
+def test_a_bare_tree_loads_the_plugin_by_hand_and_an_installed_one_does_not(tmp_path, monkeypatch):
+    # A checkout copied to a GPU box without `pip install` has no pytest11 entry point: the gates' options
+    # (--verify-device, ...) would be unknown unless the plugin is named with -p; naming it when it is also
+    # registered would load it twice.
+    import importlib.metadata as md
+
+    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=True)
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [])
+    assert all("_xtrain_pytest.entry" in cmd for _, cmd, _ in gpu_gate.plan(2, str(tmp_path), args, ROOT)
+               if "pytest" in cmd)
+    ep = SimpleNamespace(value="_xtrain_pytest.entry")
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [ep])
+    assert not any("_xtrain_pytest.entry" in cmd for _, cmd, _ in gpu_gate.plan(2, str(tmp_path), args, ROOT))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_without_a_gpu_it_is_one_line_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "verify.gpu_gate", "--out", str(tmp_path / "out")], capture_output=True,

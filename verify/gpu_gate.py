@@ -40,8 +40,19 @@ def _checkout() -> str | None:
     return root if os.path.isdir(os.path.join(root, "tests")) and os.path.isfile(os.path.join(root, "pyproject.toml")) else None
 
 
+def _plugin_args() -> list[str]:
+    """`-p _xtrain_pytest.entry` when the pytest11 entry point is not registered (a bare tree on PYTHONPATH,
+    e.g. a checkout copied to a GPU box without `pip install`); an installed xtrain loads it by itself, and
+    loading it twice would be an error."""
+    from importlib.metadata import entry_points
+
+    registered = any(ep.value == "_xtrain_pytest.entry" for ep in entry_points(group="pytest11"))
+    return [] if registered else ["-p", "_xtrain_pytest.entry"]
+
+
 def plan(gpus: int, out: str, args, root: str | None) -> list[tuple[str, list[str], dict]]:
-    py, pytest = sys.executable, [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
+    py = sys.executable
+    pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", *_plugin_args(), "-q", "-rs"]
     here = ["verify"] if root else ["--pyargs", "verify"]
     env = {"HYPOTHESIS_PROFILE": args.profile}
     steps = [("gates", [*pytest, *here, "-m", "not distributed", "--verify-device", "cuda", "-n", "4",
