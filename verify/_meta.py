@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import platform
 import subprocess
 import tempfile
@@ -54,8 +55,14 @@ def version() -> str:
         from importlib.metadata import version as v
 
         return v("xtrain")
-    except Exception:  # noqa: BLE001  (running from a source tree that was never installed)
-        return "unknown"
+    except Exception:  # noqa: BLE001  (running from a source tree that was never installed: read its pyproject)
+        try:
+            path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+            with open(path, encoding="utf-8") as f:
+                found = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.M)
+            return f"{found.group(1)} (source tree)" if found else "unknown"
+        except OSError:
+            return "unknown"
 
 
 def utc_now() -> str:

@@ -310,8 +310,8 @@ def first_backward_under_no_sync(ctx, static: bool = True) -> str | None:
     """A fresh DDP(static_graph=static) module whose very first forward+backward runs under no_sync():
     None if it runs, else the error's first line."""
     torch.manual_seed(0)
-    ddp = DDP(MLP(), static_graph=static)
-    x, y = torch.randn(2, FEATURES), torch.randn(2, 1)
+    ddp = DDP(MLP().to(ctx.device), static_graph=static)  # NCCL: the module on the rank's GPU
+    x, y = torch.randn(2, FEATURES, device=ctx.device), torch.randn(2, 1, device=ctx.device)
     try:
         with ddp.no_sync():
             F.mse_loss(ddp(x), y).backward()
@@ -336,6 +336,7 @@ def compiled_graphs(ctx, sequential: bool) -> int:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1)) if sequential else _Probe()
-    ddp = DDP(model)
-    F.mse_loss(torch.compile(ddp, backend=backend)(torch.randn(2, FEATURES)), torch.randn(2, 1)).backward()
+    ddp = DDP(model.to(ctx.device))
+    x, y = torch.randn(2, FEATURES, device=ctx.device), torch.randn(2, 1, device=ctx.device)
+    F.mse_loss(torch.compile(ddp, backend=backend)(x), y).backward()
     return len(graphs)
