@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -104,8 +105,15 @@ class DistAccumTrainer(MicroSchedule):
 
     # -- the boundary collective, overlapped with the last backward --------------------------------
     def _make_hook(self, bucket: int, ptr: int):
+        # The hook lives on the parameter, the parameter in self.model: a strong reference back to self would
+        # be a cycle (param -> hook -> trainer -> model -> param) that only the cyclic GC frees, so a dropped
+        # trainer kept its flat buffer and AdamW state (4 x params) on the GPU until some later collection.
+        # The 2xH200 memory-modes run found it: peak grew by that much with every configuration.
+        trainer = weakref.ref(self)
+
         def ready(p: torch.Tensor) -> None:  # runs after autograd accumulated into p.grad
-            if not self._sync:
+            self = trainer()
+            if self is None or not self._sync:  # a trainer that is gone (the model lives on) does nothing
                 return
             if p.grad is None or p.grad.data_ptr() != ptr:
                 raise RuntimeError("a parameter's .grad is no longer its view into the trainer's flat buffer "
