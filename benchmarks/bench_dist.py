@@ -343,7 +343,8 @@ def steps_mode(args) -> dict | None:
     for k in med:
         c = counted[k]
         print(f"  {k:6s} {med[k]:8.1f} ms  (reps {', '.join(f'{x:.1f}' for x in times[k])})  "
-              f"{c['gradient_collectives']} gradient collectives/step, {c['gradient_bytes'] / 2**20:.1f} MiB "
+              f"{c['gradient_collectives']} floating-point collectives/step (reductions; FSDP2's all-gathers too), "
+              f"{c['gradient_bytes'] / 2**20:.1f} MiB "
               f"(params {c['param_bytes'] / 2**20:.1f} MiB)" + (f", peak {peaks[k]:.2f} GiB" if k in peaks else ""))
     for other in ("torch", "plain"):
         if f"ratio_xtrain_over_{other}" in res:
