@@ -9,7 +9,7 @@ threading setting, side by side in one run (settings interleaved, best of --reps
                 the wait policy is unset: it spins for a while before sleeping)
   passive       --threads <cores>, OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep
   one-thread    --threads 1
-  xtrain-auto   what the CLI does by itself (--threads auto)
+  xtrain-auto   what the CLI does by itself (--threads auto: one thread unless OMP_NUM_THREADS is set)
 
 Writes OUT/cpu-threads.json (the common header) and prints a table.
 """

@@ -8,7 +8,7 @@
 # of the gpt2-ish GPT at S=512, E=8 (4 rows per rank: sweep A N=1,2,4; sweep B N=1,2,4 at B=1), fp32 with
 # TF32 off, 2 warm-up + 3 measured steps per configuration; the probe is torch.cuda.max_memory_allocated
 # (everything: parameters, gradients, AdamW state, activations), and the memory model predicts that same
-# quantity. About 30 s per mode on 2 H200s (estimated: not run here); the modes share a 165 s budget (a mode
+# quantity. 18–28 s per mode on 2 H200s (99 s in all, measured 2026-11-30); the modes share a 165 s budget (a mode
 # that would start past it is reported as not run) and each is capped at 120 s: under 3 minutes in all.
 # Writes under OUT: gpus.txt, memory-modes-cuda.json / .md / .png (every mode's full verify.memory report
 # is inside the JSON), memory-modes-cuda.log (the per-mode progress and the table).

@@ -77,3 +77,20 @@ def test_short_data_file_is_usage_error(tmp_path):
     r = train("--data", str(f), "--seq-len", "32")
     assert r.returncode == 2 and "has 2 bytes; --seq-len 32 needs at least 34" in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""  # nothing printed before the error
+
+
+@pytest.mark.parametrize("env_threads,flag,want", [
+    (None, [], "cpu: 1 intra-op thread per process"),  # auto: one, whatever the core count
+    ("2", [], "cpu: 2 intra-op threads per process"),  # the environment's word stands
+    (None, ["--threads", "2"], "cpu: 2 intra-op threads per process"),
+])
+def test_threads_auto_is_one_thread_unless_asked(env_threads, flag, want):
+    """torch's default, one spinning OpenMP thread per core, collapsed 4-6x on a 2-core box with two busy
+    neighbours (docs/performance.md §7); auto runs one thread (as torchrun does per rank)."""
+    env = {k: v for k, v in ENV.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    if env_threads:
+        env["OMP_NUM_THREADS"] = env_threads
+    r = subprocess.run([sys.executable, "-m", "xtrain_core.train", "--accum-steps", "2", "--micro-batch", "1",
+                        "--steps", "1", "--seq-len", "8", *flag], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert want in r.stderr, r.stderr

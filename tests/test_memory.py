@@ -436,11 +436,12 @@ def test_rss_probe_without_hwm_reset_says_so(monkeypatch):
 
 
 def test_report_write_is_all_or_nothing(tmp_path, monkeypatch):
+    from verify.memory import plot
     from verify.memory import report as memreport
 
     (tmp_path / "memory-E4.json").write_text("old")
     rep = json.loads(json.dumps(_fake_report()))
-    monkeypatch.setattr(memreport, "render_png", lambda r: (_ for _ in ()).throw(RuntimeError("disk full")))
+    monkeypatch.setattr(plot, "peaks_figure", lambda r: (_ for _ in ()).throw(RuntimeError("disk full")))
     with pytest.raises(RuntimeError):
         memreport.write_all(rep, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory-E4.json"] and (tmp_path / "memory-E4.json").read_text() == "old"
@@ -522,7 +523,7 @@ def test_anchor_comparison_and_gpu_rendering_without_a_gpu(tmp_path):
     from verify.adapters import xtrain
     from verify.memory import report as memreport
     from verify.memory.plan import DEFAULT_ANCHOR, GiB, Plan
-    from verify.memory.report import compare_anchor
+    from verify.memory.anchor import compare_anchor
     from xtrain_core.config import PRESETS, OptimConfig
 
     anchor = json.loads(DEFAULT_ANCHOR.read_text())

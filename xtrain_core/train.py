@@ -46,8 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup-steps", type=int_at_least(0, MAX_STEPS), default=0)
     p.add_argument("--threads", type=threads_arg, default="auto",
-                   help="CPU intra-op threads: auto (OpenMP threads sleep when idle instead of spinning, so a CPU "
-                        "other processes share does not collapse; docs/performance.md) or a number")
+                   help="CPU intra-op threads: auto (one, unless OMP_NUM_THREADS is set: a CPU that other processes "
+                        "share does not collapse; docs/performance.md) or a number")
     p.add_argument("--ddp-impl", choices=IMPLS, default="xtrain",
                    help="under torchrun: xtrain's boundary all-reduce (default), torch DDP with no_sync(), or FSDP2 "
                         "(fully_shard per block, set_requires_gradient_sync at the boundary)")
@@ -61,11 +61,14 @@ def threads_arg(text: str):
 
 
 def set_threads(args) -> None:
-    """Before torch loads its OpenMP runtime (which reads the environment once): auto makes idle OpenMP
-    threads sleep (OMP_WAIT_POLICY=PASSIVE) unless the environment says otherwise. Measured on a 2-core box
-    with other processes on it: spinning threads made a step many times slower (docs/performance.md)."""
+    """Before torch loads its OpenMP runtime (which reads the environment once): auto is ONE intra-op thread
+    unless OMP_NUM_THREADS says otherwise (torchrun's own default for each rank). Measured on a 2-core box
+    (docs/performance.md §7, benchmarks/cpu_threads.py): torch's default, one spinning thread per core, is
+    fastest on an idle box and collapses 4-6x with two busy neighbours; sleeping idle threads
+    (OMP_WAIT_POLICY=PASSIVE) do not collapse but are 2-3x slower when idle; one thread is within 10 % of
+    the best on the default model idle and does not collapse. `--threads N` asks for N."""
     if args.threads == "auto":
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def apply_threads(args) -> None:
@@ -147,6 +150,10 @@ def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, ou
         pad = f"up to {E * S} tokens, padded; loss over valid tokens" if docs is not None else f"{E * S} tokens"
         extra = "" if train.precision == "fp32" else f", {train.precision} autocast"
         print(f"effective batch = {N} × {B}{w} = {E} sequences ({pad}){extra}", file=out, flush=True)
+        if device.type == "cpu":
+            n = torch.get_num_threads()
+            print(f"cpu: {n} intra-op thread{'s' if n > 1 else ''} per process (--threads N to change)",
+                  file=sys.stderr, flush=True)
     try:
         stream = (DocStream(docs, S, seed=train.seed) if docs is not None
                   else TokenStream(model_cfg.vocab_size, S, seed=train.seed, data=data))

@@ -55,6 +55,24 @@ def _draw(adapter, spec, micro_batch: int, n_steps: int, data_seed: int, device)
     return out, first
 
 
+def _runqueue_wait_s() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a core (Linux schedstat, field 2
+    of /proc/self/task/*/schedstat, summed over threads); None where the kernel does not say."""
+    import os
+
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # a thread that just ended
+    except OSError:
+        return None
+    return total / 1e9
+
+
 def _sync(device) -> None:
     import torch
 
@@ -101,10 +119,26 @@ def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: in
     opt_info = optimizer_info(trainer)
 
     probe.start()
-    t0 = time.perf_counter()
-    losses = [one_step(mb) for mb in data[warmup:]]  # no host sync inside the timed loop
+    cuda = device.type == "cuda"
+    # Per-step times for the stability check (timing.py): CUDA events (no host sync inside the timed loop),
+    # wall clock on the CPU, where every op is synchronous; process CPU time shows waiting for a core.
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
+    t0, wait0, walls, losses = time.perf_counter(), _runqueue_wait_s(), [], []
+    for i, mb in enumerate(data[warmup:]):
+        if cuda:
+            marks[i].record()
+        losses.append(one_step(mb))
+        walls.append(time.perf_counter())
+    if cuda:
+        marks[-1].record()
     _sync(device)
-    dt = (time.perf_counter() - t0) / steps
+    wall = time.perf_counter() - t0
+    wait1 = _runqueue_wait_s()
+    dt = wall / steps
+    if cuda:
+        step_s = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(steps)]
+    else:
+        step_s = [b - a for a, b in zip([t0, *walls[:-1]], walls)]
     peaks = probe.stop()
     losses = [float(v) for v in losses]
     trainer_class = type(trainer).__name__
@@ -115,6 +149,8 @@ def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: in
         **peaks,
         param_bytes=param_bytes, param_count=param_count, grad_bytes=grad_bytes[0], optim_state_bytes=opt_bytes,
         static_bytes=param_bytes + grad_bytes[0] + (opt_bytes or 0),
-        step_ms=dt * 1e3, **rate, losses=losses, optimizer=opt_info, trainer_class=trainer_class,
+        step_ms=dt * 1e3, step_s=step_s, threads=torch.get_num_threads(),
+        cpu_wait=None if wait0 is None or wait1 is None or wall <= 0 else (wait1 - wait0) / wall,
+        **rate, losses=losses, optimizer=opt_info, trainer_class=trainer_class,
     )
 

@@ -14,7 +14,9 @@ configurations (torch's max allocated/reserved, plus NVML device memory used sam
 For the trainers whose data-parallel mode verify/memory/model.py knows (xtrain, torch_ddp, fsdp2,
 fsdp2_keep; xtrain alone is AccumTrainer) every configuration also gets a PREDICTED peak of the same
 quantity the probe measures, and the ratio measured/predicted (reported; exit 1 only if absurd).
-Writes OUT/memory-E{E}.json, .md and .png (atomically, all or none) and exits 1 if an invariant fails:
+Writes OUT/memory-E{E}.json, .md and .png (atomically, all or none). Exit status: 0 PASS, 1 FAIL (an
+invariant fails), 3 INCONCLUSIVE (an invariant cannot be decided at this size: the output says how to make
+it decidable), 2 bad input. The invariants:
 
   (a) fixed E: peak does not grow as N grows; peak(N=E, B=1) is well below peak(N=1, B=E)
   (b) fixed B: peak is flat within 2% for N >= 2; peak(N=2) - peak(N=1) <= the gradient buffers
@@ -107,6 +109,7 @@ def _activations(plan: Plan):
 
 
 def _report(plan: Plan, per_rank, argv, t0) -> dict:
+    from . import model as mm
     from . import report as rep
     from .invariants import check_invariants
     from .runners import nvml_status
@@ -114,7 +117,7 @@ def _report(plan: Plan, per_rank, argv, t0) -> dict:
     verdicts = check_invariants(per_rank, E_local=plan.E_local, cuda=plan.cuda)
     nvml = nvml_status(plan)[1] if plan.cuda else None
     report = rep.assemble(plan, per_rank, verdicts, nvml=nvml)
-    rep.add_predictions(report, plan, *_activations(plan))
+    mm.add_predictions(report, plan, *_activations(plan))
     report["wall_s"] = time.perf_counter() - t0
     report["command"] = "python -m verify.memory " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -153,7 +156,7 @@ def main(argv=None) -> int:
             paths = rep.write_all(report, plan.out)
             print(rep.text_table(report), flush=True)
             print("wrote " + ", ".join(str(p) for p in paths), flush=True)
-            code = 1 if report["verdict"] == "FAIL" else 0
+            code = rep.EXIT_CODES[report["verdict"]]
         if dist is not None:
             box = [code]
             dist.broadcast_object_list(box, src=0)

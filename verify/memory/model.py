@@ -133,3 +133,68 @@ def judge(ratio: float | None, predicted: int, floor: int) -> str:
     if ratio is None or predicted < 4 * floor:
         return "unjudged"
     return "ok" if ABSURD[0] <= ratio <= ABSURD[1] else "absurd"
+
+
+# -- applied to a verify.memory report ----------------------------------------------------------
+
+QUANTITY = {
+    "cpu": "the same quantity as the CPU probe: what a step allocates above the RSS right before the measured "
+           "steps (activations, the loss's backward temporaries, gradients a step creates, FSDP2's gathered "
+           "parameters); parameters, AdamW state, xtrain's flat buffer and DDP's buckets exist between steps, "
+           "sit in the probe's baseline and are not counted",
+    "cuda": "the same quantity as the GPU probe (torch.cuda.max_memory_allocated): every term, parameters, "
+            "gradients, AdamW state and buffers included",
+}
+
+
+def _fmt(b: int, report: dict) -> str:
+    cuda = report["settings"]["device"].startswith("cuda")
+    return f"{b / 2**30:.3f} GiB" if cuda else f"{b / 2**20:.1f} MiB"
+
+
+def add_predictions(report: dict, plan, acts: dict | None, error: str | None = None) -> None:
+    """Predicted peak per configuration and rank (`predicted_bytes`, `pred_ratio` = measured/predicted in
+    every rank row; `predicted_bytes`, `predicted_terms` per configuration) and the `prediction` section:
+    mode, inputs, the quantity predicted, verdict (FAIL only for an absurd ratio, see model.ABSURD)."""
+    from .invariants import tolerance
+
+    ok = [x for c in report["configs"] for x in c["ranks"] if "error" not in x]
+    cls = {x.get("trainer_class") for x in ok}
+    mode = mode_of(plan.adapter.locate(), plan.world, cls.pop() if len(cls) == 1 else None) \
+        if plan.model is not None and ok else None
+    probe = "cuda" if plan.cuda else "cpu"
+    claim = "measured/predicted within the absurd bounds " + f"[{ABSURD[0]}, {ABSURD[1]}] (reported, not judged inside them)"
+    for c in report["configs"]:
+        c.update(predicted_bytes=None, predicted_terms=None)
+        for x in c["ranks"]:
+            x.update(predicted_bytes=None, pred_ratio=None)
+    if mode is None or acts is None:
+        why = error or ("no memory model for this trainer (xtrain, torch_ddp, fsdp2, fsdp2_keep only)" if mode is None
+                        else "activations not measured")
+        report["prediction"] = dict(mode=mode, verdict="N/A", claim=claim, rows=[why], reason=why)
+        return
+    m = plan.model
+    z = gpt_sizes(m.vocab_size, m.seq_len, m.n_layer, m.d_model, plan.world, elem_bytes=4)
+    floor, _ = tolerance(plan.cuda)
+    absurd, judged = [], 0
+    for c in report["configs"]:
+        a = acts[c["B"]]
+        pred = predict(mode, c["N"], z, a["saved_bytes"], a["output_bytes"], probe=probe)
+        c.update(predicted_bytes=pred["bytes"], predicted_terms=pred["terms"],
+                 pred_ratio=None if c["peak_bytes"] is None else c["peak_bytes"] / pred["bytes"])
+        for x in c["ranks"]:
+            if "error" in x:
+                continue
+            r = x["peak_bytes"] / pred["bytes"] if pred["bytes"] > 0 else None
+            x.update(predicted_bytes=pred["bytes"], pred_ratio=r)
+            verdict = judge(r, pred["bytes"], floor)
+            judged += verdict != "unjudged"
+            if verdict == "absurd":
+                absurd.append(f"rank {x['rank']}: N={c['N']},B={c['B']} measured {_fmt(x['peak_bytes'], report)} / "
+                              f"predicted {_fmt(pred['bytes'], report)} = {r:.2f}")
+    status = "FAIL" if absurd else "PASS" if judged else "N/A"
+    report["prediction"] = dict(
+        mode=mode, probe=probe, quantity=QUANTITY[probe], verdict=status, claim=claim, absurd_bounds=list(ABSURD),
+        rows=absurd or ([] if judged else [f"every prediction under 4 × the noise floor ({_fmt(floor, report)})"]),
+        sizes=dict(params=z.params, elem_bytes=z.elem_bytes, world=z.world, shard=z.shard, units=list(z.units)),
+        activations={str(B): v for B, v in sorted(acts.items())}, model="verify/memory/model.py", doc=__doc__)

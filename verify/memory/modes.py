@@ -10,7 +10,8 @@ peaks per rank beside the memory model's prediction (verify/memory/model.py) and
 mode's full verify.memory report inside the JSON.
 
 Progress is one line per mode on stderr. Exit status: 0 every mode PASS, 1 a mode fails (an invariant,
-an absurd prediction ratio, or the run itself: one line naming the mode and why), 2 bad input.
+an absurd prediction ratio, or the run itself: one line naming the mode and why), 3 INCONCLUSIVE (no
+mode fails, one cannot be decided at this size), 2 bad input (verify.memory's codes).
 """
 from __future__ import annotations
 
@@ -184,6 +185,7 @@ def _summary(res: dict, unit) -> str:
 
 def main(argv=None) -> int:
     from . import modes_report as mr
+    from . import report as single_report  # the verdicts' exit codes and the INCONCLUSIVE hint
 
     args = parse_args(argv)
     try:
@@ -210,7 +212,9 @@ def main(argv=None) -> int:
     paths = mr.write_all(report, Path(args.out), args.name)
     print(mr.text_table(report), flush=True)
     print("wrote " + ", ".join(str(p) for p in paths), flush=True)
-    return 0 if report["verdict"] == "PASS" else 1
+    if report["verdict"] == "INCONCLUSIVE":
+        print(single_report.INCONCLUSIVE_HINT, flush=True)
+    return single_report.EXIT_CODES[report["verdict"]]
 
 
 if __name__ == "__main__":

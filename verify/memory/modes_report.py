@@ -4,13 +4,20 @@ predicted per mode and N, the model's terms), STEM.png (peak vs N per mode besid
 measured vs predicted). Renders from the report dict alone."""
 from __future__ import annotations
 
-import io
 import json
 import shlex
 import sys
 from pathlib import Path
 
+from . import plot
 from .plan import GiB, MiB
+
+
+def combined(verdicts: list[str]) -> str:
+    """Every mode PASS: PASS; any mode FAIL or ERROR (or none ran): FAIL; else INCONCLUSIVE."""
+    if not verdicts or any(v not in ("PASS", "N/A", "INCONCLUSIVE") for v in verdicts):
+        return "FAIL"
+    return "INCONCLUSIVE" if "INCONCLUSIVE" in verdicts else "PASS"
 
 
 def _unit(report):
@@ -73,7 +80,7 @@ def assemble(args, results: list[dict], argv, wall: float) -> dict:
         probe=first["probe"] if first else None,
         prediction_quantity=(first.get("prediction") or {}).get("quantity") if first else None,
         modes=modes, wall_s=wall,
-        verdict="PASS" if results and all(r["verdict"] == "PASS" for r in results) else "FAIL")
+        verdict=combined([r["verdict"] for r in results]))
 
 
 def _cells(vals, fmt) -> str:
@@ -156,63 +163,12 @@ def render_md(report, stem: str) -> str:
     return "\n".join(L)
 
 
-def render_png(report) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    unit, scale = _unit(report)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), constrained_layout=True)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    E_local = report["settings"]["effective_batch"] // report["settings"]["world_size"]
-    for k, m in enumerate(report["modes"]):
-        col = colors[k % len(colors)]
-        for ax, sweep in ((axes[0], "B"), (axes[1], "A")):
-            rs = sorted((r for r in m.get("rows", []) if sweep in r["sweeps"]), key=lambda r: r["N"])
-            if not rs:
-                continue
-            ns = [r["N"] for r in rs]
-            ax.plot(ns, [float("nan") if r["peak_bytes"] is None else r["peak_bytes"] / scale for r in rs], "-o",
-                    color=col, label=f"{m['mode']} measured")
-            if any(r["predicted_bytes"] for r in rs):
-                ax.plot(ns, [float("nan") if r["predicted_bytes"] is None else r["predicted_bytes"] / scale for r in rs],
-                        "--x", color=col, lw=1, label=f"{m['mode']} predicted")
-        pts = [(r["predicted_bytes"] / scale, x / scale) for r in m.get("rows", []) if r["predicted_bytes"]
-               for x in r["measured"] if x is not None]
-        if pts:
-            axes[2].plot(*zip(*pts), "o", color=col, label=m["mode"], alpha=0.8)
-    for ax, title in ((axes[0], "fixed micro-batch B = 1 (flat in N for N ≥ 2?)"),
-                      (axes[1], f"fixed effective batch per rank {E_local} (B = {E_local}/N)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("N (micro-steps per optimizer step)")
-        ax.set_ylabel(f"peak {unit} per rank")
-        ax.set_ylim(bottom=0)
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    lim = max([1.0] + [max(ln.get_xdata().max(), ln.get_ydata().max()) for ln in axes[2].get_lines()])
-    axes[2].plot([0, lim * 1.05], [0, lim * 1.05], "k:", lw=1, label="measured = predicted")
-    axes[2].set_xlabel(f"predicted {unit}")
-    axes[2].set_ylabel(f"measured {unit} (each rank)")
-    axes[2].set_title("measured vs predicted, every configuration", fontsize=10)
-    axes[2].grid(alpha=0.3)
-    axes[2].legend(fontsize=7)
-    s = report["settings"]
-    fig.suptitle(f"peak memory per data-parallel mode: {s['model_name']}, S={s['seq_len']}, E={s['effective_batch']}, "
-                 f"W={s['world_size']}, {s['device']} ({report['verdict']})", fontsize=11)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
-
-
 def write_all(report, out: Path, stem: str) -> list[Path]:
     from .._meta import atomic_write_all
 
     files = {out / f"{stem}.json": json.dumps(report, indent=1, default=str) + "\n", out / f"{stem}.md": render_md(report, stem)}
     try:
-        files[out / f"{stem}.png"] = render_png(report)
+        files[out / f"{stem}.png"] = plot.to_png(plot.modes_figure(report))
     except ImportError:
         print("verify.memory.modes: matplotlib is not installed; writing the report without the plot", file=sys.stderr)
     return [Path(p) for p in atomic_write_all(files)]

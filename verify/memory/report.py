@@ -7,16 +7,13 @@ matplotlib is imported only when the plot is rendered.
 """
 from __future__ import annotations
 
-import io
 import json
 import sys
 from pathlib import Path
 
+from . import anchor, plot, timing
 from .invariants import REL_TOL, tolerance
-from .plan import DEFAULT_ANCHOR, GiB, MiB, Plan
-
-ANCHOR_TARGET_RATIO = 0.126
-"""peak(N=32, B=1) / peak(N=1, B=32) plain torch gave on one H200 (2.0413 / 16.2643 GiB = 0.1255)."""
+from .plan import GiB, MiB, Plan
 
 
 def _unit(report) -> tuple[str, int]:
@@ -30,14 +27,35 @@ def _fmt(b, report) -> str:
     return f"{b / scale:.3f}" if unit == "GiB" else f"{b / scale:.1f}"
 
 
+EXIT_CODES = {"PASS": 0, "N/A": 0, "FAIL": 1, "INCONCLUSIVE": 3}
+"""verify.memory's exit status by verdict (2 is bad input): INCONCLUSIVE is not a failure — the run could
+not tell, at this size, whether accumulation saves memory — so it has its own code, which a CI job can
+treat as it likes."""
+INCONCLUSIVE_HINT = ("hint: at this size what the check compares is within the probe's noise floor; make the "
+                     "activations bigger than the fixed state: --model small or gpt2-ish, a longer --seq-len, or a "
+                     "larger --effective-batch")
+
+
 def overall(report) -> str:
-    bad = [v for v in report["invariants"] if v["status"] in ("FAIL", "INCONCLUSIVE")]
+    """FAIL (an invariant, a configuration that did not run, the anchor or an absurd prediction) over
+    INCONCLUSIVE (an invariant could not be decided) over PASS; N/A when no invariant applied."""
     errs = [c for c in report["configs"] if c["peak_bytes"] is None]
     anchor_bad = report.get("anchor") and report["anchor"].get("verdict") == "FAIL"
     model_bad = (report.get("prediction") or {}).get("verdict") == "FAIL"
-    if bad or errs or anchor_bad or model_bad:
+    if errs or anchor_bad or model_bad or any(v["status"] == "FAIL" for v in report["invariants"]):
         return "FAIL"
+    if any(v["status"] == "INCONCLUSIVE" for v in report["invariants"]):
+        return "INCONCLUSIVE"
     return "N/A" if all(v["status"] == "N/A" for v in report["invariants"]) else "PASS"
+
+
+def _timing_lines(report) -> list[str]:
+    """The timing warning (verify/memory/timing.py): a header line, then one line per unstable configuration."""
+    bad = (report.get("timing") or {}).get("unstable") or []
+    if not bad:
+        return []
+    return ["timing: UNSTABLE — the peaks stand, but these step times and rates are not comparable (was the "
+            "machine busy?):", *(f"  {ln}" for ln in bad)]
 
 
 def _cuda(report) -> bool:
@@ -126,7 +144,11 @@ def text_table(report) -> str:
         for t in a["targets"]:
             ours = "—" if t["ours"] is None else f"{t['ours']:.4f}"
             out.append(f"(anchor) {t['status']:<8} {t['name']}: ours {ours}, plain torch {t['anchor']:.4f}, target {t['target']}")
+    for line in _timing_lines(report):
+        out.append(line)
     out.append(f"verdict: {report['verdict']}")
+    if report["verdict"] == "INCONCLUSIVE":
+        out.append(INCONCLUSIVE_HINT)
     return "\n".join(out)
 
 
@@ -172,6 +194,8 @@ def render_md(report) -> str:
     for v in report["invariants"]:
         ev = "<br>".join((v["rows"] or v["detail"]))
         L.append(f"| {v['id']} | {v['claim']} | **{v['status']}** | {ev} |")
+    if report["verdict"] == "INCONCLUSIVE":
+        L += ["", f"**INCONCLUSIVE** (exit {EXIT_CODES['INCONCLUSIVE']}, not a failure): " + INCONCLUSIVE_HINT[len("hint: "):] + "."]
     a = report.get("anchor")
     if a:
         for t in a["targets"]:
@@ -184,6 +208,8 @@ def render_md(report) -> str:
     B = sorted((c for c in report["configs"] if "B" in c["sweeps"]), key=lambda c: c["N"])
     L += [f"## Sweep A: fixed effective batch E = {E} (B = E/N)", "", *_md_table(report, A), "",
           "## Sweep B: fixed micro-batch B = 1", "", *_md_table(report, B), ""]
+    if _timing_lines(report):
+        L += ["## Timing: unstable", "", *(f"- {ln}" for ln in _timing_lines(report)[1:]), ""]
     errs = [(c, x) for c in report["configs"] for x in c["ranks"] if "error" in x]
     if errs:
         L += ["Errors:", ""] + [f"- N={c['N']}, B={c['B']}, rank {x['rank']}: {x['error']}" for c, x in errs] + [""]
@@ -231,63 +257,6 @@ def render_md(report) -> str:
     return "\n".join(L)
 
 
-def render_png(report) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    unit, scale = _unit(report)
-    cuda = _cuda(report)
-    E = report["settings"]["effective_batch"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
-    world = report["settings"]["world_size"]
-    for ax, sweep, title in ((axes[0], "A", f"sweep A: fixed effective batch E={E} (B = E/N)"),
-                             (axes[1], "B", "sweep B: fixed micro-batch B=1")):
-        cs = sorted((c for c in report["configs"] if sweep in c["sweeps"]), key=lambda c: c["N"])
-        ns = [c["N"] for c in cs]
-        series = [("peak_bytes", "peak allocated" if cuda else "peak RSS above pre-step baseline", "-o")]
-        if cuda:
-            series += [("peak_reserved_bytes", "peak reserved", "--s"), ("nvml_peak_used_bytes", "nvml device used", ":^")]
-        for r in range(world):
-            for key, label, style in series:
-                ys = [None if "error" in c["ranks"][r] or c["ranks"][r].get(key) is None else c["ranks"][r][key] / scale
-                      for c in cs]
-                if all(y is None for y in ys):
-                    continue
-                ax.plot(ns, [float("nan") if y is None else y for y in ys], style,
-                        label=label + (f" (rank {r})" if world > 1 else ""))
-        pred = [c.get("predicted_bytes") for c in cs]
-        if any(p is not None for p in pred):
-            ax.plot(ns, [float("nan") if p is None else p / scale for p in pred], "k--x", lw=1,
-                    label=f"predicted ({report['prediction']['mode']}, verify/memory/model.py)")
-        st = report["static"]
-        if st:
-            if cuda:
-                ax.axhline(st["static_bytes"] / scale, color="k", lw=1, ls="-.",
-                           label="static floor: params + grads + optimizer state")
-            elif not any(p is not None for p in pred):  # with a prediction, the model says what the step adds
-                ax.axhline(st["grad_bytes"] / scale, color="k", lw=1, ls="-.",
-                           label=f"floor in this figure: gradient buffers (params + optimizer state, {(st['param_bytes'] + (st['optim_state_bytes'] or 0)) / scale:.0f} {unit}, sit in the baseline)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ns, [str(n) for n in ns])
-        ax.set_xlabel("N (micro-steps per optimizer step)")
-        ax.set_ylabel(unit)
-        ax.set_ylim(bottom=0)
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    s = report["settings"]
-    what = f"{s['model_name']}, S={s['seq_len']}" if s.get("model_name") else (s.get("adapter_name") or s["trainer"])
-    fig.suptitle(f"peak memory vs N: {what}, {s['device']} "
-                 f"({report['verdict']})", fontsize=11)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
-
-
 def write_all(report, out: Path) -> list[Path]:
     """Render all three files first, then write them all or none (verify/_meta.py: atomic_write_all): an
     error while rendering or writing leaves no partial report."""
@@ -296,7 +265,7 @@ def write_all(report, out: Path) -> list[Path]:
     stem = f"memory-E{report['settings']['effective_batch']}"
     files = {}
     try:
-        png = render_png(report)
+        png = plot.to_png(plot.peaks_figure(report))
     except ImportError:
         print("verify.memory: matplotlib is not installed; writing the report without the plot", file=sys.stderr)
         png = None
@@ -305,47 +274,6 @@ def write_all(report, out: Path) -> list[Path]:
     if png is not None:
         files[out / f"{stem}.png"] = png
     return [Path(p) for p in atomic_write_all(files)]
-
-
-# -- anchor comparison ----------------------------------------------------------------------------
-
-def anchor_applies(plan: Plan) -> bool:
-    """The anchor's setting: xtrain's options with the gpt2-ish GPT at S=512, E=32, one GPU."""
-    from xtrain_core.config import PRESETS
-
-    return (plan.anchor is not None and plan.cuda and plan.world == 1 and plan.E == 32
-            and plan.model == PRESETS["gpt2-ish"] and plan.seq_len == 512)
-
-
-def compare_anchor(plan: Plan, rows: list[dict]) -> dict | None:
-    """Our rows beside plain torch's (same model, protocol and GPU kind), and the issue's targets."""
-    if not anchor_applies(plan):
-        return None
-    anchor = json.loads(plan.anchor.read_text())
-    by = {(x["N"], x["B"]): x for x in rows if "error" not in x}
-    pairs = []
-    for a in anchor:
-        o = by.get((a["N"], a["B"]))
-        pairs.append(dict(N=a["N"], B=a["B"], anchor=a, ours=None if o is None else dict(
-            peak_alloc_gib=o["peak_bytes"] / GiB, peak_reserved_gib=o["peak_reserved_bytes"] / GiB,
-            nvml_peak_gib=None if o.get("nvml_peak_used_bytes") is None else o["nvml_peak_used_bytes"] / GiB,
-            step_ms=o["step_ms"], tok_s=o["tok_s"], static_gib=o["static_bytes"] / GiB)))
-    a_by = {(a["N"], a["B"]): a for a in anchor}
-    ratio = lambda d, key: d[(32, 1)][key] / d[(1, 32)][key]  # noqa: E731
-    targets = []
-    ours_ratio = by[(32, 1)]["peak_bytes"] / by[(1, 32)]["peak_bytes"] if (32, 1) in by and (1, 32) in by else None
-    targets.append(dict(name="peak allocated ratio (N=32,B=1)/(N=1,B=32)", target=f"≤ {ANCHOR_TARGET_RATIO}",
-                        ours=ours_ratio, anchor=ratio(a_by, "peak_alloc_gib"),
-                        status="PASS" if ours_ratio is not None and ours_ratio <= ANCHOR_TARGET_RATIO else "FAIL"))
-    flat = [by[k]["peak_bytes"] for k in by if k[1] == 1 and k[0] >= 2]
-    a_flat = [a["peak_alloc_gib"] for a in anchor if a["B"] == 1 and a["N"] >= 2]
-    ours_spread = (max(flat) - min(flat)) / min(flat) if flat else None
-    targets.append(dict(name="flatness at B=1, N ≥ 2: (max − min) / min", target=f"≤ {REL_TOL:.0%}",
-                        ours=ours_spread, anchor=(max(a_flat) - min(a_flat)) / min(a_flat),
-                        status="PASS" if ours_spread is not None and ours_spread <= REL_TOL else "FAIL"))
-    src = f"verify/memory/{DEFAULT_ANCHOR.name} (shipped with verify)" if plan.anchor == DEFAULT_ANCHOR \
-        else str(plan.anchor)
-    return dict(source=src, pairs=pairs, targets=targets)
 
 
 def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nvml: str | None = None) -> dict:
@@ -390,69 +318,9 @@ def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nv
                         "4 × abs_noise_bytes",
                         rise="peak(2,1) − peak(1,1) ≤ grad_bytes + max(rel·peak(1,1), abs_noise_bytes)"),
         static=static, configs=configs, invariants=verdicts,
-        anchor=compare_anchor(plan, per_rank[0]),
+        anchor=anchor.compare_anchor(plan, per_rank[0]),
+        timing=dict(unstable=timing.unstable(per_rank), spread=timing.SPREAD, cpu_wait=timing.CPU_WAIT),
     )
-
-
-# -- the memory model's predictions (verify/memory/model.py) --------------------------------------
-
-QUANTITY = {
-    "cpu": "the same quantity as the CPU probe: what a step allocates above the RSS right before the measured "
-           "steps (activations, the loss's backward temporaries, gradients a step creates, FSDP2's gathered "
-           "parameters); parameters, AdamW state, xtrain's flat buffer and DDP's buckets exist between steps, "
-           "sit in the probe's baseline and are not counted",
-    "cuda": "the same quantity as the GPU probe (torch.cuda.max_memory_allocated): every term, parameters, "
-            "gradients, AdamW state and buffers included",
-}
-
-
-def add_predictions(report: dict, plan: Plan, acts: dict | None, error: str | None = None) -> None:
-    """Predicted peak per configuration and rank (`predicted_bytes`, `pred_ratio` = measured/predicted in
-    every rank row; `predicted_bytes`, `predicted_terms` per configuration) and the `prediction` section:
-    mode, inputs, the quantity predicted, verdict (FAIL only for an absurd ratio, see model.ABSURD)."""
-    from . import model as mm
-    from .invariants import tolerance
-
-    ok = [x for c in report["configs"] for x in c["ranks"] if "error" not in x]
-    cls = {x.get("trainer_class") for x in ok}
-    mode = mm.mode_of(plan.adapter.locate(), plan.world, cls.pop() if len(cls) == 1 else None) \
-        if plan.model is not None and ok else None
-    probe = "cuda" if plan.cuda else "cpu"
-    claim = "measured/predicted within the absurd bounds " + f"[{mm.ABSURD[0]}, {mm.ABSURD[1]}] (reported, not judged inside them)"
-    for c in report["configs"]:
-        c.update(predicted_bytes=None, predicted_terms=None)
-        for x in c["ranks"]:
-            x.update(predicted_bytes=None, pred_ratio=None)
-    if mode is None or acts is None:
-        why = error or ("no memory model for this trainer (xtrain, torch_ddp, fsdp2, fsdp2_keep only)" if mode is None
-                        else "activations not measured")
-        report["prediction"] = dict(mode=mode, verdict="N/A", claim=claim, rows=[why], reason=why)
-        return
-    m = plan.model
-    z = mm.gpt_sizes(m.vocab_size, m.seq_len, m.n_layer, m.d_model, plan.world, elem_bytes=4)
-    floor, _ = tolerance(plan.cuda)
-    absurd, judged = [], 0
-    for c in report["configs"]:
-        a = acts[c["B"]]
-        pred = mm.predict(mode, c["N"], z, a["saved_bytes"], a["output_bytes"], probe=probe)
-        c.update(predicted_bytes=pred["bytes"], predicted_terms=pred["terms"],
-                 pred_ratio=None if c["peak_bytes"] is None else c["peak_bytes"] / pred["bytes"])
-        for x in c["ranks"]:
-            if "error" in x:
-                continue
-            r = x["peak_bytes"] / pred["bytes"] if pred["bytes"] > 0 else None
-            x.update(predicted_bytes=pred["bytes"], pred_ratio=r)
-            verdict = mm.judge(r, pred["bytes"], floor)
-            judged += verdict != "unjudged"
-            if verdict == "absurd":
-                absurd.append(f"rank {x['rank']}: N={c['N']},B={c['B']} measured {_fmt(x['peak_bytes'], report)} / "
-                              f"predicted {_fmt(pred['bytes'], report)} = {r:.2f}")
-    status = "FAIL" if absurd else "PASS" if judged else "N/A"
-    report["prediction"] = dict(
-        mode=mode, probe=probe, quantity=QUANTITY[probe], verdict=status, claim=claim, absurd_bounds=list(mm.ABSURD),
-        rows=absurd or ([] if judged else [f"every prediction under 4 × the noise floor ({_fmt(floor, report)})"]),
-        sizes=dict(params=z.params, elem_bytes=z.elem_bytes, world=z.world, shard=z.shard, units=list(z.units)),
-        activations={str(B): v for B, v in sorted(acts.items())}, model="verify/memory/model.py", doc=mm.__doc__)
 
 
 def _md_prediction(report) -> list[str]:

@@ -228,6 +228,7 @@ def run_sweeps(plan: Plan) -> list[dict]:
         for i, c in enumerate(plan.configs):
             if dist is not None:
                 dist.barrier()
+            t_config = time.perf_counter()
             if gpu is not None:
                 res = gpu.run(c)
             else:
@@ -237,10 +238,12 @@ def run_sweeps(plan: Plan) -> list[dict]:
                     dist.broadcast_object_list(box, src=0)
                     port = box[0]
                 res = cpu.run(c, port)
-            res.update(N=c.N, B=c.B, eff=c.N * c.B * plan.world, sweeps=list(c.sweeps), rank=plan.rank)
+            res.update(N=c.N, B=c.B, eff=c.N * c.B * plan.world, sweeps=list(c.sweeps), rank=plan.rank,
+                       config_s=time.perf_counter() - t_config)
             rows.append(res)
             if bar is not None:
-                info = res["error"] if "error" in res else f"N={c.N} B={c.B} peak {res['peak_bytes'] / scale:.3f} {unit}"
+                info = res["error"] if "error" in res else \
+                    f"N={c.N} B={c.B} peak {res['peak_bytes'] / scale:.3f} {unit} ({res['config_s']:.1f} s)"
                 bar.update(i + 1, info)
     finally:
         if cpu is not None:
