@@ -57,7 +57,7 @@ def _mode_test(mode):
 test_bucket_view = _mode_test("bucket_view")
 test_static_graph = _mode_test("static_graph")
 test_find_unused = _mode_test("find_unused")
-test_compiled = _mode_test("compiled")
+test_compiled = pytest.mark.slow(_mode_test("compiled"))  # torch.compile's first use: ~10 s
 
 
 def test_every_mode_declares_its_row():

@@ -150,6 +150,7 @@ def test_modes_bad_input_is_one_line_exit_2(args, needle, capsys, tmp_path):
 
 @pytest.mark.memory
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_modes_end_to_end_on_cpu(tmp_path):
     """xtrain's flat buffer and FSDP2 (reshard after forward), each through torchrun with 2 gloo ranks (E=8:
     5 configurations per rank): the combined report, its fields, every mode flat at fixed B and within
@@ -199,6 +200,7 @@ def test_modes_end_to_end_on_cpu(tmp_path):
 
 @pytest.mark.memory
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_mode_past_its_time_is_killed_whole_and_reported(tmp_path):
     """--budget: a mode that runs out of time is an ERROR line (exit 1), the next is not started, and nothing
     of the killed run survives (torchrun starts its ranks in sessions of their own: killed by pid)."""

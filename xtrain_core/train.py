@@ -80,9 +80,8 @@ def apply_threads(args) -> None:
 
 def build(args, dist_env=None):
     """Flags -> validated configs, or UsageError naming the flag. Nothing is run or written yet, and no
-    process group exists: under torchrun every rank fails the same way, and nobody waits for it."""
-    import torch  # noqa: F401  (after argument parsing: --help stays fast)
-
+    process group exists: under torchrun every rank fails the same way, and nobody waits for it. Torch is
+    imported only by the checks that need it (--docs, --device): a bad size or file fails in a blink."""
     model_cfg = PRESETS[args.model]
     world = dist_env[1] if dist_env is not None else 1
     E = effective_batch(args.accum_steps, args.micro_batch, world)
