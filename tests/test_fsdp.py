@@ -36,6 +36,19 @@ def test_fsdp2_passes_its_count_row_and_the_equivalence_gate(adapter, data):
     assert all(len(m) == adapter.counts(case).before["all_gather"] for s in steps for m in s.micro)
 
 
+def test_a_window_without_a_valid_token_skips_clippings_all_reduce():
+    """loss_norm="tokens": a step whose global batch holds no valid target is skipped whole (no clip, no
+    update), so its boundary lacks clipping's norm all-reduce; the row knows (found by the dev profile:
+    N=1 B=1 W=2, step 1 all padding)."""
+    opts = xtrain.XtrainOptions(model=ModelConfig(vocab_size=8, seq_len=24, n_layer=1, n_head=1, d_model=4),
+                                seq_len=1, optim=OptimConfig(lr=1e-3, weight_decay=0.0), loss_norm="tokens")
+    case = Case(accum_steps=1, micro_batch=1, steps=2, world=2, options=opts, lengths=(1, 1, 0, 0))
+    assert case.empty_steps() == {1}
+    check_distributed(xtrain.fsdp2_tokens, case)
+    row = xtrain.fsdp2_tokens.counts(case)
+    assert row.skipped == {"all_reduce": 1}
+
+
 def test_the_row_names_reduce_scatter_on_nccl_and_all_reduce_on_gloo(monkeypatch):
     case = Case(accum_steps=4, micro_batch=2, steps=1, world=2, options=TWO_BLOCKS)
     monkeypatch.setenv("XTRAIN_DIST_BACKEND", "gloo")  # the row follows the backend the run uses

@@ -22,6 +22,16 @@ def _budget(share: int, least: int) -> int:
     return max(least, settings.default.max_examples // share)
 
 
+def test_a_lucky_big_batch_loss_does_not_fail_a_correct_fp16_trainer():
+    """Drawn by the dev profile: the fp16 big batch's loss came out 1.9e-7 from float64 (another kernel
+    path for 7 rows), the correct accumulation's 2.7e-6 > 8×1.9e-7 + F. The autocast loss takes the big
+    batch's error over all gradients as its floor, like every single tensor."""
+    o = xtrain.XtrainOptions(model=ModelConfig(vocab_size=48, seq_len=24, n_layer=2, n_head=1, d_model=16), seq_len=5,
+                             optim=OptimConfig(lr=1e-3, weight_decay=0.0))
+    case = Case(accum_steps=7, micro_batch=1, steps=1, seed=600, data_seed=276, options=o, precision="fp16")
+    assert check_equivalence(xtrain.adapter, case).ratio < 1
+
+
 def test_splits_enumerates_every_factorization():
     assert splits(4, 2) == [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2)]
     assert all(n * b * w == 12 for n, b, w in splits(12, 4)) and len(splits(12, 4)) == 15

@@ -74,6 +74,13 @@ class Case:
         return [[sum(self.lengths[k * E + i * b:k * E + (i + 1) * b]) for i in range(self.accum_steps)]
                 for k in range(self.steps)]
 
+    def empty_steps(self) -> set[int]:
+        """Steps whose global batch holds no valid target: a token-weighted trainer skips their update."""
+        if self.lengths is None:
+            return set()
+        E = self.effective_batch
+        return {k for k in range(self.steps) if sum(self.lengths[k * E:(k + 1) * E]) == 0}
+
     def as_dict(self) -> dict:
         opts = self.options
         if dataclasses.is_dataclass(opts):

@@ -46,6 +46,8 @@ class CountRow:
     elements: tuple | None = None  # (lo, hi) floating elements reduced at the boundary; None: the default rule
     first_micro: dict = field(default_factory=dict)  # extra on micro-step 0 of step 0 (e.g. a graph-recording pass)
     first_elements: int = 0  # floating elements those extra collectives may add where micro-step 0 is the boundary (N = 1)
+    skipped: dict = field(default_factory=dict)  # family -> count the boundary leaves out on a step the trainer
+    # skips whole (a window without a valid token: no clip, no update), e.g. clipping's norm all-reduce
 
     def describe(self) -> str:
         f = lambda d: ", ".join(f"{k}×{_fmt(v)}" for k, v in sorted(d.items())) or "none"  # noqa: E731
@@ -66,13 +68,16 @@ def _ok(v, n: int) -> bool:
     return n == v
 
 
-def check_row(row: CountRow, observed: list, want: dict, where: str, describe, extra: dict | None = None) -> str | None:
-    """None if `observed` (collectives of one window) has exactly the families of `want` (plus `extra`),
-    else the failure text naming the row and every collective seen."""
+def check_row(row: CountRow, observed: list, want: dict, where: str, describe, extra: dict | None = None,
+              less: dict | None = None) -> str | None:
+    """None if `observed` (collectives of one window) has exactly the families of `want` (plus `extra`, minus
+    `less`), else the failure text naming the row and every collective seen."""
     seen = families(observed)
     need = dict(want)
     for k, v in (extra or {}).items():
         need[k] = need.get(k, 0) + v if isinstance(need.get(k, 0), int) and isinstance(v, int) else v
+    for k, v in (less or {}).items():
+        need[k] = need.get(k, 0) - v if isinstance(need.get(k, 0), int) else need.get(k, 0)
     bad = [k for k in set(seen) | set(need) if not _ok(need.get(k, 0), seen.get(k, 0))]
     if not bad:
         return None

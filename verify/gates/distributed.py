@@ -228,9 +228,10 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
 
             for where, c in stray[:1]:
                 fail(f"gradient-like collective {where}: {desc(c)}")
+            empty = case.empty_steps()
             for k, s in enumerate(steps):
                 if row is not None:
-                    _check_row(row, s, k, N, W, expected, report, o.rank, dt, desc, fail)
+                    _check_row(row, s, k, N, W, expected, report, o.rank, dt, desc, fail, skipped=k in empty)
                     continue
                 for m, cs in enumerate(s.micro):
                     ok, bad = _unexpected(cs, expected, k, m)
@@ -257,9 +258,11 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
     return report
 
 
-def _check_row(row, s: StepComm, k: int, N: int, W: int, expected, report, rank, dt, desc, fail) -> None:
+def _check_row(row, s: StepComm, k: int, N: int, W: int, expected, report, rank, dt, desc, fail,
+               skipped: bool = False) -> None:
     """One step of one rank against its count table row: every micro-step before the boundary, the
-    boundary, and the elements the boundary's reductions carry."""
+    boundary (less the row's `skipped` collectives on a step without a valid token), and the elements the
+    boundary's reductions carry."""
     from .counts import check_row
 
     if W == 1:
@@ -273,8 +276,10 @@ def _check_row(row, s: StepComm, k: int, N: int, W: int, expected, report, rank,
             fail(msg)
     ok, rest = _unexpected(s.boundary, expected, k, N - 1)
     report.expected_used += [(rank, dt, k, N - 1, e.why or e.op, c) for e, c in ok]
-    msg = check_row(row, rest, row.boundary, f"step {k}, boundary (micro-step {N - 1} of {N}, optimizer_step())",
-                    desc, row.first_micro if (k, N) == (0, 1) else None)
+    at = f"step {k}, boundary (micro-step {N - 1} of {N}, optimizer_step()" + (
+        ", a window without a valid token: no update)" if skipped else ")")
+    msg = check_row(row, rest, row.boundary, at,
+                    desc, row.first_micro if (k, N) == (0, 1) else None, row.skipped if skipped else None)
     if msg:
         fail(msg)
     if row.elements is not None:

@@ -17,7 +17,9 @@ fixed 1e-3 hides a dropped micro-batch), so the bounds are derived per case (doc
   blocks' gradients cancel (a bias whose gradient sums to ~0), fp32 rounding of the terms is large next
   to the result in any summation order, and the big batch's own error there is luck, not a scale.
 * fp32, every step's loss within LOSS_MAX_REL of the fp32 big batch (bf16 / fp16 autocast: step 0 only,
-  by the rule above, each precision judged against its own big batch's rounding).
+  by the rule above, each precision judged against its own big batch's rounding; there the step-0 loss,
+  one scalar that can come out of the big batch luckily exact, takes the big batch's error over all
+  parameters as its floor too).
 * float64, all K steps: every loss within RTOL64_LOSS (relative) of the float64 reference and every
   parameter within ATOL64_PARAMS · max(1, max|p_ref|). In float64 the rounding AdamW amplifies (its
   update ≈ lr·g/(|g|+eps) is steepest where |g| ≲ eps) stays ≤ 1e-12, while every bug we plant moves a
@@ -126,11 +128,16 @@ class Judge:
         (acc and big in the same precision: fp32, or bf16 / fp16 autocast); kappa: name -> κ."""
         la, lb, lr = acc.losses[0], big.losses[0], ref.losses[0]
         scale = abs(lr) or 1.0
-        if not self._undefined(la, lr, "loss of step 0"):
-            self._within(abs(la - lr) / scale, abs(lb - lr) / scale, "loss of step 0")
         self.keys(acc.grads0, ref.grads0, "the accumulation run")
-        fp16 = getattr(self.case, "precision", "fp32") == "fp16"
+        precision = getattr(self.case, "precision", "fp32")
+        fp16 = precision == "fp16"
         overall = overall_error(big.grads0, ref.grads0)
+        if not self._undefined(la, lr, "loss of step 0"):
+            # One scalar is the luckiest tensor of all: under autocast the big batch's loss can come out of a
+            # different kernel path near-exact (seen: fp16 N=7, 1.9e-7 against 2.7e-6 typical), so its floor is
+            # the big batch's error over all gradients, as for any one parameter. fp32 keeps FLOOR alone.
+            self._within(abs(la - lr) / scale, abs(lb - lr) / scale, "loss of step 0",
+                         overall=overall if precision != "fp32" else 0.0)
         for name, g in ref.grads0.items():
             if fp16 and not bool(torch.isfinite(acc.grads0[name]).all()) and bool(torch.isfinite(big.grads0[name]).all()):
                 self.fail(f"gradient (step 0) of {name!r} is inf/NaN in fp16 where the big batch's is finite: the scaled "
