@@ -81,8 +81,9 @@ def test_short_data_file_is_usage_error(tmp_path):
 
 @pytest.mark.parametrize("env_threads,flag,want", [
     (None, [], "cpu: 1 intra-op thread per process"),  # auto: one, whatever the core count
-    ("2", [], "cpu: 2 intra-op threads per process"),  # the environment's word stands
-    (None, ["--threads", "2"], "cpu: 2 intra-op threads per process"),
+    # the environment's word stands, and so does the flag (slow: a subprocess each; CI runs them)
+    pytest.param("2", [], "cpu: 2 intra-op threads per process", marks=pytest.mark.slow),
+    pytest.param(None, ["--threads", "2"], "cpu: 2 intra-op threads per process", marks=pytest.mark.slow),
 ])
 def test_threads_auto_is_one_thread_unless_asked(env_threads, flag, want):
     """torch's default, one spinning OpenMP thread per core, collapsed 4-6x on a 2-core box with two busy

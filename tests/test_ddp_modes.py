@@ -14,7 +14,7 @@ from verify.gates import GateFailure, check_distributed
 from verify.gates.counts import families
 from verify.gates.distributed import max_world, min_world
 from verify.pool import DistJobError, get_pool
-from verify.strategies import dist_cases
+from verify.strategies import budget, dist_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -24,15 +24,12 @@ needs_2 = pytest.mark.skipif(MAX_WORLD < 2, reason="needs world ≥ 2 (XTRAIN_DI
 TORCH = torch.__version__
 
 
-def _budget(share: int, least: int) -> int:
-    return max(least, settings.default.max_examples // share)
-
 
 # per mode: (hypothesis budget, case bounds). torch.compile costs ~4-10 s per rank pool on first use
 # (the graphs are then cached in the pool's processes), so the compiled mode draws fewer, shorter cases.
-BOUNDS = {"bucket_view": (_budget(20, 3), {}), "static_graph": (_budget(20, 3), {}),
-          "find_unused": (_budget(15, 4), dict(max_micro_batch=2)),
-          "compiled": (_budget(50, 2), dict(max_steps=2, max_accum=4))}
+BOUNDS = {"bucket_view": (budget(20, 3), {}), "static_graph": (budget(20, 3), {}),
+          "find_unused": (budget(15, 4), dict(max_micro_batch=2)),
+          "compiled": (budget(50, 2), dict(max_steps=2, max_accum=4))}
 
 
 def _mode_test(mode):
@@ -70,8 +67,9 @@ def test_every_mode_declares_its_row():
 # -- planted bugs ---------------------------------------------------------------------------------
 
 @needs_2
-@pytest.mark.parametrize("name", sorted(ddp_modes.BROKEN))
-@settings(max_examples=_budget(50, 2), deadline=None)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "compiled" in n else n  # torch.compile: ~5 s
+                                  for n in sorted(ddp_modes.BROKEN)])
+@settings(max_examples=budget(50, 2), deadline=None)
 @given(data=st.data())
 def test_rejects_broken(name, data):
     """no_sync around backward only (find_unused, compiled: every micro-step syncs) and find_unused
@@ -120,6 +118,7 @@ def test_static_graph_first_backward_under_no_sync_raises():
 
 
 @needs_2
+@pytest.mark.slow  # torch.compile's first use in a pool: ~5 s
 def test_compiled_module_honours_no_sync():
     """The report that a torch.compile'd DDP module ignores no_sync (pytorch #109774) does NOT reproduce
     on torch 2.13 with backend aot_eager: only the boundary all-reduces (and the model really ran compiled:

@@ -9,7 +9,7 @@ from verify.adapters import broken_dist, xtrain
 from verify.case import Case
 from verify.gates import GateFailure, check_distributed
 from verify.gates.distributed import max_world
-from verify.strategies import dist_cases
+from verify.strategies import budget, dist_cases
 from xtrain_core.config import ModelConfig, OptimConfig
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(max_world() < 2, reason="needs world ≥ 2")]
@@ -18,13 +18,10 @@ TWO_BLOCKS = xtrain.XtrainOptions(model=ModelConfig(vocab_size=32, seq_len=8, n_
                                   seq_len=8, optim=OptimConfig(lr=1e-2, warmup_steps=2))
 
 
-def _budget(share: int, least: int) -> int:
-    return max(least, settings.default.max_examples // share)
-
 
 @pytest.mark.parametrize("adapter", [xtrain.fsdp2, xtrain.fsdp2_keep, xtrain.fsdp2_tokens],
                          ids=["reshard", "keep", "tokens"])
-@settings(max_examples=_budget(25, 4), deadline=None)
+@settings(max_examples=budget(25, 4), deadline=None)
 @given(data=st.data())
 def test_fsdp2_passes_its_count_row_and_the_equivalence_gate(adapter, data):
     """Per micro-step only parameter all-gathers (2 per unit resharded, 1 kept), at the boundary one
@@ -68,7 +65,7 @@ def test_the_row_names_reduce_scatter_on_nccl_and_all_reduce_on_gloo(monkeypatch
                           r"(all_reduce×\d+: gloo:all_reduce float32|.*reduce_scatter×\d+.*nccl:_?reduce_scatter\w* float32)"),
     ("fsdp2_switch_after_backward", r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"),
 ])
-@settings(max_examples=_budget(30, 3), deadline=None)
+@settings(max_examples=budget(30, 3), deadline=None)
 @given(data=st.data())
 def test_rejects_fsdp2_sync_bugs_naming_the_row(name, where, data):
     """Sync never disabled: every micro-step reduces every unit. The switch set after the backward it was

@@ -12,7 +12,7 @@ from verify.case import Case
 from verify.gates import GateFailure, check_boundary_only, check_dist_equivalence, check_distributed, run_distributed
 from verify.gates.distributed import max_world, min_world
 from verify.pool import get_pool
-from verify.strategies import dist_cases
+from verify.strategies import budget, dist_cases
 from xtrain_core.config import ModelConfig, OptimConfig
 
 pytestmark = pytest.mark.distributed
@@ -24,13 +24,10 @@ SMALL = XtrainOptions(model=ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_h
                       optim=OptimConfig(lr=1e-2))
 
 
-def _budget(share: int, least: int) -> int:
-    return max(least, settings.default.max_examples // share)
-
 
 @needs_2
 @pytest.mark.parametrize("adapter", [xtrain.adapter, xtrain.tokens_adapter], ids=["mean", "tokens"])
-@settings(max_examples=_budget(10, 5), deadline=None)
+@settings(max_examples=budget(10, 5), deadline=None)
 @given(data=st.data())
 def test_xtrain_sends_one_coalesced_all_reduce_per_step(adapter, data):
     """A small model fits one 25 MiB bucket: ONE all-reduce per optimizer step, never one per parameter —
@@ -42,7 +39,7 @@ def test_xtrain_sends_one_coalesced_all_reduce_per_step(adapter, data):
         assert [len(s.reduced) for s in steps] == [1] * case.steps, (rank, dt, r.extra["comm"].per_step(rank, dt))
 
 
-@settings(max_examples=_budget(5, 5), deadline=None)
+@settings(max_examples=budget(5, 5), deadline=None)
 @given(data=st.data())
 def test_torch_ddp_no_sync(data):
     """The same gates hold for torch's DistributedDataParallel with no_sync() on micro-steps 0..N-2."""
@@ -50,7 +47,7 @@ def test_torch_ddp_no_sync(data):
 
 
 @pytest.mark.skipif(MIN_WORLD > 1, reason="XTRAIN_DIST_MIN_WORLD > 1")
-@settings(max_examples=_budget(5, 5), deadline=None)
+@settings(max_examples=budget(5, 5), deadline=None)
 @given(data=st.data())
 def test_world1_is_the_single_process_path(data):
     """DistAccumTrainer at world 1: no collective, and every loss, step-0 gradient and parameter after
@@ -67,7 +64,7 @@ def test_world1_is_the_single_process_path(data):
 
 @needs_2
 @pytest.mark.parametrize("name", sorted(broken_dist.BROKEN_DIST))
-@settings(max_examples=_budget(30, 3), deadline=None)
+@settings(max_examples=budget(30, 3), deadline=None)
 @given(data=st.data())
 def test_rejects_broken(name, data):
     """Every drawn case with N ≥ 2 and W ≥ 2 is rejected, and the message names the micro-step and the

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.memory
 TINY = ["--effective-batch", "2", "--device", "cpu", "--model", "tiny", "--seq-len", "8", "--steps", "1", "--threads", "1"]
 
 
+@pytest.mark.slow  # the CLI end to end (~6 s); the verdict logic has unit tests below
 def test_inconclusive_is_its_own_verdict_exit_code_and_hint(tmp_path):
     """A tiny model: accumulation would save less than the CPU probe's noise floor, so (a2) cannot be decided.
     Before: `FAIL`, exit 1. Now: INCONCLUSIVE, exit 3, and how to make it decidable."""

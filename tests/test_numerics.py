@@ -158,6 +158,7 @@ def cli(*args):
                           timeout=180, env=ENV, cwd=ROOT)
 
 
+@pytest.mark.slow  # three CLI runs (~5 s)
 def test_cli_docs_tokens_and_precision(tmp_path):
     f = tmp_path / "docs.txt"
     f.write_text("\n".join(["the quick brown fox jumps over the lazy dog", "a", "hi there"] * 4) + "\n")

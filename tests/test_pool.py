@@ -52,6 +52,7 @@ def test_failing_rank_traceback_in_the_error():
     assert not pool.alive and _wait_gone(pool.pids) == []
 
 
+@pytest.mark.slow  # waits out a job timeout
 def test_hung_job_times_out_with_stack_dumps(monkeypatch):
     monkeypatch.setenv("XTRAIN_DIST_TIMEOUT", "2")
     pool = RankPool(2)

@@ -36,7 +36,7 @@ def _profiles() -> None:
     from hypothesis import HealthCheck, settings
 
     ci = settings.get_profile("ci")
-    settings.register_profile("dev", max_examples=15, deadline=None)
+    settings.register_profile("dev", max_examples=10, deadline=None)
     settings.register_profile("ci", parent=ci, max_examples=100, deadline=None,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=150)

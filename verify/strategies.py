@@ -17,7 +17,18 @@ from xtrain_core.config import ModelConfig, OptimConfig
 
 from .case import Case
 
-__all__ = ["cases", "dist_cases", "padding", "model_configs", "optim_configs", "xtrain_options", "gate_device"]
+__all__ = ["cases", "dist_cases", "padding", "model_configs", "optim_configs", "xtrain_options", "gate_device",
+           "budget"]
+
+
+def budget(share: int, least: int) -> int:
+    """Examples for a test worth 1/share of the profile's budget (ci: 100), at least `least` — a floor that
+    scales down with a profile under 100 (dev: 10 -> a tenth, never below 1), so the dev profile is fast."""
+    from hypothesis import settings
+
+    n = settings.default.max_examples
+    floor = least if n >= 100 else max(1, round(least * n / 100))
+    return max(floor, n // share)
 
 
 def gate_device() -> str:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from . import report
 from ._gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
 from .gates import check_bit_exact, check_equivalence
-from .strategies import cases
+from .strategies import budget, cases
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]
 
@@ -53,7 +53,7 @@ def test_split_invariance_on_padded_windows(verify_adapter):
         pytest.skip(reason)
     worlds = max_world() if verify_adapter.data_parallel else 1
 
-    @settings(max_examples=max(3, settings.default.max_examples // 10), deadline=None)
+    @settings(max_examples=budget(10, 3), deadline=None)
     @given(data=st.data())
     def split_invariance(data):
         case = data.draw(cases(verify_adapter, max_accum=6, max_micro_batch=2, max_steps=2, padded=True), label="case")
@@ -69,7 +69,7 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
     from .gates import GateSkipped
     from .gates.windows import check_partial_sums
 
-    @settings(max_examples=max(2, settings.default.max_examples // 30), deadline=None)
+    @settings(max_examples=budget(30, 2), deadline=None)
     @given(data=st.data())
     def long_windows(data):
         case = data.draw(cases(verify_adapter, min_accum=64, max_accum=256, max_micro_batch=1, max_steps=2),

@@ -13,7 +13,7 @@ from . import report
 from ._gpulock import gpu_shared  # noqa: F401
 from .gates import check_distributed
 from .gates.distributed import max_world, min_world
-from .strategies import dist_cases
+from .strategies import budget, dist_cases
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
 
@@ -25,15 +25,11 @@ def _data_parallel(adapter):
         pytest.skip(reason)
 
 
-def _budget(share: int, least: int) -> int:
-    """Distributed examples cost ~10× a single-process one: a share of the profile's budget (ci: 100)."""
-    return max(least, settings.default.max_examples // share)
-
 
 def test_data_parallel_boundary_only_and_equivalent(verify_adapter):
     _data_parallel(verify_adapter)
 
-    @settings(max_examples=_budget(2, 8), deadline=None)
+    @settings(max_examples=budget(2, 8), deadline=None)
     @given(data=st.data())
     def gates(data):
         case = data.draw(dist_cases(verify_adapter, min_world=min_world(), max_world=max_world()), label="case")
@@ -49,7 +45,7 @@ def test_bytes_per_step_independent_of_N(verify_adapter):
     if max_world() < 2:
         pytest.skip("needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)")
 
-    @settings(max_examples=_budget(30, 3), deadline=None)
+    @settings(max_examples=budget(30, 3), deadline=None)
     @given(data=st.data())
     def same_bytes(data):
         case = data.draw(dist_cases(verify_adapter, min_world=max(2, min_world()), max_world=max_world(),

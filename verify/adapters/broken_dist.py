@@ -12,7 +12,6 @@ import threading
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from xtrain_core.distributed import DistAccumTrainer, TorchDDPTrainer
 

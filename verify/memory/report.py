@@ -248,7 +248,7 @@ def render_md(report) -> str:
         L.append("- **reserved**: torch.cuda.max_memory_allocated's sibling max_memory_reserved: blocks the caching "
                  "allocator holds, used or not.")
     L += [f"- **isolation**: {pr['isolation']}.",
-          (f"- **step ms / tok/s**: wall time of the measured optimizer steps (synchronized at the end); tokens = "
+          ("- **step ms / tok/s**: wall time of the measured optimizer steps (synchronized at the end); tokens = "
            "N·B·S per rank" if _rate_key(report) == "tok_s" else
            "- **step ms / rows/s**: wall time of the measured optimizer steps (synchronized at the end); rows = N·B "
            "per rank (the inputs are not token ids, so no token rate is claimed)")
