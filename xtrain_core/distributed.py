@@ -30,7 +30,6 @@ averaged gradient by W / global count.
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 
 import torch
@@ -38,7 +37,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cli import torchrun_env  # noqa: F401  (re-exported: where launch code has always found it)
 from .config import IMPLS, OptimConfig
 from .model import IGNORE
 from .trainer import MicroSchedule, check_accum_steps, make_optimizer
@@ -190,7 +188,34 @@ def _ce_mean(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
 
 
-class TorchDDPTrainer(MicroSchedule):
+class RankAveraged(MicroSchedule):
+    """The boundary of a wrapper that averages gradients over ranks itself (torch DDP, FSDP2): one 2-element
+    all-reduce of the step loss's [numerator, denominator]; loss_norm="tokens" turns the wrapper's average
+    over ranks into the global token mean with it."""
+
+    group = None  # the process group of that all-reduce (None: the default group)
+
+    def _finish(self) -> None:
+        num = self._num
+        den = self._den.to(num.dtype) if torch.is_tensor(self._den) else num.new_tensor(float(self._den))
+        self._slots = torch.stack([num, den])  # in the loss's dtype: float64 runs stay float64
+        dist.all_reduce(self._slots, group=self.group)  # [Σ_ranks numerator, Σ_ranks denominator]
+        plain = self.accum_steps == 1 and self.world == 1
+        if self.loss_norm == "tokens" and not plain:
+            self._normalize(int(self._slots[1]), ranks=self.world)  # the wrapper averaged over ranks: ×W
+
+    def _window_tokens(self) -> int | None:
+        return int(self._slots[1]) if self.loss_norm == "tokens" else None
+
+    def optimizer_step(self) -> torch.Tensor:
+        self._update()
+        self.opt.zero_grad(set_to_none=True)
+        loss = self._slots[0] / self._slots[1]
+        self._reset_window()
+        return loss
+
+
+class TorchDDPTrainer(RankAveraged):
     """torch DistributedDataParallel; `no_sync()` wraps forward+backward of micro-steps 0..N-2.
 
     DDP decides at FORWARD whether the coming backward all-reduces (it arms its reducer there), so the
@@ -230,27 +255,6 @@ class TorchDDPTrainer(MicroSchedule):
                                         alone=self.world == 1)
             self._backward(objective)
         self._next_micro = micro + 1
-
-    def _finish(self) -> None:
-        """The boundary's 2-element all-reduce: [numerator, denominator] of the step loss; tokens mode
-        turns DDP's average over ranks into the global token mean with it."""
-        num = self._num
-        den = self._den.to(num.dtype) if torch.is_tensor(self._den) else num.new_tensor(float(self._den))
-        self._slots = torch.stack([num, den])  # in the loss's dtype: float64 runs stay float64
-        dist.all_reduce(self._slots, group=self.group)  # [Σ_ranks numerator, Σ_ranks denominator]
-        plain = self.accum_steps == 1 and self.world == 1
-        if self.loss_norm == "tokens" and not plain:
-            self._normalize(int(self._slots[1]), ranks=self.world)  # DDP averaged over ranks: ×W
-
-    def _window_tokens(self) -> int | None:
-        return int(self._slots[1]) if self.loss_norm == "tokens" else None
-
-    def optimizer_step(self) -> torch.Tensor:
-        self._update()
-        self.opt.zero_grad(set_to_none=True)
-        loss = self._slots[0] / self._slots[1]
-        self._reset_window()
-        return loss
 
 
 def make_trainer(impl: str, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None, **numerics):

@@ -25,10 +25,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import OptimConfig
-from .trainer import MicroSchedule, check_accum_steps, make_optimizer
+from .distributed import RankAveraged
+from .trainer import check_accum_steps, make_optimizer
 
 
-class FSDP2Trainer(MicroSchedule):
+class FSDP2Trainer(RankAveraged):
     """xtrain's GPT under FSDP2 with set_requires_gradient_sync as the accumulation gate."""
 
     def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, reshard_after_forward: bool = True,
@@ -58,20 +59,6 @@ class FSDP2Trainer(MicroSchedule):
         self._backward(self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1))
         self._next_micro = micro + 1
 
-    def _finish(self) -> None:
-        """The boundary's 2-element all-reduce of the step loss's numerator and denominator; tokens mode
-        rescales FSDP2's average over ranks into the global token mean with it."""
-        num = self._num
-        den = self._den.to(num.dtype) if torch.is_tensor(self._den) else num.new_tensor(float(self._den))
-        self._slots = torch.stack([num, den])
-        dist.all_reduce(self._slots)
-        plain = self.accum_steps == 1 and self.world == 1
-        if self.loss_norm == "tokens" and not plain:
-            self._normalize(int(self._slots[1]), ranks=self.world)
-
-    def _window_tokens(self) -> int | None:
-        return int(self._slots[1]) if self.loss_norm == "tokens" else None
-
     def _grads_list(self) -> list[torch.Tensor]:
         return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 for p in self.model.parameters() if p.grad is not None]
@@ -84,10 +71,3 @@ class FSDP2Trainer(MicroSchedule):
 
     def params(self) -> dict[str, torch.Tensor]:
         return {k: p.detach().full_tensor() for k, p in self.model.named_parameters()}
-
-    def optimizer_step(self) -> torch.Tensor:
-        self._update()
-        self.opt.zero_grad(set_to_none=True)
-        loss = self._slots[0] / self._slots[1]
-        self._reset_window()
-        return loss
