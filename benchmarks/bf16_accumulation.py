@@ -44,7 +44,7 @@ from verify._meta import atomic_write_all, header
 from verify.adapters import broken_numerics, xtrain
 from verify.case import Case, block_grads, drive
 from verify.gates.single import check_equivalence
-from verify.gates.tolerance import C, FLOOR, GateFailure, bound, condition, overall_error, rel_err
+from verify.gates.tolerance import C, FLOOR, GateFailure, bound, condition, overall_error, rel_err, step0_checks
 
 KIND = "bf16-accumulation"
 MODELS = {"mini": ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32), **PRESETS}
@@ -52,19 +52,10 @@ LOSS = "loss of step 0"  # the gate's name for the loss check (verify/gates/tole
 XTRAIN, BUFFER = xtrain.single, broken_numerics.bf16_accumulation_buffer
 
 
-def _flat(grads: dict) -> torch.Tensor:
-    return torch.cat([grads[k].detach().double().flatten() for k in sorted(grads)])
-
-
 def _ratios(acc, big, ref, kappa: dict) -> dict:
-    """error / bound of every check Judge.step0 makes (the step-0 loss, each parameter's gradient)."""
-    lr = ref.losses[0]
-    scale = abs(lr) or 1.0
-    out = {LOSS: (abs(acc.losses[0] - lr) / scale) / bound(abs(big.losses[0] - lr) / scale)}
-    overall = overall_error(big.grads0, ref.grads0)
-    for name, g in ref.grads0.items():
-        out[name] = rel_err(acc.grads0[name], g) / bound(rel_err(big.grads0[name], g), kappa.get(name, 1.0), overall)
-    return out
+    """error / bound of every check the gate makes (tolerance.step0_checks: the step-0 loss, each gradient)."""
+    return {LOSS if name is None else name: a / bound(b, k, o)
+            for _, name, a, b, k, o in step0_checks(acc, big, ref, kappa, "bf16")}
 
 
 def _worst(ratios: dict) -> tuple[str, float]:
@@ -94,10 +85,9 @@ def measure(opts, N: int, B: int, seed: int, data_seed: int, *, gate: bool) -> d
     ra, rb = _ratios(acc, big, ref, kappa), _ratios(buf, big_buf, ref, kappa)
     rbx = _ratios(buf, big, ref, kappa)  # (b) held to xtrain's big batch (d) instead of its own
     wa, wb, wbx = _worst(ra), _worst(rb), _worst(rbx)
-    fr = _flat(ref.grads0)
     row = dict(N=N, rows=N * B, seed=seed, data_seed=data_seed,
-               err_fp32_accum=rel_err(_flat(acc.grads0), fr), err_bf16_buffer=rel_err(_flat(buf.grads0), fr),
-               err_big_bf16=rel_err(_flat(big.grads0), fr), err_big_bf16_buffer=rel_err(_flat(big_buf.grads0), fr),
+               err_fp32_accum=overall_error(acc.grads0, ref.grads0), err_bf16_buffer=overall_error(buf.grads0, ref.grads0),
+               err_big_bf16=overall_error(big.grads0, ref.grads0), err_big_bf16_buffer=overall_error(big_buf.grads0, ref.grads0),
                overall_big_bf16_buffer=overall_error(big_buf.grads0, ref.grads0),
                worst_fp32_accum=dict(check=wa[0], ratio=wa[1]), worst_bf16_buffer=dict(check=wb[0], ratio=wb[1]),
                worst_bf16_buffer_vs_d=dict(check=wbx[0], ratio=wbx[1]))

@@ -13,6 +13,8 @@ import random
 
 import torch
 
+from .model import IGNORE
+
 
 class TokenStream:
     """Sequences of S+1 tokens; `next(n)` -> (idx, targets), each (n, S) int64 on CPU.
@@ -73,7 +75,7 @@ class DocStream:
         doc = torch.frombuffer(bytearray(self.docs[self._order.pop()]), dtype=torch.uint8).long()
         n = min(len(doc) - 1, self.seq_len)  # valid targets
         x = torch.zeros(self.seq_len, dtype=torch.long)
-        y = torch.full((self.seq_len,), -100, dtype=torch.long)
+        y = torch.full((self.seq_len,), IGNORE, dtype=torch.long)
         if n > 0:
             x[:n], y[:n] = doc[:n], doc[1:n + 1]
         return x, y

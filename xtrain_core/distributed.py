@@ -35,11 +35,10 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .config import IMPLS, OptimConfig
-from .model import IGNORE
-from .trainer import MicroSchedule, check_accum_steps, make_optimizer
+from .model import ce_mean, ce_sum
+from .trainer import MicroSchedule, make_optimizer
 
 
 
@@ -54,11 +53,8 @@ class DistAccumTrainer(MicroSchedule):
     def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None,
                  bucket_mb: float = 25.0, loss_norm: str = "mean", precision: str = "fp32",
                  init_scale: float = 2.0**16):
-        check_accum_steps(accum_steps)
-        self.accum_steps = accum_steps
-        self.model, self.cfg, self.group = model, optim, group
-        self.world = dist.get_world_size(group)
-        self._numerics(model, loss_norm, precision, init_scale)
+        self._setup(model, optim, accum_steps, loss_norm, precision, init_scale)
+        self.group, self.world = group, dist.get_world_size(group)
         params = [p for p in model.parameters() if p.requires_grad]
         if len({(p.dtype, p.device) for p in params}) != 1:
             raise ValueError("DistAccumTrainer needs every parameter on one device in one dtype")
@@ -184,10 +180,6 @@ class DistAccumTrainer(MicroSchedule):
         return loss
 
 
-def _ce_mean(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
-
-
 class RankAveraged(MicroSchedule):
     """The boundary of a wrapper that averages gradients over ranks itself (torch DDP, FSDP2): one 2-element
     all-reduce of the step loss's [numerator, denominator]; loss_norm="tokens" turns the wrapper's average
@@ -227,11 +219,8 @@ class TorchDDPTrainer(RankAveraged):
                  loss_norm: str = "mean", precision: str = "fp32", init_scale: float = 2.0**16):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        check_accum_steps(accum_steps)
-        self.accum_steps = accum_steps
-        self.model, self.cfg, self.group = model, optim, group
-        self.world = dist.get_world_size(group)
-        self._numerics(model, loss_norm, precision, init_scale)
+        self._setup(model, optim, accum_steps, loss_norm, precision, init_scale)
+        self.group, self.world = group, dist.get_world_size(group)
         dev = next(model.parameters()).device
         # gradient_as_bucket_view: grads live in DDP's buckets, as in the plain-torch reference measurement
         self.ddp = DDP(model, process_group=group, device_ids=[dev] if dev.type == "cuda" else None,
@@ -239,13 +228,10 @@ class TorchDDPTrainer(RankAveraged):
         self.opt, self.sched = make_optimizer(model, optim)
 
     def _forward_mean(self, idx, targets):
-        return _ce_mean(self.ddp(idx), targets)  # through the wrapper: this forward arms (or not) the reducer
+        return ce_mean(self.ddp(idx), targets)  # through the wrapper: this forward arms (or not) the reducer
 
     def _forward_sum(self, idx, targets):
-        logits = self.ddp(idx)
-        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                                reduction="sum")
-        return total, (targets != IGNORE).sum()
+        return ce_sum(self.ddp(idx), targets)
 
     def micro_step(self, idx: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
         self._enter(micro)

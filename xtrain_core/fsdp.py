@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .config import OptimConfig
 from .distributed import RankAveraged
-from .trainer import check_accum_steps, make_optimizer
+from .trainer import make_optimizer
 
 
 class FSDP2Trainer(RankAveraged):
@@ -36,20 +36,16 @@ class FSDP2Trainer(RankAveraged):
                  loss_norm: str = "mean", precision: str = "fp32", init_scale: float = 2.0**16, group=None):
         from torch.distributed.fsdp import fully_shard
 
-        check_accum_steps(accum_steps)
         if precision == "fp16":
             raise ValueError("precision fp16 is not offered under FSDP2 (its GradScaler would not agree on inf/NaN "
                              "across gradient shards); use bf16 or fp32")
         if group is not None:
             raise ValueError("FSDP2Trainer shards over the default process group")
-        self.accum_steps, self.cfg, self.world = accum_steps, optim, dist.get_world_size()
-        self._numerics(model, loss_norm, precision, init_scale)
-        self.reshard_after_forward = reshard_after_forward
+        self._setup(model, optim, accum_steps, loss_norm, precision, init_scale)
+        self.world = dist.get_world_size()
         for block in model.blocks:  # one unit per block: its all-gather / reduce-scatter overlap the next's
             fully_shard(block, reshard_after_forward=reshard_after_forward)
         fully_shard(model, reshard_after_forward=reshard_after_forward)  # the root: everything else
-        self.model = model
-        self.units = len(model.blocks) + 1
         self.opt, self.sched = make_optimizer(model, optim)  # AdamW over this rank's shards
 
     def micro_step(self, idx: torch.Tensor, targets: torch.Tensor, micro: int) -> None:

@@ -59,19 +59,25 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
     def loss_batched(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy MEAN over the B*T rows whose target is not IGNORE (-100; all of them for fixed-length
-        data): the quantity whose gradient accumulation must scale by 1/N."""
-        logits = self(idx)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
+        return ce_mean(self(idx), targets)
 
     def loss_sum(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Σ cross-entropy over valid targets, number of valid targets): the token-weighted pieces. Summing
-        both over micro-steps and ranks and dividing once is the global batch's token mean (0 / 0 never
-        happens here: an empty micro-batch is (0, 0))."""
-        logits = self(idx)
-        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                                reduction="sum")
-        return total, (targets != IGNORE).sum()
+        return ce_sum(self(idx), targets)
+
+
+def ce_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits (B, T, V), targets (B, T) -> cross-entropy MEAN over the B*T rows whose target is not IGNORE
+    (all of them for fixed-length data): the quantity whose gradient accumulation must scale by 1/N."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
+
+
+def ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ cross-entropy over valid targets, number of valid targets): the token-weighted pieces. Summing
+    both over micro-steps and ranks and dividing once is the global batch's token mean (0 / 0 never
+    happens here: an empty micro-batch is (0, 0))."""
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                            reduction="sum")
+    return total, (targets != IGNORE).sum()
 
 
 def build_model(cfg: ModelConfig, seed: int, *, dtype=torch.float32, device="cpu") -> GPT:

@@ -138,7 +138,7 @@ def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, ou
 
     from .data import DocStream, TokenStream, split_micro
     from .distributed import make_trainer, shard
-    from .model import build_model
+    from .model import IGNORE, build_model
     from .trainer import AccumTrainer
 
     N, B, S = train.accum_steps, train.micro_batch, train.seq_len
@@ -171,7 +171,7 @@ def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, ou
         mine = split_micro(idx, tgt, N) if world == 1 else shard(idx, tgt, N, rank, world)
         micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in mine]
         loss = trainer.train_step(micro).item()  # world > 1: the global batch's mean loss
-        tokens_seen += int((tgt != -100).sum()) if docs is not None else E * S  # valid tokens
+        tokens_seen += int((tgt != IGNORE).sum()) if docs is not None else E * S  # valid tokens
         dt = time.perf_counter() - t0
         if trainer.last_skipped:  # no valid token in the window (or an fp16 inf/NaN): no update at all
             why = "no valid token in the window" if loss != loss else "inf/NaN in the fp16 window"

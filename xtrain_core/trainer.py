@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from .config import LOSS_NORMS, PRECISIONS, OptimConfig
+from .model import IGNORE
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,7 +82,12 @@ class MicroSchedule:
     accum_steps: int
     _next_micro: int
 
-    def _numerics(self, model: nn.Module, loss_norm: str, precision: str, init_scale: float = 2.0**16) -> None:
+    def _setup(self, model: nn.Module, optim: OptimConfig, accum_steps: int, loss_norm: str, precision: str,
+               init_scale: float = 2.0**16) -> None:
+        """What every trainer's __init__ starts with: the checked window size, the model and optimizer
+        config, loss normalization and precision (the GradScaler for fp16), an empty window."""
+        check_accum_steps(accum_steps)
+        self.model, self.cfg, self.accum_steps = model, optim, accum_steps
         if loss_norm not in LOSS_NORMS:
             raise ValueError(f"loss_norm must be one of {LOSS_NORMS}, got {loss_norm!r}")
         if precision not in PRECISIONS:
@@ -124,7 +130,7 @@ class MicroSchedule:
                 return loss if n == 1 else loss * (1.0 / n)  # N == 1: no scale at all (the plain graph)
             if n == 1 and alone:  # the plain token mean: exactly plain_step's graph
                 loss = forward_mean(idx, targets)
-                count = (targets != -100).sum()
+                count = (targets != IGNORE).sum()
                 self._num, self._den = loss.detach() * count, count
                 self._raw_sum = loss.detach()
                 return loss if int(count) > 0 else None  # 0 tokens: 0/0; the window is skipped
@@ -196,7 +202,7 @@ class MicroSchedule:
             self._finished = True
 
     def _finish(self) -> None:  # overridden by the data-parallel trainer (the boundary collective)
-        if self.loss_norm == "tokens" and not (self.accum_steps == 1):
+        if self.loss_norm == "tokens" and self.accum_steps != 1:
             self._normalize(int(self._den))
 
     def _window_tokens(self) -> int | None:
@@ -227,7 +233,7 @@ class MicroSchedule:
         self.skipped_steps += int(self.last_skipped)
         self._finished = False
 
-    def _step_loss(self, local: bool = True) -> torch.Tensor:
+    def _step_loss(self) -> torch.Tensor:
         """This window's loss: mean of the raw micro losses (mean), Σ CE / tokens (tokens; NaN if none)."""
         n = self.accum_steps
         if self.loss_norm == "mean":
@@ -251,9 +257,7 @@ class AccumTrainer(MicroSchedule):
 
     def __init__(self, model: nn.Module, optim: OptimConfig, accum_steps: int, *, loss_norm: str = "mean",
                  precision: str = "fp32", init_scale: float = 2.0**16):
-        check_accum_steps(accum_steps)
-        self.model, self.cfg, self.accum_steps = model, optim, accum_steps
-        self._numerics(model, loss_norm, precision, init_scale)
+        self._setup(model, optim, accum_steps, loss_norm, precision, init_scale)
         self.opt, self.sched = make_optimizer(model, optim)
 
     # -- micro-steps --------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import math
 import torch
 
 __all__ = ["GateFailure", "C", "FLOOR", "EPS32", "ATOL64_PARAMS", "RTOL64_LOSS", "LOSS_MAX_REL", "rel_err",
-           "condition", "bound", "overall_error", "Judge"]
+           "condition", "bound", "overall_error", "step0_checks", "Judge"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 C = 8.0
@@ -88,6 +88,22 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.shape == b.shape and a.numel() else float("nan")
 
 
+def step0_checks(acc, big, ref, kappa: dict | None, precision: str):
+    """Every step-0 check of the policy: (what, parameter name or None for the loss, err(acc), err(big), κ,
+    overall floor); bound(err(big), κ, overall) is its limit. acc and big ran in `precision`, ref in float64."""
+    lr = ref.losses[0]
+    scale = abs(lr) or 1.0
+    overall = overall_error(big.grads0, ref.grads0)
+    # One scalar is the luckiest tensor of all: under autocast the big batch's loss can come out of a different
+    # kernel path near-exact (seen: fp16 N=7, 1.9e-7 against 2.7e-6 typical), so its floor is the big batch's
+    # error over all gradients, as for any one parameter. fp32 keeps FLOOR alone.
+    yield ("loss of step 0", None, abs(acc.losses[0] - lr) / scale, abs(big.losses[0] - lr) / scale, 1.0,
+           overall if precision != "fp32" else 0.0)
+    for name, g in ref.grads0.items():
+        yield (f"gradient (step 0) of {name!r}", name, rel_err(acc.grads0[name], g), rel_err(big.grads0[name], g),
+               (kappa or {}).get(name, 1.0), overall)
+
+
 class Judge:
     """Applies the policy for one gate and one case; raises GateFailure('[gate] ...; case ...').
     `suffix(step)` may add context to a message (the distributed gate appends the boundary's collectives)."""
@@ -126,26 +142,19 @@ class Judge:
     def step0(self, acc, big, ref, kappa: dict | None = None) -> None:
         """Step-0 loss and boundary gradients of `acc` vs the float64 `ref`, bounded by `big`'s error
         (acc and big in the same precision: fp32, or bf16 / fp16 autocast); kappa: name -> κ."""
-        la, lb, lr = acc.losses[0], big.losses[0], ref.losses[0]
-        scale = abs(lr) or 1.0
         self.keys(acc.grads0, ref.grads0, "the accumulation run")
-        precision = getattr(self.case, "precision", "fp32")
-        fp16 = precision == "fp16"
-        overall = overall_error(big.grads0, ref.grads0)
-        if not self._undefined(la, lr, "loss of step 0"):
-            # One scalar is the luckiest tensor of all: under autocast the big batch's loss can come out of a
-            # different kernel path near-exact (seen: fp16 N=7, 1.9e-7 against 2.7e-6 typical), so its floor is
-            # the big batch's error over all gradients, as for any one parameter. fp32 keeps FLOOR alone.
-            self._within(abs(la - lr) / scale, abs(lb - lr) / scale, "loss of step 0",
-                         overall=overall if precision != "fp32" else 0.0)
-        for name, g in ref.grads0.items():
+        fp16 = self.case.precision == "fp16"
+        for what, name, a, b, k, o in step0_checks(acc, big, ref, kappa, self.case.precision):
+            if name is None:  # the loss
+                if not self._undefined(acc.losses[0], ref.losses[0], what):
+                    self._within(a, b, what, k, o)
+                continue
             if fp16 and not bool(torch.isfinite(acc.grads0[name]).all()) and bool(torch.isfinite(big.grads0[name]).all()):
                 self.fail(f"gradient (step 0) of {name!r} is inf/NaN in fp16 where the big batch's is finite: the scaled "
                           f"gradient overflowed. A GradScaler starting at torch's 2^16 can overflow one micro-batch (a "
                           f"rank's gradient is W× a big-batch row's before /W) before it backs off; if that is all, give "
                           f"the adapter's scaler a lower init_scale under the gates — otherwise the scale is applied wrong")
-            self._within(rel_err(acc.grads0[name], g), rel_err(big.grads0[name], g), f"gradient (step 0) of {name!r}",
-                         (kappa or {}).get(name, 1.0), overall)
+            self._within(a, b, what, k, o)
 
     def loss_trajectory(self, acc, big) -> None:
         if getattr(self.case, "precision", "fp32") != "fp32":
