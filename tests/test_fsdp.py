@@ -1,5 +1,7 @@
 """FSDP2 accumulation (xtrain_core/fsdp.py) through the gates: equivalence to the one-rank big batch and the
 count table row of its sync mode, per micro-step and at the boundary; and the FSDP2 bugs it must reject."""
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -42,8 +44,13 @@ def test_a_window_without_a_valid_token_skips_clippings_all_reduce():
     case = Case(accum_steps=1, micro_batch=1, steps=2, world=2, options=opts, lengths=(1, 1, 0, 0))
     assert case.empty_steps() == {1}
     check_distributed(xtrain.fsdp2_tokens, case)
-    row = xtrain.fsdp2_tokens.counts(case)
-    assert row.skipped == {"all_reduce": 1}
+    # a trainer that steps such a window anyway sends that all-reduce: rejected at step 1's boundary
+    with pytest.raises(GateFailure, match=r"step 1, boundary .*a window without a valid token: no update\): count "
+                                          r"table row") as e:
+        check_distributed(broken_dist.fsdp2_steps_empty_windows, case)
+    # gloo: all_reduce×2 expected (the units), 3 seen; NCCL: 0 expected (reduce-scatters), 1 seen
+    m = re.search(r"expects all_gather×\d+, all_reduce×(\d+).* observed all_gather×\d+, all_reduce×(\d+)", str(e.value))
+    assert m and int(m[2]) == int(m[1]) + 1, str(e.value)
 
 
 def test_the_row_names_reduce_scatter_on_nccl_and_all_reduce_on_gloo(monkeypatch):

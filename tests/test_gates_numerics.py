@@ -94,8 +94,10 @@ def test_split_invariance_rejects_broken_token_weighting(name, data):
 def test_equivalence_rejects_grad_scaler_misuse(name, data):
     adapter = getattr(bn, name)
     case = data.draw(cases(adapter, min_accum=2, max_accum=6)).replace(precision="fp16")
-    with pytest.raises(GateFailure, match=r"^\[equivalence\] "):
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] ") as e:
         check_equivalence(adapter, case)
+    assert "overflowed" not in str(e.value), str(e.value)  # the misuse itself, not loss scaling
+    check_equivalence(xtrain.single, case)  # the same fp16 case passes with the scaler used right
 
 
 @pytest.mark.slow  # N up to 64 in bf16: ~6 s

@@ -66,14 +66,6 @@ class Case:
             out.append((x, y))
         return out
 
-    def valid_counts(self, adapter) -> list[list[int]] | None:
-        """Per step, the valid targets of each global micro-batch (None for unpadded cases)."""
-        if self.lengths is None:
-            return None
-        E, b = self.effective_batch, self.micro_batch * self.world
-        return [[sum(self.lengths[k * E + i * b:k * E + (i + 1) * b]) for i in range(self.accum_steps)]
-                for k in range(self.steps)]
-
     def empty_steps(self) -> set[int]:
         """Steps whose global batch holds no valid target: a token-weighted trainer skips their update."""
         if self.lengths is None:

@@ -94,7 +94,7 @@ class WritesIntoTargets(AccumTrainer):
 
 
 def _adapter(cls):  # fp32: these bugs are about accumulation arithmetic, and override the scaled backward
-    return xtrain.variant(cls, xtrain.single.replace(precisions=("fp32",), ref=None))
+    return xtrain.variant(cls, xtrain.single.replace(precisions=("fp32",)))
 
 
 missing_1_over_N = _adapter(MissingScale)

@@ -217,6 +217,17 @@ class FSDP2SwitchAfterBackward(FSDP2Trainer):
         self._next_micro = micro + 1
 
 
+class FSDP2StepsEmptyWindows(FSDP2Trainer):
+    """loss_norm="tokens": a window without a valid token stepped like any other (clip, AdamW and the
+    schedule on a zero gradient): momentum and weight decay move the parameters on no data. Its boundary
+    sends the clip all-reduce the count row's `skipped` field takes out of such a step."""
+
+    def _window_tokens(self):
+        tokens = super()._window_tokens()
+        return None if tokens == 0 else tokens  # never "empty": _update always steps
+
+
 fsdp2_sync_always = _adapter(FSDP2SyncAlways, xtrain.fsdp2)
+fsdp2_steps_empty_windows = _adapter(FSDP2StepsEmptyWindows, xtrain.fsdp2_tokens)
 fsdp2_switch_after_forward = _adapter(FSDP2SwitchAfterForward, xtrain.fsdp2)
 fsdp2_switch_after_backward = _adapter(FSDP2SwitchAfterBackward, xtrain.fsdp2)

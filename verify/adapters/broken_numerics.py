@@ -14,14 +14,13 @@ mixed precision (fp16 GradScaler, bf16):
     manual_unscale_every_micro   the accumulated gradient divided by the scale by hand after every
                                  micro-step, then unscaled once more at the boundary
     bf16_accumulation_buffer     gradients summed in a bf16 buffer: rounding grows with N
-    sanitize_nonfinite           inf/NaN gradients zeroed per micro-step, so a poisoned window is stepped
+    SanitizeNonFinite            inf/NaN gradients zeroed per micro-step, so a poisoned window is stepped
+                                 (no gate: poisoned_window_job below runs it, tests/test_numerics.py checks it)
 long windows:
     drop_micro_63           micro-step 63 never backwards (only when N ≥ 64)
     doubling_buffer         the accumulated gradient doubles before each micro-step adds to it
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -156,10 +155,9 @@ def _adapter(cls, base=xtrain.single):
     return xtrain.variant(cls, base)
 
 
-_single_tokens = dataclasses.replace(xtrain.tokens_adapter, factory=xtrain.single_factory, data_parallel=False,
-                                     ref=None, name="")
-_dist_tokens = dataclasses.replace(xtrain.tokens_adapter, factory=xtrain.dist_factory, process_group=True, ref=None,
-                                   name="")  # a DistAccumTrainer: even alone it runs in a (one-rank) group
+_single_tokens = xtrain.tokens_adapter.replace(factory=xtrain.single_factory, data_parallel=False)
+_dist_tokens = xtrain.tokens_adapter.replace(factory=xtrain.dist_factory, process_group=True)  # a DistAccumTrainer:
+# even alone it runs in a (one-rank) group
 
 per_micro_mean = _adapter(PerMicroMean, _single_tokens)
 count_divided_twice = _adapter(CountDividedTwice, _single_tokens)
@@ -168,7 +166,6 @@ per_rank_mean = _adapter(PerRankMean, _dist_tokens)
 unscale_update_every_micro = _adapter(UnscaleUpdateEveryMicro)
 manual_unscale_every_micro = _adapter(ManualUnscaleEveryMicro)
 bf16_accumulation_buffer = _adapter(Bf16AccumulationBuffer)
-sanitize_nonfinite = _adapter(SanitizeNonFinite)
 drop_micro_63 = _adapter(DropMicro63)
 doubling_buffer = _adapter(DoublingBuffer)
 

@@ -51,7 +51,8 @@ Why each is built the way it is:
 
 Planted bugs: (BROKEN) the no_sync context around backward only, in the find_unused and compiled modes
 (DDP arms its reducer at forward: both sync every micro-step), and find_unused checked against
-bucket_view's row (the int32 bitmap undeclared); a router that loses what an expert accumulated before
+bucket_view's row (the int32 bitmap undeclared), bucket_view with head.bias left out of DDP (every count
+right, the payload 1 element short: the row's element bound); a router that loses what an expert accumulated before
 the sync micro-step when that micro-step does not use it (caught by the equivalence gate); a "compiled"
 trainer running eagerly (its own check fails the step).
 """
@@ -69,7 +70,7 @@ from ..data import regression
 from ..gates.counts import CountRow
 from ..protocol import DDP_EXPECTED, Adapter, Expected
 
-__all__ = ["MODES", "BROKEN", "ROWS", "MLP", "Router", "first_backward_under_no_sync", "compiled_graphs"]
+__all__ = ["MODES", "BROKEN", "MLP", "Router", "first_backward_under_no_sync", "compiled_graphs"]
 
 FEATURES, HIDDEN = 8, 32
 P_MLP = FEATURES * HIDDEN + HIDDEN + HIDDEN + 1  # 321 parameter elements
@@ -119,10 +120,13 @@ class Router(nn.Module):
 class _Trainer:
     ddp_kwargs: dict = {}
     net = MLP
+    ignored: tuple = ()  # parameter names DDP is told to leave alone (a planted bug below)
 
     def __init__(self, spec):
         torch.manual_seed(spec.seed)
         self.model = self.net().to(spec.device, spec.dtype)
+        if self.ignored:
+            DDP._set_params_and_buffers_to_ignore_for_model(self.model, list(self.ignored))
         self.ddp = DDP(self.model, device_ids=None if spec.device == "cpu" else [spec.device], **self.ddp_kwargs)
         self.forward = self.ddp
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-2)
@@ -218,9 +222,6 @@ def compiled_row(case) -> CountRow:
     return _row("compiled", P_MLP, 2)
 
 
-ROWS = {"bucket_view": bucket_view_row, "static_graph": static_graph_row, "find_unused": find_unused_row,
-        "compiled": compiled_row}
-
 # static_graph rebuilds its buckets in the forward after its SECOND synchronized backward: with the
 # warm-up (N > 1) that is micro-step 0 of step 1; without it (N = 1) micro-step 0 (= the boundary) of step 2.
 STATIC_EXPECTED = (
@@ -293,6 +294,17 @@ compiled_sync_around_backward_only = _adapter(
 find_unused_with_plain_row = _adapter(
     FindUnused, bucket_view_row, DDP_EXPECTED, "broken: find_unused declared with bucket_view's row")
 compiled_runs_eager = _adapter(CompiledRunsEager, compiled_row, DDP_EXPECTED, "broken: compiled mode running eagerly")
+
+
+class BucketViewIgnoresHeadBias(BucketView):
+    """head.bias left out of DDP (params_and_buffers_to_ignore, e.g. a stale "frozen" list): still one
+    bucket and the loss at the boundary, so every count matches; the bucket is 1 element short, and only
+    the row's element bound sees that before the ranks' head.bias drift apart."""
+    ignored = ("head.bias",)
+
+
+bucket_view_ignores_head_bias = _adapter(
+    BucketViewIgnoresHeadBias, bucket_view_row, DDP_EXPECTED, "broken: bucket_view, DDP ignores head.bias")
 router_drops_stale_expert = _adapter(
     RouterDropsStaleExpert, find_unused_row, (), "broken: router drops an expert's accumulated gradient")
 
@@ -301,6 +313,7 @@ BROKEN = {
     "find_unused_sync_around_backward_only": (find_unused_sync_around_backward_only, "find_unused"),
     "compiled_sync_around_backward_only": (compiled_sync_around_backward_only, "compiled"),
     "find_unused_with_plain_row": (find_unused_with_plain_row, "bucket_view"),
+    "bucket_view_ignores_head_bias": (bucket_view_ignores_head_bias, "bucket_view"),
 }
 
 

@@ -45,7 +45,6 @@ class CountRow:
     boundary: dict = field(default_factory=dict)  # family -> count at the boundary
     elements: tuple | None = None  # (lo, hi) floating elements reduced at the boundary; None: the default rule
     first_micro: dict = field(default_factory=dict)  # extra on micro-step 0 of step 0 (e.g. a graph-recording pass)
-    first_elements: int = 0  # floating elements those extra collectives may add where micro-step 0 is the boundary (N = 1)
     skipped: dict = field(default_factory=dict)  # family -> count the boundary leaves out on a step the trainer
     # skips whole (a window without a valid token: no clip, no update), e.g. clipping's norm all-reduce
 
