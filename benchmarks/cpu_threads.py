@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 
+from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
+from xtrain_core.config import PRESETS
+
 CORES = os.cpu_count() or 1
 # name -> (environment, --threads)
 SETTINGS = {
@@ -47,17 +50,39 @@ def run_once(model: str, steps: int, setting) -> float:
     return float(m.group(1).replace(",", ""))
 
 
+def _models(text: str) -> list[str]:
+    names = text.split(",")
+    for n in names:
+        if n not in PRESETS:
+            raise argparse.ArgumentTypeError(f"unknown model {n!r}; choose from {', '.join(PRESETS)}")
+    return names
+
+
+def _busy(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+    if not all(0 <= c <= 8 for c in counts):
+        raise argparse.ArgumentTypeError(f"each must be 0..8 busy neighbours, got {text!r}")
+    return counts
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks.cpu_threads", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="benchmarks.cpu_threads", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="reports")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--models", default="tiny,small")
-    p.add_argument("--busy", default="0,1,2")
+    p.add_argument("--steps", type=positive_int, default=12)
+    p.add_argument("--reps", type=positive_int, default=2)
+    p.add_argument("--models", type=_models, default="tiny,small", help=f"comma-separated, of {', '.join(PRESETS)}")
+    p.add_argument("--busy", type=_busy, default="0,1,2", help="comma-separated numbers of busy neighbours (0-8)")
     a = p.parse_args(argv)
+    try:
+        writable_dir("--out", a.out)
+    except UsageError as e:
+        fail(str(e))
     rows = []
-    for model in a.models.split(","):
-        for busy in [int(x) for x in a.busy.split(",")]:
+    for model in a.models:
+        for busy in a.busy:
             hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
             try:
                 time.sleep(0.5)
@@ -75,7 +100,6 @@ def main(argv=None) -> int:
 
     doc = dict(header("cpu-threads"), settings={k: dict(env=e, threads=t) for k, (e, t) in SETTINGS.items()},
                steps=a.steps, reps=a.reps, rows=rows)
-    os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "cpu-threads.json")
     atomic_write(path, json.dumps(doc, indent=1))
     print(f"wrote {path}")

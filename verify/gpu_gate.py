@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from xtrain_core.cli import Parser, UsageError, fail, positive_int
+from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
 
 STEP_TIMEOUT = {"gates": 900, "gpu-tests": 600, "memory": 600, "nccl": 1200}
 
@@ -112,9 +112,11 @@ def summary_md(doc: dict) -> str:
     for s in doc["steps"]:
         lines.append(f"| {s['step']} | {'passed' if s['returncode'] == 0 else 'FAILED (%d)' % s['returncode']} | "
                      f"{s['seconds']:.0f} | {s['last_line'].replace('|', '/')} |")
+    from . import report
+
     for sub in ("gates", "nccl"):
-        md = os.path.join(doc["out"], sub, "verify-report.md")
-        if os.path.isfile(md):
+        md = report.paths(os.path.join(doc["out"], sub))[1]
+        if os.path.isfile(md):  # its body: the title line (the trainer) gives way to the step's heading
             lines += ["", f"### {sub}", "", open(md).read().split("\n", 2)[-1].strip()]
     return "\n".join(lines) + "\n"
 
@@ -128,12 +130,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             raise UsageError("no CUDA GPU is visible to torch: this gate is for GPU runners (on a CPU box run "
                              "`HYPOTHESIS_PROFILE=ci python -m pytest -n auto`)")
-        try:
-            os.makedirs(out, exist_ok=True)
-            open(os.path.join(out, ".write-test"), "w").close()
-            os.unlink(os.path.join(out, ".write-test"))
-        except OSError as e:
-            raise UsageError(f"--out {args.out}: cannot write there ({e.strerror or e})") from None
+        writable_dir("--out", args.out)
     except UsageError as e:
         fail(str(e))
     from ._meta import atomic_write, header

@@ -126,6 +126,19 @@ def text_file(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: cannot read it ({e.strerror}); {fix}") from None
 
 
+def writable_dir(flag: str, path) -> None:
+    """Create `path` if needed; UsageError naming the flag unless a file can be written there (checked
+    before any work, so a bad --out fails now, not after minutes of measuring)."""
+    import os
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
 def torchrun_env() -> tuple[int, int, int] | None:
     """(rank, world, local_rank) when launched by torchrun (its RANK/WORLD_SIZE/LOCAL_RANK env), else None."""
     import os

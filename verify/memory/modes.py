@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from xtrain_core.cli import Parser, UsageError, fail, positive_int
+from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
 from xtrain_core.config import PRESETS
 
 from .plan import MODE_TRAINERS, XTRAIN, GiB, MiB
@@ -77,12 +77,7 @@ def check(args) -> list[str]:
         raise UsageError(f"--seq-len {args.seq_len} exceeds --model {model}'s limit of {PRESETS[model].seq_len}")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name):
         raise UsageError(f"--name {args.name}: letters, digits, '.', '_' and '-' only")
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise UsageError(f"--out {args.out}: cannot write there ({e.strerror or e})") from None
+    writable_dir("--out", args.out)
     return modes
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xtrain_core.cli import UsageError, resolve_device
+from xtrain_core.cli import UsageError, resolve_device, writable_dir
 from xtrain_core.config import PRESETS, ModelConfig
 
 MiB, GiB = 2**20, 2**30
@@ -177,14 +177,8 @@ def build_plan(args) -> Plan:
     if args.anchor and not anchor.is_file():
         raise UsageError(f"--anchor {args.anchor}: no such file")
     out = Path(args.out)
-    if rank == 0:  # fail now, not after minutes of measuring
-        import tempfile
-
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=out).close()
-        except OSError as e:
-            raise UsageError(f"--out {args.out}: cannot write there ({e.strerror or e})") from None
+    if rank == 0:
+        writable_dir("--out", args.out)
     plan = Plan(E=E, world=world, rank=rank, device=device, adapter=adapter, trainer=args.trainer, options=options,
                 model_name=model_name, steps=args.steps or (3 if device.type == "cuda" else 1),
                 warmup=args.warmup or (2 if world > 1 else 1),

@@ -144,8 +144,7 @@ def text_table(report) -> str:
         for t in a["targets"]:
             ours = "—" if t["ours"] is None else f"{t['ours']:.4f}"
             out.append(f"(anchor) {t['status']:<8} {t['name']}: ours {ours}, plain torch {t['anchor']:.4f}, target {t['target']}")
-    for line in _timing_lines(report):
-        out.append(line)
+    out += _timing_lines(report)
     out.append(f"verdict: {report['verdict']}")
     if report["verdict"] == "INCONCLUSIVE":
         out.append(INCONCLUSIVE_HINT)
@@ -208,8 +207,9 @@ def render_md(report) -> str:
     B = sorted((c for c in report["configs"] if "B" in c["sweeps"]), key=lambda c: c["N"])
     L += [f"## Sweep A: fixed effective batch E = {E} (B = E/N)", "", *_md_table(report, A), "",
           "## Sweep B: fixed micro-batch B = 1", "", *_md_table(report, B), ""]
-    if _timing_lines(report):
-        L += ["## Timing: unstable", "", *(f"- {ln}" for ln in _timing_lines(report)[1:]), ""]
+    timing = _timing_lines(report)
+    if timing:
+        L += ["## Timing: unstable", "", *(f"- {ln}" for ln in timing[1:]), ""]
     errs = [(c, x) for c in report["configs"] for x in c["ranks"] if "error" in x]
     if errs:
         L += ["Errors:", ""] + [f"- N={c['N']}, B={c['B']}, rank {x['rank']}: {x['error']}" for c, x in errs] + [""]
