@@ -148,8 +148,9 @@ QUANTITY = {
 
 
 def _fmt(b: int, report: dict) -> str:
-    cuda = report["settings"]["device"].startswith("cuda")
-    return f"{b / 2**30:.3f} GiB" if cuda else f"{b / 2**20:.1f} MiB"
+    from .plan import fmt_bytes, report_unit
+
+    return f"{fmt_bytes(b, report)} {report_unit(report)[0]}"
 
 
 def add_predictions(report: dict, plan, acts: dict | None, error: str | None = None) -> None:

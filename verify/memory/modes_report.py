@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from . import plot
-from .plan import GiB, MiB
+from .plan import fmt_bytes as _f
+from .plan import report_unit as _unit
 
 
 def combined(verdicts: list[str]) -> str:
@@ -20,15 +21,6 @@ def combined(verdicts: list[str]) -> str:
     return "INCONCLUSIVE" if "INCONCLUSIVE" in verdicts else "PASS"
 
 
-def _unit(report):
-    return ("GiB", GiB) if report["settings"]["device"] == "cuda" else ("MiB", MiB)
-
-
-def _f(b, report) -> str:
-    if b is None:
-        return "—"
-    unit, scale = _unit(report)
-    return f"{b / scale:.3f}" if unit == "GiB" else f"{b / scale:.1f}"
 
 
 def _rows(rep: dict) -> list[dict]:

@@ -14,6 +14,23 @@ from xtrain_core.cli import UsageError, resolve_device, writable_dir
 from xtrain_core.config import PRESETS, ModelConfig
 
 MiB, GiB = 2**20, 2**30
+
+
+def byte_unit(cuda: bool) -> tuple[str, int]:
+    """The one rule of every table, plot and progress line: GiB on a GPU, MiB on the CPU."""
+    return ("GiB", GiB) if cuda else ("MiB", MiB)
+
+
+def report_unit(report: dict) -> tuple[str, int]:
+    return byte_unit(report["settings"]["device"].startswith("cuda"))
+
+
+def fmt_bytes(b, report: dict) -> str:
+    """Bytes in the report's unit (3 decimals of a GiB, 1 of a MiB); — for None."""
+    if b is None:
+        return "—"
+    unit, scale = report_unit(report)
+    return f"{b / scale:.3f}" if unit == "GiB" else f"{b / scale:.1f}"
 ANCHOR_NAME = "h200_torch_single_E32.json"
 DEFAULT_ANCHOR = importlib.resources.files(__package__).joinpath(ANCHOR_NAME)
 """Plain torch on one H200 (gpt2-ish, S=512, E=32), shipped inside the package so an installed verify

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import textwrap
 
-from .plan import GiB, MiB
+from .plan import report_unit
 
 LABEL_WIDTH = 48  # characters per legend line
 
@@ -51,7 +51,7 @@ def peaks_figure(report):
     prediction where there is one, the static floor."""
     plt = _plt()
     cuda = report["settings"]["device"].startswith("cuda")
-    unit, scale = ("GiB", GiB) if cuda else ("MiB", MiB)
+    unit, scale = report_unit(report)
     E = report["settings"]["effective_batch"]
     world = report["settings"]["world_size"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), layout="constrained")
@@ -101,7 +101,7 @@ def peaks_figure(report):
 def modes_figure(report):
     """Three panels: B = 1 sweep and fixed-E sweep per mode (measured, predicted), measured vs predicted."""
     plt = _plt()
-    unit, scale = ("GiB", GiB) if report["settings"]["device"] == "cuda" else ("MiB", MiB)
+    unit, scale = report_unit(report)
     fig, axes = plt.subplots(1, 3, figsize=(15, 5.0), layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     E_local = report["settings"]["effective_batch"] // report["settings"]["world_size"]

@@ -13,18 +13,9 @@ from pathlib import Path
 
 from . import anchor, plot, timing
 from .invariants import REL_TOL, tolerance
-from .plan import GiB, MiB, Plan
-
-
-def _unit(report) -> tuple[str, int]:
-    return ("GiB", GiB) if report["settings"]["device"].startswith("cuda") else ("MiB", MiB)
-
-
-def _fmt(b, report) -> str:
-    if b is None:
-        return "—"
-    unit, scale = _unit(report)
-    return f"{b / scale:.3f}" if unit == "GiB" else f"{b / scale:.1f}"
+from .plan import Plan
+from .plan import fmt_bytes as _fmt
+from .plan import report_unit as _unit
 
 
 EXIT_CODES = {"PASS": 0, "N/A": 0, "FAIL": 1, "INCONCLUSIVE": 3}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from xtrain_core.cli import Progress
 
-from .plan import GiB, MiB, Config, Plan
+from .plan import Config, Plan, byte_unit
 
 
 def package_root() -> str:
@@ -222,7 +222,7 @@ def run_sweeps(plan: Plan) -> list[dict]:
     bar = Progress(len(plan.configs), label="memory ") if plan.rank == 0 else None
     gpu = GpuRunner(plan) if plan.cuda else None
     cpu = CpuProbeServer(plan) if not plan.cuda else None
-    unit, scale = ("GiB", GiB) if plan.cuda else ("MiB", MiB)
+    unit, scale = byte_unit(plan.cuda)
     rows = []
     try:
         for i, c in enumerate(plan.configs):
