@@ -36,24 +36,17 @@ def layout_problems(fig) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("path", ["reports/cpu/memory-E32.json", "reports/h200/memory-E32.json"])
-def test_peaks_figure_legend_covers_no_point(path):
+@pytest.mark.parametrize("figure,path", [("peaks_figure", "reports/cpu/memory-E32.json"),
+                                         ("peaks_figure", "reports/h200/memory-E32.json"),
+                                         ("modes_figure", "reports/cpu/memory-modes-cpu.json"),
+                                         ("modes_figure", "reports/h200x2/memory-modes/memory-modes-cuda.json")])
+def test_figure_legend_covers_no_point(figure, path):
     with open(os.path.join(ROOT, path)) as f:
-        fig = plot.peaks_figure(json.load(f))
+        fig = getattr(plot, figure)(json.load(f))
     try:
         assert layout_problems(fig) == [], path
     finally:
         plot.to_png(fig)  # closes it
-
-
-@pytest.mark.parametrize("path", ["reports/cpu/memory-modes-cpu.json", "reports/h200x2/memory-modes/memory-modes-cuda.json"])
-def test_modes_figure_legend_covers_no_point(path):
-    with open(os.path.join(ROOT, path)) as f:
-        fig = plot.modes_figure(json.load(f))
-    try:
-        assert layout_problems(fig) == [], path
-    finally:
-        plot.to_png(fig)
 
 
 def test_the_check_can_fail():
