@@ -76,6 +76,10 @@ class Spec:
     precision: str = "fp32"
     """fp32, bf16 or fp16 (autocast; parameters in `dtype`): one of the adapter's `precisions`.
     Float64 runs (the references) always come with "fp32": no autocast."""
+    schedule_world: int = 1
+    """For adapters that declare `scheduler_per_rank`: the world size W whose per-rank scheduler stepping
+    this trainer must show (its LR scheduler advances W times per optimizer step). It is W in a W-rank run
+    AND in the one-process reference that run is compared with; 1 for adapters that declare nothing."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class Expected:
     step: int | None = None
     micro: int | None = None
     why: str = ""
+    world: int | None = None
+    """Only in runs of this world size (None: every world), e.g. a one-rank group's own reductions."""
 
     def __post_init__(self):
         if self.dtype not in ("integer", "floating", "any"):
@@ -140,6 +146,13 @@ class Adapter:
     """Set by the self-test: the fault operator wrapped around `factory` (verify.selftest)."""
     precisions: tuple[str, ...] = ("fp32",)
     ignore_index: int | None = None
+    scheduler_per_rank: bool = False
+    """The trainer's LR scheduler advances once per RANK per optimizer step (Accelerate's prepared scheduler,
+    split_batches=False): W ranks equal one process whose scheduler steps W times. The harness then builds
+    every trainer with Spec.schedule_world = the world it is compared at."""
+    loss_precision: str | None = None
+    """"fp32": the loss (or part of the forward) is computed in float32 even in float64 runs (HF's
+    `logits.float()`, Fabric's "64-true" output cast): the float64 checks judge at float32's rounding."""
     counts: Callable | None = None
     """case -> verify.gates.counts.CountRow: the exact collectives per micro-step and at the boundary of
     this adapter's sync mode (FSDP all-gathers, reduce-scatters, ...). Without it: none before the boundary
@@ -158,6 +171,8 @@ class Adapter:
         bad = [p for p in self.precisions if p not in ("fp32", "bf16", "fp16")]
         if bad or not self.precisions:
             raise AdapterError(f"precisions must be a non-empty subset of fp32, bf16, fp16, got {self.precisions}")
+        if self.loss_precision not in (None, "fp32"):
+            raise AdapterError(f"loss_precision must be None or 'fp32', got {self.loss_precision!r}")
         if self.process_group and not self.data_parallel:
             object.__setattr__(self, "data_parallel", True)
         if not self.name:
@@ -165,6 +180,18 @@ class Adapter:
 
     def __repr__(self):
         return f"Adapter({self.name!r}{', ' + self.mutation if self.mutation else ''})"
+
+    def declarations(self) -> dict:
+        """Every declaration that changes what the gates expect, by name (the report lists them)."""
+        out = {}
+        for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
+                  "loss_precision", "process_group", "data_parallel"):
+            v = getattr(self, f)
+            default = next(x for x in dataclasses.fields(self) if x.name == f).default
+            if v != default and v is not None and v != ():
+                out[f] = (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
+                          else list(v) if isinstance(v, tuple) else v)
+        return out
 
     def __call__(self, spec: Spec) -> Trainer:
         return self.factory(spec)
@@ -219,7 +246,8 @@ def _qual(fn) -> str:
 
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
-            ignore_index: int | None = None, counts=None):
+            ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
+            loss_precision: str | None = None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
 
@@ -227,7 +255,8 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
         return Adapter(factory=fn, data=data, plain=plain, options=options, defaults=defaults,
                        data_parallel=data_parallel, process_group=process_group, expected=expected,
                        name=name or f"{fn.__module__}.{fn.__qualname__}", precisions=precisions,
-                       ignore_index=ignore_index, counts=counts)
+                       ignore_index=ignore_index, counts=counts, scheduler_per_rank=scheduler_per_rank,
+                       loss_precision=loss_precision)
 
     return wrap
 

@@ -47,7 +47,23 @@ LOSS_MAX_REL = 1e-3  # fp32 losses after AdamW steps: measured ≤ 2.4e-7 on cor
 
 
 class GateFailure(AssertionError):
-    """A trainer failed a gate; the message names the gate, what differed, where, and the case."""
+    """A trainer failed a gate; the message names the gate, what differed, where, and the case.
+
+    Structured fields (any may be None) let the plugin, the report and the hints read a failure without
+    parsing its text: `gate` (the gate's name), `case` (the Case), `error` and `bound` (the measured
+    quantity and its limit, where the failure is numeric), `hint` (one line: the likely cause)."""
+
+    def __init__(self, message: str = "", *, gate: str | None = None, case=None, error: float | None = None,
+                 bound: float | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.gate, self.case, self.error, self.bound, self.hint = gate, case, error, bound, hint
+
+    def __reduce__(self):  # crosses process boundaries (pool ranks) with its fields
+        return _rebuild_failure, (str(self), self.gate, self.case, self.error, self.bound, self.hint)
+
+
+def _rebuild_failure(message, gate, case, error, bound, hint) -> "GateFailure":
+    return GateFailure(message, gate=gate, case=case, error=error, bound=bound, hint=hint)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
