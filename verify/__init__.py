@@ -21,6 +21,7 @@ __all__ = [
     "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "load_adapter", "AdapterError", "data",
     # cases and the gates
     "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
+    "check_token_mean", "check_empty_window",
     # hypothesis strategies
     "cases", "dist_cases",
     # the run report
@@ -39,6 +40,7 @@ _WHERE = {
     "Case": "case",
     "check_equivalence": "gates", "check_bit_exact": "gates", "check_distributed": "gates",
     "GateFailure": "gates", "GateSkipped": "gates", "GateResult": "gates",
+    "check_token_mean": "gates", "check_empty_window": "gates",
     "cases": "strategies", "dist_cases": "strategies",
     "write_report": ("report", "write"),
     "Recorder": "comm", "Collective": "comm", "Windows": "comm",

@@ -24,6 +24,9 @@ BOUNDS = {
     "data_parallel_equivalence": "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
     "split_invariance": "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
     "partial_sums": "after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ 1e-9",
+    "token_mean": "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
+                  "target change nothing; rel ≤ max(1e-9, 8·twin floor)·κ",
+    "empty_window": "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
 }
 ORDER = tuple(BOUNDS)  # the report's gate order: BOUNDS' order
 
@@ -67,7 +70,7 @@ def record(result) -> None:
     key = "bit_exact" if result.gate.startswith("bit-exact") else result.gate.replace(" ", "_")
     s = _gate(_key(key, result.case))
     s["examples"] += 1
-    if key != "bit_exact":  # bit-exact has no error to rank: every example is torch.equal or a failure
+    if key not in ("bit_exact", "empty_window"):  # bit-exact has no error to rank: every example is torch.equal or a failure
         _keep_worst(s, result.ratio, result.worst, result.case)
 
 
@@ -169,7 +172,7 @@ def render_md(doc: dict) -> str:
                          f"step {g.get('boundary_collectives_per_step')}; declared collectives before the boundary "
                          f"{g.get('expected_before_boundary', 0)}; largest case: ")
             short = g.get("worst_case_text") or "—"
-            ratio = "—" if base in ("bit_exact", "boundary_only") else _ratio(g["worst_ratio"])
+            ratio = "—" if base in ("bit_exact", "boundary_only", "empty_window") else _ratio(g["worst_ratio"])
             lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | {extra}{short} | "
                          f"{BOUNDS.get(base, '')} |")
         lines.append("")

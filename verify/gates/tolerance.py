@@ -25,6 +25,11 @@ fixed 1e-3 hides a dropped micro-batch), so the bounds are derived per case (doc
   update ≈ lr·g/(|g|+eps) is steepest where |g| ≲ eps) stays ≤ 1e-12, while every bug we plant moves a
   parameter by ≥ 1e-5.
 * bit-exact: torch.equal, no tolerance; failures report max|Δ|.
+* float64, the token-mean claim (gates/tokens.py: the trainer on different windows at the same
+  parameters; no big batch to scale by): relative error ≤ max(RTOL64_LOSS, C · floor) · max(1, κ), floor
+  the trainer's own float64 rounding measured on a twin (the same rows in reverse order: equal in exact
+  arithmetic), capped at FLOOR so an error ≥ 1e-5 always fails, and ≥ EPS32 where the adapter declares
+  loss_precision="fp32"; κ the condition number of the sum checked (Σ‖terms‖ / ‖sum‖).
 A step whose loss is undefined (a window without a valid token: NaN) agrees only with another NaN.
 """
 from __future__ import annotations
@@ -34,7 +39,7 @@ import math
 import torch
 
 __all__ = ["GateFailure", "C", "FLOOR", "EPS32", "ATOL64_PARAMS", "RTOL64_LOSS", "LOSS_MAX_REL", "rel_err",
-           "condition", "bound", "overall_error", "step0_checks", "Judge"]
+           "condition", "bound", "overall_error", "step0_checks", "Judge", "twin_floor", "bound64"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 C = 8.0
@@ -78,6 +83,17 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def bound(big: float, kappa: float = 1.0, overall: float = 0.0) -> float:
     """The step-0 bound on an accumulation run's relative error: C · max(big, overall) + F · max(1, κ)."""
     return C * max(big, overall) + FLOOR * max(1.0, kappa)
+
+
+def twin_floor(measured: float, loss_precision: str | None = None) -> float:
+    """The float64 rounding floor of a run, from its twin (`measured`: relative |Δ| between two mathematically
+    equal computations); at least EPS32 where the adapter declares a float32 loss inside float64 runs."""
+    return max(measured, EPS32) if loss_precision == "fp32" else measured
+
+
+def bound64(floor: float, kappa: float = 1.0) -> float:
+    """The bound on a float64 relative error judged against the trainer's own floor (see the module docstring)."""
+    return max(RTOL64_LOSS, C * min(floor, FLOOR)) * max(1.0, kappa)
 
 
 def overall_error(got: dict, ref: dict) -> float:
