@@ -16,6 +16,22 @@ from __future__ import annotations
 
 import importlib
 
+
+def _other_verify() -> None:
+    """PyPI's `verify` 1.1.1 (an assertion library) installs the same import name; mixed with ours, one line
+    says so and how to fix it (_xtrain_pytest/conflict.py says how the two interact)."""
+    try:
+        from _xtrain_pytest.conflict import check
+    except ImportError:  # a bare copy of verify/ alone
+        return
+    msg = check(__path__[0])
+    if msg:
+        import warnings
+
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+_other_verify()
 __all__ = [
     # the trainer protocol and how to declare an adapter
     "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "load_adapter", "AdapterError", "data",
