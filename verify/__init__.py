@@ -41,8 +41,8 @@ __all__ = [
     "cases", "dist_cases",
     # the run report
     "write_report",
-    # the collective counter
-    "Recorder", "Collective", "Windows",
+    # the collective counter, and a sync mode's exact counts (Adapter(counts=case -> CountRow))
+    "Recorder", "Collective", "Windows", "CountRow",
     # the memory probe
     "measure_memory",
     # the fault-injection self-test
@@ -57,7 +57,7 @@ _WHERE = {
     "GateFailure": "gates", "GateSkipped": "gates", "GateResult": "gates",
     "cases": "strategies", "dist_cases": "strategies",
     "write_report": ("report", "write"),
-    "Recorder": "comm", "Collective": "comm", "Windows": "comm",
+    "Recorder": "comm", "Collective": "comm", "Windows": "comm", "CountRow": "gates.counts",
     "measure_memory": ("memory", "measure"),
     "run_selftest": ("selftest", "run_selftest"), "OPERATORS": ("selftest", "OPERATORS"),
 }
