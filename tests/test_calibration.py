@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tests import calib_adapters as ca
 from verify.case import Case
 from verify.gates import GateFailure, check_distributed, check_equivalence
-from verify.gates.tolerance import EPS32, FLOOR64_CAP, bound64, floor64
+from verify.gates.tolerance import EPS32, FLOOR, bound64, twin_floor
 from verify.gates.windows import check_partial_sums
 from verify.strategies import cases
 
@@ -18,9 +18,9 @@ PRECISE = ["hf_style", "fabric_64_true"]  # float32 inside the float64 run, reve
 def test_the_float64_bound_never_reaches_a_real_error():
     """However noisy the reference, the float64 bound stays under 1e-5 (κ = 1), and a true float64 run
     keeps the 1e-9 rule."""
-    assert bound64(floor64(1.0)) == bound64(FLOOR64_CAP) < 1e-5
-    assert bound64(floor64(1e-15)) == 1e-9
-    assert floor64(1e-15, "fp32") == EPS32 and floor64(1e-8) == EPS32  # declared, or seen: float32's roundoff
+    assert bound64(twin_floor(1.0)) == bound64(FLOOR) < 1e-5
+    assert bound64(twin_floor(1e-15)) == 1e-9
+    assert twin_floor(1e-15, "fp32") == EPS32 and twin_floor(1e-8) == EPS32  # declared, or seen: float32's roundoff
 
 
 @pytest.mark.parametrize("name", PRECISE)

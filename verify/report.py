@@ -24,7 +24,10 @@ BOUNDS = {
     "data_parallel_equivalence": "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
     "split_invariance": "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
     "partial_sums": "after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
-                    "max(1e-9, 8·floor·κ)",
+                    "max(1e-9, 8·floor)·κ",
+    "token_mean": "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
+                  "target change nothing; rel ≤ max(1e-9, 8·twin floor)·κ",
+    "empty_window": "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
 }
 ORDER = tuple(BOUNDS)  # the report's gate order: BOUNDS' order
 
@@ -40,7 +43,7 @@ def _keep_worst(s: dict, ratio: float, check: str, case) -> None:
 
 
 def _keep_floor(s: dict, result) -> None:
-    """The largest float64 floor (tolerance.floor64: the reference's own rounding) the gate measured."""
+    """The largest float64 floor (tolerance.twin_floor: the reference's own rounding) the gate measured."""
     f = result.extra.get("floor64")
     if f is not None:
         s["float64_floor"] = max(float(f), s.get("float64_floor") or 0.0)
@@ -77,7 +80,7 @@ def record(result) -> None:
     s = _gate(_key(key, result.case))
     s["examples"] += 1
     _keep_floor(s, result)
-    if key != "bit_exact":  # bit-exact has no error to rank: every example is torch.equal or a failure
+    if key not in ("bit_exact", "empty_window"):  # bit-exact has no error to rank: every example is torch.equal or a failure
         _keep_worst(s, result.ratio, result.worst, result.case)
 
 
@@ -188,7 +191,7 @@ def render_md(doc: dict) -> str:
                          f"step {g.get('boundary_collectives_per_step')}; declared collectives before the boundary "
                          f"{g.get('expected_before_boundary', 0)}; largest case: ")
             short = g.get("worst_case_text") or "—"
-            ratio = "—" if base in ("bit_exact", "boundary_only") else _ratio(g["worst_ratio"])
+            ratio = "—" if base in ("bit_exact", "boundary_only", "empty_window") else _ratio(g["worst_ratio"])
             floor = g.get("float64_floor")
             lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | "
                          f"{'—' if floor is None else f'{floor:.2e}'} | {extra}{short} | {BOUNDS.get(base, '')} |")

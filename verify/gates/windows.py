@@ -19,7 +19,7 @@ import torch
 
 from ..case import Case, _cpu, _to, block_grads, split, twin
 from .single import GateResult, GateSkipped, check_equivalence
-from .tolerance import KAPPA_EXACT_ABOVE, GateFailure, bound64, condition, floor64, rel_err, twin_floor
+from .tolerance import KAPPA_EXACT_ABOVE, GateFailure, bound64, condition, rel_err, twin_diff, twin_floor
 
 __all__ = ["splits", "check_split_invariance", "check_partial_sums"]
 
@@ -81,7 +81,7 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                           f"(docs/verify-your-trainer.md says how to expose it)")
     inputs, targets = case.batches(adapter)[0]
     micro = split(inputs, targets, N)
-    declared = floor64(0.0, adapter.loss_precision)  # the floor before any twin is measured
+    declared = twin_floor(0.0, adapter.loss_precision)  # the floor before any twin is measured
     worst, at, floor, blocks = 0.0, "", None, None
     for m, (x, y) in enumerate(micro):
         xd, yd = _to(x, device, torch.float64), _to(y, device, torch.float64)
@@ -100,9 +100,9 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                                   f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}")
             e = rel_err(g, want.get(name, torch.zeros_like(g)))
             if e > KAPPA_EXACT_ABOVE * bound64(declared) and floor is None:  # measure the case's floor, once
-                floor = floor64(twin_floor(_prefix_reference(adapter, case, inputs, targets, device),
-                                           _prefix_reference(adapter, case, inputs, targets, device, True)),
-                                adapter.loss_precision)
+                floor = twin_floor(twin_diff(_prefix_reference(adapter, case, inputs, targets, device),
+                                             _prefix_reference(adapter, case, inputs, targets, device, True)),
+                                   adapter.loss_precision)
             b = bound64(declared if floor is None else floor)
             if e > KAPPA_EXACT_ABOVE * b and b > bound64():  # a float32 part: rounding relative to the sum's terms
                 blocks = blocks if blocks is not None else block_grads(adapter, case, device)
