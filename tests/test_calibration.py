@@ -84,3 +84,35 @@ def test_the_report_shows_the_floor_and_the_declarations(tmp_path, monkeypatch):
     md = (tmp_path / "verify-report.md").read_text()
     assert "Declarations: `loss_precision=fp32`" in md and "| 1.19e-07 |" in md
     assert report.read(str(tmp_path))["declarations"] == {"loss_precision": "fp32"}
+
+
+# -- scheduler_per_rank (Accelerate's prepared scheduler) ------------------------------------------------
+
+SCHED = Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)
+
+
+def test_spec_carries_the_world_only_for_the_declaring_adapter():
+    assert SCHED.spec(adapter=ca.per_rank_sched, accum_steps=1).schedule_world == 2
+    assert SCHED.replace(world=1).spec(adapter=ca.per_rank_sched).schedule_world == 1
+    assert SCHED.spec(adapter=ca.per_rank_undeclared).schedule_world == 1 and SCHED.spec().schedule_world == 1
+    assert ca.per_rank_sched.declarations()["scheduler_per_rank"] is True
+
+
+@pytest.mark.distributed
+def test_a_scheduler_stepped_per_rank_passes_declared():
+    """W ranks that each advance the LR schedule W times per optimizer step equal one process that advances
+    it W times (Spec.schedule_world = W in the reference too)."""
+    check_distributed(ca.per_rank_sched, SCHED)
+    check_equivalence(ca.per_rank_sched, SCHED.replace(world=1))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_scheduler_stepped_per_rank_fails_undeclared_or_unemulated(declared):
+    """Undeclared, W ranks step the schedule W times where the big batch steps it once: rejected. Declared
+    but not emulated in the one-process reference (it ignores Spec.schedule_world): rejected too — the
+    declaration changes the expectation, it does not switch the comparison off."""
+    adapter = ca.per_rank_unemulated if declared else ca.per_rank_undeclared
+    with pytest.raises(GateFailure, match=r"^\[distributed equivalence\] rank 0: .*(loss|parameter).* after step [12]|"
+                                          r"^\[distributed equivalence\] rank 0: (float64|step-[12])"):
+        check_distributed(adapter, SCHED)

@@ -84,7 +84,7 @@ class _Runs:
         return int((y != self.ign).sum())
 
     def run(self, windows, n: int, gate: str) -> Trace:
-        trainer = self.adapter(self.case.spec(accum_steps=n, dtype=F64, device=self.device))
+        trainer = self.adapter(self.case.spec(accum_steps=n, dtype=F64, device=self.device, adapter=self.adapter))
         return drive(trainer, windows, n, dtype=F64, device=self.device, gate=gate)
 
     def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
