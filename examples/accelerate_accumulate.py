@@ -1,7 +1,7 @@
 """Hugging Face Accelerate: Accelerator(gradient_accumulation_steps=N) and accumulate(), and
 accelerator.clip_grad_norm_.
 
-    pip install "xtrain[examples]"      # accelerate
+    pip install "/path/to/xtrain[examples]"      # accelerate (README: Install)
     pytest --pyargs verify --verify-trainer examples.accelerate_accumulate:factory -n auto
     python -m verify.selftest --verify-trainer examples.accelerate_accumulate:factory
 """

@@ -17,8 +17,8 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_T
 DEV = settings.get_profile("dev").max_examples  # the examples a gate draws in the runs below
 EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync"]
 _missing = lambda mod: __import__("importlib").util.find_spec(mod) is None  # noqa: E731
-needs_accelerate = pytest.mark.skipif(_missing("accelerate"), reason="accelerate is not installed (pip install 'xtrain[examples]')")
-needs_lightning = pytest.mark.skipif(_missing("lightning"), reason="lightning is not installed (pip install 'xtrain[examples]')")
+needs_accelerate = pytest.mark.skipif(_missing("accelerate"), reason="accelerate is not installed (the [examples] extra)")
+needs_lightning = pytest.mark.skipif(_missing("lightning"), reason="lightning is not installed (the [examples] extra)")
 NEEDS = {"accelerate_accumulate": [needs_accelerate], "fabric_no_backward_sync": [needs_lightning]}
 
 

@@ -16,12 +16,29 @@ from __future__ import annotations
 
 import importlib
 
+
+def _other_verify() -> None:
+    """PyPI's `verify` 1.1.1 (an assertion library) installs the same import name; mixed with ours, one line
+    says so and how to fix it (_xtrain_pytest/conflict.py says how the two interact)."""
+    try:
+        from _xtrain_pytest.conflict import check
+    except ImportError:  # a bare copy of verify/ alone
+        return
+    msg = check(__path__[0])
+    if msg:
+        import warnings
+
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+_other_verify()
 __all__ = [
     # the trainer protocol and how to declare an adapter
     "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "load_adapter",
     "AdapterError", "data",
     # cases and the gates
     "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
+    "check_token_mean", "check_empty_window",
     # hypothesis strategies
     "cases", "dist_cases",
     # the run report
@@ -41,6 +58,7 @@ _WHERE = {
     "Case": "case",
     "check_equivalence": "gates", "check_bit_exact": "gates", "check_distributed": "gates",
     "GateFailure": "gates", "GateSkipped": "gates", "GateResult": "gates",
+    "check_token_mean": "gates", "check_empty_window": "gates",
     "cases": "strategies", "dist_cases": "strategies",
     "write_report": ("report", "write"),
     "Recorder": "comm", "Collective": "comm", "Windows": "comm", "CountRow": "gates.counts",
