@@ -131,3 +131,4 @@ per_rank_sched = verify.adapter(data=_reg, data_parallel=True, scheduler_per_ran
 per_rank_undeclared = verify.adapter(data=_reg, data_parallel=True)(PerRankUndeclared)
 per_rank_unemulated = verify.adapter(data=_reg, data_parallel=True, scheduler_per_rank=True)(PerRankUndeclared)
 dropout = verify.adapter(data=_reg)(Dropout)
+dropout_dp = verify.adapter(data=_reg, data_parallel=True)(Dropout)

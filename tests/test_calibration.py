@@ -116,3 +116,35 @@ def test_a_scheduler_stepped_per_rank_fails_undeclared_or_unemulated(declared):
     with pytest.raises(GateFailure, match=r"^\[distributed equivalence\] rank 0: .*(loss|parameter).* after step [12]|"
                                           r"^\[distributed equivalence\] rank 0: (float64|step-[12])"):
         check_distributed(adapter, SCHED)
+
+
+# -- diagnose before judging ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_two_runs_that_differ_are_diagnosed_not_judged(n):
+    """Train-mode dropout from the global RNG: at N=1, where accumulation does nothing, the equivalence gate
+    failed as if accumulation were wrong; now the verdict says the trainer is not deterministic, and how to fix it."""
+    with pytest.raises(GateFailure, match=r"^\[determinism\] two identical runs of the trainer differ in the step-0 "
+                                          r"(loss|gradient).+instead of a \[equivalence\] failure\): likely train-mode "
+                                          r"dropout") as e:
+        check_equivalence(ca.dropout, Case(accum_steps=n, micro_batch=2, steps=1))
+    assert e.value.gate == "determinism" and "use_deterministic_algorithms" in e.value.hint
+
+
+def test_the_partial_sum_gate_diagnoses_too():
+    with pytest.raises(GateFailure, match=r"^\[determinism\] .+ \[partial sums\] failure"):
+        check_partial_sums(ca.dropout, Case(accum_steps=64, micro_batch=1, steps=1))
+
+
+def test_a_deterministic_failure_keeps_its_verdict():
+    """A real bug is deterministic: the rerun agrees and the gate's own verdict stands."""
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] ") as e:
+        check_equivalence(ca.off_by_1e5, Case(accum_steps=3, micro_batch=2, steps=1))
+    assert e.value.gate == "equivalence"
+
+
+@pytest.mark.distributed
+def test_the_data_parallel_gate_diagnoses_too():
+    with pytest.raises(GateFailure, match=r"^\[determinism\] .+ \[distributed equivalence\] failure") as e:
+        check_distributed(ca.dropout_dp, Case(accum_steps=1, micro_batch=2, steps=1, world=2))
+    assert e.value.gate == "determinism"

@@ -28,6 +28,7 @@ from ..case import Case, Trace, block_grads, drive, twin
 from ..comm import Collective, Windows
 from ..pool import default_backend, get_pool
 from .single import GateResult
+from .diagnose import determinism
 from .tolerance import GateFailure, Judge, condition, twin_diff, twin_floor
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
@@ -343,7 +344,11 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
     row = adapter.counts(case) if adapter.counts is not None else None
     report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row)
-    worst, ratio = check_dist_equivalence(outcomes, case, report)
+    try:
+        worst, ratio = check_dist_equivalence(outcomes, case, report)
+    except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
+        rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
+        raise determinism(e, rerun, outcomes[0].runs[F32].trace) from None
     steps = report.steps[(0, F32)]
     return GateResult("data-parallel", case, worst, ratio, comm=report, floor64=outcomes[0].refs.get("floor64"),
                       boundary_bytes=[s.boundary_bytes for s in steps],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..case import Case, block_grads, drive, twin
+from .diagnose import determinism
 from .tolerance import GateFailure, Judge, condition, twin_diff, twin_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
@@ -45,9 +46,12 @@ def _equivalence(adapter, case: Case, device: str) -> GateResult:
     acc64, ref64 = run(N, f64), run(1, f64)
     floor = twin_floor(twin_diff(ref64, run(1, f64, twin(batches))), adapter.loss_precision)
     j = Judge(gate, case)
-    j.step0(acc, big, ref64, condition(block_grads(adapter, case, device) if N > 1 else [], ref64.grads0))
-    j.loss_trajectory(acc, big)
-    j.float64(acc64, ref64, floor)
+    try:
+        j.step0(acc, big, ref64, condition(block_grads(adapter, case, device) if N > 1 else [], ref64.grads0))
+        j.loss_trajectory(acc, big)
+        j.float64(acc64, ref64, floor)
+    except GateFailure as e:  # diagnose before judging: is the trainer deterministic at all?
+        raise determinism(e, lambda: run(N, torch.float32), acc) from None
     return GateResult(gate, case, j.worst, j.worst_ratio, floor64=floor)
 
 
