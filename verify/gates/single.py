@@ -70,7 +70,7 @@ def gate_job(ctx, name: str, adapter, case: Case):
     try:
         return "ok", _GATES[name](adapter, case, str(ctx.device))
     except GateFailure as e:
-        return "fail", str(e)
+        return "fail", e  # pickles with its fields (gate, case, error, bound, hint)
     except GateSkipped as e:
         return "skip", str(e)
 
@@ -84,7 +84,7 @@ def _run(name: str, adapter, case: Case, pool) -> GateResult:
 
     kind, value = (pool or get_pool(1)).run(gate_job, name, adapter, case)[0]
     if kind == "fail":
-        raise GateFailure(value)
+        raise value
     if kind == "skip":
         raise GateSkipped(value)
     return value

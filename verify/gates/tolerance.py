@@ -129,8 +129,10 @@ class Judge:
         self.suffix = suffix or (lambda step: "")
         self.worst, self.worst_ratio = "", 0.0
 
-    def fail(self, msg: str, step: int = 0):
-        raise GateFailure(f"[{self.gate}] {self.where}{msg}{self.suffix(step)}; case {self.case}")
+    def fail(self, msg: str, step: int = 0, *, error: float | None = None, bound: float | None = None):
+        """error / bound: a relative error and its limit (the hints read them: verify/hints.py)."""
+        raise GateFailure(f"[{self.gate}] {self.where}{msg}{self.suffix(step)}; case {self.case}", gate=self.gate,
+                          case=self.case, error=error, bound=bound)
 
     def _within(self, acc: float, big: float, what: str, kappa: float = 1.0, overall: float = 0.0) -> None:
         floor, scale = FLOOR * max(1.0, kappa), max(big, overall)
@@ -138,7 +140,8 @@ class Judge:
         if not acc <= b:  # also catches NaN
             k = f" (κ {kappa:.3g})" if kappa > 1.0 else ""
             which = "big-batch error" if big >= overall else "big-batch error over all parameters"
-            self.fail(f"{what}: accumulation error {acc:.3e} > {C:g}·{scale:.3e} ({which}) + {floor:.1e}{k}")
+            self.fail(f"{what}: accumulation error {acc:.3e} > {C:g}·{scale:.3e} ({which}) + {floor:.1e}{k}",
+                      error=acc, bound=b)
         if acc / b >= self.worst_ratio:
             self.worst, self.worst_ratio = what, acc / b
 
@@ -180,15 +183,17 @@ class Judge:
                 continue
             mr = abs(la - lb) / (abs(lb) or 1.0)
             if not mr < LOSS_MAX_REL:
-                self.fail(f"step-{k} loss {la!r} vs the big batch's {lb!r}: rel {mr:.3e} ≥ {LOSS_MAX_REL:g}", k)
+                self.fail(f"step-{k} loss {la!r} vs the big batch's {lb!r}: rel {mr:.3e} ≥ {LOSS_MAX_REL:g}", k,
+                          error=mr, bound=LOSS_MAX_REL)
 
     def float64(self, acc64, ref64) -> None:
         for k, (la, lr) in enumerate(zip(acc64.losses, ref64.losses)):
             if self._undefined(la, lr, f"float64 loss at step {k}", k):
                 continue
             if not abs(la - lr) <= RTOL64_LOSS * abs(lr):
+                rel = abs(la - lr) / (abs(lr) or 1.0)
                 self.fail(f"float64 loss at step {k}: {la!r} vs the big batch's {lr!r} "
-                          f"(rel {abs(la - lr) / (abs(lr) or 1.0):.3e} > {RTOL64_LOSS:.0e})", k)
+                          f"(rel {rel:.3e} > {RTOL64_LOSS:.0e})", k, error=rel, bound=RTOL64_LOSS)
         for k, (pa, pr) in enumerate(zip(acc64.params, ref64.params)):
             for name, p in pr.items():
                 if name not in pa:

@@ -43,7 +43,8 @@ def check_split_invariance(adapter, case: Case, *, max_world: int = 1) -> GateRe
         try:
             r = check_equivalence(adapter, c) if w == 1 else check_distributed(adapter, c)
         except GateFailure as e:
-            raise GateFailure(f"[split invariance] split N={n} B={b} W={w} of a window of {E} rows: {e}") from None
+            raise GateFailure(f"[split invariance] split N={n} B={b} W={w} of a window of {E} rows: {e}",
+                              gate="split invariance", case=c, error=e.error, bound=e.bound, hint=e.hint) from None
         n_splits += 1
         if r.ratio >= worst:
             worst, where = r.ratio, f"N={n} B={b} W={w}: {r.worst}"
@@ -90,14 +91,14 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                 if want[name].abs().max().item() == 0:
                     continue
                 raise GateFailure(f"[{gate}] after micro-step {m} of {N}: partial_grads() has no gradient for "
-                                  f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}")
+                                  f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}", gate=gate, case=case)
             ref = want.get(name, torch.zeros_like(g))
             e = rel_err(g, ref)
             if not e <= RTOL64_LOSS:
                 raise GateFailure(
                     f"[{gate}] after micro-step {m} of {N} (boundary not reached), gradient of {name!r}: relative "
                     f"error {e:.3e} > {RTOL64_LOSS:.0e} vs the float64 big batch of micro-batches 0..{m} — that "
-                    f"micro-step's contribution did not land exactly once; case {case}")
+                    f"micro-step's contribution did not land exactly once; case {case}", gate=gate, case=case)
             if e >= worst:
                 worst, at = e, f"after micro-step {m}: {name!r}"
     return GateResult(gate, case, at, worst / RTOL64_LOSS)
