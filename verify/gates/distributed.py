@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..case import Case, Trace, block_grads, drive
+from ..case import Case, Trace, block_grads, drive, twin
 from ..comm import Collective, Windows
 from ..pool import default_backend, get_pool
 from .single import GateResult
-from .tolerance import GateFailure, Judge, condition
+from .diagnose import determinism
+from .tolerance import GateFailure, Judge, condition, twin_diff, twin_floor
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
@@ -77,7 +78,7 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
         ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)
         win = Windows()
         win.mark(("init",))
-        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device)))
+        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter))
         trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=ctx.rank,
                       world=ctx.world, windows=win, gate="data-parallel")
         del trainer
@@ -88,12 +89,15 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
 
 
 def reference_job(ctx, adapter, case: Case) -> dict:
-    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64."""
+    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64, and
+    the float64 twin (rows reversed) whose difference is the reference's own floor."""
     batches = case.batches(adapter)
     refs = {}
-    for name, dtype in (("big32", torch.float32), ("ref64", torch.float64)):
-        trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device)))
-        refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate="reference")
+    for name, dtype, data in (("big32", torch.float32, batches), ("ref64", torch.float64, batches),
+                              ("twin64", torch.float64, twin(batches))):
+        trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device), adapter=adapter))
+        refs[name] = drive(trainer, data, 1, dtype=dtype, device=ctx.device, gate="reference")
+    refs["floor64"] = twin_floor(twin_diff(refs["ref64"], refs.pop("twin64")), adapter.loss_precision)
     many = case.accum_steps * case.world > 1
     refs["kappa"] = condition(block_grads(adapter, case, ctx.device) if many else [], refs["ref64"].grads0)
     return refs
@@ -317,7 +321,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case,
         j.step0(acc, big, ref, outcomes[0].refs.get("kappa"))
         j.loss_trajectory(acc, big)
         if F64 in o.runs:
-            j.float64(o.runs[F64].trace, ref)
+            j.float64(o.runs[F64].trace, ref, outcomes[0].refs.get("floor64", 0.0))
         if j.worst_ratio >= worst[1]:
             worst = (f"rank {o.rank}: {j.worst}", j.worst_ratio)
     for dt in outcomes[0].runs:  # all ranks hold the same parameters, bit for bit, after every step
@@ -340,9 +344,13 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
     row = adapter.counts(case) if adapter.counts is not None else None
     report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row)
-    worst, ratio = check_dist_equivalence(outcomes, case, report)
+    try:
+        worst, ratio = check_dist_equivalence(outcomes, case, report)
+    except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
+        rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
+        raise determinism(e, rerun, outcomes[0].runs[F32].trace) from None
     steps = report.steps[(0, F32)]
-    return GateResult("data-parallel", case, worst, ratio, comm=report,
+    return GateResult("data-parallel", case, worst, ratio, comm=report, floor64=outcomes[0].refs.get("floor64"),
                       boundary_bytes=[s.boundary_bytes for s in steps],
                       boundary_collectives=[len(s.reduced) for s in steps],
                       gradient_bytes=4 * report.grad_elements)

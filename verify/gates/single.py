@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..case import Case, block_grads, drive
-from .tolerance import GateFailure, Judge, condition
+from ..case import Case, block_grads, drive, twin
+from .diagnose import determinism
+from .tolerance import GateFailure, Judge, condition, twin_diff, twin_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
 
@@ -38,15 +39,20 @@ def _equivalence(adapter, case: Case, device: str) -> GateResult:
     gate, N = "equivalence", case.accum_steps
     batches = case.batches(adapter)
     f64 = torch.float64
-    run = lambda n, dtype: drive(adapter(case.spec(accum_steps=n, dtype=dtype, device=device)),  # noqa: E731
-                                 batches, n, dtype=dtype, device=device, gate=gate)
+    run = lambda n, dtype, data=batches: drive(  # noqa: E731
+        adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter)), data, n, dtype=dtype,
+        device=device, gate=gate)
     acc, big = run(N, torch.float32), run(1, torch.float32)
     acc64, ref64 = run(N, f64), run(1, f64)
+    floor = twin_floor(twin_diff(ref64, run(1, f64, twin(batches))), adapter.loss_precision)
     j = Judge(gate, case)
-    j.step0(acc, big, ref64, condition(block_grads(adapter, case, device) if N > 1 else [], ref64.grads0))
-    j.loss_trajectory(acc, big)
-    j.float64(acc64, ref64)
-    return GateResult(gate, case, j.worst, j.worst_ratio)
+    try:
+        j.step0(acc, big, ref64, condition(block_grads(adapter, case, device) if N > 1 else [], ref64.grads0))
+        j.loss_trajectory(acc, big)
+        j.float64(acc64, ref64, floor)
+    except GateFailure as e:  # diagnose before judging: is the trainer deterministic at all?
+        raise determinism(e, lambda: run(N, torch.float32), acc) from None
+    return GateResult(gate, case, j.worst, j.worst_ratio, floor64=floor)
 
 
 def _bit_exact(adapter, case: Case, device: str) -> GateResult:
@@ -55,7 +61,7 @@ def _bit_exact(adapter, case: Case, device: str) -> GateResult:
         raise GateSkipped(f"{adapter.name} declares no plain (no-accumulation) step; declare "
                           f"@verify.adapter(plain=...) to prove accum_steps=1 is that step bit for bit")
     batches = case.batches(adapter)
-    spec = case.spec(accum_steps=1, device=device)
+    spec = case.spec(accum_steps=1, device=device, adapter=adapter)
     got = drive(adapter(spec), batches, 1, device=device, gate=gate)
     want = drive(adapter.plain(spec), batches, 1, device=device, gate=gate)
     Judge(gate, case).bit_exact(got, want)

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     from .. import report
 
     paths = report.write(out, trainer=res.trainer, settings=dict(device=device, selftest_worlds=res.worlds),
-                         selftest=d, device=device)
+                         selftest=d, device=device, declarations=adapter.declarations())
     print("wrote " + ", ".join(paths))
     return 0 if res.ok else 1
 
