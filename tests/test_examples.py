@@ -15,13 +15,18 @@ pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
 DEV = settings.get_profile("dev").max_examples  # the examples a gate draws in the runs below
-EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate"]
-needs_accelerate = pytest.mark.skipif(__import__("importlib").util.find_spec("accelerate") is None,
-                                      reason="accelerate is not installed (the [examples] extra)")
+EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync"]
+_missing = lambda mod: __import__("importlib").util.find_spec(mod) is None  # noqa: E731
+needs_accelerate = pytest.mark.skipif(_missing("accelerate"), reason="accelerate is not installed (the [examples] extra)")
+needs_lightning = pytest.mark.skipif(_missing("lightning"), reason="lightning is not installed (the [examples] extra)")
+NEEDS = {"accelerate_accumulate": [needs_accelerate], "fabric_no_backward_sync": [needs_lightning]}
+
+
+DATA_PARALLEL = ["ddp_no_sync", "accelerate_accumulate"]
 
 
 def _marks(name):
-    return [needs_accelerate] if name == "accelerate_accumulate" else []
+    return NEEDS.get(name, [])
 
 
 def code_lines(path) -> int:
@@ -43,19 +48,32 @@ def test_each_adapter_is_at_most_30_lines(name):
     assert n <= 30, f"examples/{name}.py has {n} lines of code"
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in EXAMPLES[1:]])
-def test_data_parallel_examples_pass_every_gate_at_worlds_2_and_3(tmp_path, name):
-    env = {**ENV, "XTRAIN_DIST_MIN_WORLD": "2", "XTRAIN_DIST_MAX_WORLD": "3"}
+def plugin(tmp_path, name, worlds, *args):
+    env = {**ENV, "XTRAIN_DIST_MIN_WORLD": str(worlds[0]), "XTRAIN_DIST_MAX_WORLD": str(worlds[1])}
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
-                        "--verify-trainer", f"examples.{name}:factory", "-rs"], capture_output=True, text=True,
+                        "--verify-trainer", f"examples.{name}:factory", "-rs", *args], capture_output=True, text=True,
                        cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    gates = json.loads((tmp_path / "reports" / "verify-report.json").read_text())["gates"]
+    return r, json.loads((tmp_path / "reports" / "verify-report.json").read_text())["gates"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in DATA_PARALLEL])
+def test_data_parallel_examples_pass_every_gate_at_worlds_2_and_3(tmp_path, name):
+    r, gates = plugin(tmp_path, name, (2, 3))
     assert gates["equivalence"]["examples"] >= DEV and gates["boundary_only"]["worlds"] == [2, 3]
     assert gates["boundary_only"]["boundary_bytes_over_gradient_bytes"][1] < 1.1  # the gradients once (+ the loss)
     assert gates["boundary_only"]["expected_before_boundary"] > 0  # DDP's declared bucket rebuild was seen
     assert "declares no plain" in gates["bit_exact"]["skip_reason"] and "declares no plain" in r.stdout
+
+
+@pytest.mark.distributed
+@needs_accelerate
+def test_accelerate_passes_at_world_1(tmp_path):
+    """Alone in a one-rank group (the gates' world 1) Accelerate wraps DDP without entering no_sync(): an
+    all-reduce per micro-step, declared for world 1 only (verify.DDP_WORLD1_EXPECTED)."""
+    r, gates = plugin(tmp_path, "accelerate_accumulate", (1, 1), "-k", "data_parallel")
+    assert gates["boundary_only"]["worlds"] == [1] and gates["boundary_only"]["expected_before_boundary"] > 0
 
 
 def selftest(tmp_path, ref, timeout=600):

@@ -234,7 +234,7 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
             desc = lambda c: c.describe(run.main_thread)  # noqa: E731
 
             def fail(msg):
-                raise GateFailure(f"[{gate}] {who}, {msg}; case {case}")
+                raise GateFailure(f"[{gate}] {who}, {msg}; case {case}", gate=gate, case=case)
 
             for where, c in stray[:1]:
                 fail(f"gradient-like collective {where}: {desc(c)}")

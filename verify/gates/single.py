@@ -90,7 +90,7 @@ def gate_job(ctx, name, adapter, case: Case):
     try:
         return "ok", _GATES.get(name, name)(adapter, case, str(ctx.device))
     except GateFailure as e:
-        return "fail", str(e)
+        return "fail", e  # pickles with its fields (gate, case, error, bound, hint)
     except GateSkipped as e:
         return "skip", str(e)
 
@@ -106,7 +106,7 @@ def run_alone(name, adapter, case: Case, pool=None) -> GateResult:
 
     kind, value = (pool or get_pool(1)).run(gate_job, name, adapter, case)[0]
     if kind == "fail":
-        raise GateFailure(value)
+        raise value
     if kind == "skip":
         raise GateSkipped(value)
     return value

@@ -191,6 +191,7 @@ class Judge:
         self.worst, self.worst_ratio, self.note = "", 0.0, ""
 
     def fail(self, msg: str, step: int = 0, *, error: float | None = None, bound: float | None = None):
+        """error / bound: a relative error and its limit (the hints read them: verify/hints.py)."""
         raise GateFailure(f"[{self.gate}] {self.where}{msg}{self.suffix(step)}; case {self.case}", gate=self.gate,
                           case=self.case, error=error, bound=bound)
 

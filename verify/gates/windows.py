@@ -100,7 +100,8 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                 if want[name].abs().max().item() == 0:
                     continue
                 raise GateFailure(f"[{gate}] after micro-step {m} of {N}: partial_grads() has no gradient for "
-                                  f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}")
+                                  f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}",
+                                  gate=gate, case=case)
             e = rel_err(g, want.get(name, torch.zeros_like(g)))
             if e > KAPPA_EXACT_ABOVE * bound64(declared) and floor is None:  # measure the case's floor, once
                 floor = twin_floor(twin_diff(_prefix_reference(adapter, case, inputs, targets, device),
