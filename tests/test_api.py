@@ -8,7 +8,7 @@ PUBLIC = {
     "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "load_adapter", "AdapterError", "data",
     "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
     "cases", "dist_cases", "write_report", "Recorder", "Collective", "Windows", "measure_memory",
-    "run_selftest", "OPERATORS",
+    "run_selftest", "OPERATORS", "Pull", "PullError",
 }
 
 

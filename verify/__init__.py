@@ -31,6 +31,8 @@ __all__ = [
     "measure_memory",
     # the fault-injection self-test
     "run_selftest", "OPERATORS",
+    # loops the framework owns (HF Trainer, Lightning): the pull-mode driver
+    "Pull", "PullError",
 ]
 
 _WHERE = {
@@ -44,6 +46,7 @@ _WHERE = {
     "Recorder": "comm", "Collective": "comm", "Windows": "comm",
     "measure_memory": ("memory", "measure"),
     "run_selftest": ("selftest", "run_selftest"), "OPERATORS": ("selftest", "OPERATORS"),
+    "Pull": "pull", "PullError": "pull",
 }
 
 
