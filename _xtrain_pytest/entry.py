@@ -4,7 +4,7 @@ Why a shim in a namespace package (no __init__.py) outside `verify`: pytest rewr
 every module of a distribution that registers a pytest11 plugin and caches the rewritten bytecode next
 to the source, which for an installed package is site-packages. pytest marks only top-level modules and
 packages that have an __init__.py, so importing this module is plain Python. Before any module of
-xtrain is imported it asks pytest's import hook to leave `verify` and `xtrain_core` alone (they raise
+xtrain-verify is imported it asks pytest's import hook to leave `verify` and `xtrain_core` alone (they raise
 GateFailure, never bare asserts, so nothing is lost), and verify/plugin.py keeps pytest from caching
 bytecode next to the gate test modules it collects from the installed package.
 """
@@ -27,5 +27,20 @@ def _leave_our_packages_alone() -> None:
 
 
 _leave_our_packages_alone()
+
+
+def _other_verify() -> None:
+    """PyPI's `verify` (an assertion library) owns the same import name: one line and exit status 4 (a usage
+    error) instead of an ImportError traceback or a plugin that half works (conflict.py)."""
+    from _xtrain_pytest.conflict import check
+
+    msg = check()
+    if msg:
+        import pytest
+
+        raise pytest.UsageError(msg)
+
+
+_other_verify()
 
 from verify.plugin import *  # noqa: E402,F401,F403  (the hooks and the verify_adapter fixture)

@@ -1,6 +1,6 @@
 """Hugging Face Accelerate: Accelerator(gradient_accumulation_steps=N) and accumulate().
 
-    pip install "xtrain[examples]"      # accelerate
+    pip install "/path/to/xtrain[examples]"      # accelerate (README: Install)
     pytest --pyargs verify --verify-trainer examples.accelerate_accumulate:factory -n auto
     python -m verify.selftest --verify-trainer examples.accelerate_accumulate:factory
 """

@@ -17,7 +17,7 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_T
 DEV = settings.get_profile("dev").max_examples  # the examples a gate draws in the runs below
 EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate"]
 needs_accelerate = pytest.mark.skipif(__import__("importlib").util.find_spec("accelerate") is None,
-                                      reason="accelerate is not installed (pip install 'xtrain[examples]')")
+                                      reason="accelerate is not installed (the [examples] extra)")
 
 
 def _marks(name):

@@ -70,7 +70,7 @@ def test_summary_names_each_step_and_fails_when_one_does(tmp_path):
 def test_workflows_pass_actionlint():
     exe = shutil.which("actionlint")
     if exe is None:
-        pytest.skip("actionlint is not installed (pip install 'xtrain[test]' brings it)")
+        pytest.skip("actionlint is not installed (the [test] extra brings it)")
     flows = [os.path.join(ROOT, ".github", "workflows", f) for f in ("ci.yml", "gpu.yml")]
     r = subprocess.run([exe, *flows], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

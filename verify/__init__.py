@@ -16,17 +16,34 @@ from __future__ import annotations
 
 import importlib
 
+
+def _other_verify() -> None:
+    """PyPI's `verify` 1.1.1 (an assertion library) installs the same import name; mixed with ours, one line
+    says so and how to fix it (_xtrain_pytest/conflict.py says how the two interact)."""
+    try:
+        from _xtrain_pytest.conflict import check
+    except ImportError:  # a bare copy of verify/ alone
+        return
+    msg = check(__path__[0])
+    if msg:
+        import warnings
+
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+_other_verify()
 __all__ = [
     # the trainer protocol and how to declare an adapter
     "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "load_adapter", "AdapterError", "data",
     # cases and the gates
     "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
+    "check_token_mean", "check_empty_window",
     # hypothesis strategies
     "cases", "dist_cases",
     # the run report
     "write_report",
-    # the collective counter
-    "Recorder", "Collective", "Windows",
+    # the collective counter, and a sync mode's exact counts (Adapter(counts=case -> CountRow))
+    "Recorder", "Collective", "Windows", "CountRow",
     # the memory probe
     "measure_memory",
     # the fault-injection self-test
@@ -41,9 +58,10 @@ _WHERE = {
     "Case": "case",
     "check_equivalence": "gates", "check_bit_exact": "gates", "check_distributed": "gates",
     "GateFailure": "gates", "GateSkipped": "gates", "GateResult": "gates",
+    "check_token_mean": "gates", "check_empty_window": "gates",
     "cases": "strategies", "dist_cases": "strategies",
     "write_report": ("report", "write"),
-    "Recorder": "comm", "Collective": "comm", "Windows": "comm",
+    "Recorder": "comm", "Collective": "comm", "Windows": "comm", "CountRow": "gates.counts",
     "measure_memory": ("memory", "measure"),
     "run_selftest": ("selftest", "run_selftest"), "OPERATORS": ("selftest", "OPERATORS"),
     "Pull": "pull", "PullError": "pull",

@@ -11,6 +11,10 @@ import tempfile
 
 import torch
 
+# The distribution's name on the package index ("xtrain" there is an unrelated project); the import names
+# are verify and xtrain_core. Code that looks the installed distribution up uses this constant.
+DISTRIBUTION = "xtrain-verify"
+
 
 def fp32_only() -> None:
     """TF32 off for matmuls and convolutions: every GPU measurement and gate here means true fp32, as the
@@ -54,7 +58,7 @@ def version() -> str:
     try:
         from importlib.metadata import version as v
 
-        return v("xtrain")
+        return v(DISTRIBUTION)
     except Exception:  # noqa: BLE001  (running from a source tree that was never installed: read its pyproject)
         try:
             path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Case", "Trace", "split", "shard", "drive"]
+__all__ = ["Case", "Trace", "split", "shard", "drive", "twin"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,12 +41,16 @@ class Case:
         """Rows per optimizer step over all ranks: N·B·W (the one meaning of "effective batch")."""
         return self.accum_steps * self.micro_batch * self.world
 
-    def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None):
+    def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None, adapter=None):
+        """The Spec of one run of this case. Given the adapter, a `scheduler_per_rank` declaration makes
+        schedule_world this case's world, in the W-rank run and in every one-process reference of it alike."""
         from .protocol import Spec
 
+        per_rank = adapter is not None and getattr(adapter, "scheduler_per_rank", False)
         return Spec(accum_steps=self.accum_steps if accum_steps is None else accum_steps, dtype=dtype,
                     device=device or self.device, seed=self.seed, options=self.options,
-                    precision="fp32" if dtype == torch.float64 else self.precision)
+                    precision="fp32" if dtype == torch.float64 else self.precision,
+                    schedule_world=self.world if per_rank else 1)
 
     def replace(self, **changes) -> "Case":
         return dataclasses.replace(self, **changes)
@@ -144,9 +148,22 @@ def block_grads(adapter, case: "Case", device) -> list[dict]:
     out = []
     for r in range(case.world):
         for x, y in shard(inputs, targets, case.accum_steps, r, case.world):
-            t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(device)))
+            t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(device), adapter=adapter))
             out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate="reference").grads0)
     return out
+
+
+TWIN_COPIES = 3
+
+
+def twin(batches):
+    """The same global batches with their rows (whole sequences) in reverse order, TWIN_COPIES times over:
+    equal in exact arithmetic for a loss that is a mean over rows or valid tokens, so a reference run on
+    them measures its own rounding. Reversal changes every sum's order; three copies (not a power of two)
+    change every division by a row or token count, so a float32 loss shows in the gradients, not only in
+    the loss (a batch of one row has no order to change)."""
+    return [(x.flip(0).repeat(TWIN_COPIES, *[1] * (x.dim() - 1)), y.flip(0).repeat(TWIN_COPIES, *[1] * (y.dim() - 1)))
+            for x, y in batches]
 
 
 def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:

@@ -195,7 +195,8 @@ class _Reporter:
         try:
             written = rep.write(folder, trainer=trainer, settings=settings_of(config), gates=state["stats"],
                                 failures=state["failures"], exitstatus=int(exitstatus),
-                                device=os.environ.get(ENV_DEVICE, "cpu"))
+                                device=os.environ.get(ENV_DEVICE, "cpu"),
+                                declarations=adapter.declarations() if adapter is not None else None)
         except OSError as e:
             if tr is not None:
                 tr.write_line(f"verify: could not write the report to {folder}: {e}", red=True)

@@ -32,7 +32,12 @@ its model, loss or optimizer:
   among them and judge each against float64 with that precision's own rounding.
 * `ignore_index`: the target value that marks padding (e.g. -100). Declared, the gates also draw padded,
   variable-length batches — empty sequences, micro-batches and ranks included — and expect the token
-  mean: Σ loss over valid targets / their count, over the whole window and every rank.
+  mean: Σ loss over valid targets / their count, over the whole window and every rank. The token-mean
+  gate checks that claim against the valid counts the harness knows (verify/gates/tokens.py).
+* `empty_windows`: with an ignore_index, whether the trainer takes a window without a single valid
+  target (default True: it must then be no step at all, parameters bit-unchanged). False declares "never
+  feed me an empty window" (e.g. a loss divided by a count of 0): no drawn window is empty, and the
+  token-mean gate's empty-window check is skipped, saying why.
 * `counts`: a function case -> CountRow (verify.gates.counts) declaring the exact collectives of the
   trainer's sync mode, by family, per micro-step and at the boundary; checked instead of the default rule.
 * optional trainer method `partial_grads()`: between micro-steps, the gradient `grads()` would return if
@@ -153,6 +158,9 @@ class Adapter:
     loss_precision: str | None = None
     """"fp32": the loss (or part of the forward) is computed in float32 even in float64 runs (HF's
     `logits.float()`, Fabric's "64-true" output cast): the float64 checks judge at float32's rounding."""
+    empty_windows: bool = True
+    """With an ignore_index: the trainer takes windows without a valid target (and must leave the parameters
+    and its state alone on them). False: the harness never draws such a window, and says so."""
     counts: Callable | None = None
     """case -> verify.gates.counts.CountRow: the exact collectives per micro-step and at the boundary of
     this adapter's sync mode (FSDP all-gathers, reduce-scatters, ...). Without it: none before the boundary
@@ -173,6 +181,8 @@ class Adapter:
             raise AdapterError(f"precisions must be a non-empty subset of fp32, bf16, fp16, got {self.precisions}")
         if self.loss_precision not in (None, "fp32"):
             raise AdapterError(f"loss_precision must be None or 'fp32', got {self.loss_precision!r}")
+        if not isinstance(self.empty_windows, bool):
+            raise AdapterError(f"empty_windows must be True or False, got {self.empty_windows!r}")
         if self.process_group and not self.data_parallel:
             object.__setattr__(self, "data_parallel", True)
         if not self.name:
@@ -185,9 +195,11 @@ class Adapter:
         """Every declaration that changes what the gates expect, by name (the report lists them)."""
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
-                  "loss_precision", "process_group", "data_parallel"):
+                  "loss_precision", "process_group", "data_parallel", "empty_windows"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
+            if f == "empty_windows" and self.ignore_index is None:
+                continue  # means nothing without padding
             if v != default and v is not None and v != ():
                 out[f] = (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
                           else list(v) if isinstance(v, tuple) else v)
@@ -247,7 +259,7 @@ def _qual(fn) -> str:
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
-            loss_precision: str | None = None):
+            loss_precision: str | None = None, empty_windows: bool = True):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
 
@@ -256,7 +268,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
                        data_parallel=data_parallel, process_group=process_group, expected=expected,
                        name=name or f"{fn.__module__}.{fn.__qualname__}", precisions=precisions,
                        ignore_index=ignore_index, counts=counts, scheduler_per_rank=scheduler_per_rank,
-                       loss_precision=loss_precision)
+                       loss_precision=loss_precision, empty_windows=empty_windows)
 
     return wrap
 

@@ -17,13 +17,17 @@ REPORT_NAME = "verify-report"
 _STATS: dict[str, dict] = {}
 
 BOUNDS = {
-    "equivalence": "step 0 (fp32 or the autocast precision): err(acc) ≤ 8·err(big) + 8·eps32 vs float64; fp32 "
-                   "losses rel < 1e-3; float64 K steps: loss rel ≤ 1e-9, params ≤ 1e-9·max(1,|p|)",
+    "equivalence": "step 0 (fp32 or the autocast precision): err(acc) ≤ 8·err(big) + 8·eps32·κ vs float64; fp32 "
+                   "losses rel < 1e-3; float64 K steps: loss rel, params / max(1,|p|) ≤ max(1e-9, 8·floor)",
     "bit_exact": "torch.equal on every gradient, loss and parameter after K steps",
     "boundary_only": "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 elements",
     "data_parallel_equivalence": "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
     "split_invariance": "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
-    "partial_sums": "after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ 1e-9",
+    "partial_sums": "after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
+                    "max(1e-9, 8·floor)·κ",
+    "token_mean": "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
+                  "target change nothing; rel ≤ max(1e-9, 8·twin floor)·κ",
+    "empty_window": "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
 }
 ORDER = tuple(BOUNDS)  # the report's gate order: BOUNDS' order
 
@@ -36,6 +40,13 @@ def _gate(name: str) -> dict:
 def _keep_worst(s: dict, ratio: float, check: str, case) -> None:
     if s["worst_case"] is None or ratio > s["worst_ratio"]:
         s.update(worst_ratio=float(ratio), worst_check=check, worst_case=case.as_dict(), worst_case_text=str(case))
+
+
+def _keep_floor(s: dict, result) -> None:
+    """The largest float64 floor (tolerance.twin_floor: the reference's own rounding) the gate measured."""
+    f = result.extra.get("floor64")
+    if f is not None:
+        s["float64_floor"] = max(float(f), s.get("float64_floor") or 0.0)
 
 
 def _key(name: str, case) -> str:
@@ -63,11 +74,13 @@ def record(result) -> None:
         e = _gate(_key("data_parallel_equivalence", result.case))
         e["examples"] += 1
         _keep_worst(e, result.ratio, result.worst, result.case)
+        _keep_floor(e, result)
         return
     key = "bit_exact" if result.gate.startswith("bit-exact") else result.gate.replace(" ", "_")
     s = _gate(_key(key, result.case))
     s["examples"] += 1
-    if key != "bit_exact":  # bit-exact has no error to rank: every example is torch.equal or a failure
+    _keep_floor(s, result)
+    if key not in ("bit_exact", "empty_window"):  # bit-exact has no error to rank: every example is torch.equal or a failure
         _keep_worst(s, result.ratio, result.worst, result.case)
 
 
@@ -97,6 +110,8 @@ def merge(into: dict, blob: str) -> None:
             if key in s:
                 lo, hi = t.get(key, s[key])
                 t[key] = [min(lo, s[key][0]), max(hi, s[key][1])]
+        if s.get("float64_floor") is not None:
+            t["float64_floor"] = max(s["float64_floor"], t.get("float64_floor") or 0.0)
         if "expected_before_boundary" in s:
             t["expected_before_boundary"] = t.get("expected_before_boundary", 0) + s["expected_before_boundary"]
 
@@ -120,9 +135,11 @@ def read(folder: str) -> dict | None:
 
 
 def write(folder: str, *, trainer: str, settings: dict, gates: dict | None = None, failures=None,
-          selftest: dict | None = None, exitstatus: int | None = None, device=None) -> list[str]:
+          selftest: dict | None = None, exitstatus: int | None = None, device=None,
+          declarations: dict | None = None) -> list[str]:
     """Render JSON and markdown first, then replace both files. A section not given (gates or selftest)
-    is kept from an existing report of the same trainer, so one report holds a gate run and a self-test."""
+    is kept from an existing report of the same trainer, so one report holds a gate run and a self-test.
+    `declarations`: the adapter's (Adapter.declarations()), listed in every report."""
     from ._meta import atomic_write, header
 
     old = read(folder)
@@ -131,7 +148,8 @@ def write(folder: str, *, trainer: str, settings: dict, gates: dict | None = Non
                gates=gates if gates is not None else (old.get("gates", {}) if same else {}),
                failures=failures if failures is not None else (old.get("failures", []) if same else []),
                exitstatus=exitstatus if exitstatus is not None else (old.get("exitstatus") if same else None),
-               selftest=selftest if selftest is not None else (old.get("selftest") if same else None))
+               selftest=selftest if selftest is not None else (old.get("selftest") if same else None),
+               declarations=declarations if declarations is not None else (old.get("declarations") if same else None))
     if same and gates is None:
         doc["settings"] = {**old.get("settings", {}), **settings}
     js, md = json.dumps(doc, indent=1, default=str), render_md(doc)
@@ -151,15 +169,19 @@ def render_md(doc: dict) -> str:
              f"{doc.get('utc')} · commit `{doc.get('git_commit')}` · xtrain {doc.get('xtrain_version')} · "
              f"torch {mi.get('torch')} · {mi.get('gpu') or 'CPU'} · settings: "
              + ", ".join(f"{k} {v}" for k, v in doc.get("settings", {}).items() if k != "command"), ""]
+    decl = doc.get("declarations")
+    if decl is not None:  # each one changes what a gate expects; none turns a gate off
+        lines += ["Declarations: " + ("; ".join(f"`{k}={v}`" for k, v in decl.items()) or "none"), ""]
     gates = doc.get("gates") or {}
     if gates:
-        lines += ["| gate | examples | worst error / bound | where | worst case | bound |", "|---|---|---|---|---|---|"]
+        lines += ["| gate | examples | worst error / bound | where | float64 floor | worst case | bound |",
+                  "|---|---|---|---|---|---|---|"]
         names = sorted(gates, key=lambda n: (ORDER.index(n.split("@")[0]) if n.split("@")[0] in ORDER else 99, n))
         for name in names:
             g = gates[name]
             base = name.split("@")[0]
             if not g["examples"] and g.get("skip_reason"):
-                lines.append(f"| {name} | skipped | — | — | {g['skip_reason']} | |")
+                lines.append(f"| {name} | skipped | — | — | — | {g['skip_reason']} | |")
                 continue
             extra = ""
             if base == "boundary_only":
@@ -169,9 +191,10 @@ def render_md(doc: dict) -> str:
                          f"step {g.get('boundary_collectives_per_step')}; declared collectives before the boundary "
                          f"{g.get('expected_before_boundary', 0)}; largest case: ")
             short = g.get("worst_case_text") or "—"
-            ratio = "—" if base in ("bit_exact", "boundary_only") else _ratio(g["worst_ratio"])
-            lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | {extra}{short} | "
-                         f"{BOUNDS.get(base, '')} |")
+            ratio = "—" if base in ("bit_exact", "boundary_only", "empty_window") else _ratio(g["worst_ratio"])
+            floor = g.get("float64_floor")
+            lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | "
+                         f"{'—' if floor is None else f'{floor:.2e}'} | {extra}{short} | {BOUNDS.get(base, '')} |")
         lines.append("")
     fails = doc.get("failures") or []
     if not gates and not fails:

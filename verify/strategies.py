@@ -46,10 +46,13 @@ def _options_strategy(adapter):
 
 
 @st.composite
-def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int, seq_len: int) -> tuple:
+def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int, seq_len: int,
+            empty_windows: bool = True) -> tuple:
     """Valid targets per row for K steps of N global micro-batches of W·B rows (row order as the harness
     draws them). Each global micro-batch is full, empty, random, or random with one rank's rows empty;
-    shrinks toward full rows (no padding), so a failure is shown with the least padding that causes it."""
+    shrinks toward full rows (no padding), so a failure is shown with the least padding that causes it.
+    empty_windows=False (Adapter.empty_windows): no step's window is left without a valid target (its
+    first row then keeps one)."""
     out = []
     for _ in range(steps * accum_steps):
         mode = draw(st.sampled_from(["full", "random", "empty", "rank_empty"]))
@@ -62,6 +65,11 @@ def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int,
                     out.append(0)
                 else:
                     out.append(draw(st.integers(0, seq_len).map(lambda n: seq_len - n)))
+    E = accum_steps * micro_batch * world
+    if not empty_windows:
+        for k in range(steps):
+            if not any(out[k * E:(k + 1) * E]):
+                out[k * E] = 1
     return tuple(out)
 
 
@@ -89,7 +97,8 @@ def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_ba
     )
     if adapter.ignore_index is not None and (padded if padded is not None else draw(st.booleans())):
         c = c.replace(lengths=draw(padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=c.micro_batch,
-                                           world=world, seq_len=_row_length(adapter, c.options))))
+                                           world=world, seq_len=_row_length(adapter, c.options),
+                                           empty_windows=adapter.empty_windows)))
     return c
 
 

@@ -62,6 +62,50 @@ def test_split_invariance_on_padded_windows(verify_adapter):
     split_invariance()
 
 
+def _token_cases(adapter):
+    return cases(adapter, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=2, padded=True)
+
+
+def test_token_mean_claim(verify_adapter):
+    """Adapters with an ignore_index: the claim itself, Σ loss over valid targets / their number, against the
+    counts the harness knows — windows add up, padding changes nothing (verify/gates/tokens.py)."""
+    from .gates import check_token_mean
+
+    if verify_adapter.ignore_index is None:
+        reason = (f"{verify_adapter.name} declares no ignore_index: it claims no token mean (declare "
+                  f"@verify.adapter(ignore_index=-100) for a token-weighted trainer)")
+        report.skip("token_mean", reason)
+        pytest.skip(reason)
+
+    @settings(max_examples=budget(10, 3), deadline=None)
+    @given(data=st.data())
+    def token_mean(data):
+        report.record(check_token_mean(verify_adapter, data.draw(_token_cases(verify_adapter), label="case")))
+
+    token_mean()
+
+
+def test_empty_window_is_no_step(verify_adapter):
+    """Adapters with an ignore_index: a window without a valid target leaves the parameters bit-unchanged and
+    the next window as if it had not been there — unless the adapter declares empty_windows=False."""
+    from .gates import check_empty_window
+
+    reason = (f"{verify_adapter.name} declares no ignore_index: it has no empty windows"
+              if verify_adapter.ignore_index is None else
+              f"{verify_adapter.name} declares empty_windows=False: never fed a window without a valid target"
+              if not verify_adapter.empty_windows else None)
+    if reason:
+        report.skip("empty_window", reason)
+        pytest.skip(reason)
+
+    @settings(max_examples=budget(10, 3), deadline=None)
+    @given(data=st.data())
+    def empty_window(data):
+        report.record(check_empty_window(verify_adapter, data.draw(_token_cases(verify_adapter), label="case")))
+
+    empty_window()
+
+
 def test_long_accumulation_and_partial_sums(verify_adapter):
     """N = 64..256 micro-steps: the equivalence gate, and — for trainers with partial_grads() — each
     micro-step's contribution landing exactly once (the gradient after micro-step n vs the float64 big

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..case import Case, Trace, block_grads, drive
+from ..case import Case, Trace, block_grads, drive, twin
 from ..comm import Collective, Windows
 from ..pool import default_backend, get_pool
 from .single import GateResult
-from .tolerance import GateFailure, Judge, condition
+from .tolerance import GateFailure, Judge, condition, twin_diff, twin_floor
 
-__all__ = ["check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
+__all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
 
 SCALARS = 8  # side-channel floats allowed to ride with the gradients (xtrain: Σ raw·B_local and N·B_local)
@@ -77,7 +77,7 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
         ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)
         win = Windows()
         win.mark(("init",))
-        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device)))
+        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter))
         trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=ctx.rank,
                       world=ctx.world, windows=win, gate="data-parallel")
         del trainer
@@ -88,12 +88,15 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
 
 
 def reference_job(ctx, adapter, case: Case) -> dict:
-    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64."""
+    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64, and
+    the float64 twin (rows reversed) whose difference is the reference's own floor."""
     batches = case.batches(adapter)
     refs = {}
-    for name, dtype in (("big32", torch.float32), ("ref64", torch.float64)):
-        trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device)))
-        refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate="reference")
+    for name, dtype, data in (("big32", torch.float32, batches), ("ref64", torch.float64, batches),
+                              ("twin64", torch.float64, twin(batches))):
+        trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device), adapter=adapter))
+        refs[name] = drive(trainer, data, 1, dtype=dtype, device=ctx.device, gate="reference")
+    refs["floor64"] = twin_floor(twin_diff(refs["ref64"], refs.pop("twin64")), adapter.loss_precision)
     many = case.accum_steps * case.world > 1
     refs["kappa"] = condition(block_grads(adapter, case, ctx.device) if many else [], refs["ref64"].grads0)
     return refs
@@ -192,10 +195,11 @@ def _split(run: RankRun, case: Case):
     return steps, init, stray
 
 
-def _unexpected(cs: list, expected, k: int, m: int) -> tuple[list, list]:
-    """Split the collectives of micro-step m of step k into (declared-expected, unexpected)."""
-    budget = {i: e.count for i, e in enumerate(expected)
-              if (e.step is None or e.step == k) and (e.micro is None or e.micro == m)}
+def _unexpected(cs: list, expected, k: int, m: int, world: int) -> tuple[list, list]:
+    """Split the collectives of micro-step m of step k in a run of `world` ranks into (declared-expected,
+    unexpected). An entry with a `world` excuses traffic only in runs of that world size."""
+    budget = {i: e.count for i, e in enumerate(expected) if (e.world is None or e.world == world)
+              and (e.step is None or e.step == k) and (e.micro is None or e.micro == m)}
     ok, bad = [], []
     for c in cs:
         for i, e in enumerate(expected):
@@ -234,7 +238,7 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
                     _check_row(row, s, k, N, W, expected, report, o.rank, dt, desc, fail, skipped=k in empty)
                     continue
                 for m, cs in enumerate(s.micro):
-                    ok, bad = _unexpected(cs, expected, k, m)
+                    ok, bad = _unexpected(cs, expected, k, m, W)
                     report.expected_used += [(o.rank, dt, k, m, e.why or e.op, c) for e, c in ok]
                     if bad:
                         listed = "; ".join(desc(c) for c in bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
@@ -268,13 +272,13 @@ def _check_row(row, s: StepComm, k: int, N: int, W: int, expected, report, rank,
     if W == 1:
         return  # alone there is nothing to count against a data-parallel row (world 1 = the plain path)
     for m, cs in enumerate(s.micro):
-        ok, rest = _unexpected(cs, expected, k, m)
+        ok, rest = _unexpected(cs, expected, k, m, W)
         report.expected_used += [(rank, dt, k, m, e.why or e.op, c) for e, c in ok]
         msg = check_row(row, rest, row.before, f"step {k}, micro-step {m} of {N} (before the boundary)", desc,
                         row.first_micro if (k, m) == (0, 0) else None)
         if msg:
             fail(msg)
-    ok, rest = _unexpected(s.boundary, expected, k, N - 1)
+    ok, rest = _unexpected(s.boundary, expected, k, N - 1, W)
     report.expected_used += [(rank, dt, k, N - 1, e.why or e.op, c) for e, c in ok]
     at = f"step {k}, boundary (micro-step {N - 1} of {N}, optimizer_step()" + (
         ", a window without a valid token: no update)" if skipped else ")")
@@ -316,7 +320,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case,
         j.step0(acc, big, ref, outcomes[0].refs.get("kappa"))
         j.loss_trajectory(acc, big)
         if F64 in o.runs:
-            j.float64(o.runs[F64].trace, ref)
+            j.float64(o.runs[F64].trace, ref, outcomes[0].refs.get("floor64", 0.0))
         if j.worst_ratio >= worst[1]:
             worst = (f"rank {o.rank}: {j.worst}", j.worst_ratio)
     for dt in outcomes[0].runs:  # all ranks hold the same parameters, bit for bit, after every step
@@ -341,7 +345,27 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row)
     worst, ratio = check_dist_equivalence(outcomes, case, report)
     steps = report.steps[(0, F32)]
-    return GateResult("data-parallel", case, worst, ratio, comm=report,
+    return GateResult("data-parallel", case, worst, ratio, comm=report, floor64=outcomes[0].refs.get("floor64"),
                       boundary_bytes=[s.boundary_bytes for s in steps],
                       boundary_collectives=[len(s.reduced) for s in steps],
                       gradient_bytes=4 * report.grad_elements)
+
+
+def check_same_bytes(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
+    """Bytes per step independent of N: the case at N, and the SAME global window at N=1 (one micro-step
+    of N·B rows per rank; padded lengths apply to the same rows), must issue the same gradient-like
+    collectives at every boundary, carrying the same bytes. Returns the N run's result."""
+    got = check_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
+    one_case = case.replace(accum_steps=1, micro_batch=case.accum_steps * case.micro_batch)
+    one = check_distributed(adapter, one_case, pool=pool, ref_pool=ref_pool)
+    for (rank, dt), steps in one.extra["comm"].steps.items():
+        a = [(s.boundary_bytes, len(s.reduced)) for s in got.extra["comm"].steps[(rank, dt)]]
+        b = [(s.boundary_bytes, len(s.reduced)) for s in steps]
+        if a != b:
+            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            raise GateFailure(
+                f"[bytes per step] rank {rank} ({dt.replace('torch.', '')} run), step {k}: the boundary moves "
+                f"{a[k][0]} B in {a[k][1]} gradient collective(s) at N={case.accum_steps}, {b[k][0]} B in {b[k][1]} "
+                f"at N=1 over the same window ({one_case}) — a step's boundary must reduce the gradient once, "
+                f"whatever N; case {case}", gate="bytes per step", case=case)
+    return got

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..case import Case, block_grads, drive
-from .tolerance import GateFailure, Judge, condition
+from ..case import Case, block_grads, drive, twin
+from .tolerance import GateFailure, Judge, condition, twin_diff, twin_floor
 
-__all__ = ["check_equivalence", "check_bit_exact", "GateResult", "GateSkipped"]
+__all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
 
 
 class GateSkipped(Exception):
@@ -38,15 +38,17 @@ def _equivalence(adapter, case: Case, device: str) -> GateResult:
     gate, N = "equivalence", case.accum_steps
     batches = case.batches(adapter)
     f64 = torch.float64
-    run = lambda n, dtype: drive(adapter(case.spec(accum_steps=n, dtype=dtype, device=device)),  # noqa: E731
-                                 batches, n, dtype=dtype, device=device, gate=gate)
+    run = lambda n, dtype, data=batches: drive(  # noqa: E731
+        adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter)), data, n, dtype=dtype,
+        device=device, gate=gate)
     acc, big = run(N, torch.float32), run(1, torch.float32)
     acc64, ref64 = run(N, f64), run(1, f64)
+    floor = twin_floor(twin_diff(ref64, run(1, f64, twin(batches))), adapter.loss_precision)
     j = Judge(gate, case)
     j.step0(acc, big, ref64, condition(block_grads(adapter, case, device) if N > 1 else [], ref64.grads0))
     j.loss_trajectory(acc, big)
-    j.float64(acc64, ref64)
-    return GateResult(gate, case, j.worst, j.worst_ratio)
+    j.float64(acc64, ref64, floor)
+    return GateResult(gate, case, j.worst, j.worst_ratio, floor64=floor)
 
 
 def _bit_exact(adapter, case: Case, device: str) -> GateResult:
@@ -55,7 +57,7 @@ def _bit_exact(adapter, case: Case, device: str) -> GateResult:
         raise GateSkipped(f"{adapter.name} declares no plain (no-accumulation) step; declare "
                           f"@verify.adapter(plain=...) to prove accum_steps=1 is that step bit for bit")
     batches = case.batches(adapter)
-    spec = case.spec(accum_steps=1, device=device)
+    spec = case.spec(accum_steps=1, device=device, adapter=adapter)
     got = drive(adapter(spec), batches, 1, device=device, gate=gate)
     want = drive(adapter.plain(spec), batches, 1, device=device, gate=gate)
     Judge(gate, case).bit_exact(got, want)
@@ -65,21 +67,24 @@ def _bit_exact(adapter, case: Case, device: str) -> GateResult:
 _GATES = {"equivalence": _equivalence, "bit_exact": _bit_exact}
 
 
-def gate_job(ctx, name: str, adapter, case: Case):
-    """On a pool rank: run one single-process gate there; failures come back as values, not tracebacks."""
+def gate_job(ctx, name, adapter, case: Case):
+    """On a pool rank: run one single-process gate there (a name of _GATES, or a module-level function
+    (adapter, case, device) -> GateResult); failures come back as values, not tracebacks."""
     try:
-        return "ok", _GATES[name](adapter, case, str(ctx.device))
+        return "ok", _GATES.get(name, name)(adapter, case, str(ctx.device))
     except GateFailure as e:
         return "fail", str(e)
     except GateSkipped as e:
         return "skip", str(e)
 
 
-def _run(name: str, adapter, case: Case, pool) -> GateResult:
+def run_alone(name, adapter, case: Case, pool=None) -> GateResult:
+    """One single-process gate (see gate_job) in this process, or on a one-rank pool for an adapter that
+    needs a process group even alone."""
     if case.world != 1:
         raise ValueError(f"single-process gates take world-1 cases, got world {case.world}")
     if not adapter.process_group:
-        return _GATES[name](adapter, case, case.device)
+        return _GATES.get(name, name)(adapter, case, case.device)
     from ..pool import get_pool
 
     kind, value = (pool or get_pool(1)).run(gate_job, name, adapter, case)[0]
@@ -92,7 +97,7 @@ def _run(name: str, adapter, case: Case, pool) -> GateResult:
 
 def check_equivalence(adapter, case: Case, *, pool=None) -> GateResult:
     """Big-batch equivalence: accumulation (N, B) vs one step on the N·B batch, same init and data."""
-    return _run("equivalence", adapter, case, pool)
+    return run_alone("equivalence", adapter, case, pool)
 
 
 def check_bit_exact(adapter, case: Case, *, pool=None) -> GateResult:
@@ -100,4 +105,4 @@ def check_bit_exact(adapter, case: Case, *, pool=None) -> GateResult:
     the adapter declares no plain step)."""
     if adapter.plain is None:
         return _bit_exact(adapter, case, case.device)  # raises GateSkipped without starting a pool
-    return _run("bit_exact", adapter, case, pool)
+    return run_alone("bit_exact", adapter, case, pool)

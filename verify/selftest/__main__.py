@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from .. import report
 
     paths = report.write(out, trainer=res.trainer, settings=dict(device=device, selftest_max_world=args.max_world),
-                         selftest=d, device=device)
+                         selftest=d, device=device, declarations=adapter.declarations())
     print("wrote " + ", ".join(paths))
     return 0 if res.ok else 1
 

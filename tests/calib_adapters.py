@@ -1,0 +1,131 @@
+"""Small MLP trainers of real framework behaviour the float64 checks must judge at the precision each has
+(tests/test_calibration.py), a real 1e-5 error they must still reject, and the declarations of issue 15.
+
+    hf_style          HF's ForCausalLMLoss: the loss on `logits.float()`, a downcast on a float64 model
+    fabric_64_true    Lightning Fabric precision="64-true": the forward's output cast to float32
+    fp32_constant     `loss * torch.tensor(1 / N)`: a float32 constant (no twin can reveal it) — undeclared
+    fp32_declared     the same, declaring loss_precision="fp32"
+    off_by_1e5        accumulation 1e-5 relative off (a real error) even though it declares loss_precision
+    per_rank_sched    Accelerate's prepared scheduler: steps once per RANK per optimizer step, declared
+    per_rank_undeclared  the same without the declaration (must fail at W > 1)
+    dropout           train-mode dropout drawn from the global RNG: two identical runs differ
+
+Every trainer is the textbook loop (backward of loss / N, the optimizer at the boundary) with
+partial_grads(), and reduces its gradients over the default group at the boundary when there is one.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import verify
+
+FEATURES, CLASSES = 8, 5
+
+
+class Trainer:
+    """N micro-steps of backward(loss / N), then AdamW; the LR warms up linearly over 3 optimizer steps."""
+
+    def __init__(self, spec):
+        with torch.random.fork_rng():  # init from the seed; the global RNG (dropout's) is left alone
+            torch.manual_seed(spec.seed)
+            self.model = self.build().to(spec.device, spec.dtype)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / 3))
+        self.n, self.spec, self.losses = spec.accum_steps, spec, []
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def build(self):
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def loss(self, x, y):
+        return F.mse_loss(self.model(x), y)
+
+    def scale(self, loss):
+        return loss if self.n == 1 else loss / self.n
+
+    def micro_step(self, x, y, micro):
+        loss = self.loss(x, y)
+        self.scale(loss).backward()
+        self.losses.append(loss.detach().to(torch.float64))
+        if micro == self.n - 1 and self.world > 1:
+            for p in self.model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
+
+    def partial_grads(self):  # the window's gradient had it ended after len(self.losses) micro-steps
+        return {k: p.grad * (self.n / len(self.losses)) for k, p in self.model.named_parameters()}
+
+    def grads(self):
+        return {k: p.grad for k, p in self.model.named_parameters()}
+
+    def sched_steps(self) -> int:
+        return 1
+
+    def optimizer_step(self):
+        self.opt.step()
+        for _ in range(self.sched_steps()):
+            self.sched.step()
+        self.opt.zero_grad()
+        loss, self.losses = torch.stack(self.losses).mean(), []
+        if self.world > 1:
+            dist.all_reduce(loss)
+            loss /= self.world
+        return loss
+
+    def params(self):
+        return dict(self.model.named_parameters())
+
+
+class HFStyle(Trainer):
+    def build(self):
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, CLASSES))
+
+    def loss(self, x, y):
+        return F.cross_entropy(self.model(x).float(), y)  # ForCausalLMLoss: logits = logits.float()
+
+
+class Fabric64True(Trainer):
+    def loss(self, x, y):
+        out = self.model(x).float()  # "64-true" hands the loss a float32 output
+        return F.mse_loss(out, y.to(out.dtype))
+
+
+class Fp32Constant(Trainer):
+    def scale(self, loss):
+        return loss * torch.tensor(1 / self.n)  # a float32 constant, whatever the run's dtype
+
+
+class OffBy1e5(Fp32Constant):
+    def scale(self, loss):
+        return loss if self.n == 1 else loss * (1 + 1e-5) / self.n
+
+
+class PerRankScheduler(Trainer):
+    """Accelerate's prepared scheduler steps num_processes times per call; called schedule_world // W
+    times, W ranks and one process both advance it schedule_world times per optimizer step."""
+
+    def sched_steps(self) -> int:
+        return self.world * max(1, self.spec.schedule_world // self.world)
+
+
+class PerRankUndeclared(Trainer):
+    def sched_steps(self) -> int:
+        return self.world  # what Accelerate does, with nothing declared
+
+
+class Dropout(Trainer):
+    def build(self):
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 1))
+
+
+_reg = verify.data.regression(features=FEATURES)
+_cls = verify.data.classification(features=FEATURES, classes=CLASSES)
+hf_style = verify.adapter(data=_cls, data_parallel=True)(HFStyle)
+fabric_64_true = verify.adapter(data=_reg, data_parallel=True)(Fabric64True)
+fp32_constant = verify.adapter(data=_reg)(Fp32Constant)
+fp32_declared = verify.adapter(data=_reg, loss_precision="fp32")(Fp32Constant)
+off_by_1e5 = verify.adapter(data=_reg, loss_precision="fp32")(OffBy1e5)
+per_rank_sched = verify.adapter(data=_reg, data_parallel=True, scheduler_per_rank=True)(PerRankScheduler)
+per_rank_undeclared = verify.adapter(data=_reg, data_parallel=True)(PerRankUndeclared)
+dropout = verify.adapter(data=_reg)(Dropout)

@@ -1,0 +1,84 @@
+"""Declared collectives are honoured by every gate (issue 15 item 10): a trainer that reduces its token
+count on every micro-step (torchtitan's all_reduce, HF's all_gather of num_items_in_batch) and declares it
+passes boundary-only, data-parallel equivalence and bytes per step; undeclared, or declared only for
+another world, the same traffic fails. (The plugin run of every gate on them: tests/test_examples.py.)"""
+import pytest
+
+from tests import count_adapters as ca
+from verify.adapters import xtrain
+from verify.case import Case
+from verify.gates import GateFailure, check_distributed, check_same_bytes
+from verify.gates.distributed import max_world
+from xtrain_core.config import ModelConfig, OptimConfig
+
+pytestmark = pytest.mark.distributed
+needs_2 = pytest.mark.skipif(max_world() < 2, reason="needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)")
+# padded: two steps, step 0's first micro-step empty on every rank, a rank without a token in step 1
+PADDED = Case(accum_steps=3, micro_batch=1, steps=2, world=2, lengths=(0, 0, 2, 5, 1, 0) + (0, 3, 0, 4, 0, 1))
+
+
+@needs_2
+@pytest.mark.parametrize("adapter", [ca.counted, ca.gathered], ids=["all_reduce", "all_gather"])
+def test_declared_count_traffic_passes_boundary_only_equivalence_and_bytes(adapter):
+    r = check_same_bytes(adapter, PADDED)  # both gates at N=3, then N=1 over the same window
+    used = r.extra["comm"].expected_used
+    assert {(rank, k, m) for rank, dt, k, m, *_ in used if dt == "torch.float32"} == {
+        (rank, k, m) for rank in (0, 1) for k in (0, 1) for m in (0, 1)}  # one count per micro-step 0..N-2
+    check_distributed(adapter, PADDED.replace(world=1, lengths=PADDED.lengths[:6]))  # world 1: a one-rank group
+
+
+@needs_2
+def test_undeclared_count_traffic_fails_boundary_only():
+    with pytest.raises(GateFailure, match=r"micro-step 0 of 3: 1 collective\(s\) before the boundary: \S+:all_?reduce "
+                                          r"int64 \[1\]") as e:
+        check_distributed(ca.undeclared, PADDED)
+    assert e.value.case == PADDED or "case N=3 B=1 W=2" in str(e.value)
+
+
+@needs_2
+def test_an_expected_entry_for_world_1_excuses_nothing_at_world_2():
+    check_distributed(ca.declared_at_world_1_only, PADDED.replace(world=1, lengths=PADDED.lengths[:6]))
+    with pytest.raises(GateFailure, match=r"micro-step 0 of 3: 1 collective\(s\) before the boundary"):
+        check_distributed(ca.declared_at_world_1_only, PADDED)
+
+
+@needs_2
+def test_bytes_per_step_reruns_the_same_window_at_n1():
+    """The N=1 re-run keeps the case's whole window (lengths included). It used to keep the first E/N
+    lengths only: here an all-padding window, which FSDP2 steps without clipping's norm all-reduce, so a
+    correct trainer failed with a bare AssertionError."""
+    opts = xtrain.XtrainOptions(model=ModelConfig(vocab_size=8, seq_len=8, n_layer=1, n_head=1, d_model=4),
+                                seq_len=4, optim=OptimConfig(lr=1e-3, max_grad_norm=1.0), loss_norm="tokens")
+    case = Case(accum_steps=2, micro_batch=1, steps=1, world=2, options=opts, lengths=(0, 0, 3, 4))
+    check_same_bytes(xtrain.fsdp2_tokens, case)
+
+
+@needs_2
+def test_boundary_traffic_that_grows_with_n_fails_bytes_per_step():
+    """N logging all-reduces at the boundary pass boundary-only (side-channel scalars) but not this gate,
+    which fails with a GateFailure naming both runs."""
+    case = PADDED.replace(steps=1, lengths=PADDED.lengths[:6])
+    check_distributed(ca.logs_each_micro_loss, case)
+    with pytest.raises(GateFailure, match=r"\[bytes per step\] rank 0 \(float32 run\), step 0: the boundary moves "
+                                          r"\d+ B in 4 gradient collective\(s\) at N=3, \d+ B in 2 at N=1") as e:
+        check_same_bytes(ca.logs_each_micro_loss, case)
+    assert e.value.gate == "bytes per step" and e.value.case == case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["counted", "gathered"])
+def test_declared_count_traffic_passes_every_gate_through_the_plugin(tmp_path, name):
+    """From an empty directory, every gate at the default worlds 1..4, split invariance on padded data."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
+                        "--verify-trainer", f"tests.count_adapters:{name}"], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    gates = json.loads((tmp_path / "reports" / "verify-report.json").read_text())["gates"]
+    assert gates["split_invariance"]["examples"] > 0 and gates["boundary_only"]["expected_before_boundary"] > 0

@@ -1,0 +1,173 @@
+"""The token-mean claim and empty windows (verify/gates/tokens.py): xtrain's token-weighted trainers pass;
+the planted bugs of verify/adapters/broken_tokens.py — which every split-based gate passes — are rejected,
+each naming its gate; the empty_windows declaration is honoured by the strategies and the gate."""
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from verify.adapters import broken_tokens as bt
+from verify.adapters import xtrain
+from verify.case import Case
+from verify.gates import GateFailure, GateSkipped, check_empty_window, check_token_mean
+from verify.gates.tokens import windows_case
+from verify.gates.windows import check_split_invariance
+from verify.protocol import AdapterError
+from verify.strategies import budget, cases, padding
+from xtrain_core.config import ModelConfig, OptimConfig
+
+SMALL = xtrain.XtrainOptions(model=ModelConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=1, d_model=8), seq_len=4,
+                             optim=OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2), loss_norm="tokens")
+# windows A (rows 0-5) and B (rows 6-11) of 4 targets per row: uneven rows, an empty row and micro-batch
+CASE = Case(accum_steps=3, micro_batch=2, steps=2, options=SMALL, seed=1, data_seed=2,
+            lengths=(4, 0, 2, 1, 3, 0, 0, 0, 4, 4, 1, 2))
+
+
+def _token_cases(adapter):
+    return cases(adapter, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=2, padded=True)
+
+
+@settings(max_examples=budget(10, 4), deadline=None)
+@given(data=st.data())
+def test_xtrain_token_weighting_keeps_the_claim(data):
+    case = data.draw(_token_cases(xtrain.tokens_adapter))
+    assert check_token_mean(xtrain.tokens_adapter, case).ratio < 1
+    check_empty_window(xtrain.tokens_adapter, case)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("adapter", [xtrain.torch_ddp_tokens, xtrain.fsdp2_tokens], ids=["ddp", "fsdp2"])
+def test_process_group_token_trainers_keep_the_claim(adapter):
+    """Adapters that need a group even alone run both checks on a one-rank pool."""
+    assert check_token_mean(adapter, CASE).ratio < 1
+    check_empty_window(adapter, CASE)
+
+
+def test_the_claim_holds_at_the_case_the_windows_are_built_from():
+    r = check_token_mean(xtrain.tokens_adapter, CASE)
+    assert r.extra["valid"] == (10, 11) and r.ratio < 1e-3, r
+
+
+def _windows(case):
+    E = case.effective_batch
+    return case.lengths[:E], case.lengths[E:2 * E]
+
+
+def _exists(name, case) -> bool:
+    """Where each count bug changes the result at all (it is a constant factor elsewhere)."""
+    a, b = _windows(windows_case(bt.all_positions, case))
+    S = case.options.seq_len
+    na, nb = sum(a), sum(b)
+    if name == "all_positions":
+        return na + nb > 0
+    if name == "count_plus_one":  # with one window empty, n·Σ/(n+1) is the union's too
+        return na > 0 and nb > 0
+    if name == "sequences":  # Σ/rows = S·(token mean) on full rows: valid targets per sequence must differ
+        rows = lambda w: sum(1 for n in w if n)  # noqa: E731
+        return na > 0 and nb > 0 and na * rows(b) != nb * rows(a) and S > 0
+    if name == "empty_stepped":  # N=1 backwards nothing on an empty window: AdamW skips gradient-less
+        # parameters, and only a schedule that moves (warm-up ≥ 2 steps) shows the step in window B
+        return (case.accum_steps >= 2 and na + nb > 0) or (case.options.optim.warmup_steps >= 2 and nb > 0)
+    return True  # empty_div_by_zero: 0/0 on every empty window
+
+
+@pytest.mark.parametrize("name", sorted(bt.TOKENS_BROKEN))
+@settings(max_examples=budget(10, 3), deadline=None)
+@given(data=st.data())
+def test_planted_token_bugs_are_rejected_by_their_gate(name, data):
+    adapter, gate = bt.TOKENS_BROKEN[name]
+    case = data.draw(_token_cases(adapter))
+    assume(_exists(name, case))
+    check = check_token_mean if gate == "token mean" else check_empty_window
+    with pytest.raises(GateFailure, match=rf"^\[{gate}\] ") as e:
+        check(adapter, case)
+    assert e.value.gate == gate and e.value.case is not None
+
+
+@pytest.mark.parametrize("name", ["all_positions", "count_plus_one", "sequences"])
+def test_the_wrong_counts_pass_every_split_the_other_gates_try(name):
+    """Why the token-mean gate exists: these counts are split-consistent, so split invariance (every (N, B)
+    of the window against the trainer's own big batch) passes them on the very window that rejects them."""
+    adapter = bt.TOKENS_BROKEN[name][0]
+    case = CASE.replace(accum_steps=2, micro_batch=3)
+    check_split_invariance(adapter, case.replace(steps=1, lengths=case.lengths[:6]))
+    with pytest.raises(GateFailure, match=r"^\[token mean\] additivity over windows A \(10 valid targets\) and B \(11\)"):
+        check_token_mean(adapter, case)
+
+
+def test_padding_that_is_counted_is_named():
+    """Every target position counted: extra rows without a valid target change the loss (window A alone,
+    with B empty, so additivity has nothing to add)."""
+    case = CASE.replace(lengths=CASE.lengths[:6] + (0,) * 6)
+    with pytest.raises(GateFailure, match=r"^\[token mean\] (additivity|padding: window A \(10 valid targets\) plus 6 rows)"):
+        check_token_mean(bt.all_positions, case)
+    with pytest.raises(GateFailure, match=r"^\[token mean\] padding: window A \(10 valid targets\) plus 6 rows without "
+                                          r"one, inside every micro-batch"):
+        check_token_mean(bt.all_positions, case.replace(lengths=CASE.lengths[:6] * 2))
+
+
+def test_an_empty_window_that_moves_the_parameters_is_named():
+    with pytest.raises(GateFailure, match=r"^\[empty window\] a window without a valid target \(after window A, 10 "
+                                          r"valid targets\) changed parameter '.+': max\|Δ\| = nan \(NaN"):
+        check_empty_window(bt.empty_div_by_zero, CASE)
+    with pytest.raises(GateFailure, match=r"^\[empty window\] a window without a valid target .* max\|Δ\| = \d"):
+        check_empty_window(bt.empty_stepped, CASE)
+
+
+def test_an_empty_window_that_only_advances_the_schedule_is_named():
+    """Weight decay off, the window before it empty too: no parameter moves on the empty window (AdamW on
+    zero gradients and zero moments), but its step count and LR warm-up advance, so the next window differs."""
+    o = SMALL.optim
+    opts = xtrain.XtrainOptions(model=SMALL.model, seq_len=4, loss_norm="tokens",
+                                optim=OptimConfig(lr=o.lr, weight_decay=0.0, warmup_steps=3))
+    case = CASE.replace(options=opts, lengths=(0,) * 6 + CASE.lengths[6:])
+    with pytest.raises(GateFailure, match=r"^\[empty window\] window B after an empty window, vs B right after A"):
+        check_empty_window(bt.empty_stepped, case)
+    check_empty_window(xtrain.tokens_adapter, case)
+
+
+def test_windows_case_builds_two_padded_windows_of_one_process():
+    c = windows_case(xtrain.tokens_adapter, Case(accum_steps=2, micro_batch=1, world=2, steps=1, options=SMALL,
+                                                 lengths=(4, 3, 2, 1)))
+    assert (c.world, c.micro_batch, c.steps, c.lengths) == (1, 2, 2, (4, 3, 2, 1, 1, 2, 3, 4))
+    full = windows_case(xtrain.tokens_adapter, Case(accum_steps=2, micro_batch=1, steps=3, options=SMALL))
+    assert full.lengths == (4,) * 4 and full.steps == 2
+
+
+def test_adapters_without_an_ignore_index_are_skipped_saying_why():
+    for check in (check_token_mean, check_empty_window):
+        with pytest.raises(GateSkipped, match="declares no ignore_index"):
+            check(xtrain.single, CASE.replace(lengths=None))
+
+
+# -- Adapter(empty_windows=False): never fed an empty window --------------------------------------------
+
+_NO_EMPTY = bt.empty_div_by_zero.replace(empty_windows=False)
+
+
+def test_empty_windows_false_is_a_declaration_and_skips_the_empty_window_check():
+    assert _NO_EMPTY.declarations()["empty_windows"] is False
+    assert "empty_windows" not in xtrain.tokens_adapter.declarations()
+    with pytest.raises(GateSkipped, match="declares empty_windows=False"):
+        check_empty_window(_NO_EMPTY, CASE)
+    with pytest.raises(AdapterError, match="empty_windows must be True or False"):
+        xtrain.tokens_adapter.replace(empty_windows="no")
+
+
+@settings(max_examples=budget(4, 25), deadline=None)
+@given(data=st.data())
+def test_strategies_never_draw_an_empty_window_where_it_is_declared(data):
+    N, B, W, K = (data.draw(st.integers(1, 4)) for _ in range(4))
+    lengths = data.draw(padding(steps=K, accum_steps=N, micro_batch=B, world=W, seq_len=3, empty_windows=False))
+    E = N * B * W
+    assert all(sum(lengths[k * E:(k + 1) * E]) > 0 for k in range(K))
+    case = data.draw(_token_cases(_NO_EMPTY))
+    assert case.empty_steps() == set()
+    check_token_mean(_NO_EMPTY, case)  # the count is right; only its empty windows are wrong
+
+
+def test_an_all_empty_draw_stays_possible_by_default():
+    """The default strategy can still shrink to windows without a valid target (they are a case to prove)."""
+    from hypothesis import find
+
+    lengths = find(padding(steps=1, accum_steps=2, micro_batch=1, world=1, seq_len=3), lambda ls: sum(ls) == 0)
+    assert lengths == (0, 0)
