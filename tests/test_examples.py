@@ -15,13 +15,21 @@ pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
 DEV = settings.get_profile("dev").max_examples  # the examples a gate draws in the runs below
-EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate"]
-needs_accelerate = pytest.mark.skipif(__import__("importlib").util.find_spec("accelerate") is None,
-                                      reason="accelerate is not installed (the [examples] extra)")
+EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate", "hf_trainer", "lightning_trainer"]
+
+
+def _needs(*mods):
+    missing = [m for m in mods if __import__("importlib").util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed (the [examples] extra)")
+
+
+needs_accelerate = _needs("accelerate")
+NEEDS = {"accelerate_accumulate": needs_accelerate, "hf_trainer": _needs("transformers", "accelerate"),
+         "lightning_trainer": _needs("lightning")}
 
 
 def _marks(name):
-    return [needs_accelerate] if name == "accelerate_accumulate" else []
+    return [NEEDS[name]] if name in NEEDS else []
 
 
 def code_lines(path) -> int:
@@ -44,7 +52,7 @@ def test_each_adapter_is_at_most_30_lines(name):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in EXAMPLES[1:]])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in ["ddp_no_sync", "accelerate_accumulate"]])
 def test_data_parallel_examples_pass_every_gate_at_worlds_2_and_3(tmp_path, name):
     env = {**ENV, "XTRAIN_DIST_MIN_WORLD": "2", "XTRAIN_DIST_MAX_WORLD": "3"}
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
@@ -58,6 +66,22 @@ def test_data_parallel_examples_pass_every_gate_at_worlds_2_and_3(tmp_path, name
     assert "declares no plain" in gates["bit_exact"]["skip_reason"] and "declares no plain" in r.stdout
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in ["hf_trainer", "lightning_trainer"]])
+def test_framework_recipes_pass_every_gate_at_worlds_1_and_2(tmp_path, name):
+    """The framework owns the loop (verify.Pull): HF Trainer.train() and Lightning fit(), from an empty
+    directory, at worlds 1 and 2 (DDP under the harness's process group)."""
+    env = {**ENV, "XTRAIN_DIST_MIN_WORLD": "1", "XTRAIN_DIST_MAX_WORLD": "2"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
+                        "--verify-trainer", f"examples.{name}:factory", "-rs"], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    gates = json.loads((tmp_path / "reports" / "verify-report.json").read_text())["gates"]
+    assert gates["equivalence"]["examples"] >= DEV and gates["boundary_only"]["worlds"] == [1, 2]
+    # declared traffic seen: HF (accelerate) at world 1 reduces every micro-step; Lightning broadcasts per batch
+    assert gates["boundary_only"]["expected_before_boundary"] > 0
+
+
 def selftest(tmp_path, ref, timeout=600):
     return subprocess.run([sys.executable, "-m", "verify.selftest", "--verify-trainer", ref, "--verify-report",
                            str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=timeout)
@@ -69,9 +93,11 @@ def selftest(tmp_path, ref, timeout=600):
     ("examples.mlp_regressor:factory", "8/8"),  # single-process: the two data-parallel operators do not apply
     ("examples.ddp_no_sync:factory", "10/10"),
     pytest.param("examples.accelerate_accumulate:factory", "10/10", marks=needs_accelerate),
+    pytest.param("examples.hf_trainer:factory", "10/10", marks=NEEDS["hf_trainer"]),
+    pytest.param("examples.lightning_trainer:factory", "10/10", marks=NEEDS["lightning_trainer"]),
 ])
 def test_selftest_kills_every_operator(tmp_path, ref, score):
-    r = selftest(tmp_path, ref)
+    r = selftest(tmp_path, ref, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert f"mutation score {score} " in r.stdout and "every operator killed, the unwrapped trainer passes" in r.stdout
     assert "(unwrapped trainer)" in r.stdout and "SURVIVED" not in r.stdout

@@ -2,6 +2,7 @@
 that prefetch the window and clip, then the gates on them: a correct loop passes, a ×N loss is rejected
 although the loop clips (the gradient is read before clipping), the framework's errors surface with
 their traceback, and no thread is left behind."""
+import importlib.util
 import threading
 
 import pytest
@@ -58,3 +59,31 @@ def test_a_window_longer_than_accum_steps_is_named_not_hung():
 def test_a_loop_that_never_reads_the_dataset_is_told_so():
     with pytest.raises(verify.PullError, match="hand it Pull.dataset"):
         verify.Pull(timeout=5).start(lambda: None, torch.nn.Linear(1, 1))
+
+
+needs = lambda mod: pytest.mark.skipif(importlib.util.find_spec(mod) is None,  # noqa: E731
+                                       reason=f"{mod} is not installed (the [examples] extra)")
+
+
+@needs("transformers")
+def test_hf_trainer_with_a_per_micro_batch_mean_is_rejected_on_padded_data():
+    """The historical HF bug (each micro-batch's own token mean ÷ N): padded micro-batches with 8 and 2
+    valid labels. The recipe passes the same case."""
+    from examples.hf_trainer import factory
+    from tests import framework_bugs
+
+    case = Case(accum_steps=2, micro_batch=1, steps=1, lengths=(8, 2))
+    assert check_equivalence(factory, case).ratio < 1
+    with pytest.raises(GateFailure, match=r"\[equivalence\] (loss|gradient)"):
+        check_equivalence(framework_bugs.hf_per_micro_batch_mean, case)
+
+
+@needs("lightning")
+def test_lightning_with_the_loss_divided_by_N_twice_is_rejected():
+    from examples.lightning_trainer import factory
+    from tests import framework_bugs
+
+    case = Case(accum_steps=3, micro_batch=2, steps=2)
+    assert check_equivalence(factory, case).ratio < 1
+    with pytest.raises(GateFailure, match=r"\[equivalence\] (loss|gradient).*accumulation error 6\.6"):
+        check_equivalence(framework_bugs.lightning_over_n_twice, case)
