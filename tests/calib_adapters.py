@@ -8,6 +8,7 @@
     off_by_1e5        accumulation 1e-5 relative off (a real error) even though it declares loss_precision
     per_rank_sched    Accelerate's prepared scheduler: steps once per RANK per optimizer step, declared
     per_rank_undeclared  the same without the declaration (must fail at W > 1)
+    per_rank_unemulated  declared, but its one-process reference ignores Spec.schedule_world (must fail)
     dropout           train-mode dropout drawn from the global RNG: two identical runs differ
 
 Every trainer is the textbook loop (backward of loss / N, the optimizer at the boundary) with
@@ -128,4 +129,6 @@ fp32_declared = verify.adapter(data=_reg, loss_precision="fp32")(Fp32Constant)
 off_by_1e5 = verify.adapter(data=_reg, loss_precision="fp32")(OffBy1e5)
 per_rank_sched = verify.adapter(data=_reg, data_parallel=True, scheduler_per_rank=True)(PerRankScheduler)
 per_rank_undeclared = verify.adapter(data=_reg, data_parallel=True)(PerRankUndeclared)
+per_rank_unemulated = verify.adapter(data=_reg, data_parallel=True, scheduler_per_rank=True)(PerRankUndeclared)
 dropout = verify.adapter(data=_reg)(Dropout)
+dropout_dp = verify.adapter(data=_reg, data_parallel=True)(Dropout)

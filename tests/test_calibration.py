@@ -84,3 +84,103 @@ def test_the_report_shows_the_floor_and_the_declarations(tmp_path, monkeypatch):
     md = (tmp_path / "verify-report.md").read_text()
     assert "Declarations: `loss_precision=fp32`" in md and "| 1.19e-07 |" in md
     assert report.read(str(tmp_path))["declarations"] == {"loss_precision": "fp32"}
+
+
+# -- scheduler_per_rank (Accelerate's prepared scheduler) ------------------------------------------------
+
+SCHED = Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)
+
+
+def test_spec_carries_the_world_only_for_the_declaring_adapter():
+    assert SCHED.spec(adapter=ca.per_rank_sched, accum_steps=1).schedule_world == 2
+    assert SCHED.replace(world=1).spec(adapter=ca.per_rank_sched).schedule_world == 1
+    assert SCHED.spec(adapter=ca.per_rank_undeclared).schedule_world == 1 and SCHED.spec().schedule_world == 1
+    assert ca.per_rank_sched.declarations()["scheduler_per_rank"] is True
+
+
+@pytest.mark.distributed
+def test_a_scheduler_stepped_per_rank_passes_declared():
+    """W ranks that each advance the LR schedule W times per optimizer step equal one process that advances
+    it W times (Spec.schedule_world = W in the reference too)."""
+    check_distributed(ca.per_rank_sched, SCHED)
+    check_equivalence(ca.per_rank_sched, SCHED.replace(world=1))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_scheduler_stepped_per_rank_fails_undeclared_or_unemulated(declared):
+    """Undeclared, W ranks step the schedule W times where the big batch steps it once: rejected. Declared
+    but not emulated in the one-process reference (it ignores Spec.schedule_world): rejected too — the
+    declaration changes the expectation, it does not switch the comparison off."""
+    adapter = ca.per_rank_unemulated if declared else ca.per_rank_undeclared
+    with pytest.raises(GateFailure, match=r"^\[distributed equivalence\] rank 0: .*(loss|parameter).* after step [12]|"
+                                          r"^\[distributed equivalence\] rank 0: (float64|step-[12])"):
+        check_distributed(adapter, SCHED)
+
+
+# -- diagnose before judging ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_two_runs_that_differ_are_diagnosed_not_judged(n):
+    """Train-mode dropout from the global RNG: at N=1, where accumulation does nothing, the equivalence gate
+    failed as if accumulation were wrong; now the verdict says the trainer is not deterministic, and how to fix it."""
+    with pytest.raises(GateFailure, match=r"^\[determinism\] two identical runs of the trainer differ in the step-0 "
+                                          r"(loss|gradient).+instead of a \[equivalence\] failure\): likely train-mode "
+                                          r"dropout") as e:
+        check_equivalence(ca.dropout, Case(accum_steps=n, micro_batch=2, steps=1))
+    assert e.value.gate == "determinism" and "use_deterministic_algorithms" in e.value.hint
+
+
+def test_the_partial_sum_gate_diagnoses_too():
+    with pytest.raises(GateFailure, match=r"^\[determinism\] .+ \[partial sums\] failure"):
+        check_partial_sums(ca.dropout, Case(accum_steps=64, micro_batch=1, steps=1))
+
+
+def test_a_deterministic_failure_keeps_its_verdict():
+    """A real bug is deterministic: the rerun agrees and the gate's own verdict stands."""
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] ") as e:
+        check_equivalence(ca.off_by_1e5, Case(accum_steps=3, micro_batch=2, steps=1))
+    assert e.value.gate == "equivalence"
+
+
+@pytest.mark.distributed
+def test_the_data_parallel_gate_diagnoses_too():
+    with pytest.raises(GateFailure, match=r"^\[determinism\] .+ \[distributed equivalence\] failure") as e:
+        check_distributed(ca.dropout_dp, Case(accum_steps=1, micro_batch=2, steps=1, world=2))
+    assert e.value.gate == "determinism"
+
+
+# -- lazy κ ----------------------------------------------------------------------------------------------
+
+def _traces(err: float):
+    """(acc, big, ref): one parameter whose accumulation error is `err`, the big batch's 0."""
+    import torch
+
+    from verify.case import Trace
+
+    g = torch.ones(4, dtype=torch.float64)
+    t = lambda d: Trace([1.0], {"w": g * (1 + d)}, [{"w": g}])  # noqa: E731
+    return t(err), t(0.0), t(0.0)
+
+
+@pytest.mark.parametrize("share, computed", [(0.3, False), (0.6, True), (1.5, True)])
+def test_kappa_is_computed_only_near_the_bound(share, computed):
+    """κ costs one float64 run per micro-block: computed once a check's error reaches KAPPA_EXACT_ABOVE (0.5)
+    of its κ = 1 bound, never below; and a large κ then rescues a check that cancels."""
+    from verify.gates.tolerance import KAPPA_EXACT_ABOVE, Judge, bound
+
+    calls = []
+    acc, big, ref = _traces(share * bound(0.0))
+    j = Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1))
+    j.step0(acc, big, ref, lambda: calls.append(1) or {"w": 4.0})
+    assert len(calls) == computed and KAPPA_EXACT_ABOVE == 0.5
+    assert j.worst_ratio == pytest.approx(share / 4 if computed else share, rel=1e-6)
+
+
+def test_a_case_that_fails_in_float64_computes_no_kappa():
+    from verify.gates.tolerance import Judge, bound
+
+    acc, big, ref = _traces(2 * bound(0.0))
+    j = Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1))
+    with pytest.raises(GateFailure, match=r"κ not computed: the float64 run fails too"):
+        j.step0(acc, big, ref, lambda: pytest.fail("κ computed on a doomed case"), doomed=GateFailure("float64"))

@@ -34,7 +34,8 @@ def _other_verify() -> None:
 _other_verify()
 __all__ = [
     # the trainer protocol and how to declare an adapter
-    "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "load_adapter", "AdapterError", "data",
+    "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "load_adapter",
+    "AdapterError", "data",
     # cases and the gates
     "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
     "check_token_mean", "check_empty_window",
@@ -54,7 +55,8 @@ __all__ = [
 
 _WHERE = {
     "Trainer": "protocol", "Spec": "protocol", "Adapter": "protocol", "adapter": "protocol",
-    "Expected": "protocol", "DDP_EXPECTED": "protocol", "load_adapter": "protocol", "AdapterError": "protocol",
+    "Expected": "protocol", "DDP_EXPECTED": "protocol", "DDP_WORLD1_EXPECTED": "protocol", "load_adapter": "protocol",
+    "AdapterError": "protocol",
     "Case": "case",
     "check_equivalence": "gates", "check_bit_exact": "gates", "check_distributed": "gates",
     "GateFailure": "gates", "GateSkipped": "gates", "GateResult": "gates",

@@ -224,5 +224,5 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
                         f"[{gate}] the trainer wrote into its {what} (step {k}, micro-step {m} of {accum_steps}"
                         f"{f', rank {rank}' if world > 1 else ''}): the batch it was handed changed in place. A "
                         f"trainer must not modify its batch (clone it first): in a real loop the same storage "
-                        f"may be read again")
+                        f"may be read again", gate=gate)
     return Trace(losses, grads0 or {}, params)

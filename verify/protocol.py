@@ -56,7 +56,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "adapter", "load_adapter", "AdapterError"]
+__all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter", "AdapterError"]
 
 
 @runtime_checkable
@@ -113,6 +113,17 @@ class Expected:
 # 0 of step 1): rank 0 broadcasts the new bucket layout as integer tensors. Seen: 2 broadcasts, gloo and NCCL.
 DDP_EXPECTED = (Expected("broadcast", count=2, dtype="integer", step=1, micro=0,
                          why="torch DDP's one-time bucket rebuild (bucket layout broadcast from rank 0)"),)
+
+# Accelerate (and what is built on it: HF Trainer) wraps the model in DDP even in a ONE-rank group, but enters
+# no_sync() only when num_processes > 1: alone, DDP all-reduces every micro-step (one per gradient bucket: the
+# first ≤ 1 MiB, the rest ≤ 25 MiB), and its bucket rebuild follows micro-step 0's synchronised backward, at
+# micro-step 1 of step 0. Real behaviour at world 1 only: these entries excuse nothing at world ≥ 2.
+DDP_WORLD1_EXPECTED = (
+    Expected("all_reduce", count=8, dtype="floating", world=1,
+             why="DDP in a one-rank group without no_sync() (Accelerate at one process): all-reduce per bucket"),
+    Expected("broadcast", count=2, dtype="integer", step=0, micro=1, world=1,
+             why="torch DDP's bucket rebuild, after micro-step 0's synchronised backward (one-rank group)"),
+)
 
 
 class AdapterError(ValueError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..case import Case, _cpu, _to, block_grads, split, twin
+from .diagnose import determinism
 from .single import GateResult, GateSkipped, check_equivalence
 from .tolerance import KAPPA_EXACT_ABOVE, GateFailure, bound64, condition, rel_err, twin_diff, twin_floor
 
@@ -43,7 +44,9 @@ def check_split_invariance(adapter, case: Case, *, max_world: int = 1) -> GateRe
         try:
             r = check_equivalence(adapter, c) if w == 1 else check_distributed(adapter, c)
         except GateFailure as e:
-            raise GateFailure(f"[split invariance] split N={n} B={b} W={w} of a window of {E} rows: {e}") from None
+            raise GateFailure(f"[split invariance] split N={n} B={b} W={w} of a window of {E} rows: {e}",
+                              gate=e.gate if e.gate == "determinism" else "split invariance", case=c, error=e.error,
+                              bound=e.bound, hint=e.hint) from None
         n_splits += 1
         floor = max(floor, r.extra.get("floor64") or 0.0)
         if r.ratio >= worst:
@@ -97,7 +100,8 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                 if want[name].abs().max().item() == 0:
                     continue
                 raise GateFailure(f"[{gate}] after micro-step {m} of {N}: partial_grads() has no gradient for "
-                                  f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}")
+                                  f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}",
+                                  gate=gate, case=case)
             e = rel_err(g, want.get(name, torch.zeros_like(g)))
             if e > KAPPA_EXACT_ABOVE * bound64(declared) and floor is None:  # measure the case's floor, once
                 floor = twin_floor(twin_diff(_prefix_reference(adapter, case, inputs, targets, device),
@@ -108,11 +112,12 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                 blocks = blocks if blocks is not None else block_grads(adapter, case, device)
                 b = bound64(floor, condition(blocks[:m + 1], {name: want.get(name, torch.zeros_like(g))}).get(name, 1.0))
             if not e <= b:
-                raise GateFailure(
+                fail = GateFailure(
                     f"[{gate}] after micro-step {m} of {N} (boundary not reached), gradient of {name!r}: relative "
                     f"error {e:.3e} > {b:.2e} vs the float64 big batch of micro-batches 0..{m} — that "
                     f"micro-step's contribution did not land exactly once; case {case}",
                     gate=gate, case=case, error=e, bound=b)
+                raise determinism(fail, lambda: _prefix_reference(adapter, case, inputs, targets, device))
             if e / b >= worst:
                 worst, at = e / b, f"after micro-step {m}: {name!r}"
     return GateResult(gate, case, at, worst, floor64=declared if floor is None else floor)
