@@ -98,7 +98,8 @@ def reference_job(ctx, adapter, case: Case) -> dict:
                               ("twin64", torch.float64, twin(batches))):
         trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device), adapter=adapter))
         refs[name] = drive(trainer, data, 1, dtype=dtype, device=ctx.device, gate="reference")
-    refs["floor64"] = twin_floor(twin_diff(refs["ref64"], refs.pop("twin64")), adapter.loss_precision)
+    measured, seen = twin_diff(refs["ref64"], refs.pop("twin64"))
+    refs["floor64"] = twin_floor(measured, adapter.loss_precision, seen)
     return refs
 
 

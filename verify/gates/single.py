@@ -44,7 +44,8 @@ def _equivalence(adapter, case: Case, device: str) -> GateResult:
         device=device, gate=gate)
     acc, big = run(N, torch.float32), run(1, torch.float32)
     acc64, ref64 = run(N, f64), run(1, f64)
-    floor = twin_floor(twin_diff(ref64, run(1, f64, twin(batches))), adapter.loss_precision)
+    measured, seen = twin_diff(ref64, run(1, f64, twin(batches)))
+    floor = twin_floor(measured, adapter.loss_precision, seen)
     j = Judge(gate, case)
     try:
         doomed = _float64_failure(j, acc64, ref64, floor)

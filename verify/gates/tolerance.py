@@ -33,7 +33,7 @@ fixed 1e-3 hides a dropped micro-batch), so the bounds are derived per case (doc
   FLOOR = 8·eps32, so the bound never exceeds 64·eps32 ≈ 7.6e-6 (× κ for a partial sum whose terms
   cancel) and an accumulation error ≥ 1e-5 fails.
   Every float64 check of every gate (equivalence, partial sums, data-parallel, token mean) uses this one
-  rule: `bound64(twin_floor(twin_diff(ref, twin), loss_precision), κ)`.
+  rule: `bound64(twin_floor(measured, loss_precision, seen), κ)`, `(measured, seen) = twin_diff(ref, twin)`.
 * bit-exact: torch.equal, no tolerance; failures report max|Δ|.
 * float64, the token-mean claim (gates/tokens.py: the trainer on different windows at the same
   parameters; no big batch to scale by): relative error ≤ max(RTOL64_LOSS, C · floor) · max(1, κ), floor
@@ -121,33 +121,37 @@ def condition(blocks: list[dict], ref: dict) -> dict:
     return out
 
 
-def twin_diff(ref, twin) -> float:
-    """The float64 reference's own rounding: the largest relative difference between two mathematically
-    equal runs of it (Traces; `twin` saw the same rows in another order): the losses of every step, the
-    step-0 gradient over all parameters at once, every parameter after every step (max|Δ| / max(1, max|p|),
-    as the parameter check scales)."""
-    out = 0.0
+def twin_diff(ref, twin) -> tuple[float, float]:
+    """The float64 reference's own rounding, from two mathematically equal runs of it (Traces; `twin` saw the
+    same rows in another order): (the largest relative difference over the losses of every step, the step-0
+    gradient over all parameters at once and every parameter after every step (max|Δ| / max(1, max|p|), as
+    the parameter check scales); the same over the losses and the step-0 gradient only). The second is what
+    tells a float32 part (twin_floor): parameters after AdamW steps amplify float64 rounding too (seen 2.5e-12)."""
+    raw = 0.0
     for a, b in zip(twin.losses, ref.losses):
         if not (math.isnan(a) or math.isnan(b)):
-            out = max(out, abs(a - b) / (abs(b) or 1.0))
+            raw = max(raw, abs(a - b) / (abs(b) or 1.0))
     if ref.grads0:
-        out = max(out, overall_error(twin.grads0, ref.grads0))
+        raw = max(raw, overall_error(twin.grads0, ref.grads0))
+    out = raw
     for pa, pb in zip(twin.params, ref.params):
         for name, p in pb.items():
             if name in pa and p.numel():
                 out = max(out, _max_abs(pa[name], p) / max(1.0, p.abs().max().item()))
-    return out if math.isfinite(out) else FLOOR
+    fin = lambda x: x if math.isfinite(x) else FLOOR  # noqa: E731
+    return fin(out), fin(raw)
 
 
-def twin_floor(measured: float, loss_precision: str | None = None) -> float:
+def twin_floor(measured: float, loss_precision: str | None = None, seen: float | None = None) -> float:
     """The floor the float64 checks use, from `measured` (twin_diff: relative |Δ| between two mathematically
-    equal runs), capped at FLOOR. A difference above FLOAT32_SEEN is no float64 rounding: the run has a
-    float32 part, and is judged at float32's unit roundoff (the twin's one sample of that rounding can come
-    out small by luck: seen 1e-8, with one parameter's partial sum then at 0.99 of 8× it). The same floor
-    ≥ eps32 where the adapter declares loss_precision="fp32" (its float32 constants are the same in both
-    twins)."""
+    equal runs), capped at FLOOR. Where `seen` (default `measured`: a difference of losses and gradients, not
+    amplified by an optimizer) is above FLOAT32_SEEN, it is no float64 rounding: the run has a float32 part,
+    and is judged at float32's unit roundoff (the twin's one sample of that rounding can come out small by
+    luck: seen 1e-8, with one parameter's partial sum then at 0.99 of 8× it). The same floor ≥ eps32 where
+    the adapter declares loss_precision="fp32" (its float32 constants are the same in both twins)."""
     f = min(measured, FLOOR)
-    return max(f, EPS32) if loss_precision == "fp32" or measured > FLOAT32_SEEN else f
+    seen = measured if seen is None else seen
+    return max(f, EPS32) if loss_precision == "fp32" or seen > FLOAT32_SEEN else f
 
 
 def bound64(floor: float = 0.0, kappa: float = 1.0) -> float:
