@@ -12,7 +12,9 @@ from hypothesis import settings
 
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
+# CI unset: pytest prints the short summary untrimmed on CI; these runs must show the verdict whole anyway.
+ENV = {**{k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER", "COLUMNS")},
+       "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
 DEV = settings.get_profile("dev").max_examples  # the examples a gate draws in the runs below
 
 
@@ -71,6 +73,9 @@ def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tm
     assert "does not declare data parallelism" in g["boundary_only"]["skip_reason"]
     md = (tmp_path / "reports" / "verify-report.md").read_text()
     assert f"| equivalence | {g['equivalence']['examples']} |" in md and "every gate that ran passed" in md
+    assert "not a git checkout" in md and "commit `None`" not in md  # tmp_path is no git repository
+    skipped = serial.stdout.split("verify: skipped gates", 1)[1]  # on the terminal too, with the reason
+    assert "boundary_only: examples.mlp_regressor.Trainer does not declare data parallelism" in skipped
     other = tmp_path / "elsewhere"
     par = pytest_verify(tmp_path, "--verify-trainer", "examples.mlp_regressor:factory", "-n", "2",
                         "--verify-report", str(other))
@@ -79,11 +84,36 @@ def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tm
     assert {k: v["examples"] for k, v in two["gates"].items()} == {k: v["examples"] for k, v in g.items()}
 
 
-def test_a_broken_trainer_fails_and_the_report_says_where(tmp_path):
-    r = pytest_verify(tmp_path, "--verify-trainer", "verify.adapters.broken:missing_1_over_N", "-k", "big_batch")
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_a_broken_trainer_fails_with_its_verdict_first_and_whole(tmp_path, workers):
+    r = pytest_verify(tmp_path, "--verify-trainer", "verify.adapters.broken:missing_1_over_N", "-k", "big_batch",
+                      *workers)
     assert r.returncode == 1, r.stdout[-3000:]
-    assert "[equivalence] gradient (step 0) of" in r.stdout and "accumulation error" in r.stdout
     rep = _report(tmp_path / "reports")
     (f,) = rep["failures"]
-    assert f["test"].endswith("test_accumulation_equals_big_batch") and "[equivalence]" in f["message"]
-    assert "FAILED: 1 gate test(s)" in (tmp_path / "reports" / "verify-report.md").read_text()
+    verdict = f["message"]
+    assert f["test"].endswith("test_accumulation_equals_big_batch") and verdict.startswith("[equivalence] gradient (step 0) of")
+    assert "accumulation error" in verdict and "; case N=" in verdict and "\n" not in verdict
+    assert f["hint"].startswith("error ≈ 1 = N − 1") and "missing 1/N" in f["hint"]  # hypothesis shrinks to N=2
+    # the short summary: the whole verdict after the test id (pytest would trim it to 80 columns here)
+    assert f"FAILED test_gates.py::test_accumulation_equals_big_batch - {verdict}" in r.stdout.splitlines(), r.stdout
+    body = r.stdout.split("_ test_accumulation_equals_big_batch _", 1)[1]
+    first = [ln for ln in body.splitlines() if ln.strip() and not ln.startswith("[gw")][1]
+    assert first == verdict, body[:2000]  # the verdict is the first line of the failure, its hint the next
+    assert f"hint: {f['hint']}" in body and "Falsifying example" in body and "--full-trace shows them" in body
+    assert "tolerance.py" not in body and "Traceback" not in r.stdout  # the harness's frames are hidden
+    md = (tmp_path / "reports" / "verify-report.md").read_text()
+    assert "FAILED: 1 gate test(s)" in md and f"hint: {f['hint']}" in md
+
+
+def test_a_run_from_an_empty_directory_leaves_only_the_report(tmp_path):
+    """hypothesis' database and pytest's cache go to $XDG_CACHE_HOME/xtrain-verify, not the user's folder."""
+    here, cache = tmp_path / "user", tmp_path / "cache"
+    here.mkdir()
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "verify", "-q", "--verify-trainer", "examples.mlp_regressor:factory",
+           "-p", "no:benchmark"]  # pytest-benchmark (a dev tool, no dependency of ours) makes ./.benchmarks
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=here, timeout=600,
+                       env={**ENV, "XDG_CACHE_HOME": str(cache), "PYTHONDONTWRITEBYTECODE": "1"})
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert sorted(os.listdir(here)) == ["reports"], os.listdir(here)
+    assert sorted(os.listdir(cache / "xtrain-verify")) == ["hypothesis", "pytest"]

@@ -34,6 +34,7 @@ def test_xtrain_token_weighting_keeps_the_claim(data):
     check_empty_window(xtrain.tokens_adapter, case)
 
 
+@pytest.mark.slow  # two one-rank pools
 @pytest.mark.distributed
 @pytest.mark.parametrize("adapter", [xtrain.torch_ddp_tokens, xtrain.fsdp2_tokens], ids=["ddp", "fsdp2"])
 def test_process_group_token_trainers_keep_the_claim(adapter):
@@ -171,3 +172,66 @@ def test_an_all_empty_draw_stays_possible_by_default():
 
     lengths = find(padding(steps=1, accum_steps=2, micro_batch=1, world=1, seq_len=3), lambda ls: sum(ls) == 0)
     assert lengths == (0, 0)
+
+
+# -- the self-test's token operators (verify/selftest/operators.py) --------------------------------------
+
+TOKEN_OPS = ["per_micro_mean", "count_from_one_micro_step", "count_from_one_rank", "padding_counted_as_valid",
+             "loss_over_sequences"]
+# one process, no plain step: only the token-mean gate can see a count that every split keeps
+alone_no_plain = xtrain.tokens_adapter.replace(factory=xtrain.single_factory, data_parallel=False, plain=None,
+                                               precisions=("fp32",), name="xtrain tokens, one process, no plain step",
+                                               defaults=SMALL,
+                                               ref="tests.test_tokens:alone_no_plain")
+
+
+@pytest.mark.slow  # ~17 s: the self-test's cases at worlds 1 and 2
+@pytest.mark.distributed
+def test_selftest_kills_every_token_operator_on_xtrains_token_trainer():
+    from verify.selftest import run_selftest
+
+    res = run_selftest(xtrain.tokens_adapter, max_world=2, operators=TOKEN_OPS)
+    assert res.ok and res.score == "5/5" and res.worlds == [1, 2], res.table()
+    assert "passes at worlds 1, 2" in res.table() and all(c.lengths for c in res.cases)
+
+
+def test_only_the_token_mean_gate_sees_split_consistent_counts():
+    from verify.selftest import run_selftest
+
+    res = run_selftest(alone_no_plain, operators=TOKEN_OPS)
+    assert res.ok and res.score == "4/4" and res.worlds == [], res.table()  # count_from_one_rank: no ranks here
+    for op in ("padding_counted_as_valid", "loss_over_sequences"):
+        assert res.rows[op]["token-mean"] == "rejects" and res.rows[op]["equivalence"] == "passes", res.table()
+    assert res.rows["count_from_one_rank"]["verdict"] == "n/a"
+
+
+def test_token_operators_do_not_apply_without_an_ignore_index():
+    from verify.selftest import run_selftest
+
+    res = run_selftest(xtrain.single, operators=TOKEN_OPS)
+    assert res.ok and res.score == "0/0" and not any(c.lengths for c in res.cases)
+    assert all(r["verdict"] == "n/a" for r in res.rows.values()) and "token-mean" not in str(res.baseline)
+
+
+from tests import count_adapters as _ca  # noqa: E402
+from verify.protocol import Expected  # noqa: E402
+
+# its per-micro-step count all_reduce declared at worlds 2 and 3 only: a one-rank group shows it undeclared
+declared_above_world_1 = _ca.counted.replace(
+    expected=tuple(Expected("all_reduce", dtype="integer", world=w, why=_ca.COUNT) for w in (2, 3)),
+    ref="tests.test_tokens:declared_above_world_1")
+
+
+@pytest.mark.slow  # ~9 s: pools of worlds 1 and 2
+@pytest.mark.distributed
+def test_the_unwrapped_trainer_passes_only_if_it_passes_at_every_world():
+    """The self-test runs the worlds the gates draw, W=1 included: a trainer wrong only in a one-rank group
+    (Accelerate's DDP at W=1 never enters no_sync) is not reported as passing."""
+    from verify.selftest import run_selftest
+
+    res = run_selftest(declared_above_world_1, max_world=2, operators=[])
+    assert res.worlds == [1, 2] and not res.ok and not res.baseline_ok
+    w1, w2 = (res.baseline[i] for i, c in enumerate(res.cases) if i >= res.n_single)
+    assert w1["boundary-only"].startswith("kill: [boundary-only]") and w2["boundary-only"] == "pass", (w1, w2)
+    assert "FAILS at world 1" in res.table() and "FAILS at worlds" not in res.table()
+    assert res.as_dict()["verdict"] == "FAIL: the unwrapped trainer fails a gate at world 1"

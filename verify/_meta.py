@@ -54,6 +54,16 @@ def git_state(where: str | None = None) -> dict:
                 dirty=None if status is None else bool(status))
 
 
+def commit_text(doc: dict, short: int | None = None) -> str:
+    """A report header's commit as a reader sees it: "commit `sha`" (+ " (dirty)" where git said so), or
+    "not a git checkout" where the invoking directory is none (a user's folder, a copied tree)."""
+    sha = doc.get("git_commit")
+    if not sha:
+        return "not a git checkout"
+    dirty = " (dirty)" if (doc.get("git") or {}).get("dirty") else ""
+    return f"commit `{sha[:short] if short else sha}{dirty}`"
+
+
 def version() -> str:
     try:
         from importlib.metadata import version as v

@@ -103,11 +103,13 @@ def run_steps(steps, out: str, root: str | None) -> list[dict]:
 
 
 def summary_md(doc: dict) -> str:
+    from ._meta import commit_text
+
     mi = doc["machine_info"]
     ok = all(s["returncode"] == 0 for s in doc["steps"])
     lines = [f"## verify GPU gate: {'passed' if ok else 'FAILED'}", "",
              f"{mi.get('gpu_count')} × {mi.get('gpu')} · torch {mi.get('torch')} · CUDA {mi.get('cuda')} · NCCL "
-             f"{mi.get('nccl')} · driver {mi.get('driver')} · commit `{doc.get('git_commit')}` · {doc.get('utc')}", "",
+             f"{mi.get('nccl')} · driver {mi.get('driver')} · {commit_text(doc)} · {doc.get('utc')}", "",
              "| step | result | seconds | last line |", "|---|---|---|---|"]
     for s in doc["steps"]:
         lines.append(f"| {s['step']} | {'passed' if s['returncode'] == 0 else 'FAILED (%d)' % s['returncode']} | "

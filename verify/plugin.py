@@ -62,12 +62,49 @@ def pytest_addoption(parser):
                 help=f"device of the gates (default ${ENV_DEVICE} or cpu)")
 
 
+def cache_home() -> str:
+    """Where a verify run keeps its tools' state: $XDG_CACHE_HOME/xtrain-verify (default ~/.cache/...)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "xtrain-verify")
+
+
+def _verify_run(config) -> bool:
+    """A run of verify's gates from a user's directory: --verify-trainer given, or `--pyargs verify[...]`.
+    (This repository's own test runs keep pytest's and hypothesis' defaults.)"""
+    o = config.option
+    return getattr(o, "verify_trainer", None) is not None or (
+        bool(getattr(o, "pyargs", False)) and any(a.split("::")[0].split(".")[0] == "verify" for a in config.args))
+
+
+@pytest.hookimpl(tryfirst=True, specname="pytest_configure")
+def pytest_configure_verify_caches(config):  # a second pytest_configure (specname), run first
+    """A verify run leaves nothing in the invoking directory but the report: hypothesis' example database
+    (failing examples, replayed first next time) and pytest's cache (--lf) go to cache_home(), where they
+    still persist across runs. Runs before pytest's cacheprovider reads cache_dir (tryfirst, registered
+    later); a cache_dir or HYPOTHESIS_STORAGE_DIRECTORY the user set wins."""
+    if not _verify_run(config):
+        return
+    home = cache_home()
+    if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:  # xdist workers and their children inherit it
+        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(home, "hypothesis")
+    try:
+        from hypothesis.configuration import set_hypothesis_home_dir
+
+        set_hypothesis_home_dir(os.environ["HYPOTHESIS_STORAGE_DIRECTORY"])
+    except ImportError:
+        pass
+    inicache = getattr(config, "_inicache", None)  # pytest has no public setter for an ini value
+    if (config.pluginmanager.hasplugin("cacheprovider") and isinstance(inicache, dict)
+            and config.getini("cache_dir") == ".pytest_cache"):
+        inicache["cache_dir"] = os.path.join(home, "pytest")
+
+
 def pytest_configure(config):
     for m in MARKERS:
         config.addinivalue_line("markers", m)
     o = config.option
     state = dict(trainer=getattr(o, "verify_trainer", None), report=getattr(o, "verify_report", None),
-                 adapter=None, stats={}, failures=[])
+                 adapter=None, stats={}, failures=[], skipped={})
     config.stash[_KEY] = state
     # The library reads these (pools, strategies), in this process and in xdist workers and ranks it starts.
     if getattr(o, "verify_backend", None):
@@ -152,6 +189,103 @@ def verify_adapter(request):
     return state["adapter"]
 
 
+# -- failures a user can read: the verdict first and whole, a hint, the harness's frames hidden --------
+
+def _internal(path: str) -> bool:
+    """Frames of the harness and its machinery (verify, this shim, hypothesis, pytest, pluggy): a user
+    reading a gate's failure needs their own frames only."""
+    return any(path.startswith(d + os.sep) for d in _HIDDEN)
+
+
+def _hidden_dirs() -> tuple[str, ...]:
+    import _pytest
+    import pluggy
+
+    out = [_PKG, os.path.join(os.path.dirname(_PKG), "_xtrain_pytest"), os.path.dirname(_pytest.__file__),
+           os.path.dirname(pluggy.__file__)]
+    try:
+        import hypothesis
+
+        out.append(os.path.dirname(hypothesis.__file__))
+    except ImportError:
+        pass
+    return tuple(out)
+
+
+def _gate_failures(exc) -> list:
+    """The GateFailures in `exc` (hypothesis raises an exception group when it finds several distinct ones)."""
+    from .gates.tolerance import GateFailure
+
+    if isinstance(exc, GateFailure):
+        return [exc]
+    return [f for e in getattr(exc, "exceptions", ()) for f in _gate_failures(e)]
+
+
+def _user_notes(notes: list) -> list[str]:
+    """hypothesis' notes (one string per line or per paragraph) as lines, without the "Explanation" block
+    when it lists only lines inside the harness (which says nothing to the user)."""
+    lines = "\n".join(str(n).rstrip("\n") for n in notes).split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "Explanation:":
+            j = i + 1
+            while j < len(lines) and lines[j][:1].isspace():
+                j += 1
+            paths = [ln.strip().rsplit(":", 1)[0] for ln in lines[i + 1:j] if ln.strip().startswith(os.sep)]
+            if paths and all(_internal(p) for p in paths):
+                i = j
+                continue
+        out.append(lines[i])
+        i += 1
+    return out
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _verdict_repr(item, excinfo):
+    """pytest's longrepr for a failed gate test: the verdict whole, its hint, hypothesis' notes (the
+    falsifying example, how to reproduce it), and only the user's own frames. Its crash message — what the
+    short summary prints after the test id — is the verdict. Built from pytest's own repr classes, so it
+    crosses from xdist workers intact."""
+    from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprFileLocation, ReprTraceback, Traceback
+
+    from .hints import hint
+
+    fails = _gate_failures(excinfo.value)
+    user = lambda ei: Traceback([e for e in ei.traceback if not _internal(str(e.path))])  # noqa: E731
+    if not fails:  # the trainer raised: its own frames, the harness's hidden
+        return excinfo.getrepr(style="short" if item.config.option.tbstyle == "short" else "long", tbfilter=user), None, None
+    first = fails[0]
+    verdict, why = _one_line(first), hint(first)
+    lines = [verdict + "\n"] + ([f"hint: {why}\n"] if why else [])
+    lines += [f"also: {_one_line(f)}\n" for f in fails[1:]]
+    notes = _user_notes(getattr(excinfo.value, "__notes__", None) or getattr(first, "__notes__", None) or [])
+    if any(n.strip() for n in notes):
+        lines += ["\n"] + [n + "\n" for n in notes]
+    lines.append("(the harness's frames are hidden; --full-trace shows them)\n")
+    path, lineno = item.location[0], (item.location[1] or 0) + 1
+    crash = ReprFileLocation(path=path, lineno=lineno, message=verdict)
+    return ExceptionChainRepr([(ReprTraceback([ReprEntryNative(lines)], None, style="native"), crash, None)]), verdict, why
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if (report.failed and call.excinfo is not None and item.get_closest_marker("verify_gate") is not None
+            and not item.config.option.fulltrace):
+        global _HIDDEN
+        _HIDDEN = _HIDDEN or _hidden_dirs()
+        report.longrepr, verdict, why = _verdict_repr(item, call.excinfo)
+        if verdict:  # plain attributes cross from xdist workers with the report
+            report.verify_verdict, report.verify_hint = verdict, why
+    return report
+
+
+_HIDDEN: tuple[str, ...] = ()
+
+
 # -- the report: workers send their tallies, the controller writes once ----------------------------
 
 def _is_worker(config) -> bool:
@@ -165,10 +299,35 @@ class _Reporter:
         self.config = config
 
     def pytest_runtest_logreport(self, report):
-        if report.failed and report.when == "call" and "verify_gate" in report.keywords:
+        if "verify_gate" not in report.keywords:
+            return
+        state = self.config.stash[_KEY]
+        if report.failed and report.when == "call":
             crash = getattr(report.longrepr, "reprcrash", None)
             text = crash.message if crash is not None else str(report.longrepr)[-2000:]
-            self.config.stash[_KEY]["failures"].append(dict(test=report.nodeid, message=text))
+            state["failures"].append(dict(test=report.nodeid, message=text, hint=getattr(report, "verify_hint", None)))
+        elif report.skipped and isinstance(report.longrepr, tuple):  # pytest.skip(reason) in a gate test
+            reason = str(report.longrepr[2])
+            state["skipped"][report.nodeid.split("::")[-1]] = reason.removeprefix("Skipped: ")
+
+    def pytest_terminal_summary(self, terminalreporter):
+        """Skipped gates say why on the terminal, not only in the report. And the short summary pytest
+        prints next (after this hook) shows a failed gate's verdict whole: pytest trims it to the terminal's
+        width below verbosity 2, and a verdict cut at `verify.gates.toler...` says nothing."""
+        if _is_worker(self.config):
+            return
+        state, tr = self.config.stash[_KEY], terminalreporter
+        skipped = {name: g["skip_reason"] for name, g in state["stats"].items() if g.get("skipped") and g.get("skip_reason")}
+        for test, reason in state["skipped"].items():
+            if reason not in skipped.values():
+                skipped[test] = reason
+        if skipped:
+            tr.write_sep("=", "verify: skipped gates")
+            for name, reason in skipped.items():
+                tr.write_line(f"{name}: {reason}")
+        failed = tr.stats.get("failed", [])
+        if any(getattr(r, "verify_verdict", None) for r in failed) and not self.config.option.force_short_summary:
+            self.config.option.verbose = max(self.config.option.verbose, 2)
 
     def pytest_sessionfinish(self, session, exitstatus):
         import sys

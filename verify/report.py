@@ -164,9 +164,11 @@ def _ratio(x) -> str:
 
 
 def render_md(doc: dict) -> str:
+    from ._meta import commit_text
+
     mi = doc.get("machine_info", {})
     lines = [f"# verify report: `{doc['trainer']}`", "",
-             f"{doc.get('utc')} · commit `{doc.get('git_commit')}` · xtrain {doc.get('xtrain_version')} · "
+             f"{doc.get('utc')} · {commit_text(doc)} · xtrain-verify {doc.get('xtrain_version')} · "
              f"torch {mi.get('torch')} · {mi.get('gpu') or 'CPU'} · settings: "
              + ", ".join(f"{k} {v}" for k, v in doc.get("settings", {}).items() if k != "command"), ""]
     decl = doc.get("declarations")
@@ -208,6 +210,8 @@ def render_md(doc: dict) -> str:
         lines.append(f"**{head}**{tail}")
     for f in fails:
         lines += ["", f"- `{f['test']}`", "", "  ```", *("  " + ln for ln in f["message"].splitlines()[:12]), "  ```"]
+        if f.get("hint"):
+            lines += ["", f"  hint: {f['hint']}"]
     st = doc.get("selftest")
     if st:
         lines += ["", "## Self-test (fault injection)", "", st.get("table_md", ""), "",

@@ -105,10 +105,12 @@ def text_table(report) -> str:
 def render_md(report, stem: str) -> str:
     s, mi = report["settings"], report["machine_info"]
     unit, _ = _unit(report)
-    commit = (report.get("git_commit") or "unknown")[:12] + (" (dirty)" if (report.get("git") or {}).get("dirty") else "")
+    from .._meta import commit_text
+
+    commit = commit_text(report, 12)
     dev = mi["gpu"] if mi.get("gpu") and s["device"] == "cuda" else f"CPU ({mi.get('cpu_model') or 'unknown'}, {mi['cpu_count']} cores)"
     L = [f"# Peak memory per data-parallel mode, E = {s['effective_batch']}, W = {s['world_size']}: **{report['verdict']}**", "",
-         f"`{report['command']}` · commit `{commit}` · {report['utc']} · {dev} · torch {mi['torch']} · "
+         f"`{report['command']}` · {commit} · {report['utc']} · {dev} · torch {mi['torch']} · "
          f"{report['wall_s']:.0f} s in all", "",
          f"Model {s['model_name']} ({s['n_params'] or 0:,} params), S = {s['seq_len']}, fp32, {s['warmup_steps']} warm-up + "
          f"{s['measured_steps']} measured optimizer steps per configuration, every configuration per rank "

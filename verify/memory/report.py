@@ -161,20 +161,17 @@ def _ours(report) -> str:
     return f"`--trainer {report['settings']['trainer']}` = {x.get('trainer_class', '?')}, {opt}"
 
 
-def _commit(report) -> str:
-    g = report.get("git") or {}
-    return (report.get("git_commit") or "unknown")[:12] + (" (dirty)" if g.get("dirty") else "")
-
-
 def render_md(report) -> str:
     s, mi = report["settings"], report["machine_info"]
     E = s["effective_batch"]
     unit, _ = _unit(report)
-    commit = _commit(report)
+    from .._meta import commit_text
+
+    commit = commit_text(report, 12)
     dev = mi["gpu"] + (f", driver {mi['driver']}" if mi.get("driver") else "") if mi.get("gpu") else \
         f"CPU ({mi.get('cpu_model') or 'unknown'}, {mi['cpu_count']} cores, {s['threads']} threads)"
     L = [f"# Peak memory vs accumulation steps, E = {E}: **{report['verdict']}**", "",
-         f"`{report.get('command', 'python -m verify.memory')}` · commit `{commit}` · {report['utc']} · "
+         f"`{report.get('command', 'python -m verify.memory')}` · {commit} · {report['utc']} · "
          f"{dev} · torch {mi['torch']}" + (f", CUDA {mi['cuda']}" if mi.get("cuda") else "") + f" · Python {mi['python']}",
          "", _header(report) + ".", "",
          "Gradient accumulation exists to save memory: an optimizer step over N micro-batches of B rows (sequences, "

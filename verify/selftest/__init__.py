@@ -4,15 +4,21 @@ Every operator of verify.selftest.operators wraps the adapter's trainer and plan
 then run on the wrapped trainer over a fixed set of cases built from the adapter's `defaults`:
 
     single-process   N=1 (K=2), N=3 (B=2, K=2), N=4 (B=1, K=3): equivalence; bit-exact at N=1 when a
-                     plain step is declared
-    data-parallel    W=2 (N=3, B=2, K=2) and W=3 (N=2, B=1, K=2) when the adapter declares data
-                     parallelism and the pools allow that world
+                     plain step is declared; the token-mean gate for an adapter with an ignore_index
+    data-parallel    every world the gates draw (XTRAIN_DIST_MIN_WORLD..MAX_WORLD, default 1..4, capped
+                     by --max-world), W=1 included: W=1 and 2 (N=3, B=2, K=2), W=3 and 4 (N=2, B=1, K=2),
+                     when the adapter declares data parallelism
+
+For an adapter with an ignore_index every case is padded (fixed valid-target counts per row: uneven
+micro-batches and ranks, empty rows, every window holding some valid target), so the token operators
+can show.
 
 A gate's cell says whether it rejects the mutant on some case where the bug exists ("not reached": an
 earlier gate of the same run rejected it first). An operator is killed when some gate rejects it on a case where its bug exists; it survives when every
 gate passes on every such case. The unwrapped trainer must pass every gate on every case. Score =
 killed / operators whose bug can exist for this adapter (data-parallel-only operators do not apply to
-a single-process trainer).
+a single-process trainer, token operators to a trainer without an ignore_index). "The unwrapped trainer
+passes" means on every case, at every world.
 """
 from __future__ import annotations
 
@@ -24,10 +30,24 @@ from .operators import OPERATORS, Operator
 
 __all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES"]
 
-GATES = ("equivalence", "bit-exact", "boundary-only", "dp-equivalence")
+GATES = ("equivalence", "bit-exact", "token-mean", "boundary-only", "dp-equivalence")
+DIST = {1: (3, 2), 2: (3, 2), 3: (2, 1), 4: (2, 1)}  # world -> (N, B) of its data-parallel case
+PAD = (1.0, 0.0, 0.25, 1.0, 0.5, 0.0, 1.0)  # valid share of a row, cycled: uneven micro-batches and ranks
 
 
-def selftest_cases(adapter, *, max_world: int, device: str = "cpu"):
+def _padded(adapter, case):
+    """`case` with fixed padding (adapters with an ignore_index): row i of step k keeps PAD[(i + 2k) % 7] of
+    its S targets (at least one where the share is not 0); every window keeps some valid target."""
+    if adapter.ignore_index is None:
+        return case
+    S = int(adapter.batch(1, 0, case.options)[1].reshape(1, -1).shape[1])
+    E = case.effective_batch
+    lengths = [max(1, round(S * PAD[(i + 2 * k) % len(PAD)])) if PAD[(i + 2 * k) % len(PAD)] else 0
+               for k in range(case.steps) for i in range(E)]
+    return case.replace(lengths=tuple(lengths))
+
+
+def selftest_cases(adapter, *, worlds=(1, 2, 3), device: str = "cpu"):
     from ..case import Case
 
     o = adapter.defaults
@@ -36,9 +56,9 @@ def selftest_cases(adapter, *, max_world: int, device: str = "cpu"):
               Case(accum_steps=4, micro_batch=1, steps=3, seed=3, data_seed=13, device=device, options=o)]
     dist = []
     if adapter.data_parallel:
-        dist = [Case(accum_steps=n, micro_batch=b, steps=2, world=w, seed=4 + w, data_seed=20 + w, device=device, options=o)
-                for n, b, w in ((3, 2, 2), (2, 1, 3)) if w <= max_world]
-    return single, dist
+        dist = [Case(accum_steps=DIST[w][0], micro_batch=DIST[w][1], steps=2, world=w, seed=4 + w, data_seed=20 + w,
+                     device=device, options=o) for w in worlds if w in DIST]
+    return [_padded(adapter, c) for c in single], [_padded(adapter, c) for c in dist]
 
 
 def _gate_of(message: str) -> str:
@@ -52,14 +72,16 @@ def _gate_of(message: str) -> str:
     return "equivalence"
 
 
-def _run_gates(adapter, case, plain: bool) -> dict:
-    """gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case."""
-    from ..gates import GateFailure, check_bit_exact, check_distributed, check_equivalence
+def _run_gates(adapter, case, plain: bool, dist: bool) -> dict:
+    """gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case (dist: the
+    data-parallel gates, at any world, 1 included; else the single-process ones)."""
+    from ..gates import GateFailure, check_bit_exact, check_distributed, check_equivalence, check_token_mean
 
     out = {}
-    if case.world == 1:
+    if not dist:
         checks = [("equivalence", check_equivalence)] + ([("bit-exact", check_bit_exact)]
                                                          if plain and case.accum_steps == 1 else [])
+        checks += [("token-mean", check_token_mean)] if case.lengths is not None else []
     else:
         checks = [("data-parallel", check_distributed)]
     for name, check in checks:
@@ -92,6 +114,8 @@ class SelftestResult:
     baseline: dict  # case index -> {gate: verdict} for the unwrapped trainer
     rows: dict = field(default_factory=dict)  # operator -> {gate: 'killed'|'survived'|'n/a', 'verdict': ...}
     seconds: float = 0.0
+    worlds: list = field(default_factory=list)  # the worlds of the data-parallel cases
+    n_single: int = 0  # cases[:n_single] run the single-process gates, the rest the data-parallel ones
 
     @property
     def baseline_ok(self) -> bool:
@@ -117,7 +141,7 @@ class SelftestResult:
         head = ["operator", *GATES, "verdict"]
         rows = [[op, *(r.get(g, "n/a") for g in GATES), r["verdict"]] for op, r in self.rows.items()]
         rows.append(["(unwrapped trainer)", *(_baseline_cell(self.baseline, g) for g in GATES),
-                     "passes" if self.baseline_ok else "FAILS"])
+                     "passes" + self.at_worlds if self.baseline_ok else "FAILS " + self.failing])
         if md:
             lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -125,12 +149,27 @@ class SelftestResult:
         fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
         return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)])
 
+    @property
+    def at_worlds(self) -> str:
+        """Where the unwrapped trainer was run: ' at worlds 1, 2' (data-parallel), '' (one process)."""
+        return f" at world{'s' if len(self.worlds) > 1 else ''} {', '.join(map(str, self.worlds))}" if self.worlds else ""
+
+    @property
+    def failing(self) -> str:
+        """Where the unwrapped trainer fails: 'in one process', 'at world 1', ... joined by ' and '."""
+        bad = lambda r: any(v not in ("pass", "not reached") for v in r.values())  # noqa: E731
+        where = ["in one process"] if any(bad(self.baseline[i]) for i in range(self.n_single)) else []
+        ws = sorted({self.cases[i].world for i in range(self.n_single, len(self.cases)) if bad(self.baseline[i])})
+        return " and ".join(where + ([f"at world{'s' if len(ws) > 1 else ''} {', '.join(map(str, ws))}"] if ws else []))
+
     def as_dict(self) -> dict:
+        survived = sorted(set(self.applicable) - set(self.killed))
+        problems = ([f"the unwrapped trainer fails a gate {self.failing}"] if not self.baseline_ok else []) + \
+                   ([f"survived: {survived}"] if survived else [])
         return dict(trainer=self.trainer, score=self.score, ok=self.ok, seconds=round(self.seconds, 1),
-                    verdict=("every operator killed, the unwrapped trainer passes" if self.ok else
-                             "FAIL: " + ("the unwrapped trainer fails a gate; " if not self.baseline_ok else "")
-                             + (f"survived: {sorted(set(self.applicable) - set(self.killed))}"
-                                if len(self.killed) < len(self.applicable) else "")),
+                    worlds=self.worlds,
+                    verdict=(f"every operator killed, the unwrapped trainer passes{self.at_worlds}" if self.ok else
+                             "FAIL: " + "; ".join(problems)),
                     cases=[str(c) for c in self.cases], baseline={str(k): v for k, v in self.baseline.items()},
                     operators={op: dict(r) for op, r in self.rows.items()},
                     descriptions={op: OPERATORS[op].doc for op in self.rows},
@@ -145,25 +184,37 @@ def _baseline_cell(baseline: dict, gate: str) -> str:
     return "passes" if not bad else "FAILS"
 
 
-def run_selftest(adapter, *, max_world: int = 3, device: str = "cpu", progress=None) -> SelftestResult:
-    """Run the gates on the unwrapped adapter and on every operator's mutant; see the module docstring."""
+def worlds_of(max_world: int | None = None) -> list[int]:
+    """The worlds the gates draw (verify.gates.distributed.min_world..max_world), capped by max_world."""
+    from ..gates.distributed import max_world as gates_max, min_world
+
+    top = gates_max() if max_world is None else min(max_world, gates_max())
+    return list(range(min_world(), top + 1))
+
+
+def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", progress=None,
+                 operators=None) -> SelftestResult:
+    """Run the gates on the unwrapped adapter and on every operator's mutant (or those named in
+    `operators`); see the module docstring. max_world caps the worlds the gates draw (default: all)."""
+    ops = [OPERATORS[name] for name in operators] if operators is not None else list(OPERATORS.values())
     t0 = time.perf_counter()
-    single, dist = selftest_cases(adapter, max_world=max_world, device=device)
+    worlds = worlds_of(max_world) if adapter.data_parallel else []
+    single, dist = selftest_cases(adapter, worlds=worlds, device=device)
     cases = single + dist
     plain = adapter.plain is not None
-    res = SelftestResult(adapter.locate(), cases, {})
-    total, done = len(cases) * (1 + len(OPERATORS)), 0
+    res = SelftestResult(adapter.locate(), cases, {}, worlds=[c.world for c in dist], n_single=len(single))
+    total, done = len(cases) * (1 + len(ops)), 0
     for i, case in enumerate(cases):
-        res.baseline[i] = _run_gates(adapter, case, plain)
+        res.baseline[i] = _run_gates(adapter, case, plain, i >= len(single))
         done += 1
         if progress:
             progress(done, total, "unwrapped trainer")
-    for op in OPERATORS.values():
+    for op in ops:
         mutant = op.apply(adapter)
-        where = [c for c in cases if op.exists(c) and (c.world > 1 or not op.dist_only)]
+        where = [(i, c) for i, c in enumerate(cases) if op.exists(c) and (c.world > 1 or not op.dist_only)]
         row = {g: "n/a" for g in GATES}
-        for case in where:
-            for gate, v in _run_gates(mutant, case, plain).items():
+        for i, case in where:
+            for gate, v in _run_gates(mutant, case, plain, i >= len(single)).items():
                 if v.startswith(("kill", "error")):
                     row[gate] = "rejects"
                 elif v == "pass" and row[gate] in ("n/a", "not reached"):

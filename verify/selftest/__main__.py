@@ -23,7 +23,9 @@ def parse_args(argv=None):
     p.add_argument("--verify-backend", choices=("gloo", "nccl"), default=None,
                    help="process-group backend for the data-parallel cases (default gloo)")
     p.add_argument("--verify-device", choices=("cpu", "cuda"), default=None, help="device (default cpu)")
-    p.add_argument("--max-world", type=positive_int, default=3, help="largest world of the data-parallel cases")
+    p.add_argument("--max-world", type=positive_int, default=None,
+                   help="largest world of the data-parallel cases (default: every world the gates draw, "
+                        "XTRAIN_DIST_MIN_WORLD..XTRAIN_DIST_MAX_WORLD, 1..4)")
     return p.parse_args(argv)
 
 
@@ -58,7 +60,6 @@ def main(argv=None) -> int:
         fail(f"--verify-trainer {args.verify_trainer}: the adapter draws options but declares no defaults; "
              f"give it defaults= for the self-test's fixed cases")
     torch.set_num_threads(int(os.environ.get("XTRAIN_TEST_THREADS", "1")))
-    from ..gates.distributed import max_world
     from . import run_selftest
 
     bar = Progress(1, label="selftest ")
@@ -68,21 +69,23 @@ def main(argv=None) -> int:
         bar.update(done, what)
 
     try:
-        res = run_selftest(adapter, max_world=min(args.max_world, max(1, max_world())), device=device,
-                           progress=progress)
+        res = run_selftest(adapter, max_world=args.max_world, device=device, progress=progress)
     except KeyboardInterrupt:
         fail("interrupted", code=130)
     finally:
         from ..pool import close_all
 
         close_all()
-    print(f"self-test of {res.trainer}: {len(res.cases)} cases ({', '.join(str(c).split(' seed')[0] for c in res.cases)})")
+    listed = [str(c).split(" seed")[0] + (" W=1" if i >= res.n_single and c.world == 1 else "")
+              for i, c in enumerate(res.cases)]
+    print(f"self-test of {res.trainer}: {len(res.cases)} cases ({', '.join(listed)})"
+          + (f"; data-parallel at worlds {res.worlds}" if res.worlds else ""))
     print(res.table())
     d = res.as_dict()
     print(f"mutation score {res.score} in {res.seconds:.0f} s: {d['verdict']}")
     from .. import report
 
-    paths = report.write(out, trainer=res.trainer, settings=dict(device=device, selftest_max_world=args.max_world),
+    paths = report.write(out, trainer=res.trainer, settings=dict(device=device, selftest_worlds=res.worlds),
                          selftest=d, device=device, declarations=adapter.declarations())
     print("wrote " + ", ".join(paths))
     return 0 if res.ok else 1

@@ -13,6 +13,17 @@ batches, the tensors grads() returns, and torch.distributed.
     loss_sum_not_mean          the reported step loss is the sum of the micro-losses, not their mean
     extra_collective_micro_0   one 1-element all_reduce on micro-step 0 (numerically invisible)
     divide_by_world_again      boundary gradients ÷ W once more (/world applied twice)
+token weighting (adapters with an ignore_index, on padded windows; counts over the whole window and
+every rank unless said otherwise):
+    per_micro_mean             each micro-batch's own token mean, averaged over the N micro-steps
+    count_from_one_micro_step  the window's count taken as N × micro-step 0's
+    count_from_one_rank        each rank takes the window's count as W × its own
+    padding_counted_as_valid   divided by every target position, padding included (also at N = 1)
+    loss_over_sequences        divided by the window's number of sequences (also at N = 1)
+
+The token operators know the window's valid counts from the batches and the adapter's ignore_index (the
+ranks' counts through one all_reduce inside grads(), where the harness's reading is not judged); the ones
+that act at N = 1 too divide consistently under every split, so only the token-mean gate can see them.
 
 `exists(case)` says where the bug can exist at all (e.g. N ≥ 2: dropping one of one micro-step is
 not accumulation); the self-test requires every operator to be killed on the cases where it exists.
@@ -36,16 +47,27 @@ def _world() -> int:
 class Mutant:
     """The wrapper: delegates to the inner trainer; an operator overrides one behaviour."""
 
-    def __init__(self, op: "Operator", factory, spec):
+    def __init__(self, op: "Operator", factory, spec, ignore_index=None):
         from dataclasses import replace
 
-        self.op, self.N = op, spec.accum_steps
+        self.op, self.N, self.ignore = op, spec.accum_steps, ignore_index
         self.inner = factory(replace(spec, accum_steps=op.inner_accum(spec.accum_steps)))
+        # per_micro_mean: a second trainer, one micro-batch per window, to read each micro-batch's own mean
+        self.aux = factory(replace(spec, accum_steps=1)) if op.aux else None
         self._scaled = False  # boundary-gradient operators act once per step
         self._stale = None  # stale_micro_batch: the previous step's last micro-batch
+        self._reset()
+
+    def _reset(self) -> None:
+        self.counts = [0.0, 0.0, 0.0, 0.0]  # this rank's window: valid targets, target positions, rows, micro-step 0's valid
+        self.micro_grads, self.micro_losses = [], []
+        self.factor = 1.0
 
     # -- the protocol --------------------------------------------------------------------------------
     def micro_step(self, x, y, micro):
+        valid = int((y != self.ignore).sum()) if self.ignore is not None else y.numel()
+        self.counts = [self.counts[0] + valid, self.counts[1] + y.numel(), self.counts[2] + y.shape[0],
+                       self.counts[3] + (valid if micro == 0 else 0)]
         self.op.micro(self, x, y, micro)
 
     def grads(self):
@@ -57,20 +79,36 @@ class Mutant:
         if self.op.scale is not None and not self._scaled:
             self._boundary(self.inner.grads())
         self._scaled = False
-        loss = self.inner.optimizer_step()
-        return self.op.loss(self, loss)
+        loss = self.op.loss(self, self.inner.optimizer_step())
+        self._reset()
+        return loss
 
     def params(self):
         return self.inner.params()
 
     def _boundary(self, grads: dict) -> None:
         if not self._scaled and self.op.scale is not None:
-            f = self.op.scale(self)
-            if f != 1.0:
+            f = self.factor = self.op.scale(self)
+            if callable(self.op.replace_grads):
+                self.op.replace_grads(self, grads)
+            elif f != 1.0:
                 with torch.no_grad():
                     for g in grads.values():
                         g.mul_(f)
         self._scaled = True
+
+    def window_counts(self) -> list[float]:
+        """[valid targets, target positions, rows, micro-step 0's valid targets] of the whole window: this
+        rank's, summed over ranks by one all_reduce where there are several (inside grads(): the harness's
+        reading, reported, not judged as training traffic)."""
+        if _world() == 1:
+            return list(self.counts)
+        import torch.distributed as dist
+
+        dev = next(iter(self.inner.params().values())).device
+        t = torch.tensor(self.counts, dtype=torch.float64, device=dev)
+        dist.all_reduce(t)
+        return t.tolist()
 
 
 @dataclass(frozen=True)
@@ -86,13 +124,15 @@ class Operator:
     at_n1: bool = False
     """Whether the fault acts at accum_steps=1. Most do not (there is nothing to accumulate), so the
     big-batch reference (the same adapter at N=1) stays the unmutated trainer."""
+    replace_grads: Callable | None = None  # (wrapper, grads) -> None: writes the boundary gradients itself
+    aux: bool = False  # the wrapper builds a second trainer (accum_steps=1) to read micro-batches alone
 
     def apply(self, adapter):
         """The adapter with this fault planted around its factory (pools rebuild it by name)."""
-        inner = adapter.factory
+        inner, ignore = adapter.factory, adapter.ignore_index
 
         def mutant_factory(spec):
-            return Mutant(self, inner, spec) if spec.accum_steps > 1 or self.at_n1 else inner(spec)
+            return Mutant(self, inner, spec, ignore) if spec.accum_steps > 1 or self.at_n1 else inner(spec)
 
         return adapter.replace(factory=mutant_factory, ref=adapter.locate(), mutation=self.name,
                                name=f"{adapter.name} ⊕ {self.name}")
@@ -137,7 +177,74 @@ def _extra_collective(w, x, y, m):
         dist.all_reduce(torch.zeros(1, device=x.device))
 
 
+def _per_micro(w, x, y, m):
+    """The inner trainer accumulates as usual (its loss, state and traffic stay real); the aux trainer, at the
+    inner trainer's parameters (written into the tensors params() returns), gives micro-batch m's own mean."""
+    w.inner.micro_step(x, y, m)
+    with torch.no_grad():
+        theirs = w.aux.params()
+        for k, p in w.inner.params().items():
+            theirs[k].copy_(p)
+    w.aux.micro_step(x.clone(), y.clone(), 0)
+    w.micro_grads.append({k: g.detach().clone() for k, g in w.aux.grads().items() if g is not None})
+    w.micro_losses.append(float(w.aux.optimizer_step()))  # NaN for a micro-batch without a valid target
+
+
+def _mean_of_micro_means(w, grads: dict) -> None:
+    """The boundary gradient becomes the mean over micro-steps of each micro-batch's own token mean (a
+    micro-batch without a valid target adds 0, as a NaN-free per-micro-batch mean does)."""
+    with torch.no_grad():
+        for k, g in grads.items():
+            g.copy_(sum((mg[k] for mg in w.micro_grads if k in mg), torch.zeros_like(g)) / w.N)
+
+
+def _micro_mean_loss(w, loss):
+    vals = [v for v in w.micro_losses if v == v]
+    return torch.full_like(torch.as_tensor(loss), sum(vals) / w.N if vals else float("nan"))
+
+
+def _ratio(num, den) -> float:
+    return num / den if den else float("inf")  # a count of 0 divides by zero: the gradient blows up
+
+
+def _count_factor(which):
+    """Boundary factor that turns Σ / (the window's valid count) into Σ / which(counts, wrapper)."""
+    def scale(w):
+        c = w.window_counts()
+        return _ratio(c[0], which(c, w)) if c[0] else 1.0  # an empty window: nothing to divide
+    return scale
+
+
+def _one_rank_factor(w):
+    c = w.window_counts()
+    return _ratio(c[0], _world() * w.counts[0]) if c[0] else 1.0
+
+
 N2 = lambda c: c.accum_steps >= 2  # noqa: E731
+
+
+def _windows(c) -> list[list[list[list[int]]]]:
+    """Padded case -> per step, per global micro-batch, per rank: the rows' valid-target counts (the layout
+    of verify.case.shard)."""
+    E, W, B = c.effective_batch, c.world, c.micro_batch
+    return [[[list(c.lengths[k * E + (m * W + r) * B:k * E + (m * W + r + 1) * B]) for r in range(W)]
+             for m in range(c.accum_steps)] for k in range(c.steps)]
+
+
+def _shows(c, differs) -> bool:
+    """The case is padded and some step holds valid targets where `differs(step)` says the count is wrong."""
+    return c.lengths is not None and any(sum(map(sum, sum(s, []))) and differs(s) for s in _windows(c))
+
+
+def _micro_counts(s):
+    return [sum(map(sum, m)) for m in s]
+
+
+PADDED = lambda c: _shows(c, lambda s: True)  # noqa: E731
+UNEVEN_MICRO = lambda c: N2(c) and _shows(c, lambda s: len(set(_micro_counts(s))) > 1)  # noqa: E731
+FIRST_MICRO = lambda c: N2(c) and _shows(c, lambda s: sum(_micro_counts(s)) != len(s) * _micro_counts(s)[0])  # noqa: E731
+UNEVEN_RANKS = lambda c: c.world >= 2 and _shows(  # noqa: E731
+    c, lambda s: len({sum(sum(m[r]) for m in s) for r in range(c.world)}) > 1)
 
 OPERATORS = {op.name: op for op in [
     Operator("drop_micro_step", "micro-step 0 never reaches the trainer, which averages the other N-1", N2,
@@ -160,4 +267,18 @@ OPERATORS = {op.name: op for op in [
              lambda c: c.world >= 2 and c.accum_steps >= 2, micro=_extra_collective, dist_only=True),
     Operator("divide_by_world_again", "boundary gradients ÷ W once more (/world applied twice)",
              lambda c: c.world >= 2, scale=lambda w: 1.0 / _world(), dist_only=True, at_n1=True),
+    # -- token weighting ----------------------------------------------------------------------------------
+    Operator("per_micro_mean", "each micro-batch's own token mean, averaged over the N micro-steps",
+             lambda c: UNEVEN_MICRO(c) and c.world == 1, micro=_per_micro, scale=lambda w: 1.0,
+             replace_grads=_mean_of_micro_means, loss=_micro_mean_loss, aux=True),
+    Operator("count_from_one_micro_step", "the window's valid count taken as N × micro-step 0's",
+             FIRST_MICRO, scale=_count_factor(lambda c, w: w.N * c[3]),
+             loss=lambda w, loss: loss * w.factor),
+    Operator("count_from_one_rank", "each rank takes the window's valid count as W × its own",
+             UNEVEN_RANKS, scale=_one_rank_factor, loss=lambda w, loss: loss * w.factor,
+             dist_only=True, at_n1=True),
+    Operator("padding_counted_as_valid", "divided by every target position of the window, padding included",
+             PADDED, scale=_count_factor(lambda c, w: c[1]), loss=lambda w, loss: loss * w.factor, at_n1=True),
+    Operator("loss_over_sequences", "divided by the window's number of sequences, not of valid targets",
+             PADDED, scale=_count_factor(lambda c, w: c[2]), loss=lambda w, loss: loss * w.factor, at_n1=True),
 ]}
