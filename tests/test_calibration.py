@@ -194,3 +194,13 @@ def test_a_case_that_fails_in_float64_computes_no_kappa():
     j = Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1))
     with pytest.raises(GateFailure, match=r"κ not computed: the float64 run fails too"):
         j.step0(acc, big, ref, lambda: pytest.fail("κ computed on a doomed case"), doomed=GateFailure("float64"))
+
+
+def test_an_error_no_floor_allows_is_judged_without_a_twin():
+    from verify.gates.tolerance import Judge
+
+    acc, _, ref = _traces(0.0)
+    acc.losses = [1.0 + 1e-4]
+    with pytest.raises(GateFailure, match=r"float64 loss at step 0: .+ = 8·9\.54e-07 \(the largest floor any reference"):
+        Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1)).float64(
+            acc, ref, 0.0, lambda: pytest.fail("twin measured for an error no floor allows"))

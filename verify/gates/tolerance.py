@@ -271,21 +271,22 @@ class Judge:
     def float64(self, acc64, ref64, floor: float = 0.0, measure=None) -> float | None:
         """Every step's loss and parameters of the float64 accumulation run vs the float64 big batch, within
         bound64(floor). `measure()`: the case's floor from its twin (measured_floor), called only where a
-        check fails at `floor` (the declared one): a true float64 run needs no twin. Returns the floor it
-        judged with (None: none declared, none measured)."""
+        check fails at `floor` (the declared one) but not at FLOOR, the largest floor: a true float64 run,
+        and a real bug, need no twin. Returns the floor it judged with (None: none declared, none measured)."""
         if measure is not None:
             try:
                 self._float64(acc64, ref64, floor)
                 return floor or None
-            except GateFailure:
-                floor = max(floor, measure())
+            except GateFailure:  # beyond what any floor allows (a real bug): certain without a twin
+                self._float64(acc64, ref64, FLOOR, "the largest floor any reference gets")
+            floor = max(floor, measure())
         self._float64(acc64, ref64, floor)
         return floor
 
-    def _float64(self, acc64, ref64, floor: float) -> None:
+    def _float64(self, acc64, ref64, floor: float, what: str = "the reference's own floor") -> None:
         rel = bound64(floor)
         floor = min(floor, FLOOR)
-        why = "" if rel == RTOL64_LOSS else f" = {C:g}·{floor:.2e} (the reference's own floor)"
+        why = "" if rel == RTOL64_LOSS else f" = {C:g}·{floor:.2e} ({what})"
         for k, (la, lr) in enumerate(zip(acc64.losses, ref64.losses)):
             if self._undefined(la, lr, f"float64 loss at step {k}", k):
                 continue
