@@ -148,3 +148,39 @@ def test_the_data_parallel_gate_diagnoses_too():
     with pytest.raises(GateFailure, match=r"^\[determinism\] .+ \[distributed equivalence\] failure") as e:
         check_distributed(ca.dropout_dp, Case(accum_steps=1, micro_batch=2, steps=1, world=2))
     assert e.value.gate == "determinism"
+
+
+# -- lazy κ ----------------------------------------------------------------------------------------------
+
+def _traces(err: float):
+    """(acc, big, ref): one parameter whose accumulation error is `err`, the big batch's 0."""
+    import torch
+
+    from verify.case import Trace
+
+    g = torch.ones(4, dtype=torch.float64)
+    t = lambda d: Trace([1.0], {"w": g * (1 + d)}, [{"w": g}])  # noqa: E731
+    return t(err), t(0.0), t(0.0)
+
+
+@pytest.mark.parametrize("share, computed", [(0.3, False), (0.6, True), (1.5, True)])
+def test_kappa_is_computed_only_near_the_bound(share, computed):
+    """κ costs one float64 run per micro-block: computed once a check's error reaches KAPPA_EXACT_ABOVE (0.5)
+    of its κ = 1 bound, never below; and a large κ then rescues a check that cancels."""
+    from verify.gates.tolerance import KAPPA_EXACT_ABOVE, Judge, bound
+
+    calls = []
+    acc, big, ref = _traces(share * bound(0.0))
+    j = Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1))
+    j.step0(acc, big, ref, lambda: calls.append(1) or {"w": 4.0})
+    assert len(calls) == computed and KAPPA_EXACT_ABOVE == 0.5
+    assert j.worst_ratio == pytest.approx(share / 4 if computed else share, rel=1e-6)
+
+
+def test_a_case_that_fails_in_float64_computes_no_kappa():
+    from verify.gates.tolerance import Judge, bound
+
+    acc, big, ref = _traces(2 * bound(0.0))
+    j = Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1))
+    with pytest.raises(GateFailure, match=r"κ not computed: the float64 run fails too"):
+        j.step0(acc, big, ref, lambda: pytest.fail("κ computed on a doomed case"), doomed=GateFailure("float64"))

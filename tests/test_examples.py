@@ -15,14 +15,18 @@ pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
 DEV = settings.get_profile("dev").max_examples  # the examples a gate draws in the runs below
-EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync"]
+EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync", "hf_trainer",
+            "lightning_trainer"]
 _missing = lambda mod: __import__("importlib").util.find_spec(mod) is None  # noqa: E731
 needs_accelerate = pytest.mark.skipif(_missing("accelerate"), reason="accelerate is not installed (the [examples] extra)")
 needs_lightning = pytest.mark.skipif(_missing("lightning"), reason="lightning is not installed (the [examples] extra)")
-NEEDS = {"accelerate_accumulate": [needs_accelerate], "fabric_no_backward_sync": [needs_lightning]}
+needs_transformers = pytest.mark.skipif(_missing("transformers") or _missing("accelerate"),
+                                        reason="transformers is not installed (the [examples] extra)")
+NEEDS = {"accelerate_accumulate": [needs_accelerate], "fabric_no_backward_sync": [needs_lightning],
+         "hf_trainer": [needs_transformers], "lightning_trainer": [needs_lightning]}
 
 
-DATA_PARALLEL = ["ddp_no_sync", "accelerate_accumulate"]
+DATA_PARALLEL = ["ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync"]
 
 
 def _marks(name):
@@ -52,16 +56,18 @@ def plugin(tmp_path, name, worlds, *args):
     env = {**ENV, "XTRAIN_DIST_MIN_WORLD": str(worlds[0]), "XTRAIN_DIST_MAX_WORLD": str(worlds[1])}
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
                         "--verify-trainer", f"examples.{name}:factory", "-rs", *args], capture_output=True, text=True,
-                       cwd=tmp_path, env=env, timeout=600)
+                       cwd=tmp_path, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     return r, json.loads((tmp_path / "reports" / "verify-report.json").read_text())["gates"]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in DATA_PARALLEL])
-def test_data_parallel_examples_pass_every_gate_at_worlds_2_and_3(tmp_path, name):
-    r, gates = plugin(tmp_path, name, (2, 3))
-    assert gates["equivalence"]["examples"] >= DEV and gates["boundary_only"]["worlds"] == [2, 3]
+def test_data_parallel_examples_pass_every_gate(tmp_path, name):
+    # Fabric at world 2 only: each rank process imports lightning (~5 s of CPU: it pulls in torchmetrics)
+    worlds = (2, 2) if name == "fabric_no_backward_sync" else (2, 3)
+    r, gates = plugin(tmp_path, name, worlds)
+    assert gates["equivalence"]["examples"] >= DEV and gates["boundary_only"]["worlds"] == sorted(set(worlds))
     assert gates["boundary_only"]["boundary_bytes_over_gradient_bytes"][1] < 1.1  # the gradients once (+ the loss)
     assert gates["boundary_only"]["expected_before_boundary"] > 0  # DDP's declared bucket rebuild was seen
     assert "declares no plain" in gates["bit_exact"]["skip_reason"] and "declares no plain" in r.stdout
@@ -76,6 +82,17 @@ def test_accelerate_passes_at_world_1(tmp_path):
     assert gates["boundary_only"]["worlds"] == [1] and gates["boundary_only"]["expected_before_boundary"] > 0
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in ["hf_trainer", "lightning_trainer"]])
+def test_framework_recipes_pass_every_gate_at_worlds_1_and_2(tmp_path, name):
+    """The framework owns the loop (verify.Pull): HF Trainer.train() and Lightning fit(), from an empty
+    directory, at worlds 1 and 2 (DDP under the harness's process group)."""
+    r, gates = plugin(tmp_path, name, (1, 2))
+    assert gates["equivalence"]["examples"] >= DEV and gates["boundary_only"]["worlds"] == [1, 2]
+    # declared traffic seen: HF (accelerate) at world 1 reduces every micro-step; Lightning broadcasts per batch
+    assert gates["boundary_only"]["expected_before_boundary"] > 0
+
+
 def selftest(tmp_path, ref, timeout=600):
     return subprocess.run([sys.executable, "-m", "verify.selftest", "--verify-trainer", ref, "--verify-report",
                            str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=timeout)
@@ -87,9 +104,12 @@ def selftest(tmp_path, ref, timeout=600):
     ("examples.mlp_regressor:factory", "8/8"),  # single-process: the two data-parallel operators do not apply
     ("examples.ddp_no_sync:factory", "10/10"),
     pytest.param("examples.accelerate_accumulate:factory", "10/10", marks=needs_accelerate),
+    pytest.param("examples.fabric_no_backward_sync:factory", "10/10", marks=needs_lightning),
+    pytest.param("examples.hf_trainer:factory", "10/10", marks=needs_transformers),
+    pytest.param("examples.lightning_trainer:factory", "10/10", marks=needs_lightning),
 ])
 def test_selftest_kills_every_operator(tmp_path, ref, score):
-    r = selftest(tmp_path, ref)
+    r = selftest(tmp_path, ref, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert f"mutation score {score} " in r.stdout and "every operator killed, the unwrapped trainer passes" in r.stdout
     assert "(unwrapped trainer)" in r.stdout and "SURVIVED" not in r.stdout

@@ -49,6 +49,8 @@ __all__ = [
     "measure_memory",
     # the fault-injection self-test
     "run_selftest", "OPERATORS",
+    # loops the framework owns (HF Trainer, Lightning): the pull-mode driver
+    "Pull", "PullError",
 ]
 
 _WHERE = {
@@ -64,6 +66,7 @@ _WHERE = {
     "Recorder": "comm", "Collective": "comm", "Windows": "comm", "CountRow": "gates.counts",
     "measure_memory": ("memory", "measure"),
     "run_selftest": ("selftest", "run_selftest"), "OPERATORS": ("selftest", "OPERATORS"),
+    "Pull": "pull", "PullError": "pull",
 }
 
 

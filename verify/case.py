@@ -175,6 +175,8 @@ def _cpu(d: dict) -> dict:
 
 
 class _NoMarks:
+    marks = ()
+
     def mark(self, label) -> None:
         pass
 
@@ -183,7 +185,17 @@ def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cp
           world: int = 1, windows=None, gate: str = "harness") -> Trace:
     """The harness's loop: shard each global batch, hand each micro-step its own copy, mark a window
     before every trainer call (for the collective counter), and return CPU copies of what came back."""
+    from .comm import set_active
+
     windows = windows or _NoMarks()
+    set_active(windows)  # a Pull trainer re-marks micro-steps from its framework's thread
+    try:
+        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate)
+    finally:
+        set_active(None)
+
+
+def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate) -> Trace:
     losses, params, grads0 = [], [], None
     for k, (inputs, targets) in enumerate(batches):
         given = []

@@ -204,7 +204,8 @@ class Recorder:
 
 
 class Windows:
-    """Harness-controlled time marks; `attribute` assigns each entry to the window it was created in."""
+    """Harness-controlled time marks; `attribute` assigns each entry to the window it was created in. A
+    framework-owned loop (verify.Pull) marks again from its own thread, reusing the harness's labels."""
 
     def __init__(self):
         self.marks: list[tuple[int, object]] = []
@@ -214,11 +215,25 @@ class Windows:
 
     def attribute(self, entries: list[Collective]) -> dict:
         """label -> [Collective]; entries before the first mark go to None."""
-        out: dict = {label: [] for _, label in self.marks}
-        times = [t for t, _ in self.marks]
+        marks = sorted(self.marks, key=lambda m: m[0])  # two threads may append out of order
+        out: dict = {label: [] for _, label in marks}
+        times = [t for t, _ in marks]
         import bisect
 
         for c in entries:
             i = bisect.bisect_right(times, c.time_ns) - 1
-            out.setdefault(self.marks[i][1] if i >= 0 else None, []).append(c)
+            out.setdefault(marks[i][1] if i >= 0 else None, []).append(c)
         return out
+
+
+_ACTIVE = threading.local()
+
+
+def active_windows():
+    """The Windows the harness is driving a trainer under in this thread (None outside drive()): how a
+    trainer that runs its work in another thread (verify.Pull) marks its micro-steps."""
+    return getattr(_ACTIVE, "windows", None)
+
+
+def set_active(windows) -> None:
+    _ACTIVE.windows = windows

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tokens", "regression", "classification"]
+__all__ = ["tokens", "causal_lm", "shifted_labels", "regression", "classification"]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -25,6 +25,26 @@ def tokens(*, vocab: int, seq_len: int):
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     return make
+
+
+def causal_lm(*, vocab: int, seq_len: int):
+    """For models that shift their labels internally (Hugging Face causal LMs): inputs (rows, seq_len + 1)
+    token ids, targets (rows, seq_len) = inputs[:, 1:], every entry a real prediction target. The harness
+    pads and counts valid targets on these; hand the model `shifted_labels(targets)` as its labels."""
+    make_tokens = tokens(vocab=vocab, seq_len=seq_len)
+
+    def make(rows: int, seed: int):
+        x, y = make_tokens(rows, seed)
+        return torch.cat([x, y[:, -1:]], dim=1), y
+
+    return make
+
+
+def shifted_labels(targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """HF-style labels from `causal_lm` targets: position 0 (which nothing predicts) is `ignore_index`, so
+    the model's internal shift (logits[:, :-1] against labels[:, 1:]) sees exactly `targets`, and the
+    number of valid labels it counts (HF's num_items_in_batch) is the harness's count of valid targets."""
+    return torch.nn.functional.pad(targets, (1, 0), value=ignore_index)
 
 
 def regression(*, features: int, outputs: int = 1, noise: float = 0.1):

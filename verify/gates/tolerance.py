@@ -33,7 +33,7 @@ fixed 1e-3 hides a dropped micro-batch), so the bounds are derived per case (doc
   FLOOR = 8·eps32, so the bound never exceeds 64·eps32 ≈ 7.6e-6 (× κ for a partial sum whose terms
   cancel) and an accumulation error ≥ 1e-5 fails.
   Every float64 check of every gate (equivalence, partial sums, data-parallel, token mean) uses this one
-  rule: `bound64(twin_floor(twin_diff(ref, twin), loss_precision), κ)`.
+  rule: `bound64(twin_floor(measured, loss_precision, seen), κ)`, `(measured, seen) = twin_diff(ref, twin)`.
 * bit-exact: torch.equal, no tolerance; failures report max|Δ|.
 * float64, the token-mean claim (gates/tokens.py: the trainer on different windows at the same
   parameters; no big batch to scale by): relative error ≤ max(RTOL64_LOSS, C · floor) · max(1, κ), floor
@@ -121,33 +121,37 @@ def condition(blocks: list[dict], ref: dict) -> dict:
     return out
 
 
-def twin_diff(ref, twin) -> float:
-    """The float64 reference's own rounding: the largest relative difference between two mathematically
-    equal runs of it (Traces; `twin` saw the same rows in another order): the losses of every step, the
-    step-0 gradient over all parameters at once, every parameter after every step (max|Δ| / max(1, max|p|),
-    as the parameter check scales)."""
-    out = 0.0
+def twin_diff(ref, twin) -> tuple[float, float]:
+    """The float64 reference's own rounding, from two mathematically equal runs of it (Traces; `twin` saw the
+    same rows in another order): (the largest relative difference over the losses of every step, the step-0
+    gradient over all parameters at once and every parameter after every step (max|Δ| / max(1, max|p|), as
+    the parameter check scales); the same over the losses and the step-0 gradient only). The second is what
+    tells a float32 part (twin_floor): parameters after AdamW steps amplify float64 rounding too (seen 2.5e-12)."""
+    raw = 0.0
     for a, b in zip(twin.losses, ref.losses):
         if not (math.isnan(a) or math.isnan(b)):
-            out = max(out, abs(a - b) / (abs(b) or 1.0))
+            raw = max(raw, abs(a - b) / (abs(b) or 1.0))
     if ref.grads0:
-        out = max(out, overall_error(twin.grads0, ref.grads0))
+        raw = max(raw, overall_error(twin.grads0, ref.grads0))
+    out = raw
     for pa, pb in zip(twin.params, ref.params):
         for name, p in pb.items():
             if name in pa and p.numel():
                 out = max(out, _max_abs(pa[name], p) / max(1.0, p.abs().max().item()))
-    return out if math.isfinite(out) else FLOOR
+    fin = lambda x: x if math.isfinite(x) else FLOOR  # noqa: E731
+    return fin(out), fin(raw)
 
 
-def twin_floor(measured: float, loss_precision: str | None = None) -> float:
+def twin_floor(measured: float, loss_precision: str | None = None, seen: float | None = None) -> float:
     """The floor the float64 checks use, from `measured` (twin_diff: relative |Δ| between two mathematically
-    equal runs), capped at FLOOR. A difference above FLOAT32_SEEN is no float64 rounding: the run has a
-    float32 part, and is judged at float32's unit roundoff (the twin's one sample of that rounding can come
-    out small by luck: seen 1e-8, with one parameter's partial sum then at 0.99 of 8× it). The same floor
-    ≥ eps32 where the adapter declares loss_precision="fp32" (its float32 constants are the same in both
-    twins)."""
+    equal runs), capped at FLOOR. Where `seen` (default `measured`: a difference of losses and gradients, not
+    amplified by an optimizer) is above FLOAT32_SEEN, it is no float64 rounding: the run has a float32 part,
+    and is judged at float32's unit roundoff (the twin's one sample of that rounding can come out small by
+    luck: seen 1e-8, with one parameter's partial sum then at 0.99 of 8× it). The same floor ≥ eps32 where
+    the adapter declares loss_precision="fp32" (its float32 constants are the same in both twins)."""
     f = min(measured, FLOOR)
-    return max(f, EPS32) if loss_precision == "fp32" or measured > FLOAT32_SEEN else f
+    seen = measured if seen is None else seen
+    return max(f, EPS32) if loss_precision == "fp32" or seen > FLOAT32_SEEN else f
 
 
 def bound64(floor: float = 0.0, kappa: float = 1.0) -> float:
@@ -188,7 +192,7 @@ class Judge:
     def __init__(self, gate: str, case, where: str = "", suffix=None):
         self.gate, self.case, self.where = gate, case, where
         self.suffix = suffix or (lambda step: "")
-        self.worst, self.worst_ratio = "", 0.0
+        self.worst, self.worst_ratio, self.note = "", 0.0, ""
 
     def fail(self, msg: str, step: int = 0, *, error: float | None = None, bound: float | None = None):
         """error / bound: a relative error and its limit (the hints read them: verify/hints.py)."""
@@ -201,8 +205,8 @@ class Judge:
         if not acc <= b:  # also catches NaN
             k = f" (κ {kappa:.3g})" if kappa > 1.0 else ""
             which = "big-batch error" if big >= overall else "big-batch error over all parameters"
-            self.fail(f"{what}: accumulation error {acc:.3e} > {C:g}·{scale:.3e} ({which}) + {floor:.1e}{k}",
-                      error=acc, bound=b)
+            self.fail(f"{what}: accumulation error {acc:.3e} > {C:g}·{scale:.3e} ({which}) + {floor:.1e}{k}"
+                      f"{self.note}", error=acc, bound=b)
         if acc / b >= self.worst_ratio:
             self.worst, self.worst_ratio = what, acc / b
 
@@ -219,12 +223,22 @@ class Judge:
             return True
         return False
 
-    def step0(self, acc, big, ref, kappa: dict | None = None) -> None:
+    def step0(self, acc, big, ref, kappa=None, *, doomed: GateFailure | None = None) -> None:
         """Step-0 loss and boundary gradients of `acc` vs the float64 `ref`, bounded by `big`'s error
-        (acc and big in the same precision: fp32, or bf16 / fp16 autocast); kappa: name -> κ."""
+        (acc and big in the same precision: fp32, or bf16 / fp16 autocast). kappa: name -> κ, or a function
+        returning that dict, called once and only when a gradient's error reaches KAPPA_EXACT_ABOVE of its
+        κ = 1 bound (lazy κ: it costs one float64 run per micro-block). `doomed`: the float64 checks' own
+        failure, seen first: the case fails whatever κ is, so κ is not computed (the failing path is what
+        hypothesis shrinks) and a step-0 check that fails at κ = 1 is reported, saying so."""
         self.keys(acc.grads0, ref.grads0, "the accumulation run")
         fp16 = self.case.precision == "fp16"
-        for what, name, a, b, k, o in step0_checks(acc, big, ref, kappa, self.case.precision):
+        lazy = kappa if callable(kappa) and doomed is None else None
+        known = kappa if isinstance(kappa, dict) else None
+        self.note = " (κ not computed: the float64 run fails too)" if doomed is not None and callable(kappa) else ""
+        for what, name, a, b, k, o in step0_checks(acc, big, ref, known, self.case.precision):
+            if name is not None and lazy is not None and a >= KAPPA_EXACT_ABOVE * bound(b, 1.0, o):
+                known = known if known is not None else lazy()
+                k = known.get(name, 1.0)
             if name is None:  # the loss
                 if not self._undefined(acc.losses[0], ref.losses[0], what):
                     self._within(a, b, what, k, o)

@@ -104,9 +104,9 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                                   gate=gate, case=case)
             e = rel_err(g, want.get(name, torch.zeros_like(g)))
             if e > KAPPA_EXACT_ABOVE * bound64(declared) and floor is None:  # measure the case's floor, once
-                floor = twin_floor(twin_diff(_prefix_reference(adapter, case, inputs, targets, device),
-                                             _prefix_reference(adapter, case, inputs, targets, device, True)),
-                                   adapter.loss_precision)
+                d = twin_diff(_prefix_reference(adapter, case, inputs, targets, device),
+                              _prefix_reference(adapter, case, inputs, targets, device, True))
+                floor = twin_floor(d[0], adapter.loss_precision, d[1])
             b = bound64(declared if floor is None else floor)
             if e > KAPPA_EXACT_ABOVE * b and b > bound64():  # a float32 part: rounding relative to the sum's terms
                 blocks = blocks if blocks is not None else block_grads(adapter, case, device)

@@ -1,0 +1,46 @@
+"""Hugging Face transformers.Trainer, its own loop (train()), gradient_accumulation_steps=N: a tiny GPT-2
+built from its config (no download), padded data with labels -100, clipping at the default
+max_grad_norm=1.0, DDP under the harness's process group at world > 1.
+
+    pip install "xtrain[examples]"      # transformers, accelerate
+    pytest --pyargs verify --verify-trainer examples.hf_trainer:factory -n auto
+    python -m verify.selftest --verify-trainer examples.hf_trainer:factory
+
+verify.Pull runs `trainer.train()` in a thread, feeds it the harness's micro-batches through its dataset,
+and reads the gradient before HF clips it (docs/verify-your-trainer.md, "The framework owns the loop").
+"""
+import tempfile
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+import verify
+
+VOCAB, SEQ = 64, 8
+
+
+def batch(x, y):  # HF shifts labels inside the model: position 0 is no target (verify.data.shifted_labels)
+    return {"input_ids": x, "labels": verify.data.shifted_labels(y)}
+
+
+# Alone, accelerate still wraps the model in DDP but its no_sync() is a no-op there: DDP reduces on every
+# micro-step over its one rank (the gradient bucket, find_unused_parameters' bitmap). Declared for world 1.
+ALONE = verify.Expected("all_reduce", count=2, world=1, why="accelerate's no_sync() is a no-op at world 1")
+
+
+# empty_windows=False: HF steps AdamW on a window without a valid label (zero gradient, but momentum moves
+# the parameters): such windows are not drawn.
+@verify.adapter(data=verify.data.causal_lm(vocab=VOCAB, seq_len=SEQ), ignore_index=-100, data_parallel=True,
+                expected=(ALONE, *verify.DDP_EXPECTED), empty_windows=False)
+def factory(spec):
+    torch.manual_seed(spec.seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ + 1, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: two runs must agree
+    model = GPT2LMHeadModel(config).to(spec.device, spec.dtype)
+    args = TrainingArguments(output_dir=tempfile.gettempdir(), gradient_accumulation_steps=spec.accum_steps,
+                             per_device_train_batch_size=1, max_steps=10**6, learning_rate=1e-3,
+                             use_cpu=spec.device == "cpu", report_to="none", save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
+    pull = verify.Pull(spec, batch=batch)  # the dataset's items are whole micro-batches: batch size 1
+    trainer = Trainer(model=model, args=args, train_dataset=pull.dataset, data_collator=pull.collate)
+    return pull.start(trainer.train, model)

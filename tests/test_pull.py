@@ -1,0 +1,89 @@
+"""verify.Pull: a loop the framework owns, driven as the four-method trainer. Small loops (tests/pull_loops.py)
+that prefetch the window and clip, then the gates on them: a correct loop passes, a ×N loss is rejected
+although the loop clips (the gradient is read before clipping), the framework's errors surface with
+their traceback, and no thread is left behind."""
+import importlib.util
+import threading
+
+import pytest
+import torch
+
+import verify
+from verify.case import Case, drive, split
+from verify.gates import GateFailure, check_equivalence
+
+from tests import pull_loops
+
+
+def _pull_threads():
+    """Framework threads still running a second after their Pull was dropped or failed."""
+    for t in [t for t in threading.enumerate() if t.name == "verify-pull"]:
+        t.join(timeout=1)
+    return [t for t in threading.enumerate() if t.name == "verify-pull"]
+
+
+@pytest.mark.parametrize("case", [Case(accum_steps=1, micro_batch=1, steps=1),
+                                  Case(accum_steps=4, micro_batch=2, steps=3, seed=3, data_seed=5)])
+def test_a_prefetching_loop_with_clipping_passes_the_gates(case):
+    r = check_equivalence(pull_loops.correct, case)
+    assert r.ratio < 1
+    assert _pull_threads() == []  # each dropped Pull stopped its thread
+
+
+def test_grads_are_read_before_clipping_so_times_N_is_rejected():
+    case = Case(accum_steps=4, micro_batch=2, steps=1)
+    spec = case.spec()
+    t = pull_loops.times_n(spec)
+    for m, (x, y) in enumerate(split(*case.batches(pull_loops.times_n)[0], 4)):
+        t.micro_step(x.float(), y.float(), m)
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in t.grads().values()])).item()
+    assert norm > 1.0  # the loop clips at 1.0 right after: grads() saw the gradient before it
+    t.optimizer_step()
+    with pytest.raises(GateFailure, match=r"\[equivalence\] (loss|gradient).*accumulation error 3"):
+        check_equivalence(pull_loops.times_n, case)
+
+
+def test_the_framework_error_surfaces_with_its_traceback():
+    case = Case(accum_steps=2, micro_batch=1, steps=2)
+    with pytest.raises(verify.PullError, match=r"(?s)raised \(in its thread\).*planted failure in the framework's loop"):
+        drive(pull_loops.fails(case.spec()), case.batches(pull_loops.fails), 2)
+    assert _pull_threads() == []
+
+
+def test_a_window_longer_than_accum_steps_is_named_not_hung():
+    case = Case(accum_steps=2, micro_batch=1, steps=1)
+    with pytest.raises(verify.PullError, match="asked for another micro-batch instead of reaching its optimizer step"):
+        drive(pull_loops.long_window(case.spec()), case.batches(pull_loops.long_window), 2)
+
+
+def test_a_loop_that_never_reads_the_dataset_is_told_so():
+    with pytest.raises(verify.PullError, match="hand it Pull.dataset"):
+        verify.Pull(timeout=5).start(lambda: None, torch.nn.Linear(1, 1))
+
+
+needs = lambda mod: pytest.mark.skipif(importlib.util.find_spec(mod) is None,  # noqa: E731
+                                       reason=f"{mod} is not installed (the [examples] extra)")
+
+
+@needs("transformers")
+def test_hf_trainer_with_a_per_micro_batch_mean_is_rejected_on_padded_data():
+    """The historical HF bug (each micro-batch's own token mean ÷ N): padded micro-batches with 8 and 2
+    valid labels. The recipe passes the same case."""
+    from examples.hf_trainer import factory
+    from tests import framework_bugs
+
+    case = Case(accum_steps=2, micro_batch=1, steps=1, lengths=(8, 2))
+    assert check_equivalence(factory, case).ratio < 1
+    with pytest.raises(GateFailure, match=r"\[equivalence\] (loss|gradient)"):
+        check_equivalence(framework_bugs.hf_per_micro_batch_mean, case)
+
+
+@needs("lightning")
+def test_lightning_with_the_loss_divided_by_N_twice_is_rejected():
+    from examples.lightning_trainer import factory
+    from tests import framework_bugs
+
+    case = Case(accum_steps=3, micro_batch=2, steps=2)
+    assert check_equivalence(factory, case).ratio < 1
+    with pytest.raises(GateFailure, match=r"\[equivalence\] (loss|gradient).*accumulation error 6\.6"):
+        check_equivalence(framework_bugs.lightning_over_n_twice, case)
