@@ -121,9 +121,9 @@ def _floors(pairs, loss_precision) -> tuple[float, dict, float]:
         for name, g in b.grads0.items():
             if name in a.grads0:
                 params[name] = max(params.get(name, 0.0), rel_err(a.grads0[name], g))
-    lp = loss_precision
-    return (twin_floor(max(loss, overall), lp), {k: twin_floor(max(v, overall), lp) for k, v in params.items()},
-            twin_floor(overall, lp))
+    lp, seen = loss_precision, max(loss, overall)  # a float32 part seen anywhere lifts every floor (twin_floor)
+    return (twin_floor(seen, lp, seen), {k: twin_floor(max(v, overall), lp, seen) for k, v in params.items()},
+            twin_floor(overall, lp, seen))
 
 
 class _Verdicts:
