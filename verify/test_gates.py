@@ -77,7 +77,7 @@ def test_token_mean_claim(verify_adapter):
         report.skip("token_mean", reason)
         pytest.skip(reason)
 
-    @settings(max_examples=budget(10, 3), deadline=None)
+    @settings(max_examples=budget(20, 3), deadline=None)  # ~6 builds a case: HF's Trainer takes ~1 s each
     @given(data=st.data())
     def token_mean(data):
         report.record(check_token_mean(verify_adapter, data.draw(_token_cases(verify_adapter), label="case")))
@@ -98,7 +98,7 @@ def test_empty_window_is_no_step(verify_adapter):
         report.skip("empty_window", reason)
         pytest.skip(reason)
 
-    @settings(max_examples=budget(10, 3), deadline=None)
+    @settings(max_examples=budget(20, 3), deadline=None)  # ~6 builds a case: HF's Trainer takes ~1 s each
     @given(data=st.data())
     def empty_window(data):
         report.record(check_empty_window(verify_adapter, data.draw(_token_cases(verify_adapter), label="case")))
