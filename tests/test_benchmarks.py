@@ -102,3 +102,46 @@ def test_bf16_accumulation_cpu(tmp_path):
     s = doc["summary"]
     assert s["xtrain_passes_every_n"] and s["ratio_agrees_with_gate"]
     assert len(doc["seed_spread"]) == 2 and "bf16 buffer" in out
+
+
+# -- benchmarks/frameworks.py: the venvs and the HF runs are stood in for (the real run is minutes of installs) --
+
+def test_frameworks_bad_input_is_one_line_exit_2(tmp_path):
+    for args, msg in ((["--versions", "4.x"], "--versions: '4.x' is not a release number"),
+                      (["--cache", os.path.join(ROOT, "venvs")], "inside the repository"),
+                      (["--max-world", "0"], "--max-world")):
+        p = subprocess.run([sys.executable, "-m", "benchmarks.frameworks", "--out", str(tmp_path), *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and msg in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
+    assert not os.path.exists(os.path.join(ROOT, "venvs"))
+
+
+def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
+    """Stand-ins for the venv and the plugin run: 4.45.2 rejected by a gate naming its shrunk case, the
+    current release passing. The report names both, the gate and the case; exit 0 only when every verdict
+    is the expected one."""
+    from benchmarks import frameworks as fw
+
+    rejected = {"failures": [{"test": "verify/test_gates.py::test_split_invariance", "hint": "a per-micro-batch mean",
+                              "message": "verify.gates.tolerance.GateFailure: [split invariance] split N=2 B=1 of a "
+                                         "window of 2 rows: loss 4.1 vs 4.0; case N=1 B=2 K=1 seed=0 data_seed=0 "
+                                         "lengths=[8, 7]\nmore lines"}],
+                "gates": {"split_invariance": {"examples": 3, "worst_ratio": None}}}
+    passing = {"failures": [], "gates": {"equivalence": {"examples": 10, "worst_ratio": 0.25}}}
+    runs = {"4.45.2": dict(exit_code=1, report=rejected), "current": dict(exit_code=0, report=passing)}
+    monkeypatch.setattr(fw, "venv", lambda v, cache, log: (v, {"transformers": "4.45.2" if v == "4.45.2" else "5.0.0",
+                                                                "accelerate": "1.0.1"}, 0.0))
+    monkeypatch.setattr(fw, "run_gates", lambda py, d, **k: dict(runs[py], seconds=1.5, summary="1 failed"))
+    out = tmp_path / "out"
+    assert fw.main(["--out", str(out), "--cache", str(tmp_path / "cache")]) == 0
+    doc = json.loads((out / "frameworks.json").read_text())
+    assert doc["kind"] == "frameworks" and doc["schema_version"] == SCHEMA_VERSION
+    old, new = doc["versions"]
+    assert (old["verdict"], old["expected"], new["verdict"], new["expected"]) == ("rejected", "rejected", "passes", "passes")
+    assert old["failures"][0]["gate"] == "split invariance" and old["failures"][0]["case"].endswith("lengths=[8, 7]")
+    md = (out / "frameworks.md").read_text()
+    assert "| 4.45.2 | 1.0.1 | rejected | rejected ✓ |" in md and "| split invariance | test_split_invariance |" in md
+    runs["4.45.2"] = dict(exit_code=0, report=passing)  # the old release passing would be a finding, not a success
+    assert fw.main(["--out", str(out), "--cache", str(tmp_path / "cache")]) == 1
+    assert "not as expected" in (out / "frameworks.md").read_text()

@@ -1,0 +1,219 @@
+"""The historical bug as a reproducible report: Hugging Face transformers' gradient accumulation on padded
+data, before the fix (#34191 / #34373, first released in 4.46) and in a current release.
+
+    python -m benchmarks.frameworks [--versions 4.45.2,current] [--out reports/frameworks] [--cache DIR]
+                                    [--profile dev|ci] [--max-world 2] [--timeout SECONDS]
+
+For each transformers version it builds a virtual environment under the cache (default
+~/.cache/xtrain-verify/frameworks; never the repository; reused while its pins match) holding
+`torch==2.13.0`, that transformers release, accelerate, pytest, hypothesis and this repository (an
+editable install), with no system site-packages: the transformers under test is the only one importable.
+Then it runs the HF recipe (examples/hf_trainer.py) through the plugin, from an empty directory:
+
+    pytest --pyargs verify --verify-trainer examples.hf_trainer:factory --verify-report RUN
+
+and writes OUT/frameworks.json (the common header; per version: the pins, the verdict, each failing gate
+with its shrunk case, the gates' examples and worst error / bound, times) and OUT/frameworks.md. Exit 0
+when every version meets its expectation (a release before 4.46 rejected, later ones passing), 1 when one
+does not, 2 on bad input.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = "examples.hf_trainer:factory"
+TORCH = "torch==2.13.0"  # pinned like the README's install: the local CPU wheel, never a multi-GB CUDA build
+# accelerate of each release's time for the old one (its Trainer predates accelerate 1.x's later changes)
+ACCELERATE = {"4.45.2": "accelerate==1.0.1"}
+FIXED_IN = (4, 46)  # the release with the gradient-accumulation fix: before it the gates must reject
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xtrain-verify", "frameworks")
+
+
+def expectation(version: str) -> str:
+    """'rejected' for a release before the fix, 'passes' for the fix and later ('current': the newest)."""
+    if version == "current":
+        return "passes"
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return "rejected" if (major, minor) < FIXED_IN else "passes"
+
+
+def _version(text: str) -> list[str]:
+    out = [v.strip() for v in text.split(",") if v.strip()]
+    for v in out:
+        if v != "current" and not re.fullmatch(r"\d+\.\d+(\.\d+)?", v):
+            raise UsageError(f"--versions: {v!r} is not a release number (e.g. 4.45.2) or 'current'")
+    if not out:
+        raise UsageError("--versions: give at least one, e.g. 4.45.2,current")
+    return out
+
+
+def pins(version: str) -> list[str]:
+    tf = "transformers" if version == "current" else f"transformers=={version}"
+    return [TORCH, tf, ACCELERATE.get(version, "accelerate"), "pytest>=8", "hypothesis>=6.100"]
+
+
+def venv(version: str, cache: str, log) -> tuple[str, dict, float]:
+    """The venv of one transformers version (built once; rebuilt when its pins change): its python, the
+    versions installed, and the seconds spent building it (0 when reused)."""
+    where = os.path.join(cache, f"transformers-{version}")
+    py, stamp = os.path.join(where, "bin", "python"), os.path.join(where, "pins.json")
+    want = pins(version) + [f"-e {ROOT}"]
+    t0 = time.perf_counter()
+    if not (os.path.exists(py) and os.path.exists(stamp) and json.load(open(stamp)).get("pins") == want):
+        shutil.rmtree(where, ignore_errors=True)
+        _run([sys.executable, "-m", "venv", where], log)  # no --system-site-packages: only this transformers
+        _run([py, "-m", "pip", "install", "-q", *pins(version), "-e", ROOT], log)
+        installed = json.loads(_run([py, "-c", _VERSIONS], log))
+        with open(stamp, "w") as f:
+            json.dump(dict(pins=want, installed=installed), f)
+    return py, json.load(open(stamp))["installed"], time.perf_counter() - t0
+
+
+_VERSIONS = ("import json, torch, transformers, accelerate, hypothesis; print(json.dumps({m.__name__: m.__version__ "
+             "for m in (torch, transformers, accelerate, hypothesis)}))")
+
+
+def _run(cmd, log, **kw) -> str:
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    log.write(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {r.returncode}: {(r.stderr or r.stdout).strip()[-500:]}")
+    return r.stdout
+
+
+def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: int, log) -> dict:
+    """The plugin on the HF recipe from an empty directory; its report, exit status and time."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")}
+    env.update(PYTHONPATH=ROOT, HYPOTHESIS_PROFILE=profile, XTRAIN_DIST_MAX_WORLD=str(max_world),
+               OMP_NUM_THREADS="1")
+    cmd = [py, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-rs",
+           "--verify-trainer", RECIPE, "--verify-report", run_dir]
+    log.write("$ " + " ".join(cmd) + "\n")
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir, env=env, timeout=timeout)
+        code, out = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        code, out = None, f"timed out after {timeout} s\n{e.stdout or ''}"
+    seconds = time.perf_counter() - t0
+    log.write(out if isinstance(out, str) else out.decode(errors="replace"))
+    path = os.path.join(run_dir, "verify-report.json")
+    report = json.load(open(path)) if os.path.exists(path) else {}
+    return dict(exit_code=code, seconds=round(seconds, 1), report=report, summary=_summary_line(out))
+
+
+def _summary_line(out) -> str:
+    text = out if isinstance(out, str) else out.decode(errors="replace")
+    lines = [ln.strip("= ") for ln in text.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    return lines[-1] if lines else ""
+
+
+def verdict(run: dict) -> str:
+    if run["exit_code"] == 0:
+        return "passes"
+    if run["exit_code"] == 1 and run["report"].get("failures"):
+        return "rejected"
+    return "error"  # usage error, internal error, timeout: no verdict on the trainer
+
+
+def failure_rows(report: dict) -> list[dict]:
+    """Each failing gate test: its gate, the one-line verdict (it names the shrunk case) and the hint."""
+    rows = []
+    for f in report.get("failures", []):
+        first = f["message"].strip().splitlines()[0] if f.get("message") else ""
+        gate = re.match(r"\[([^\]]+)\]", first.split("GateFailure: ")[-1])
+        case = re.search(r"case (N=.*)$", first)
+        rows.append(dict(test=f.get("test", "").split("::")[-1], gate=gate.group(1) if gate else "?",
+                         case=case.group(1) if case else "", verdict=first, hint=f.get("hint")))
+    return rows
+
+
+def render_md(doc: dict) -> str:
+    out = ["# transformers' gradient accumulation on padded data, through the gates", "",
+           f"`{doc['command']}` — commit {doc.get('git_commit') or '(outside a git repository)'}, {doc.get('utc', '')}", "",
+           "| transformers | accelerate | expected | verdict | gates (s) | venv build (s) |", "|---|---|---|---|---|---|"]
+    for v in doc["versions"]:
+        i = v["installed"]
+        ok = "✓" if v["meets_expectation"] else "✗ (not as expected)"
+        out.append(f"| {i.get('transformers', v['version'])} | {i.get('accelerate', '?')} | {v['expected']} | "
+                   f"{v['verdict']} {ok} | {v['seconds']} | {v['venv_seconds']} |")
+    for v in doc["versions"]:
+        out += ["", f"## transformers {v['installed'].get('transformers', v['version'])}: {v['verdict']}", "",
+                f"pytest: {v['summary'] or '(no summary)'}"]
+        if v["failures"]:
+            out += ["", "| gate | test | minimal case |", "|---|---|---|"]
+            out += [f"| {f['gate']} | {f['test']} | `{f['case']}` |" for f in v["failures"]]
+            out += ["", "Verdicts:", ""] + [f"- `{f['verdict']}`" + (f" — hint: {f['hint']}" if f["hint"] else "")
+                                            for f in v["failures"]]
+        gates = {k: g for k, g in (v.get("gates") or {}).items() if g.get("examples")}
+        if gates:
+            out += ["", "| gate | examples | worst error / bound |", "|---|---|---|"]
+            out += [f"| {k} | {g['examples']} | {_ratio(g.get('worst_ratio'))} |" for k, g in gates.items()]
+    return "\n".join(out) + "\n"
+
+
+def _ratio(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="benchmarks.frameworks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--versions", default="4.45.2,current", help="comma-separated releases, or 'current' (newest)")
+    p.add_argument("--out", default=os.path.join("reports", "frameworks"))
+    p.add_argument("--cache", default=CACHE, help="where the venvs live (never the repository)")
+    p.add_argument("--profile", choices=("dev", "ci"), default="dev", help="hypothesis profile of the gate runs")
+    p.add_argument("--max-world", type=positive_int, default=2)
+    p.add_argument("--timeout", type=positive_int, default=1800, help="seconds per gate run")
+    a = p.parse_args(argv)
+    try:
+        versions = _version(a.versions)
+        if os.path.commonpath([os.path.abspath(a.cache), ROOT]) == ROOT:
+            raise UsageError(f"--cache {a.cache}: inside the repository; venvs go under a cache directory")
+        writable_dir("--out", a.out)
+        writable_dir("--cache", a.cache)
+    except UsageError as e:
+        fail(str(e))
+    from verify._meta import atomic_write_all, header
+
+    os.makedirs(a.out, exist_ok=True)
+    rows = []
+    with open(os.path.join(a.cache, "frameworks.log"), "w") as log:
+        for version in versions:
+            print(f"transformers {version}: venv ...", flush=True)
+            try:
+                py, installed, built = venv(version, a.cache, log)
+            except RuntimeError as e:
+                fail(f"transformers {version}: could not build its venv: {e}", 1)
+            print(f"transformers {installed['transformers']}: gates ({a.profile} profile) ...", flush=True)
+            run = run_gates(py, os.path.join(a.cache, f"run-{version}"), profile=a.profile, max_world=a.max_world,
+                            timeout=a.timeout, log=log)
+            v, want = verdict(run), expectation(version)
+            rows.append(dict(version=version, installed=installed, expected=want, verdict=v, meets_expectation=v == want,
+                             exit_code=run["exit_code"], seconds=run["seconds"], venv_seconds=round(built, 1),
+                             summary=run["summary"], failures=failure_rows(run["report"]),
+                             gates=run["report"].get("gates"), settings=run["report"].get("settings")))
+            print(f"transformers {installed['transformers']}: {v} (expected {want}) in {run['seconds']} s", flush=True)
+    doc = dict(header("frameworks"), recipe=RECIPE, profile=a.profile, max_world=a.max_world,
+               command="python -m benchmarks.frameworks " + " ".join(argv if argv is not None else sys.argv[1:]),
+               versions=rows)
+    atomic_write_all({os.path.join(a.out, "frameworks.json"): json.dumps(doc, indent=1, default=str),
+                      os.path.join(a.out, "frameworks.md"): render_md(doc)})
+    print(f"wrote {os.path.join(a.out, 'frameworks.json')} and frameworks.md")
+    return 0 if all(r["meets_expectation"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
