@@ -204,3 +204,12 @@ def test_an_error_no_floor_allows_is_judged_without_a_twin():
     with pytest.raises(GateFailure, match=r"float64 loss at step 0: .+ = 8·9\.54e-07 \(the largest floor any reference"):
         Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1)).float64(
             acc, ref, 0.0, lambda: pytest.fail("twin measured for an error no floor allows"))
+
+
+def test_batch_norm_is_a_true_non_equivalence_not_nondeterminism():
+    """BatchNorm's per-micro-batch statistics are deterministic: the equivalence verdict stands (the guide
+    explains it and its alternatives); N=1 passes."""
+    check_equivalence(ca.batch_norm, Case(accum_steps=1, micro_batch=4, steps=2))
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] ") as e:
+        check_equivalence(ca.batch_norm, Case(accum_steps=2, micro_batch=4, steps=2))
+    assert e.value.gate == "equivalence"
