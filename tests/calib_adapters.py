@@ -10,6 +10,7 @@
     per_rank_undeclared  the same without the declaration (must fail at W > 1)
     per_rank_unemulated  declared, but its one-process reference ignores Spec.schedule_world (must fail)
     dropout           train-mode dropout drawn from the global RNG: two identical runs differ
+    batch_norm        BatchNorm1d in train mode: deterministic, and a true non-equivalence (per-micro-batch stats)
 
 Every trainer is the textbook loop (backward of loss / N, the optimizer at the boundary) with
 partial_grads(), and reduces its gradients over the default group at the boundary when there is one.
@@ -120,6 +121,12 @@ class Dropout(Trainer):
                                    torch.nn.Linear(16, 1))
 
 
+class BatchNormed(Trainer):
+    def build(self):
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 1))
+
+
 _reg = verify.data.regression(features=FEATURES)
 _cls = verify.data.classification(features=FEATURES, classes=CLASSES)
 hf_style = verify.adapter(data=_cls, data_parallel=True)(HFStyle)
@@ -132,3 +139,4 @@ per_rank_undeclared = verify.adapter(data=_reg, data_parallel=True)(PerRankUndec
 per_rank_unemulated = verify.adapter(data=_reg, data_parallel=True, scheduler_per_rank=True)(PerRankUndeclared)
 dropout = verify.adapter(data=_reg)(Dropout)
 dropout_dp = verify.adapter(data=_reg, data_parallel=True)(Dropout)
+batch_norm = verify.adapter(data=_reg)(BatchNormed)

@@ -117,3 +117,41 @@ def test_a_run_from_an_empty_directory_leaves_only_the_report(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     assert sorted(os.listdir(here)) == ["reports"], os.listdir(here)
     assert sorted(os.listdir(cache / "xtrain-verify")) == ["hypothesis", "pytest"]
+
+
+def _row_length(case) -> int:
+    return case["options"]["seq_len"]
+
+
+def test_dev_profile_draws_at_least_3_examples_per_gate_with_padded_split_windows(tmp_path):
+    """The fast loop exercises every gate: under the dev profile each gate that runs draws ≥ 3 cases
+    (GATE_MIN_EXAMPLES), and split invariance gets windows with a split (N ≥ 2) and some padding."""
+    from verify.strategies import GATE_MIN_EXAMPLES
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-n", "2",
+                        "--verify-trainer", "verify.adapters.xtrain:tokens_adapter"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=900, env={**ENV, "XTRAIN_DIST_MAX_WORLD": "2"})
+    assert r.returncode == 0, r.stdout[-3000:]
+    gates, ran = _report(tmp_path / "reports")["gates"], {}
+    for key, g in gates.items():  # equivalence@bf16 ...: a gate's examples over every precision drawn
+        ran[key.split("@")[0]] = ran.get(key.split("@")[0], 0) + g["examples"]
+    assert GATE_MIN_EXAMPLES == 3 and {"equivalence", "bit_exact", "boundary_only", "split_invariance",
+                                       "partial_sums"} <= {k for k, n in ran.items() if n}
+    assert min(n for n in ran.values() if n) >= GATE_MIN_EXAMPLES, ran
+    for key, g in gates.items():
+        if key.startswith("split_invariance"):
+            case = g["worst_case"]
+            assert case["accum_steps"] >= 2 and min(case["lengths"][:case["world"] * case["micro_batch"]]) < \
+                _row_length(case), case  # micro-batch 0 of the window is padded
+
+
+def test_the_guides_example_counts_are_the_codes():
+    import re
+
+    from verify.strategies import GATE_BUDGETS, gate_budget
+
+    with open(os.path.join(ROOT, "docs", "verify-your-trainer.md"), encoding="utf-8") as f:
+        rows = {m[1]: [int(m[2]), int(m[3]), int(m[4])] for m in re.finditer(r"^\| `(\w+)`[^|]*\| (\d+) \| (\d+) \| (\d+) \|$",
+                                                                             f.read(), re.M)}
+    n = [settings.get_profile(p).max_examples for p in ("dev", "ci", "gpu")]
+    assert rows == {gate: [gate_budget(gate, k) for k in n] for gate in GATE_BUDGETS}

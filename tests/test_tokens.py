@@ -2,16 +2,21 @@
 the planted bugs of verify/adapters/broken_tokens.py — which every split-based gate passes — are rejected,
 each naming its gate; the empty_windows declaration is honoured by the strategies and the gate."""
 import pytest
+import torch
+import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+import verify
+from tests import count_adapters as _ca
 from verify.adapters import broken_tokens as bt
 from verify.adapters import xtrain
 from verify.case import Case
 from verify.gates import GateFailure, GateSkipped, check_empty_window, check_token_mean
 from verify.gates.tokens import windows_case
 from verify.gates.windows import check_split_invariance
-from verify.protocol import AdapterError
+from verify.gates.tolerance import float32_loss
+from verify.protocol import AdapterError, Expected
 from verify.strategies import budget, cases, padding
 from xtrain_core.config import ModelConfig, OptimConfig
 
@@ -213,8 +218,6 @@ def test_token_operators_do_not_apply_without_an_ignore_index():
     assert all(r["verdict"] == "n/a" for r in res.rows.values()) and "token-mean" not in str(res.baseline)
 
 
-from tests import count_adapters as _ca  # noqa: E402
-from verify.protocol import Expected  # noqa: E402
 
 # its per-micro-step count all_reduce declared at worlds 2 and 3 only: a one-rank group shows it undeclared
 declared_above_world_1 = _ca.counted.replace(
@@ -235,3 +238,86 @@ def test_the_unwrapped_trainer_passes_only_if_it_passes_at_every_world():
     assert w1["boundary-only"].startswith("kill: [boundary-only]") and w2["boundary-only"] == "pass", (w1, w2)
     assert "FAILS at world 1" in res.table() and "FAILS at worlds" not in res.table()
     assert res.as_dict()["verdict"] == "FAIL: the unwrapped trainer fails a gate at world 1"
+
+
+# -- a loss computed in float32 inside float64 runs (HF's logits.float()), not declared ---------------------
+
+class Fp32LossTokens:
+    """HF-style: the window is prefetched, each micro-batch backwards Σ CE / the window's valid count, with the
+    logits cast to float32 (a float32 loss in a float64 run). `extra` is added to the count (a planted bug)."""
+    extra = 0
+
+    def __init__(self, spec):
+        torch.manual_seed(spec.seed)
+        self.model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Tanh(), torch.nn.Linear(8, 11)).to(
+            spec.device, spec.dtype)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.n, self.window, self.loss = spec.accum_steps, [], None
+
+    def micro_step(self, x, y, micro):
+        self.window.append((x, y))
+        if micro < self.n - 1:
+            return
+        count = sum(int((t != -100).sum()) for _, t in self.window)
+        self.loss = torch.zeros((), dtype=torch.float32)
+        for xs, ys in self.window:
+            if count:
+                logits = self.model(xs).float()
+                part = F.cross_entropy(logits.flatten(0, 1), ys.flatten(), ignore_index=-100, reduction="sum") / (
+                    count + self.extra)
+                part.backward()
+                self.loss = self.loss + part.detach()
+        self.window = []
+        self.count = count
+
+    def grads(self):
+        return {k: p.grad for k, p in self.model.named_parameters() if p.grad is not None}
+
+    def optimizer_step(self):
+        if self.count:
+            self.opt.step()
+        self.opt.zero_grad()
+        return self.loss if self.count else torch.tensor(float("nan"))
+
+    def params(self):
+        return dict(self.model.named_parameters())
+
+
+class Fp32LossCountPlusOne(Fp32LossTokens):
+    extra = 1
+
+
+_FP32_DATA = dict(data=verify.data.tokens(vocab=11, seq_len=5), ignore_index=-100)
+fp32_loss = verify.adapter(**_FP32_DATA)(Fp32LossTokens)
+fp32_loss_count_plus_one = verify.adapter(**_FP32_DATA)(Fp32LossCountPlusOne)
+
+
+def test_a_float32_loss_is_recognised_by_its_values():
+    x = float(torch.tensor(2.3456, dtype=torch.float32))
+    assert float32_loss(float("nan"), x) and not float32_loss(2.3456, 0.0, 0.25, float("nan"))
+
+
+@settings(max_examples=budget(10, 5), deadline=None)
+@given(data=st.data())
+def test_a_float32_loss_in_float64_runs_passes_undeclared_and_a_wrong_count_still_fails(data):
+    """The twins can miss a float32 loss (two float32 sums alike); its float32 values cannot. Judged at
+    eps32, a count off by one is still ~1/n away."""
+    case = data.draw(_token_cases(fp32_loss))
+    assert check_token_mean(fp32_loss, case).ratio < 1
+    check_empty_window(fp32_loss, case)
+    E = case.effective_batch
+    assume(sum(case.lengths[:E]) and sum(case.lengths[E:2 * E]))
+    with pytest.raises(GateFailure, match=r"^\[token mean\] additivity"):
+        check_token_mean(fp32_loss_count_plus_one, case)
+
+
+def test_two_runs_that_both_end_in_nan_are_not_nondeterminism():
+    """Found by count_from_one_rank at W=4 (a rank with no valid target divides by 0): the diagnosis called
+    two NaN runs different, and reported [determinism] instead of the data-parallel verdict."""
+    from verify.case import Trace
+    from verify.gates.diagnose import first_difference
+
+    nan = torch.tensor([float("nan"), 1.0])
+    a, b = Trace([float("nan")], {"w": nan}, [{"w": nan}]), Trace([float("nan")], {"w": nan.clone()}, [{"w": nan.clone()}])
+    assert first_difference(a, b) is None
+    assert first_difference(a, Trace([float("nan")], {"w": torch.tensor([float("nan"), 2.0])}, [])) is not None

@@ -9,7 +9,7 @@ the invoking directory), --verify-backend gloo|nccl, --verify-device cpu|cuda. A
 one-line usage error naming the option (pytest's exit status 4), before anything is written.
 
 Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (or hypothesis' --hypothesis-profile):
-    dev  random, 10 examples a test (verify.strategies.budget scales floors down): fast feedback
+    dev  random, 10 examples a test (verify.strategies.budget scales floors down; each gate ≥ 3): fast feedback
     ci   extends hypothesis' built-in ci profile: derandomized, no deadline, print_blob
     gpu  ci plus more examples, for GPU runners
 Unset, hypothesis' own default profile stays in force (the plugin is loaded in every pytest run of an

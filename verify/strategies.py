@@ -18,17 +18,36 @@ from xtrain_core.config import ModelConfig, OptimConfig
 from .case import Case
 
 __all__ = ["cases", "dist_cases", "padding", "model_configs", "optim_configs", "xtrain_options", "gate_device",
-           "budget"]
+           "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+
+# Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
+# must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
+# the simplest case, e.g. an unpadded window, where most bugs cannot show).
+GATE_MIN_EXAMPLES = 3
 
 
-def budget(share: int, least: int) -> int:
+def budget(share: int, least: int, n: int | None = None) -> int:
     """Examples for a test worth 1/share of the profile's budget (ci: 100), at least `least` — a floor that
     scales down with a profile under 100 (dev: 10 -> a tenth, never below 1), so the dev profile is fast."""
     from hypothesis import settings
 
-    n = settings.default.max_examples
+    n = settings.default.max_examples if n is None else n  # n: another profile's max_examples
     floor = least if n >= 100 else max(1, round(least * n / 100))
     return max(floor, n // share)
+
+
+# Each gate test's share of the profile's budget and its floor (budget()): the one table behind the example
+# counts the guide states (docs/verify-your-trainer.md §1; tests/test_plugin.py checks them).
+# token_mean / empty_window: ~6 trainers built per case (HF's Trainer: ~1 s each), and every count bug shows
+# on nearly every padded case, so a fifth of split invariance's share.
+GATE_BUDGETS = {"equivalence": (1, 1), "bit_exact": (1, 1), "split_invariance": (10, 3), "token_mean": (20, 3),
+                "empty_window": (20, 3), "long_windows": (30, 2), "data_parallel": (2, 8), "bytes_per_step": (30, 3)}
+
+
+def gate_budget(gate: str, n: int | None = None) -> int:
+    """Examples a gate test of the plugin draws under the loaded profile (or one of max_examples n):
+    budget(*GATE_BUDGETS[gate]), never below GATE_MIN_EXAMPLES."""
+    return max(GATE_MIN_EXAMPLES, budget(*GATE_BUDGETS[gate], n=n))
 
 
 def gate_device() -> str:
@@ -47,15 +66,18 @@ def _options_strategy(adapter):
 
 @st.composite
 def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int, seq_len: int,
-            empty_windows: bool = True) -> tuple:
+            empty_windows: bool = True, some_padding: bool = False) -> tuple:
     """Valid targets per row for K steps of N global micro-batches of W·B rows (row order as the harness
     draws them). Each global micro-batch is full, empty, random, or random with one rank's rows empty;
     shrinks toward full rows (no padding), so a failure is shown with the least padding that causes it.
     empty_windows=False (Adapter.empty_windows): no step's window is left without a valid target (its
-    first row then keeps one)."""
+    first row then keeps one). some_padding=True: the first global micro-batch is never full (shrinking
+    toward one target fewer in each of its rows), so a window's micro-batches hold different numbers of
+    valid targets — where a per-micro-batch or per-rank mean and the token mean part ways."""
     out = []
-    for _ in range(steps * accum_steps):
-        mode = draw(st.sampled_from(["full", "random", "empty", "rank_empty"]))
+    for i in range(steps * accum_steps):
+        forced = some_padding and i == 0
+        mode = draw(st.sampled_from(["random", "empty", "rank_empty"] if forced else ["full", "random", "empty", "rank_empty"]))
         empty_rank = draw(st.integers(0, world - 1)) if mode == "rank_empty" else -1
         for r in range(world):
             for _ in range(micro_batch):
@@ -64,7 +86,7 @@ def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int,
                 elif mode == "empty" or r == empty_rank:
                     out.append(0)
                 else:
-                    out.append(draw(st.integers(0, seq_len).map(lambda n: seq_len - n)))
+                    out.append(draw(st.integers(1 if forced else 0, seq_len).map(lambda n: seq_len - n)))
     E = accum_steps * micro_batch * world
     if not empty_windows:
         for k in range(steps):
@@ -80,10 +102,11 @@ def _row_length(adapter, options) -> int:
 @st.composite
 def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int = 4,
           min_steps: int = 1, max_steps: int = 3, device: str | None = None, world: int = 1,
-          padded: bool | None = None) -> Case:
+          padded: bool | None = None, some_padding: bool = False) -> Case:
     """(N, B, K, seeds, options, precision[, padding]) for `adapter`. N shrinks to min_accum, the rest to
     their minimum, the precision to the adapter's first. padded: None draws it (adapters with an
-    ignore_index only), True / False forces it."""
+    ignore_index only), True / False forces it; some_padding: a padded window is never all full rows
+    (padding(some_padding=True))."""
     c = Case(
         accum_steps=draw(st.integers(min_accum, max_accum)),
         micro_batch=draw(st.integers(1, max_micro_batch)),
@@ -98,7 +121,7 @@ def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_ba
     if adapter.ignore_index is not None and (padded if padded is not None else draw(st.booleans())):
         c = c.replace(lengths=draw(padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=c.micro_batch,
                                            world=world, seq_len=_row_length(adapter, c.options),
-                                           empty_windows=adapter.empty_windows)))
+                                           empty_windows=adapter.empty_windows, some_padding=some_padding)))
     return c
 
 

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from . import report
 from ._gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
 from .gates import check_bit_exact, check_equivalence
-from .strategies import budget, cases
+from .strategies import cases, gate_budget
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]
 
 
-@settings(deadline=None)
+@settings(max_examples=gate_budget("equivalence"), deadline=None)
 @given(data=st.data())
 def test_accumulation_equals_big_batch(verify_adapter, data):
     case = data.draw(cases(verify_adapter), label="case")
@@ -30,7 +30,7 @@ def test_accum1_bit_identical_to_plain(verify_adapter):
         report.skip("bit_exact", reason)
         pytest.skip(reason)
 
-    @settings(deadline=None)
+    @settings(max_examples=gate_budget("bit_exact"), deadline=None)
     @given(data=st.data())
     def bit_exact(data):
         case = data.draw(cases(verify_adapter, max_accum=1, max_micro_batch=8), label="case")
@@ -53,10 +53,12 @@ def test_split_invariance_on_padded_windows(verify_adapter):
         pytest.skip(reason)
     worlds = max_world() if verify_adapter.data_parallel else 1
 
-    @settings(max_examples=budget(10, 3), deadline=None)
+    @settings(max_examples=gate_budget("split_invariance"), deadline=None)
     @given(data=st.data())
     def split_invariance(data):
-        case = data.draw(cases(verify_adapter, max_accum=6, max_micro_batch=2, max_steps=2, padded=True), label="case")
+        # N ≥ 2 so the window has a split; some padding, so its micro-batches' valid-target counts differ
+        case = data.draw(cases(verify_adapter, min_accum=2, max_accum=6, max_micro_batch=2, max_steps=2, padded=True,
+                               some_padding=True), label="case")
         report.record(check_split_invariance(verify_adapter, case, max_world=worlds))
 
     split_invariance()
@@ -77,7 +79,7 @@ def test_token_mean_claim(verify_adapter):
         report.skip("token_mean", reason)
         pytest.skip(reason)
 
-    @settings(max_examples=budget(10, 3), deadline=None)
+    @settings(max_examples=gate_budget("token_mean"), deadline=None)
     @given(data=st.data())
     def token_mean(data):
         report.record(check_token_mean(verify_adapter, data.draw(_token_cases(verify_adapter), label="case")))
@@ -98,7 +100,7 @@ def test_empty_window_is_no_step(verify_adapter):
         report.skip("empty_window", reason)
         pytest.skip(reason)
 
-    @settings(max_examples=budget(10, 3), deadline=None)
+    @settings(max_examples=gate_budget("empty_window"), deadline=None)
     @given(data=st.data())
     def empty_window(data):
         report.record(check_empty_window(verify_adapter, data.draw(_token_cases(verify_adapter), label="case")))
@@ -113,7 +115,7 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
     from .gates import GateSkipped
     from .gates.windows import check_partial_sums
 
-    @settings(max_examples=budget(30, 2), deadline=None)
+    @settings(max_examples=gate_budget("long_windows"), deadline=None)
     @given(data=st.data())
     def long_windows(data):
         case = data.draw(cases(verify_adapter, min_accum=64, max_accum=256, max_micro_batch=1, max_steps=2),

@@ -13,7 +13,7 @@ from . import report
 from ._gpulock import gpu_shared  # noqa: F401
 from .gates import check_distributed, check_same_bytes
 from .gates.distributed import max_world, min_world
-from .strategies import budget, dist_cases
+from .strategies import dist_cases, gate_budget
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
 
@@ -29,7 +29,7 @@ def _data_parallel(adapter):
 def test_data_parallel_boundary_only_and_equivalent(verify_adapter):
     _data_parallel(verify_adapter)
 
-    @settings(max_examples=budget(2, 8), deadline=None)
+    @settings(max_examples=gate_budget("data_parallel"), deadline=None)
     @given(data=st.data())
     def gates(data):
         case = data.draw(dist_cases(verify_adapter, min_world=min_world(), max_world=max_world()), label="case")
@@ -46,7 +46,7 @@ def test_bytes_per_step_independent_of_N(verify_adapter):
     if max_world() < 2:
         pytest.skip("needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)")
 
-    @settings(max_examples=budget(30, 3), deadline=None)
+    @settings(max_examples=gate_budget("bytes_per_step"), deadline=None)
     @given(data=st.data())
     def same_bytes(data):
         case = data.draw(dist_cases(verify_adapter, min_world=max(2, min_world()), max_world=max_world(),

@@ -30,7 +30,7 @@ from ..comm import Collective, Windows
 from ..pool import default_backend, get_pool
 from .diagnose import determinism
 from .single import GateResult
-from .tolerance import GateFailure, Judge, condition, twin_diff, twin_floor
+from .tolerance import GateFailure, Judge, condition, measured_floor, twin_floor
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
@@ -89,17 +89,14 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
     return out
 
 
-def reference_job(ctx, adapter, case: Case) -> dict:
-    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64, and
-    the float64 twin (rows reversed) whose difference is the reference's own floor."""
-    batches = case.batches(adapter)
+def reference_job(ctx, adapter, case: Case, twin_only: bool = False) -> dict:
+    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64
+    (or, with twin=True, only the float64 big batch's twin: its rows reversed, case.twin)."""
+    batches = twin(case.batches(adapter)) if twin_only else case.batches(adapter)
     refs = {}
-    for name, dtype, data in (("big32", torch.float32, batches), ("ref64", torch.float64, batches),
-                              ("twin64", torch.float64, twin(batches))):
+    for name, dtype in (() if twin_only else (("big32", torch.float32),)) + (("ref64", torch.float64),):
         trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device), adapter=adapter))
-        refs[name] = drive(trainer, data, 1, dtype=dtype, device=ctx.device, gate="reference")
-    measured, seen = twin_diff(refs["ref64"], refs.pop("twin64"))
-    refs["floor64"] = twin_floor(measured, adapter.loss_precision, seen)
+        refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate="reference")
     return refs
 
 
@@ -315,13 +312,15 @@ def boundary_summary(report: CommReport | None, rank: int, dtype: str, step: int
 # -- the numbers' verdict --------------------------------------------------------------------------
 
 def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: CommReport | None = None,
-                           kappa=None) -> tuple[str, float]:
+                           kappa=None, floor: float = 0.0, measure=None) -> tuple[str, float, float | None]:
     """Every rank vs the one-rank reference on the big batch; returns (the check closest to its bound,
-    its error / bound). kappa: name -> κ, or a function returning it when a check needs it (Judge.step0)."""
+    its error / bound, the float64 floor judged with). kappa: name -> κ, or a function returning it when a
+    check needs it (Judge.step0); floor / measure: the declared float64 floor, and a function measuring the
+    case's own when a float64 check needs it (Judge.float64)."""
     big, ref = outcomes[0].refs["big32"], outcomes[0].refs["ref64"]
-    floor, worst = outcomes[0].refs.get("floor64", 0.0), ("", 0.0)
-    if callable(kappa):  # one function for every rank: κ is computed at most once
-        kappa = functools.cache(kappa)
+    worst, used = ("", 0.0), None
+    kappa = functools.cache(kappa) if callable(kappa) else kappa  # one function for every rank: computed once
+    measure = functools.cache(measure) if callable(measure) else measure
     for o in outcomes:
         j = Judge("distributed equivalence", case, f"rank {o.rank}: ",
                   lambda step, o=o: boundary_summary(report, o.rank, F32, step))
@@ -329,7 +328,8 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
         doomed = None
         if F64 in o.runs:  # looked at first, raised last: a case that fails anyway computes no κ
             try:
-                j.float64(o.runs[F64].trace, ref, floor)
+                f = j.float64(o.runs[F64].trace, ref, floor, measure)
+                used = f if used is None or (f or 0.0) > used else used
             except GateFailure as e:
                 doomed = e
         j.step0(acc, big, ref, kappa, doomed=doomed)
@@ -346,7 +346,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
                 for name, p in pb.items():
                     j.equal(pa.get(name, torch.empty(0)), p,
                             f"parameter {name!r} after step {k} vs rank 0's ({dt.replace('torch.', '')} run): ranks diverged", k)
-    return worst
+    return worst[0], worst[1], used
 
 
 def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
@@ -359,16 +359,19 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     row = adapter.counts(case) if adapter.counts is not None else None
     report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row)
     kpool = (pool if case.world == 1 else ref_pool) or get_pool(1)  # where the reference ran
-    ref_grads = outcomes[0].refs["ref64"].grads0
+    ref64, declared = outcomes[0].refs["ref64"], twin_floor(0.0, adapter.loss_precision)
+    ref_grads = ref64.grads0
+    measure = lambda: measured_floor(  # noqa: E731
+        ref64, kpool.run(reference_job, adapter, case, True)[0]["ref64"], adapter.loss_precision)
     lazy = ((lambda: kpool.run(kappa_job, adapter, case, ref_grads)[0])  # noqa: E731
             if case.accum_steps * case.world > 1 else None)
     try:
-        worst, ratio = check_dist_equivalence(outcomes, case, report, lazy)
+        worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, declared, measure)
     except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
         raise determinism(e, rerun, outcomes[0].runs[F32].trace) from None
     steps = report.steps[(0, F32)]
-    return GateResult("data-parallel", case, worst, ratio, comm=report, floor64=outcomes[0].refs.get("floor64"),
+    return GateResult("data-parallel", case, worst, ratio, comm=report, floor64=floor,
                       boundary_bytes=[s.boundary_bytes for s in steps],
                       boundary_collectives=[len(s.reduced) for s in steps],
                       gradient_bytes=4 * report.grad_elements)

@@ -16,7 +16,7 @@ import torch
 
 from ..case import Case, block_grads, drive, twin
 from .diagnose import determinism
-from .tolerance import GateFailure, Judge, condition, twin_diff, twin_floor
+from .tolerance import GateFailure, Judge, condition, measured_floor, twin_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
 
@@ -44,11 +44,14 @@ def _equivalence(adapter, case: Case, device: str) -> GateResult:
         device=device, gate=gate)
     acc, big = run(N, torch.float32), run(1, torch.float32)
     acc64, ref64 = run(N, f64), run(1, f64)
-    measured, seen = twin_diff(ref64, run(1, f64, twin(batches)))
-    floor = twin_floor(measured, adapter.loss_precision, seen)
-    j = Judge(gate, case)
+    declared = twin_floor(0.0, adapter.loss_precision)
+    measure = lambda: measured_floor(ref64, run(1, f64, twin(batches)), adapter.loss_precision)  # noqa: E731
+    j, doomed, floor = Judge(gate, case), None, None
     try:
-        doomed = _float64_failure(j, acc64, ref64, floor)
+        try:  # the float64 verdict, looked at first and raised last: a case that fails anyway computes no κ
+            floor = j.float64(acc64, ref64, declared, measure)
+        except GateFailure as e:
+            doomed = e
         kappa = (lambda: condition(block_grads(adapter, case, device), ref64.grads0)) if N > 1 else None
         j.step0(acc, big, ref64, kappa, doomed=doomed)
         j.loss_trajectory(acc, big)
@@ -70,16 +73,6 @@ def _bit_exact(adapter, case: Case, device: str) -> GateResult:
     want = drive(adapter.plain(spec), batches, 1, device=device, gate=gate)
     Judge(gate, case).bit_exact(got, want)
     return GateResult(gate, case)
-
-
-def _float64_failure(judge: Judge, acc64, ref64, floor: float) -> GateFailure | None:
-    """The float64 checks' verdict, looked at first and raised last (the step-0 checks name a failure
-    better), so that a case that fails anyway computes no κ."""
-    try:
-        judge.float64(acc64, ref64, floor)
-    except GateFailure as e:
-        return e
-    return None
 
 
 _GATES = {"equivalence": _equivalence, "bit_exact": _bit_exact}

@@ -9,16 +9,16 @@ parameters) each run whole windows, in one process, N micro-steps of B rows as d
 token mean    additivity: for two disjoint padded windows A and B and their union A∪B (A's micro-batches,
               then B's: 2N micro-steps), n_A·L_A + n_B·L_B = n_AB·L_AB and n_A·g_A + n_B·g_B = n_AB·g_AB for
               the step-0 loss L and every parameter's boundary gradient g, n the valid counts.
-              padding: A with as many extra rows that hold no valid target — inside each micro-batch (B' =
-              2B) or as micro-batches of their own (N' = 2N) — gives A's loss and gradients.
+              padding: A with as many extra rows that hold no valid target, B of them inside each of its
+              micro-batches (B' = 2B), gives A's loss and gradients.
 empty window  a window without a valid target, run after A, leaves every parameter bit-unchanged, and the
               window after it (B) gives what B gives right after A: nothing moved (no parameter, optimizer
               state, LR schedule or loss scale). Skipped, saying why, where the adapter declares
               empty_windows=False.
 
 Bounds: tolerance.bound64 (the trainer's own float64 rounding floor, measured on twins — A∪B and A with
-padding, rows reversed —, times κ, the condition number of the two-window sum); the empty window's
-parameters torch.equal; the window after it by the float64 policy of the other gates.
+padding, rows reversed, in one micro-batch —, times κ, the condition number of the two-window sum); the
+empty window's parameters torch.equal; the window after it by the float64 rule of the other gates.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from ..case import Case, Trace, drive
 from .single import GateResult, GateSkipped, run_alone
-from .tolerance import GateFailure, Judge, bound64, overall_error, rel_err, twin_floor
+from .tolerance import GateFailure, Judge, bound64, float32_loss, rel_err, twin_floor
 
 __all__ = ["check_token_mean", "check_empty_window", "windows_case"]
 
@@ -91,9 +91,8 @@ class _Runs:
         """B's inputs, every target padding: a window without a valid target."""
         return self.xb, torch.full_like(self.yb, self.ign)
 
-    def padded(self, layout: str) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
-        """A plus E rows without a valid target: inside every micro-batch ("rows": N micro-batches of 2B), or
-        as micro-batches of their own ("micro": 2N of B, A's and the empty ones alternating)."""
+    def padded(self) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+        """A plus E rows without a valid target, B of them inside each of A's N micro-batches (B doubled)."""
         N, B = self.case.accum_steps, self.case.micro_batch
         xp, yp = self.empty()
         xs, ys = [], []
@@ -101,29 +100,28 @@ class _Runs:
             a, p = slice(m * B, (m + 1) * B), slice(m * B, (m + 1) * B)
             xs += [self.xa[a], xp[p]]
             ys += [self.ya[a], yp[p]]
-        return (torch.cat(xs), torch.cat(ys)), (N if layout == "rows" else 2 * N)
+        return (torch.cat(xs), torch.cat(ys)), N
 
 
 def _flip(batch):
     return batch[0].flip(0), batch[1].flip(0)
 
 
-def _floors(pairs, loss_precision) -> tuple[float, dict, float]:
-    """(loss floor, name -> parameter floor, all-parameter floor) from (run, twin) pairs: the largest relative
-    |Δ| between runs equal in exact arithmetic. A scalar or a tensor can come out of both luckily alike, so
-    each takes the all-parameter floor as its least."""
-    loss, params, overall = 0.0, {}, 0.0
+def _floors(pairs, loss_precision) -> tuple[float, dict]:
+    """(floor, name -> parameter floor) from (run, twin) pairs, equal in exact arithmetic: twin_floor of the
+    largest twin_diff (one float32 part seen anywhere lifts every floor to eps32), and for each parameter at
+    least its own largest relative |Δ| (a tensor whose terms cancel rounds more than the whole)."""
+    from .tolerance import twin_diff
+
+    diffs = [twin_diff(a, b) for a, b in pairs]
+    measured, seen = max(d[0] for d in diffs), max(d[1] for d in diffs)
+    params = {}
     for a, b in pairs:
-        la, lb = a.losses[0], b.losses[0]
-        if not (math.isnan(la) or math.isnan(lb)):
-            loss = max(loss, abs(la - lb) / (abs(lb) or 1.0))
-        overall = max(overall, overall_error(a.grads0, b.grads0))
         for name, g in b.grads0.items():
             if name in a.grads0:
-                params[name] = max(params.get(name, 0.0), rel_err(a.grads0[name], g))
-    lp = loss_precision
-    return (twin_floor(max(loss, overall), lp), {k: twin_floor(max(v, overall), lp) for k, v in params.items()},
-            twin_floor(overall, lp))
+                params[name] = max(params.get(name, measured), rel_err(a.grads0[name], g))
+    return (twin_floor(measured, loss_precision, seen),
+            {k: twin_floor(v, loss_precision, max(seen, v)) for k, v in params.items()})
 
 
 class _Verdicts:
@@ -155,12 +153,15 @@ def token_mean_job(adapter, case: Case, device: str) -> GateResult:
     a_b = r.run([(r.xa, r.ya), (r.xb, r.yb)], N, GATE)  # step 0 is window A alone
     b = r.run([(r.xb, r.yb)], N, GATE)
     union = (torch.cat([r.xa, r.xb]), torch.cat([r.ya, r.yb]))
-    ab, ab_twin = r.run([union], 2 * N, GATE), r.run([_flip(union)], 2 * N, GATE)
-    pad_rows, n_rows = r.padded("rows")
-    pad_micro, n_micro = r.padded("micro")
-    rows, rows_twin = r.run([pad_rows], n_rows, GATE), r.run([_flip(pad_rows)], n_rows, GATE)
-    micro = r.run([pad_micro], n_micro, GATE)
-    loss_floor, floors, overall = _floors([(ab, ab_twin), (rows, rows_twin)], adapter.loss_precision)
+    ab = r.run([union], 2 * N, GATE)
+    pad, n_pad = r.padded()
+    rows = r.run([pad], n_pad, GATE)
+    # twins: the same rows reversed, in ONE micro-batch — another order and another split, so a float32 part
+    # (a loss computed in fp32, a count divided in fp32) shows; two of them, so one lucky match cannot hide it
+    twins = [(ab, r.run([_flip(union)], 1, GATE)), (rows, r.run([_flip(pad)], 1, GATE))]
+    runs = [a_b, b, ab, rows, *(t for _, t in twins)]
+    fp32 = "fp32" if float32_loss(*(x for t in runs for x in t.losses)) else adapter.loss_precision
+    overall, floors = _floors(twins, fp32)
     v = _Verdicts(case)
     na, nb = r.count(r.ya), r.count(r.yb)
     a = Trace(a_b.losses[:1], a_b.grads0, a_b.params[:1])
@@ -173,7 +174,7 @@ def token_mean_job(adapter, case: Case, device: str) -> GateResult:
         why = ("the counts × the windows' token means do not add up to the union's: the trainer divides by "
                "something other than the valid-target count")
         v.check(f"{head}: n_A·L_A + n_B·L_B vs n_AB·L_AB (step-0 loss)", abs(s - whole) / (abs(whole) or 1.0),
-                loss_floor, kappa, why)
+                overall, kappa, why)
         for name in sorted(set(ab.grads0).union(*(t.grads0 for _, t in parts))):
             zero = _zeros_like_any([ab, *(t for _, t in parts)], name)
             terms = [n * t.grads0.get(name, zero).double() for n, t in parts]
@@ -183,15 +184,15 @@ def token_mean_job(adapter, case: Case, device: str) -> GateResult:
             v.check(f"{head}: n_A·g_A + n_B·g_B vs n_AB·g_AB of {name!r}", rel_err(sum(terms), w),
                     floors.get(name, overall), kappa, why)
     if na:  # rows without a valid target change nothing
-        for layout, t in (("inside every micro-batch (B doubled)", rows), ("as micro-batches of their own (N doubled)", micro)):
-            head = f"padding: window A ({na} valid targets) plus {case.effective_batch} rows without one, {layout}"
-            why = "rows that hold no valid target changed the result: padding is counted (positions or sequences)"
-            la, lt = a.losses[0], t.losses[0]
-            v.check(f"{head}: step-0 loss", abs(lt - la) / (abs(la) or 1.0), loss_floor, 1.0, why)
-            for name in sorted(set(a.grads0) | set(t.grads0)):
-                zero = _zeros_like_any([a, t], name)
-                v.check(f"{head}: gradient of {name!r}", rel_err(t.grads0.get(name, zero), a.grads0.get(name, zero)),
-                        floors.get(name, overall), 1.0, why)
+        head = (f"padding: window A ({na} valid targets) plus {case.effective_batch} rows without one, inside every "
+                f"micro-batch")
+        why = "rows that hold no valid target changed the result: padding is counted (positions or sequences)"
+        la, lt = a.losses[0], rows.losses[0]
+        v.check(f"{head}: step-0 loss", abs(lt - la) / (abs(la) or 1.0), overall, 1.0, why)
+        for name in sorted(set(a.grads0) | set(rows.grads0)):
+            zero = _zeros_like_any([a, rows], name)
+            v.check(f"{head}: gradient of {name!r}", rel_err(rows.grads0.get(name, zero), a.grads0.get(name, zero)),
+                    floors.get(name, overall), 1.0, why)
     return GateResult(GATE, case, v.worst, v.ratio, valid=(na, nb), floor64=overall)
 
 
@@ -215,5 +216,5 @@ def empty_window_job(adapter, case: Case, device: str) -> GateResult:
                                  "(the reference): ")
     # a true no-op leaves the two runs bit-identical; the float64 rule (at eps32 for a declared float32 loss) bounds them
     j.float64(Trace(with_empty.losses[2:], {}, with_empty.params[2:]), Trace(without.losses[1:], {}, without.params[1:]),
-              floor=twin_floor(0.0, adapter.loss_precision))
+              floor=twin_floor(0.0, "fp32" if float32_loss(*without.losses) else adapter.loss_precision))
     return GateResult(EMPTY, case, "parameters bit-unchanged; the next window as without it", 0.0)

@@ -50,6 +50,7 @@ import torch
 
 __all__ = ["GateFailure", "C", "FLOOR", "EPS32", "ATOL64_PARAMS", "RTOL64_LOSS", "LOSS_MAX_REL", "KAPPA_EXACT_ABOVE",
            "FLOAT32_SEEN", "rel_err", "condition", "bound", "overall_error", "step0_checks", "twin_diff", "twin_floor",
+           "measured_floor",
            "bound64", "Judge"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
@@ -152,6 +153,12 @@ def twin_floor(measured: float, loss_precision: str | None = None, seen: float |
     f = min(measured, FLOOR)
     seen = measured if seen is None else seen
     return max(f, EPS32) if loss_precision == "fp32" or seen > FLOAT32_SEEN else f
+
+
+def measured_floor(ref, twin, loss_precision: str | None = None) -> float:
+    """twin_floor of a float64 reference Trace and its twin's (the same rows, case.twin)."""
+    measured, seen = twin_diff(ref, twin)
+    return twin_floor(measured, loss_precision, seen)
 
 
 def bound64(floor: float = 0.0, kappa: float = 1.0) -> float:
@@ -261,12 +268,25 @@ class Judge:
                 self.fail(f"step-{k} loss {la!r} vs the big batch's {lb!r}: rel {mr:.3e} ≥ {LOSS_MAX_REL:g}", k,
                           error=mr, bound=LOSS_MAX_REL)
 
-    def float64(self, acc64, ref64, floor: float = 0.0) -> None:
+    def float64(self, acc64, ref64, floor: float = 0.0, measure=None) -> float | None:
         """Every step's loss and parameters of the float64 accumulation run vs the float64 big batch, within
-        bound64(floor) (floor: twin_floor of the case's twin)."""
+        bound64(floor). `measure()`: the case's floor from its twin (measured_floor), called only where a
+        check fails at `floor` (the declared one) but not at FLOOR, the largest floor: a true float64 run,
+        and a real bug, need no twin. Returns the floor it judged with (None: none declared, none measured)."""
+        if measure is not None:
+            try:
+                self._float64(acc64, ref64, floor)
+                return floor or None
+            except GateFailure:  # beyond what any floor allows (a real bug): certain without a twin
+                self._float64(acc64, ref64, FLOOR, "the largest floor any reference gets")
+            floor = max(floor, measure())
+        self._float64(acc64, ref64, floor)
+        return floor
+
+    def _float64(self, acc64, ref64, floor: float, what: str = "the reference's own floor") -> None:
         rel = bound64(floor)
         floor = min(floor, FLOOR)
-        why = "" if rel == RTOL64_LOSS else f" = {C:g}·{floor:.2e} (the reference's own floor)"
+        why = "" if rel == RTOL64_LOSS else f" = {C:g}·{floor:.2e} ({what})"
         for k, (la, lr) in enumerate(zip(acc64.losses, ref64.losses)):
             if self._undefined(la, lr, f"float64 loss at step {k}", k):
                 continue
@@ -301,3 +321,17 @@ class Judge:
                 if name not in pa:
                     self.fail(f"no parameter {name!r} after step {k}", k)
                 self.equal(pa[name], p, f"parameter {name!r} after step {k}", k)
+
+
+def float32_loss(*losses: float) -> bool:
+    """True when some loss of a float64 run is a float32 number (exact in float32, not in float16): the trainer
+    computes its loss in float32 (HF's `logits.float()`, Fabric's "64-true" output cast), and is judged like
+    one that declares loss_precision="fp32". A twin can miss that (its float32 sums can come out alike: seen
+    5.7e-8 off between windows, 1e-16 between twins); a float64 loss is a float32 number by chance with
+    probability ~2^-29, and a wrong guess only lifts the floor to eps32."""
+    for x in losses:
+        if math.isfinite(x) and x != 0.0:
+            t = torch.tensor(x, dtype=torch.float64)
+            if t.float().double().item() == x and t.half().double().item() != x:
+                return True
+    return False

@@ -20,7 +20,7 @@ import torch
 from ..case import Case, _cpu, _to, block_grads, split, twin
 from .diagnose import determinism
 from .single import GateResult, GateSkipped, check_equivalence
-from .tolerance import KAPPA_EXACT_ABOVE, GateFailure, bound64, condition, rel_err, twin_diff, twin_floor
+from .tolerance import KAPPA_EXACT_ABOVE, GateFailure, bound64, condition, measured_floor, rel_err, twin_floor
 
 __all__ = ["splits", "check_split_invariance", "check_partial_sums"]
 
@@ -104,9 +104,9 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                                   gate=gate, case=case)
             e = rel_err(g, want.get(name, torch.zeros_like(g)))
             if e > KAPPA_EXACT_ABOVE * bound64(declared) and floor is None:  # measure the case's floor, once
-                d = twin_diff(_prefix_reference(adapter, case, inputs, targets, device),
-                              _prefix_reference(adapter, case, inputs, targets, device, True))
-                floor = twin_floor(d[0], adapter.loss_precision, d[1])
+                floor = measured_floor(_prefix_reference(adapter, case, inputs, targets, device),
+                                       _prefix_reference(adapter, case, inputs, targets, device, True),
+                                       adapter.loss_precision)
             b = bound64(declared if floor is None else floor)
             if e > KAPPA_EXACT_ABOVE * b and b > bound64():  # a float32 part: rounding relative to the sum's terms
                 blocks = blocks if blocks is not None else block_grads(adapter, case, device)
@@ -120,4 +120,4 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                 raise determinism(fail, lambda: _prefix_reference(adapter, case, inputs, targets, device))
             if e / b >= worst:
                 worst, at = e / b, f"after micro-step {m}: {name!r}"
-    return GateResult(gate, case, at, worst, floor64=declared if floor is None else floor)
+    return GateResult(gate, case, at, worst, floor64=(declared or None) if floor is None else floor)
