@@ -15,11 +15,21 @@ from verify.gates import GateFailure, check_equivalence
 from tests import pull_loops
 
 
+_BEFORE = set()
+
+
+@pytest.fixture(autouse=True)
+def _threads_before():
+    _BEFORE.clear()
+    _BEFORE.update(threading.enumerate())
+
+
 def _pull_threads():
-    """Framework threads still running a second after their Pull was dropped or failed."""
-    for t in [t for t in threading.enumerate() if t.name == "verify-pull"]:
+    """This test's framework threads still running a second after their Pull was dropped or failed."""
+    mine = [t for t in threading.enumerate() if t.name == "verify-pull" and t not in _BEFORE]
+    for t in mine:
         t.join(timeout=1)
-    return [t for t in threading.enumerate() if t.name == "verify-pull"]
+    return [t for t in mine if t.is_alive()]
 
 
 @pytest.mark.parametrize("case", [Case(accum_steps=1, micro_batch=1, steps=1),
@@ -54,6 +64,7 @@ def test_a_window_longer_than_accum_steps_is_named_not_hung():
     case = Case(accum_steps=2, micro_batch=1, steps=1)
     with pytest.raises(verify.PullError, match="asked for another micro-batch instead of reaching its optimizer step"):
         drive(pull_loops.long_window(case.spec()), case.batches(pull_loops.long_window), 2)
+    assert _pull_threads() == []  # stopped at once, not left waiting for its timeout
 
 
 def test_a_loop_that_never_reads_the_dataset_is_told_so():
