@@ -309,3 +309,15 @@ def test_a_float32_loss_in_float64_runs_passes_undeclared_and_a_wrong_count_stil
     assume(sum(case.lengths[:E]) and sum(case.lengths[E:2 * E]))
     with pytest.raises(GateFailure, match=r"^\[token mean\] additivity"):
         check_token_mean(fp32_loss_count_plus_one, case)
+
+
+def test_two_runs_that_both_end_in_nan_are_not_nondeterminism():
+    """Found by count_from_one_rank at W=4 (a rank with no valid target divides by 0): the diagnosis called
+    two NaN runs different, and reported [determinism] instead of the data-parallel verdict."""
+    from verify.case import Trace
+    from verify.gates.diagnose import first_difference
+
+    nan = torch.tensor([float("nan"), 1.0])
+    a, b = Trace([float("nan")], {"w": nan}, [{"w": nan}]), Trace([float("nan")], {"w": nan.clone()}, [{"w": nan.clone()}])
+    assert first_difference(a, b) is None
+    assert first_difference(a, Trace([float("nan")], {"w": torch.tensor([float("nan"), 2.0])}, [])) is not None
