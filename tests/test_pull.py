@@ -98,3 +98,15 @@ def test_lightning_with_the_loss_divided_by_N_twice_is_rejected():
     assert check_equivalence(factory, case).ratio < 1
     with pytest.raises(GateFailure, match=r"\[equivalence\] (loss|gradient).*accumulation error 6\.6"):
         check_equivalence(framework_bugs.lightning_over_n_twice, case)
+
+
+def test_causal_lm_targets_are_what_a_label_shifting_model_predicts():
+    """HF causal LMs shift labels inside the model (logits[:, :-1] against labels[:, 1:]): shifted_labels puts
+    the harness's targets exactly there, so the model's count of valid labels is the harness's."""
+    x, y = verify.data.causal_lm(vocab=16, seq_len=5)(3, 7)
+    assert x.shape == (3, 6) and y.shape == (3, 5) and torch.equal(x[:, 1:], y)
+    y = y.clone()
+    y[0, 2:], y[1, :] = -100, -100  # the harness's padding: 2, 0 and 5 valid targets
+    labels = verify.data.shifted_labels(y)
+    assert labels.shape == x.shape and (labels[:, 0] == -100).all() and torch.equal(labels[:, 1:], y)
+    assert int(labels[..., 1:].ne(-100).sum()) == int(y.ne(-100).sum()) == 7
