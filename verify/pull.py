@@ -251,6 +251,7 @@ def _install() -> None:
 
 def _run(channel: _Channel, run) -> None:
     _LOCAL.channel = channel
+    env = dict(os.environ)
     try:
         run()
     except _Stopped:
@@ -258,6 +259,9 @@ def _run(channel: _Channel, run) -> None:
     except BaseException:  # noqa: BLE001  (reported in the harness, with the traceback)
         channel.error = traceback.format_exc()
     finally:
+        # a framework's teardown may edit the process's environment (Lightning deletes WORLD_SIZE): a rank
+        # process of the harness runs other trainers after this one, so what the loop removed is put back
+        os.environ.update({k: v for k, v in env.items() if k not in os.environ})
         with channel.cv:
             channel.fw = "done"
             channel.cv.notify_all()
