@@ -78,6 +78,7 @@ class _Channel:
         if not self.cv.wait_for(lambda: ready() or self.stopped, self.timeout):
             if framework:
                 raise _Stopped(f"no harness call for {self.timeout:.0f} s while {what}")
+            self.stopped = True  # the Pull is unusable now: its thread ends at its next wait
             raise PullError(f"the framework's loop did not {what} within {self.timeout:.0f} s (state {self.fw}); "
                             f"set XTRAIN_DIST_TIMEOUT to wait longer")
         if self.stopped and framework:
@@ -310,6 +311,7 @@ class Pull:
     def _at_boundary(self, what: str) -> None:
         state = self._ch.quiet(f"reach its optimizer step ({what})")
         if state != "boundary":
+            self._ch.stop()  # unusable now: end the framework's thread instead of leaving it waiting
             raise PullError(f"{what}: the framework's loop {'ended' if state == 'done' else 'asked for another micro-batch'}"
                             f" instead of reaching its optimizer step: its accumulation window is not the "
                             f"{getattr(self.spec, 'accum_steps', '?')} micro-steps of Spec.accum_steps")
