@@ -3,6 +3,7 @@ that prefetch the window and clip, then the gates on them: a correct loop passes
 although the loop clips (the gradient is read before clipping), the framework's errors surface with
 their traceback, and no thread is left behind."""
 import importlib.util
+import os
 import threading
 
 import pytest
@@ -110,3 +111,19 @@ def test_causal_lm_targets_are_what_a_label_shifting_model_predicts():
     labels = verify.data.shifted_labels(y)
     assert labels.shape == x.shape and (labels[:, 0] == -100).all() and torch.equal(labels[:, 1:], y)
     assert int(labels[..., 1:].ne(-100).sum()) == int(y.ne(-100).sum()) == 7
+
+
+def test_environment_the_loop_removed_is_put_back(monkeypatch):
+    """Lightning's teardown deletes WORLD_SIZE; a harness rank process builds more trainers after it."""
+    monkeypatch.setenv("VERIFY_PULL_PROBE", "kept")
+    model = torch.nn.Linear(1, 1)
+    pull = verify.Pull(timeout=5)
+
+    def loop():
+        del os.environ["VERIFY_PULL_PROBE"]
+        pull_dataset[0].to("cpu")  # waits for a micro-batch until the Pull is dropped
+
+    pull_dataset = pull.dataset
+    pull.start(loop, model)
+    del pull
+    assert _pull_threads() == [] and os.environ.get("VERIFY_PULL_PROBE") == "kept"
