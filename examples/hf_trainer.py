@@ -26,12 +26,15 @@ def batch(x, y):  # HF shifts labels inside the model: position 0 is no target (
 # Alone, accelerate still wraps the model in DDP but its no_sync() is a no-op there: DDP reduces on every
 # micro-step over its one rank (the gradient bucket, find_unused_parameters' bitmap). Declared for world 1.
 ALONE = verify.Expected("all_reduce", count=2, world=1, why="accelerate's no_sync() is a no-op at world 1")
+# DDP broadcasts the model's buffers at every forward (broadcast_buffers=True): GPT-2 before transformers 4.46
+# registers its attention mask (bool) and masked_bias (float) as buffers. Declared; later releases have none.
+BUFFERS = verify.Expected("broadcast", count=2, why="DDP's buffer broadcast at every forward (GPT-2 < 4.46)")
 
 
 # empty_windows=False: HF steps AdamW on a window without a valid label (zero gradient, but momentum moves
 # the parameters): such windows are not drawn.
 @verify.adapter(data=verify.data.causal_lm(vocab=VOCAB, seq_len=SEQ), ignore_index=-100, data_parallel=True,
-                expected=(ALONE, *verify.DDP_EXPECTED), empty_windows=False)
+                expected=(ALONE, *verify.DDP_EXPECTED, BUFFERS), empty_windows=False)
 def factory(spec):
     torch.manual_seed(spec.seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ + 1, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
