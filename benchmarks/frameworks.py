@@ -141,6 +141,20 @@ def failure_rows(report: dict) -> list[dict]:
     return rows
 
 
+def explain(f: dict) -> str | None:
+    """What a failure of this recipe means, where its verdict shows a known class (None otherwise)."""
+    text = f["verdict"]
+    if "nan" in text.lower() and f["gate"] in ("equivalence", "token mean", "split invariance"):
+        return ("a micro-batch without a valid target gives 0/0 = NaN where the window's token mean is defined: the "
+                "loss is a mean per micro-batch, not over the window's valid targets (fixed in 4.46, #34191/#34373)")
+    ops = re.findall(r"\w+:(\w+) \w+ \[", text)
+    if f["gate"] == "boundary-only" and ops and all("broadcast" in op for op in ops):
+        return ("broadcasts only, no gradient: DDP (broadcast_buffers=True) sends the model's buffers from rank 0 on "
+                "every forward, no_sync() or not — real per-micro-step traffic (this GPT-2 keeps its causal mask, "
+                "bool positions², and masked_bias as buffers), not the accumulation bug")
+    return None
+
+
 def render_md(doc: dict) -> str:
     out = ["# transformers' gradient accumulation on padded data, through the gates", "",
            f"`{doc['command']}` — commit {doc.get('git_commit') or '(outside a git repository)'}, {doc.get('utc', '')}", "",
@@ -157,6 +171,7 @@ def render_md(doc: dict) -> str:
             out += ["", "| gate | test | minimal case |", "|---|---|---|"]
             out += [f"| {f['gate']} | {f['test']} | `{f['case']}` |" for f in v["failures"]]
             out += ["", "Verdicts:", ""] + [f"- `{f['verdict']}`" + (f" — hint: {f['hint']}" if f["hint"] else "")
+                                            + (f"\n  - what it shows: {explain(f)}" if explain(f) else "")
                                             for f in v["failures"]]
         gates = {k: g for k, g in (v.get("gates") or {}).items() if g.get("examples")}
         if gates:

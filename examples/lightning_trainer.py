@@ -8,11 +8,15 @@ and AdamW in a LightningModule, run as users run it.
 verify.Pull runs `trainer.fit()` in a thread and feeds it the harness's micro-batches through its dataset
 (docs/verify-your-trainer.md, "The framework owns the loop").
 """
+import logging
+
 import lightning as L
 import torch
 import torch.nn.functional as F
 
 import verify
+
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no start-up notes: the gates build hundreds
 
 
 class Regressor(L.LightningModule):

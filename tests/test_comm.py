@@ -52,6 +52,10 @@ def test_windows_attribute_by_creation_time():
     assert [x.time_ns for x in got["a"]] == [100, 199]
     assert [x.time_ns for x in got["b"]] == [200]
     assert [x.time_ns for x in got["c"]] == [10**9]
+    # a framework's thread (verify.Pull) appends its marks too: two threads may append out of time order
+    w.marks = [(100, "a"), (300, "c"), (200, "b")]
+    got = w.attribute([c(250), c(350)])
+    assert [x.time_ns for x in got["b"]] == [250] and [x.time_ns for x in got["c"]] == [350]
 
 
 def test_parse_tolerates_missing_keys_and_classifies():

@@ -155,3 +155,13 @@ def test_the_guides_example_counts_are_the_codes():
                                                                              f.read(), re.M)}
     n = [settings.get_profile(p).max_examples for p in ("dev", "ci", "gpu")]
     assert rows == {gate: [gate_budget(gate, k) for k in n] for gate in GATE_BUDGETS}
+
+
+def test_a_trainer_that_raises_shows_its_own_frame_and_its_error_whole(tmp_path):
+    r = pytest_verify(tmp_path, "--verify-trainer", "tests.raising_adapter:adapter", "-k", "big_batch")
+    assert r.returncode == 1, r.stdout[-3000:]
+    line = "RuntimeError: this trainer cannot take accum_steps=3: a bug in the user's own micro_step"
+    assert f"FAILED test_gates.py::test_accumulation_equals_big_batch - {line}" in r.stdout.splitlines(), r.stdout
+    body = r.stdout.split("_ test_accumulation_equals_big_batch _", 1)[1]
+    assert "raising_adapter.py" in body and "verify/case.py" not in body and "hypothesis/" not in body, body[:3000]
+    assert _report(tmp_path / "reports")["failures"][0]["message"] == line

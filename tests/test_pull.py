@@ -3,6 +3,7 @@ that prefetch the window and clip, then the gates on them: a correct loop passes
 although the loop clips (the gradient is read before clipping), the framework's errors surface with
 their traceback, and no thread is left behind."""
 import importlib.util
+import os
 import threading
 
 import pytest
@@ -15,11 +16,21 @@ from verify.gates import GateFailure, check_equivalence
 from tests import pull_loops
 
 
+_BEFORE = set()
+
+
+@pytest.fixture(autouse=True)
+def _threads_before():
+    _BEFORE.clear()
+    _BEFORE.update(threading.enumerate())
+
+
 def _pull_threads():
-    """Framework threads still running a second after their Pull was dropped or failed."""
-    for t in [t for t in threading.enumerate() if t.name == "verify-pull"]:
+    """This test's framework threads still running a second after their Pull was dropped or failed."""
+    mine = [t for t in threading.enumerate() if t.name == "verify-pull" and t not in _BEFORE]
+    for t in mine:
         t.join(timeout=1)
-    return [t for t in threading.enumerate() if t.name == "verify-pull"]
+    return [t for t in mine if t.is_alive()]
 
 
 @pytest.mark.parametrize("case", [Case(accum_steps=1, micro_batch=1, steps=1),
@@ -54,6 +65,7 @@ def test_a_window_longer_than_accum_steps_is_named_not_hung():
     case = Case(accum_steps=2, micro_batch=1, steps=1)
     with pytest.raises(verify.PullError, match="asked for another micro-batch instead of reaching its optimizer step"):
         drive(pull_loops.long_window(case.spec()), case.batches(pull_loops.long_window), 2)
+    assert _pull_threads() == []  # stopped at once, not left waiting for its timeout
 
 
 def test_a_loop_that_never_reads_the_dataset_is_told_so():
@@ -87,3 +99,31 @@ def test_lightning_with_the_loss_divided_by_N_twice_is_rejected():
     assert check_equivalence(factory, case).ratio < 1
     with pytest.raises(GateFailure, match=r"\[equivalence\] (loss|gradient).*accumulation error 6\.6"):
         check_equivalence(framework_bugs.lightning_over_n_twice, case)
+
+
+def test_causal_lm_targets_are_what_a_label_shifting_model_predicts():
+    """HF causal LMs shift labels inside the model (logits[:, :-1] against labels[:, 1:]): shifted_labels puts
+    the harness's targets exactly there, so the model's count of valid labels is the harness's."""
+    x, y = verify.data.causal_lm(vocab=16, seq_len=5)(3, 7)
+    assert x.shape == (3, 6) and y.shape == (3, 5) and torch.equal(x[:, 1:], y)
+    y = y.clone()
+    y[0, 2:], y[1, :] = -100, -100  # the harness's padding: 2, 0 and 5 valid targets
+    labels = verify.data.shifted_labels(y)
+    assert labels.shape == x.shape and (labels[:, 0] == -100).all() and torch.equal(labels[:, 1:], y)
+    assert int(labels[..., 1:].ne(-100).sum()) == int(y.ne(-100).sum()) == 7
+
+
+def test_environment_the_loop_removed_is_put_back(monkeypatch):
+    """Lightning's teardown deletes WORLD_SIZE; a harness rank process builds more trainers after it."""
+    monkeypatch.setenv("VERIFY_PULL_PROBE", "kept")
+    model = torch.nn.Linear(1, 1)
+    pull = verify.Pull(timeout=5)
+
+    def loop():
+        del os.environ["VERIFY_PULL_PROBE"]
+        pull_dataset[0].to("cpu")  # waits for a micro-batch until the Pull is dropped
+
+    pull_dataset = pull.dataset
+    pull.start(loop, model)
+    del pull
+    assert _pull_threads() == [] and os.environ.get("VERIFY_PULL_PROBE") == "kept"

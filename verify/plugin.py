@@ -255,8 +255,12 @@ def _verdict_repr(item, excinfo):
 
     fails = _gate_failures(excinfo.value)
     user = lambda ei: Traceback([e for e in ei.traceback if not _internal(str(e.path))])  # noqa: E731
-    if not fails:  # the trainer raised: its own frames, the harness's hidden
-        return excinfo.getrepr(style="short" if item.config.option.tbstyle == "short" else "long", tbfilter=user), None, None
+    if not fails:  # the trainer raised: its own frames, the harness's hidden; its error's first line whole
+        style = "short" if item.config.option.tbstyle == "short" else "long"
+        longrepr, line = excinfo.getrepr(style=style, tbfilter=user), excinfo.exconly(tryshort=True).split("\n")[0]
+        if getattr(longrepr, "reprcrash", None) is not None:  # the summary: that line, not hypothesis' notes too
+            longrepr.reprcrash.message = line
+        return longrepr, line, None
     first = fails[0]
     verdict, why = _one_line(first), hint(first)
     lines = [verdict + "\n"] + ([f"hint: {why}\n"] if why else [])

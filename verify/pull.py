@@ -32,6 +32,7 @@ Hooks are process-wide but act only in a Pull's own thread, so other code is unt
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import threading
 import traceback
@@ -77,6 +78,7 @@ class _Channel:
         if not self.cv.wait_for(lambda: ready() or self.stopped, self.timeout):
             if framework:
                 raise _Stopped(f"no harness call for {self.timeout:.0f} s while {what}")
+            self.stopped = True  # the Pull is unusable now: its thread ends at its next wait
             raise PullError(f"the framework's loop did not {what} within {self.timeout:.0f} s (state {self.fw}); "
                             f"set XTRAIN_DIST_TIMEOUT to wait longer")
         if self.stopped and framework:
@@ -238,18 +240,30 @@ def _install() -> None:
             return out
 
         torch.autograd.backward = backward_seen
+        # HF's train() begins with accelerate's free_memory(): a full gc.collect() of this process, 0.4 s with
+        # torch, transformers and hypothesis loaded, once per trainer (the gates build hundreds). What is
+        # alive now stays alive (modules, the harness), so it is frozen out of the collector, once: those
+        # collections then scan only what came after (0.4 s -> ms). Freed by reference counting as before.
+        gc.collect()
+        gc.freeze()
         _installed = True
 
 
-def _run(channel: _Channel, run) -> None:
+def _run(channel: _Channel, run, cuda_device) -> None:
     _LOCAL.channel = channel
+    env = dict(os.environ)
     try:
+        if cuda_device is not None:  # CUDA's current device is per thread: the loop's is the harness's (rank r's)
+            torch.cuda.set_device(cuda_device)
         run()
     except _Stopped:
         pass
     except BaseException:  # noqa: BLE001  (reported in the harness, with the traceback)
         channel.error = traceback.format_exc()
     finally:
+        # a framework's teardown may edit the process's environment (Lightning deletes WORLD_SIZE): a rank
+        # process of the harness runs other trainers after this one, so what the loop removed is put back
+        os.environ.update({k: v for k, v in env.items() if k not in os.environ})
         with channel.cv:
             channel.fw = "done"
             channel.cv.notify_all()
@@ -276,7 +290,8 @@ class Pull:
     def start(self, run, model) -> "Pull":
         _install()
         self.model = model
-        self._thread = threading.Thread(target=_run, args=(self._ch, run), name="verify-pull", daemon=True)
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._thread = threading.Thread(target=_run, args=(self._ch, run, cuda), name="verify-pull", daemon=True)
         self._thread.start()
         weakref.finalize(self, _finish, self._ch, self._thread)
         state = self._ch.quiet("ask for its first micro-batch")  # set-up traffic stays in the harness's init window
@@ -303,6 +318,7 @@ class Pull:
     def _at_boundary(self, what: str) -> None:
         state = self._ch.quiet(f"reach its optimizer step ({what})")
         if state != "boundary":
+            self._ch.stop()  # unusable now: end the framework's thread instead of leaving it waiting
             raise PullError(f"{what}: the framework's loop {'ended' if state == 'done' else 'asked for another micro-batch'}"
                             f" instead of reaching its optimizer step: its accumulation window is not the "
                             f"{getattr(self.spec, 'accum_steps', '?')} micro-steps of Spec.accum_steps")

@@ -2,7 +2,9 @@
 
 The single-process gates on the adapter under proof (--verify-trainer; default xtrain's trainer):
 big-batch equivalence over drawn (N, B, K, seeds, options), and accum_steps=1 bit-identical to the
-adapter's declared plain step. Each passed example goes into the run report.
+adapter's declared plain step; for adapters with an ignore_index, split invariance on padded windows, the
+token-mean claim and empty windows (verify/gates/tokens.py); long windows and partial sums. Each passed
+example goes into the run report.
 """
 import pytest
 from hypothesis import given, settings

@@ -23,6 +23,12 @@ HINT = ("make the trainer deterministic under the gates: train-mode dropout or a
         "per-micro-batch statistics are deterministic and a true non-equivalence (docs/verify-your-trainer.md)")
 
 
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bit for bit, NaN where the other has NaN too (torch.equal calls two NaN runs different: a deterministic
+    trainer that divides by a count of 0 is not a nondeterministic one)."""
+    return x.shape == y.shape and x.dtype == y.dtype and bool(((x == y) | (x.isnan() & y.isnan())).all())
+
+
 def first_difference(a, b) -> str | None:
     """The first thing two Traces of the same configuration disagree on, bit for bit, or None."""
     for k, (x, y) in enumerate(zip(a.losses, b.losses)):
@@ -30,11 +36,11 @@ def first_difference(a, b) -> str | None:
             return f"the step-{k} loss ({x!r} vs {y!r})"
     for name, g in a.grads0.items():
         h = b.grads0.get(name)
-        if h is None or not torch.equal(g, h):
+        if h is None or not _same(g, h):
             return f"the step-0 gradient of {name!r} (max|Δ| {_max_abs(g, h) if h is not None else float('nan'):.3e})"
     for k, (pa, pb) in enumerate(zip(a.params, b.params)):
         for name, p in pa.items():
-            if name not in pb or not torch.equal(p, pb[name]):
+            if name not in pb or not _same(p, pb[name]):
                 return f"parameter {name!r} after step {k}"
     return None
 
