@@ -249,10 +249,12 @@ def _install() -> None:
         _installed = True
 
 
-def _run(channel: _Channel, run) -> None:
+def _run(channel: _Channel, run, cuda_device) -> None:
     _LOCAL.channel = channel
     env = dict(os.environ)
     try:
+        if cuda_device is not None:  # CUDA's current device is per thread: the loop's is the harness's (rank r's)
+            torch.cuda.set_device(cuda_device)
         run()
     except _Stopped:
         pass
@@ -288,7 +290,8 @@ class Pull:
     def start(self, run, model) -> "Pull":
         _install()
         self.model = model
-        self._thread = threading.Thread(target=_run, args=(self._ch, run), name="verify-pull", daemon=True)
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._thread = threading.Thread(target=_run, args=(self._ch, run, cuda), name="verify-pull", daemon=True)
         self._thread.start()
         weakref.finalize(self, _finish, self._ch, self._thread)
         state = self._ch.quiet("ask for its first micro-batch")  # set-up traffic stays in the harness's init window
