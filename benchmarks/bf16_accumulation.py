@@ -44,7 +44,8 @@ from verify._meta import atomic_write_all, header
 from verify.adapters import broken_numerics, xtrain
 from verify.case import Case, block_grads, drive
 from verify.gates.single import check_equivalence
-from verify.gates.tolerance import C, FLOOR, GateFailure, bound, condition, overall_error, rel_err, step0_checks
+from verify.gates.tolerance import (C, FLOOR, GateFailure, bound, condition, needs_kappa, overall_error, rel_err,
+                                    step0_checks)
 
 KIND = "bf16-accumulation"
 MODELS = {"mini": ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32), **PRESETS}
@@ -53,8 +54,9 @@ XTRAIN, BUFFER = xtrain.single, broken_numerics.bf16_accumulation_buffer
 
 
 def _ratios(acc, big, ref, kappa: dict) -> dict:
-    """error / bound of every check the gate makes (tolerance.step0_checks: the step-0 loss, each gradient)."""
-    return {LOSS if name is None else name: a / bound(b, k, o)
+    """error / bound of every check the gate makes (tolerance.step0_checks: the step-0 loss, each gradient),
+    as the gate reports it: κ only where the check needs it (tolerance.needs_kappa)."""
+    return {LOSS if name is None else name: a / bound(b, k if needs_kappa(a, b, o) else 1.0, o)
             for _, name, a, b, k, o in step0_checks(acc, big, ref, kappa, "bf16")}
 
 
@@ -286,7 +288,8 @@ def main(argv=None):
                        "c": "float64 big batch (AccumTrainer N=1, float64): the reference of every err",
                        "d": "big_bf16: AccumTrainer N=1, bf16 autocast (big_bf16_buffer: the buffer trainer at "
                             "N=1, the gate's big batch for (b))",
-                       "ratio": "error / (C·err(big) + FLOOR·max(1, κ)) per check, worst over the step-0 loss "
+                       "ratio": "error / (C·err(big) + FLOOR·max(1, κ)) per check (κ where the gate uses it: "
+                                "tolerance.needs_kappa), worst over the step-0 loss "
                                 "and every parameter's gradient, big = the same trainer at N=1 (the gate's policy; "
                                 "*_vs_d: the buffer held to xtrain's big batch (d) instead)",
                        "kappa": "max(1, κ) as the bound uses it (κ from block_grads; none at N=1)"},

@@ -15,7 +15,7 @@ Then it runs the HF recipe (examples/hf_trainer.py) through the plugin, from an 
 and writes OUT/frameworks.json (the common header; per version: the pins, the verdict, each failing gate
 with its shrunk case, the gates' examples and worst error / bound, times) and OUT/frameworks.md. Exit 0
 when every version meets its expectation (a release before 4.46 rejected, later ones passing), 1 when one
-does not, 2 on bad input.
+does not, 2 on bad input. pip's and pytest's output go to CACHE/frameworks.log.
 """
 from __future__ import annotations
 
