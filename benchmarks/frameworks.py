@@ -100,7 +100,7 @@ def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: i
     env.update(PYTHONPATH=ROOT, HYPOTHESIS_PROFILE=profile, XTRAIN_DIST_MAX_WORLD=str(max_world),
                OMP_NUM_THREADS="1")
     cmd = [py, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-rs",
-           "--verify-trainer", RECIPE, "--verify-report", run_dir]
+           "--verify-trainer", RECIPE, "--verify-report", run_dir, "--junitxml", os.path.join(run_dir, "junit.xml")]
     log.write("$ " + " ".join(cmd) + "\n")
     t0 = time.perf_counter()
     try:
@@ -112,7 +112,17 @@ def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: i
     log.write(out if isinstance(out, str) else out.decode(errors="replace"))
     path = os.path.join(run_dir, "verify-report.json")
     report = json.load(open(path)) if os.path.exists(path) else {}
-    return dict(exit_code=code, seconds=round(seconds, 1), report=report, summary=_summary_line(out))
+    return dict(exit_code=code, seconds=round(seconds, 1), report=report, summary=_summary_line(out),
+                test_seconds=_test_seconds(os.path.join(run_dir, "junit.xml")))
+
+
+def _test_seconds(path: str) -> dict[str, float]:
+    """Each gate test's own time (pytest's junit xml): for a failing one, the time to its shrunk verdict."""
+    if not os.path.exists(path):
+        return {}
+    import xml.etree.ElementTree as ET
+
+    return {t.get("name"): round(float(t.get("time", 0)), 1) for t in ET.parse(path).iter("testcase")}
 
 
 def _summary_line(out) -> str:
@@ -129,14 +139,16 @@ def verdict(run: dict) -> str:
     return "error"  # usage error, internal error, timeout: no verdict on the trainer
 
 
-def failure_rows(report: dict) -> list[dict]:
-    """Each failing gate test: its gate, the one-line verdict (it names the shrunk case) and the hint."""
+def failure_rows(report: dict, seconds: dict | None = None) -> list[dict]:
+    """Each failing gate test: its gate, the one-line verdict (it names the shrunk case), the hint and the
+    test's time to that verdict (drawing, failing, shrinking)."""
     rows = []
     for f in report.get("failures", []):
         first = f["message"].strip().splitlines()[0] if f.get("message") else ""
         gate = re.match(r"\[([^\]]+)\]", first.split("GateFailure: ")[-1])
         case = re.search(r"case (N=.*)$", first)
-        rows.append(dict(test=f.get("test", "").split("::")[-1], gate=gate.group(1) if gate else "?",
+        test = f.get("test", "").split("::")[-1]
+        rows.append(dict(test=test, seconds=(seconds or {}).get(test), gate=gate.group(1) if gate else "?",
                          case=case.group(1) if case else "", verdict=first, hint=f.get("hint")))
     return rows
 
@@ -168,8 +180,8 @@ def render_md(doc: dict) -> str:
         out += ["", f"## transformers {v['installed'].get('transformers', v['version'])}: {v['verdict']}", "",
                 f"pytest: {v['summary'] or '(no summary)'}"]
         if v["failures"]:
-            out += ["", "| gate | test | minimal case |", "|---|---|---|"]
-            out += [f"| {f['gate']} | {f['test']} | `{f['case']}` |" for f in v["failures"]]
+            out += ["", "| gate | test | minimal case | seconds to the shrunk verdict |", "|---|---|---|---|"]
+            out += [f"| {f['gate']} | {f['test']} | `{f['case']}` | {f.get('seconds') or '?'} |" for f in v["failures"]]
             out += ["", "Verdicts:", ""] + [f"- `{f['verdict']}`" + (f" — hint: {f['hint']}" if f["hint"] else "")
                                             + (f"\n  - what it shows: {explain(f)}" if explain(f) else "")
                                             for f in v["failures"]]
@@ -218,7 +230,7 @@ def main(argv=None) -> int:
             v, want = verdict(run), expectation(version)
             rows.append(dict(version=version, installed=installed, expected=want, verdict=v, meets_expectation=v == want,
                              exit_code=run["exit_code"], seconds=run["seconds"], venv_seconds=round(built, 1),
-                             summary=run["summary"], failures=failure_rows(run["report"]),
+                             summary=run["summary"], failures=failure_rows(run["report"], run.get("test_seconds")),
                              gates=run["report"].get("gates"), settings=run["report"].get("settings")))
             print(f"transformers {installed['transformers']}: {v} (expected {want}) in {run['seconds']} s", flush=True)
     doc = dict(header("frameworks"), recipe=RECIPE, profile=a.profile, max_world=a.max_world,

@@ -132,7 +132,8 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     runs = {"4.45.2": dict(exit_code=1, report=rejected), "current": dict(exit_code=0, report=passing)}
     monkeypatch.setattr(fw, "venv", lambda v, cache, log: (v, {"transformers": "4.45.2" if v == "4.45.2" else "5.0.0",
                                                                 "accelerate": "1.0.1"}, 0.0))
-    monkeypatch.setattr(fw, "run_gates", lambda py, d, **k: dict(runs[py], seconds=1.5, summary="1 failed"))
+    monkeypatch.setattr(fw, "run_gates", lambda py, d, **k: dict(runs[py], seconds=1.5, summary="1 failed",
+                                                                       test_seconds={"test_split_invariance": 41.2}))
     out = tmp_path / "out"
     assert fw.main(["--out", str(out), "--cache", str(tmp_path / "cache")]) == 0
     doc = json.loads((out / "frameworks.json").read_text())
@@ -142,6 +143,7 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     assert old["failures"][0]["gate"] == "split invariance" and old["failures"][0]["case"].endswith("lengths=[8, 7]")
     md = (out / "frameworks.md").read_text()
     assert "| 4.45.2 | 1.0.1 | rejected | rejected ✓ |" in md and "| split invariance | test_split_invariance |" in md
+    assert old["failures"][0]["seconds"] == 41.2 and "| 41.2 |" in md  # the time to the shrunk verdict
     runs["4.45.2"] = dict(exit_code=0, report=passing)  # the old release passing would be a finding, not a success
     assert fw.main(["--out", str(out), "--cache", str(tmp_path / "cache")]) == 1
     assert "not as expected" in (out / "frameworks.md").read_text()
