@@ -110,13 +110,13 @@ def test_a_run_from_an_empty_directory_leaves_only_the_report(tmp_path):
     """hypothesis' database and pytest's cache go to $XDG_CACHE_HOME/xtrain-verify, not the user's folder."""
     here, cache = tmp_path / "user", tmp_path / "cache"
     here.mkdir()
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "verify", "-q", "--verify-trainer", "examples.mlp_regressor:factory",
-           "-p", "no:benchmark"]  # pytest-benchmark (a dev tool, no dependency of ours) makes ./.benchmarks
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "verify", "-q", "--verify-trainer", "examples.mlp_regressor:factory"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=here, timeout=600,
                        env={**ENV, "XDG_CACHE_HOME": str(cache), "PYTHONDONTWRITEBYTECODE": "1"})
     assert r.returncode == 0, r.stdout[-3000:]
     assert sorted(os.listdir(here)) == ["reports"], os.listdir(here)
-    assert sorted(os.listdir(cache / "xtrain-verify")) == ["hypothesis", "pytest"]
+    # + pytest-benchmark's storage where that plugin is installed (it makes ./.benchmarks otherwise)
+    assert {"hypothesis", "pytest"} <= set(os.listdir(cache / "xtrain-verify")) <= {"benchmarks", "hypothesis", "pytest"}
 
 
 def _row_length(case) -> int:

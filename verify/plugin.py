@@ -80,8 +80,9 @@ def _verify_run(config) -> bool:
 def pytest_configure_verify_caches(config):  # a second pytest_configure (specname), run first
     """A verify run leaves nothing in the invoking directory but the report: hypothesis' example database
     (failing examples, replayed first next time) and pytest's cache (--lf) go to cache_home(), where they
-    still persist across runs. Runs before pytest's cacheprovider reads cache_dir (tryfirst, registered
-    later); a cache_dir or HYPOTHESIS_STORAGE_DIRECTORY the user set wins."""
+    still persist across runs, and so does pytest-benchmark's storage where that plugin is installed. Runs
+    before pytest's cacheprovider reads cache_dir (tryfirst, registered later); a cache_dir,
+    --benchmark-storage or HYPOTHESIS_STORAGE_DIRECTORY the user set wins."""
     if not _verify_run(config):
         return
     home = cache_home()
@@ -97,6 +98,9 @@ def pytest_configure_verify_caches(config):  # a second pytest_configure (specna
     if (config.pluginmanager.hasplugin("cacheprovider") and isinstance(inicache, dict)
             and config.getini("cache_dir") == ".pytest_cache"):
         inicache["cache_dir"] = os.path.join(home, "pytest")
+    # pytest-benchmark, where installed (no dependency of ours), makes its storage folder at start-up
+    if getattr(config.option, "benchmark_storage", None) == "file://./.benchmarks":
+        config.option.benchmark_storage = "file://" + os.path.join(home, "benchmarks")
 
 
 def pytest_configure(config):
