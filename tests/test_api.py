@@ -9,7 +9,7 @@ PUBLIC = {
     "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
     "cases", "dist_cases", "write_report", "Recorder", "Collective", "Windows", "CountRow", "measure_memory",
     "run_selftest", "OPERATORS", "Pull", "PullError",
-    "check_token_mean", "check_empty_window",
+    "check_token_mean", "check_empty_window", "check_overflow",
 }
 
 

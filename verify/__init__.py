@@ -38,7 +38,7 @@ __all__ = [
     "AdapterError", "data",
     # cases and the gates
     "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
-    "check_token_mean", "check_empty_window",
+    "check_token_mean", "check_empty_window", "check_overflow",
     # hypothesis strategies
     "cases", "dist_cases",
     # the run report
@@ -60,7 +60,7 @@ _WHERE = {
     "Case": "case",
     "check_equivalence": "gates", "check_bit_exact": "gates", "check_distributed": "gates",
     "GateFailure": "gates", "GateSkipped": "gates", "GateResult": "gates",
-    "check_token_mean": "gates", "check_empty_window": "gates",
+    "check_token_mean": "gates", "check_empty_window": "gates", "check_overflow": "gates.overflow",
     "cases": "strategies", "dist_cases": "strategies",
     "write_report": ("report", "write"),
     "Recorder": "comm", "Collective": "comm", "Windows": "comm", "CountRow": "gates.counts",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tokens", "causal_lm", "shifted_labels", "regression", "classification"]
+__all__ = ["tokens", "causal_lm", "shifted_labels", "regression", "classification", "overflow_rows"]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -70,3 +70,16 @@ def classification(*, features: int, classes: int):
         return x, torch.randint(0, classes, (rows,), generator=g)
 
     return make
+
+
+OVERFLOW_FACTOR = 2.0**20  # a power of two: N(0, 1) inputs become ~1e6 > fp16's 65504 (inf once autocast casts them)
+
+
+def overflow_rows(trainer, inputs: torch.Tensor, targets: torch.Tensor, rows: slice):
+    """The injected-overflow gate's default for floating inputs: `rows` of the micro-batch scaled by 2^20, so
+    the fp16 forward of those rows holds an inf (the trainer is not touched). New tensors."""
+    if not inputs.is_floating_point():
+        raise ValueError("overflow_rows scales floating inputs; token data needs Adapter(overflow=...)")
+    x = inputs.clone()
+    x[rows] *= OVERFLOW_FACTOR
+    return x, targets

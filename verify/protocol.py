@@ -40,6 +40,13 @@ its model, loss or optimizer:
   token-mean gate's empty-window check is skipped, saying why.
 * `counts`: a function case -> CountRow (verify.gates.counts) declaring the exact collectives of the
   trainer's sync mode, by family, per micro-step and at the boundary; checked instead of the default rule.
+* `overflow`: how to make one micro-batch overflow fp16, for the injected-overflow gate
+  (verify/gates/overflow.py): `overflow(trainer, inputs, targets, rows) -> (inputs, targets)`, called just
+  before the micro_step() that holds the overflowing rows (`rows`: a slice of that micro-batch), returning
+  the micro-batch to hand it; it may scale the rows (verify.data.overflow_rows, the default for floating
+  inputs) or arm the trainer (xtrain's token data cannot overflow: verify.adapters.xtrain.overflow_grad).
+* optional trainer method `loss_scale()`: the fp16 loss scale now (GradScaler.get_scale()). Given, the
+  overflow gate checks that an overflowing window changes it exactly as the big batch's one step does.
 * optional trainer method `partial_grads()`: between micro-steps, the gradient `grads()` would return if
   the window ended now (without changing anything). Given, the long-N gate checks after every micro-step
   that each micro-batch's contribution landed exactly once.
@@ -176,6 +183,9 @@ class Adapter:
     """case -> verify.gates.counts.CountRow: the exact collectives per micro-step and at the boundary of
     this adapter's sync mode (FSDP all-gathers, reduce-scatters, ...). Without it: none before the boundary
     (but `expected`), and every gradient element reduced once at it."""
+    overflow: Callable | None = None
+    """(trainer, inputs, targets, rows) -> (inputs, targets): makes the micro-batch's `rows` overflow fp16
+    (the injected-overflow gate). None: verify.data.overflow_rows where the inputs are floating."""
 
     def __post_init__(self):
         for what in ("factory", "data"):
@@ -192,6 +202,9 @@ class Adapter:
             raise AdapterError(f"precisions must be a non-empty subset of fp32, bf16, fp16, got {self.precisions}")
         if self.loss_precision not in (None, "fp32"):
             raise AdapterError(f"loss_precision must be None or 'fp32', got {self.loss_precision!r}")
+        if self.overflow is not None and not callable(self.overflow):
+            raise AdapterError(f"overflow= must be callable (trainer, inputs, targets, rows) -> (inputs, targets), "
+                               f"got {self.overflow!r}")
         if not isinstance(self.empty_windows, bool):
             raise AdapterError(f"empty_windows must be True or False, got {self.empty_windows!r}")
         if self.process_group and not self.data_parallel:
@@ -206,7 +219,7 @@ class Adapter:
         """Every declaration that changes what the gates expect, by name (the report lists them)."""
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
-                  "loss_precision", "process_group", "data_parallel", "empty_windows"):
+                  "loss_precision", "process_group", "data_parallel", "empty_windows", "overflow"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
             if f == "empty_windows" and self.ignore_index is None:
@@ -270,7 +283,7 @@ def _qual(fn) -> str:
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
-            loss_precision: str | None = None, empty_windows: bool = True):
+            loss_precision: str | None = None, empty_windows: bool = True, overflow=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
 
@@ -279,7 +292,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
                        data_parallel=data_parallel, process_group=process_group, expected=expected,
                        name=name or f"{fn.__module__}.{fn.__qualname__}", precisions=precisions,
                        ignore_index=ignore_index, counts=counts, scheduler_per_rank=scheduler_per_rank,
-                       loss_precision=loss_precision, empty_windows=empty_windows)
+                       loss_precision=loss_precision, empty_windows=empty_windows, overflow=overflow)
 
     return wrap
 

@@ -170,6 +170,10 @@ class MicroSchedule:
     def params(self) -> dict[str, torch.Tensor]:
         return {k: p.detach() for k, p in self.model.named_parameters()}
 
+    def loss_scale(self) -> float:
+        """The fp16 GradScaler's scale now (1.0 without one): lets a harness see it change once per window."""
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
+
     def partial_grads(self) -> dict[str, torch.Tensor]:
         """Between micro-steps (boundary not reached): the gradient grads() would return if the window
         ended after the micro-steps run so far — this rank's, before any collective. New tensors; the

@@ -20,7 +20,7 @@ from xtrain_core.model import IGNORE, build_model
 
 from ..protocol import DDP_EXPECTED, Adapter, Spec
 
-__all__ = ["XtrainOptions", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "fsdp2", "fsdp2_keep",
+__all__ = ["XtrainOptions", "overflow_grad", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "fsdp2", "fsdp2_keep",
            "fsdp2_tokens", "single", "data_parallel"]
 
 
@@ -71,6 +71,25 @@ def _token_strategy():
 # whose logit gradient (up to 1, times W on a rank before DP's /W) would overflow fp16 at 2^16 where the big
 # batch's does not: a skipped first step in one run and not the other, which is loss scaling, not accumulation.
 INIT_SCALE = 2.0**10
+
+
+def overflow_grad(trainer, inputs, targets, rows):
+    """xtrain's overflow hook (token ids cannot be scaled into an fp16 overflow): arms a one-shot gradient
+    hook on the model's first parameter that turns one element of the NEXT backward's gradient into inf,
+    inside autograd, as an fp16 overflow in the backward would (before anything the trainer does after
+    backward: accumulation, the bucket all-reduce, its own finiteness check). The batch is unchanged."""
+    while not hasattr(trainer, "model") and hasattr(trainer, "inner"):
+        trainer = trainer.inner  # the self-test's wrappers
+    p = next(trainer.model.parameters())
+
+    def fire(g):
+        handle.remove()
+        g = g.clone()
+        g.view(-1)[0] = float("inf")
+        return g
+
+    handle = p.register_hook(fire)
+    return inputs, targets
 
 
 def numerics(spec: Spec) -> dict:
@@ -224,7 +243,8 @@ def variant(cls, base: Adapter) -> Adapter:
     return base.replace(factory=make, name=f"broken: {cls.__name__}")
 
 
-_COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions(), precisions=("fp32", "bf16", "fp16"))
+_COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions(), precisions=("fp32", "bf16", "fp16"),
+               overflow=overflow_grad)
 
 adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", **_COMMON)
 tokens_adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, ignore_index=IGNORE,

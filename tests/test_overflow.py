@@ -1,0 +1,68 @@
+"""The injected-overflow gate (verify/gates/overflow.py): correct fp16 trainers skip an overflowing window
+whole on every rank, and each planted overflow bug is rejected naming the window and the rank."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests import overflow_adapters as oa
+from verify.adapters import broken_overflow as bo
+from verify.adapters import xtrain
+from verify.case import Case
+from verify.gates import GateFailure, GateSkipped
+from verify.gates.distributed import max_world
+from verify.gates.overflow import check_overflow
+from verify.strategies import budget, cases
+from xtrain_core.config import ModelConfig, OptimConfig
+
+SMALL = xtrain.XtrainOptions(model=ModelConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=1, d_model=8), seq_len=4,
+                             optim=OptimConfig(lr=1e-2))
+pytestmark = pytest.mark.distributed
+
+
+def _case(N=3, W=1, options=SMALL):
+    return Case(accum_steps=N, micro_batch=2, steps=2, world=W, precision="fp16", options=options)
+
+
+@settings(max_examples=budget(25, 4), deadline=None)
+@given(data=st.data())
+def test_xtrain_skips_an_overflowing_window_whole_on_every_rank(data):
+    W = data.draw(st.integers(1, min(4, max_world())), label="world")
+    case = data.draw(cases(xtrain.adapter, world=W, max_accum=4, max_micro_batch=2), label="case")
+    case = case.replace(precision="fp16", steps=2)
+    micro = data.draw(st.integers(0, case.accum_steps - 1), label="micro")
+    rank = data.draw(st.integers(0, W - 1), label="rank")
+    result = check_overflow(xtrain.adapter, case, micro, rank)
+    assert "as the big batch's" in result.worst  # the scale was compared, and backed off once
+
+
+@pytest.mark.parametrize("adapter", [xtrain.torch_ddp, xtrain.data_parallel])
+def test_other_xtrain_fp16_trainers_pass_at_two_ranks(adapter):
+    check_overflow(adapter, _case(N=2, W=2), 1, 1)
+
+
+@pytest.mark.parametrize("name,world,micro,rank,says", [
+    ("skip_decided_on_one_rank", 2, 1, 1, "rank 1, window 0: parameter"),
+    ("skip_only_overflowing_micro", 1, 1, 0, "rank 0, window 0: parameter"),
+    ("scaler_update_every_micro", 1, 0, 0, "rank 0, window 0: loss scale 128 after the window, the big batch's 512"),
+    ("nan_to_num_before_check", 1, 2, 0, "rank 0, window 0: parameter"),
+])
+def test_every_planted_overflow_bug_is_rejected_naming_window_and_rank(name, world, micro, rank, says):
+    with pytest.raises(GateFailure) as e:
+        check_overflow(bo.OVERFLOW_BROKEN[name], _case(W=world), micro, rank)
+    assert e.value.gate == "overflow" and says in str(e.value), str(e.value)
+    assert f"overflows in micro-step {micro} of 3 on rank {rank} of {world}" in str(e.value)
+
+
+def test_float_data_overflows_by_scaled_rows():
+    """The generic route: nothing declared but fp16; verify.data.overflow_rows scales the rows."""
+    for W, micro, rank in ((1, 2, 0), (2, 0, 1)):
+        check_overflow(oa.scaled, _case(W=W, options=None), micro, rank)
+    with pytest.raises(GateFailure, match=r"\[overflow\] rank 0, window 0: parameter '0.weight' changed"):
+        check_overflow(oa.local_clean, _case(W=2, options=None), 1, 1)
+
+
+def test_the_gate_is_skipped_without_fp16_or_a_way_to_overflow():
+    with pytest.raises(GateSkipped, match="does not declare fp16"):
+        check_overflow(oa.no_fp16, _case(options=None), 0, 0)
+    with pytest.raises(GateSkipped, match=r"inputs are torch.int64 .* no Adapter\(overflow=...\)"):
+        check_overflow(xtrain.adapter.replace(overflow=None), _case(), 0, 0)
