@@ -45,3 +45,23 @@ def test_fp32_main_gradients_pass_and_a_bf16_buffer_is_rejected_at_n_256():
     assert e.value.error > e.value.bound and e.value.case.precision == "bf16"
     # the same buffer passes at N = 64: its rounding has not yet crossed C·err(big) + F·κ
     assert max(r.ratio for r in check_long_window(bl.low_precision_grad, case.replace(accum_steps=64))) < 1
+
+
+def test_the_low_precision_operator_runs_only_on_the_long_window_case_of_a_low_precision_adapter():
+    from verify.gates.windows import LONG_N
+    from verify.selftest import OPERATORS, selftest_cases
+
+    single, _ = selftest_cases(xtrain.single)
+    assert [(c.accum_steps, c.precision) for c in single if c.accum_steps >= LONG_N] == [(LONG_N, "bf16")]
+    single, _ = selftest_cases(xtrain.single.replace(precisions=("fp32",)))
+    assert all(c.accum_steps < LONG_N for c in single)  # fp32 only: no low-precision window, the operator is n/a
+    assert OPERATORS["low_precision_accumulation"].long
+
+
+@pytest.mark.slow  # N = 256, bf16 and fp16: ~13 s
+def test_the_self_test_kills_low_precision_accumulation_with_the_long_window_gate():
+    from verify.selftest import run_selftest
+
+    res = run_selftest(xtrain.single, operators=["low_precision_accumulation"])
+    assert res.ok and res.rows["low_precision_accumulation"]["long-window"] == "rejects", res.table()
+    assert res.rows["low_precision_accumulation"]["equivalence"] == "n/a"  # the short cases do not run it

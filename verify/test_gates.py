@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 from . import report
 from ._gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
 from .gates import check_bit_exact, check_equivalence
+from .gates.windows import LONG_N
 from .strategies import cases, gate_budget
-
-LONG_N = 256  # the longest window the long-window gate draws; every declared low precision runs at it
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]
 

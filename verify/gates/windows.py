@@ -22,9 +22,10 @@ from .diagnose import determinism
 from .single import GateResult, GateSkipped, check_equivalence
 from .tolerance import KAPPA_EXACT_ABOVE, GateFailure, bound64, condition, measured_floor, rel_err, twin_floor
 
-__all__ = ["splits", "check_split_invariance", "check_partial_sums", "check_long_window", "LOW_PRECISIONS"]
+__all__ = ["splits", "check_split_invariance", "check_partial_sums", "check_long_window", "LOW_PRECISIONS", "LONG_N"]
 
 LOW_PRECISIONS = ("bf16", "fp16")
+LONG_N = 256  # the longest window the long-window gate draws; every declared low precision runs at it
 
 
 def splits(E: int, max_world: int) -> list[tuple[int, int, int]]:

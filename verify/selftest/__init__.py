@@ -5,6 +5,9 @@ then run on the wrapped trainer over a fixed set of cases built from the adapter
 
     single-process   N=1 (K=2), N=3 (B=2, K=2), N=4 (B=1, K=3): equivalence; bit-exact at N=1 when a
                      plain step is declared; the token-mean gate for an adapter with an ignore_index
+    long window      N=256 (B=1, K=1) in the adapter's first declared low precision (bf16, else fp16), when
+                     it declares one: the long-window gate (every declared low precision). Only the operators
+                     that show there alone (Operator.long) run on it, and only on it
     data-parallel    every world the gates draw (XTRAIN_DIST_MIN_WORLD..MAX_WORLD, default 1..4, capped
                      by --max-world), W=1 included: W=1 and 2 (N=3, B=2, K=2), W=3 and 4 (N=2, B=1, K=2),
                      when the adapter declares data parallelism
@@ -26,11 +29,12 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from ..gates.windows import LONG_N, LOW_PRECISIONS
 from .operators import OPERATORS, Operator
 
 __all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES"]
 
-GATES = ("equivalence", "bit-exact", "token-mean", "boundary-only", "dp-equivalence")
+GATES = ("equivalence", "bit-exact", "token-mean", "long-window", "boundary-only", "dp-equivalence")
 DIST = {1: (3, 2), 2: (3, 2), 3: (2, 1), 4: (2, 1)}  # world -> (N, B) of its data-parallel case
 PAD = (1.0, 0.0, 0.25, 1.0, 0.5, 0.0, 1.0)  # valid share of a row, cycled: uneven micro-batches and ranks
 
@@ -58,7 +62,12 @@ def selftest_cases(adapter, *, worlds=(1, 2, 3), device: str = "cpu"):
     if adapter.data_parallel:
         dist = [Case(accum_steps=DIST[w][0], micro_batch=DIST[w][1], steps=2, world=w, seed=4 + w, data_seed=20 + w,
                      device=device, options=o) for w in worlds if w in DIST]
-    return [_padded(adapter, c) for c in single], [_padded(adapter, c) for c in dist]
+    single = [_padded(adapter, c) for c in single]
+    low = [p for p in LOW_PRECISIONS if p in adapter.precisions]
+    if low:
+        single.append(Case(accum_steps=LONG_N, micro_batch=1, steps=1, seed=5, data_seed=15, device=device, options=o,
+                           precision=low[0]))
+    return single, [_padded(adapter, c) for c in dist]
 
 
 def _gate_of(message: str) -> str:
@@ -76,9 +85,12 @@ def _run_gates(adapter, case, plain: bool, dist: bool) -> dict:
     """gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case (dist: the
     data-parallel gates, at any world, 1 included; else the single-process ones)."""
     from ..gates import GateFailure, check_bit_exact, check_distributed, check_equivalence, check_token_mean
+    from ..gates.windows import check_long_window
 
     out = {}
-    if not dist:
+    if case.accum_steps >= LONG_N:
+        checks = [("long-window", lambda a, c: check_long_window(a, c))]
+    elif not dist:
         checks = [("equivalence", check_equivalence)] + ([("bit-exact", check_bit_exact)]
                                                          if plain and case.accum_steps == 1 else [])
         checks += [("token-mean", check_token_mean)] if case.lengths is not None else []
@@ -211,7 +223,8 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
             progress(done, total, "unwrapped trainer")
     for op in ops:
         mutant = op.apply(adapter)
-        where = [(i, c) for i, c in enumerate(cases) if op.exists(c) and (c.world > 1 or not op.dist_only)]
+        where = [(i, c) for i, c in enumerate(cases) if op.exists(c) and (c.world > 1 or not op.dist_only)
+                 and (c.accum_steps >= LONG_N) == op.long]
         row = {g: "n/a" for g in GATES}
         for i, case in where:
             for gate, v in _run_gates(mutant, case, plain, i >= len(single)).items():

@@ -13,6 +13,8 @@ batches, the tensors grads() returns, and torch.distributed.
     loss_sum_not_mean          the reported step loss is the sum of the micro-losses, not their mean
     extra_collective_micro_0   one 1-element all_reduce on micro-step 0 (numerically invisible)
     divide_by_world_again      boundary gradients ÷ W once more (/world applied twice)
+    low_precision_accumulation the window's gradient summed in bf16 / fp16, rounded after every micro-step
+                               (the self-test's long-window case: N = 256 in the adapter's first low precision)
 token weighting (adapters with an ignore_index, on padded windows; counts over the whole window and
 every rank unless said otherwise):
     per_micro_mean             each micro-batch's own token mean, averaged over the N micro-steps
@@ -50,7 +52,7 @@ class Mutant:
     def __init__(self, op: "Operator", factory, spec, ignore_index=None):
         from dataclasses import replace
 
-        self.op, self.N, self.ignore = op, spec.accum_steps, ignore_index
+        self.op, self.N, self.ignore, self.precision = op, spec.accum_steps, ignore_index, spec.precision
         self.inner = factory(replace(spec, accum_steps=op.inner_accum(spec.accum_steps)))
         # per_micro_mean: a second trainer, one micro-batch per window, to read each micro-batch's own mean
         self.aux = factory(replace(spec, accum_steps=1)) if op.aux else None
@@ -61,6 +63,7 @@ class Mutant:
     def _reset(self) -> None:
         self.counts = [0.0, 0.0, 0.0, 0.0]  # this rank's window: valid targets, target positions, rows, micro-step 0's valid
         self.micro_grads, self.micro_losses = [], []
+        self.low_sum, self.low_weight = None, 0.0  # low_precision_accumulation: Σ c_m·g_m in bf16 / fp16, Σ c_m
         self.factor = 1.0
 
     # -- the protocol --------------------------------------------------------------------------------
@@ -126,6 +129,9 @@ class Operator:
     big-batch reference (the same adapter at N=1) stays the unmutated trainer."""
     replace_grads: Callable | None = None  # (wrapper, grads) -> None: writes the boundary gradients itself
     aux: bool = False  # the wrapper builds a second trainer (accum_steps=1) to read micro-batches alone
+    long: bool = False
+    """The fault shows only in long low-precision windows: the self-test runs it on its long-window case
+    alone (selftest_cases), where the other operators do not run."""
 
     def apply(self, adapter):
         """The adapter with this fault planted around its factory (pools rebuild it by name)."""
@@ -188,6 +194,46 @@ def _per_micro(w, x, y, m):
     w.aux.micro_step(x.clone(), y.clone(), 0)
     w.micro_grads.append({k: g.detach().clone() for k, g in w.aux.grads().items() if g is not None})
     w.micro_losses.append(float(w.aux.optimizer_step()))  # NaN for a micro-batch without a valid target
+
+
+def _own_gradient(w, x, y, m) -> tuple[dict, float]:
+    """Micro-batch m's own gradient (the aux trainer at the inner trainer's parameters, one micro-step) and
+    its weight in the window: its valid targets (adapters with an ignore_index), else 1 (equal micro-batches
+    of a mean loss)."""
+    with torch.no_grad():
+        theirs = w.aux.params()
+        for k, p in w.inner.params().items():
+            theirs[k].copy_(p)
+    w.aux.micro_step(x.clone(), y.clone(), 0)
+    g = {k: v.detach().clone() for k, v in w.aux.grads().items() if v is not None}  # its step clips in place
+    c = float((y != w.ignore).sum()) if w.ignore is not None else 1.0
+    w.aux.optimizer_step()
+    return g, c
+
+
+def _low_precision_micro(w, x, y, m):
+    """The inner trainer runs as usual (its loss, state, traffic); micro-batch m's own gradient, weighted, is
+    added into a running sum rounded to bf16 / fp16 after every micro-step: the accumulator of a trainer
+    whose `.grad` lives in the autocast dtype (fp32 runs, the float64 references among them, are left alone)."""
+    w.inner.micro_step(x, y, m)
+    if w.precision == "fp32":
+        return
+    g, c = _own_gradient(w, x, y, m)
+    low = torch.float16 if w.precision == "fp16" else torch.bfloat16
+    with torch.no_grad():
+        if w.low_sum is None:
+            w.low_sum = {k: (c * v.float()).to(low) for k, v in g.items()}
+        else:
+            for k, v in g.items():
+                w.low_sum[k] = (w.low_sum[k].float() + c * v.float()).to(low)
+    w.low_weight += c
+
+
+def _low_precision_sum(w, grads: dict) -> None:
+    with torch.no_grad():
+        for k, g in grads.items():
+            if w.low_sum is not None and k in w.low_sum and w.low_weight:
+                g.copy_(w.low_sum[k].to(g.dtype) / w.low_weight)
 
 
 def _mean_of_micro_means(w, grads: dict) -> None:
@@ -267,6 +313,10 @@ OPERATORS = {op.name: op for op in [
              lambda c: c.world >= 2 and c.accum_steps >= 2, micro=_extra_collective, dist_only=True),
     Operator("divide_by_world_again", "boundary gradients ÷ W once more (/world applied twice)",
              lambda c: c.world >= 2, scale=lambda w: 1.0 / _world(), dist_only=True, at_n1=True),
+    # -- precision: the self-test's long-window case only (operator.long) ------------------------------------
+    Operator("low_precision_accumulation", "the window's gradient summed in bf16 / fp16 (the autocast dtype), "
+             "rounded after every micro-step", lambda c: c.accum_steps >= 2 and c.precision != "fp32",
+             micro=_low_precision_micro, scale=lambda w: 1.0, replace_grads=_low_precision_sum, aux=True, long=True),
     # -- token weighting ----------------------------------------------------------------------------------
     Operator("per_micro_mean", "each micro-batch's own token mean, averaged over the N micro-steps",
              lambda c: UNEVEN_MICRO(c) and c.world == 1, micro=_per_micro, scale=lambda w: 1.0,
