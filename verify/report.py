@@ -28,6 +28,8 @@ BOUNDS = {
     "token_mean": "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
                   "target change nothing; rel ≤ max(1e-9, 8·twin floor)·κ",
     "empty_window": "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
+    "overflow": "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
+                "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
 }
 ORDER = tuple(BOUNDS)  # the report's gate order: BOUNDS' order
 

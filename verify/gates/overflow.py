@@ -103,6 +103,8 @@ def check_overflow(adapter, case: Case, micro: int, rank: int, *, pool=None, ref
     if case.precision != "fp16" or case.steps < 2 or not (0 <= micro < case.accum_steps and 0 <= rank < case.world):
         raise ValueError(f"the overflow gate needs precision fp16, steps ≥ 2 and micro < N, rank < W; got {case} "
                          f"micro={micro} rank={rank}")
+    if 0 in case.empty_steps():  # no valid target: nothing is backwarded, an armed hook would fire in window 1
+        raise ValueError(f"the overflow gate needs a window 0 with a valid target; got {case}")
     pool = pool or get_pool(case.world)
     ref_pool = pool if case.world == 1 else (ref_pool or get_pool(1))
     ref = ref_pool.run(overflow_job, adapter, case, micro, rank, True)[0]
