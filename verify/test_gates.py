@@ -3,7 +3,8 @@
 The single-process gates on the adapter under proof (--verify-trainer; default xtrain's trainer):
 big-batch equivalence over drawn (N, B, K, seeds, options), and accum_steps=1 bit-identical to the
 adapter's declared plain step; for adapters with an ignore_index, split invariance on padded windows, the
-token-mean claim and empty windows (verify/gates/tokens.py); long windows and partial sums. Each passed
+token-mean claim and empty windows (verify/gates/tokens.py); long windows (in every declared precision) and
+partial sums. Each passed
 example goes into the run report.
 """
 import pytest
@@ -14,6 +15,8 @@ from . import report
 from ._gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
 from .gates import check_bit_exact, check_equivalence
 from .strategies import cases, gate_budget
+
+LONG_N = 256  # the longest window the long-window gate draws; every declared low precision runs at it
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]
 
@@ -115,7 +118,7 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
     micro-step's contribution landing exactly once (the gradient after micro-step n vs the float64 big
     batch of micro-batches 0..n)."""
     from .gates import GateSkipped
-    from .gates.windows import check_partial_sums
+    from .gates.windows import check_long_window, check_partial_sums
 
     # No shrink phase: a window cannot shrink below N=64 here, and each attempt replays 64..256 micro-steps
     # plus the float64 references, so hypothesis' shrinker ran into its 300 s cap (transformers 4.45.2:
@@ -124,12 +127,18 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
               phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target))
     @given(data=st.data())
     def long_windows(data):
-        case = data.draw(cases(verify_adapter, min_accum=64, max_accum=256, max_micro_batch=1, max_steps=2),
+        case = data.draw(cases(verify_adapter, min_accum=64, max_accum=LONG_N, max_micro_batch=1, max_steps=2),
                          label="case")
         report.record(check_equivalence(verify_adapter, case))
         try:
             report.record(check_partial_sums(verify_adapter, case))
         except GateSkipped as e:
             report.skip("partial_sums", str(e))
+        # Every declared low precision, at the longest window: a bf16 / fp16 accumulator's error grows with N
+        # (one step: the float64 run, precision-free, already ran K steps above).
+        low = data.draw(cases(verify_adapter, min_accum=LONG_N, max_accum=LONG_N, max_micro_batch=1, max_steps=1),
+                        label="low-precision case")
+        for r in check_long_window(verify_adapter, low):
+            report.record(r)
 
     long_windows()

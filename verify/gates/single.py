@@ -53,6 +53,7 @@ def _equivalence(adapter, case: Case, device: str) -> GateResult:
         except GateFailure as e:
             doomed = e
         kappa = (lambda: condition(block_grads(adapter, case, device), ref64.grads0)) if N > 1 else None
+        j.accumulator(acc)
         j.step0(acc, big, ref64, kappa, doomed=doomed)
         j.loss_trajectory(acc, big)
         if doomed is not None:

@@ -262,6 +262,23 @@ class Judge:
                           f"the adapter's scaler a lower init_scale under the gates — otherwise the scale is applied wrong")
             self._within(a, b, what, k, o)
 
+    def accumulator(self, acc, dtype=torch.float32) -> None:
+        """bf16 / fp16 autocast keeps parameters, so `.grad`, in `dtype` (the protocol's precisions): a boundary
+        gradient held in the autocast dtype after N ≥ 2 micro-steps (a `.half()` model, bf16 parameters) was
+        summed in 11 / 8 significant bits. Its own big batch reduces over rows in those bits too, so its error
+        grows with N as fast and no C·err(big) bound separates them (docs/performance.md): the dtype is the
+        evidence, named here rather than waited for."""
+        if self.case.accum_steps < 2 or self.case.precision == "fp32":
+            return
+        for name, g in acc.grads0.items():
+            if g.is_floating_point() and g.dtype != dtype and g.dtype in (torch.bfloat16, torch.float16):
+                bits = {torch.float16: 11, torch.bfloat16: 8}[g.dtype]
+                self.fail(f"gradient (step 0) of {name!r} is {g.dtype} at the boundary of {self.case.accum_steps} "
+                          f"micro-steps under {self.case.precision} autocast (parameters in {dtype}): the window's sum "
+                          f"was accumulated in {bits} significant bits, whose rounding grows with N. Keep the "
+                          f"parameters (and .grad) in {dtype} and autocast the forward, or accumulate into a {dtype} "
+                          f"buffer")
+
     def loss_trajectory(self, acc, big) -> None:
         if getattr(self.case, "precision", "fp32") != "fp32":
             return  # autocast: step 0 by the policy; the float64 run carries the trajectory

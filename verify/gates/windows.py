@@ -22,7 +22,9 @@ from .diagnose import determinism
 from .single import GateResult, GateSkipped, check_equivalence
 from .tolerance import KAPPA_EXACT_ABOVE, GateFailure, bound64, condition, measured_floor, rel_err, twin_floor
 
-__all__ = ["splits", "check_split_invariance", "check_partial_sums"]
+__all__ = ["splits", "check_split_invariance", "check_partial_sums", "check_long_window", "LOW_PRECISIONS"]
+
+LOW_PRECISIONS = ("bf16", "fp16")
 
 
 def splits(E: int, max_world: int) -> list[tuple[int, int, int]]:
@@ -52,6 +54,23 @@ def check_split_invariance(adapter, case: Case, *, max_world: int = 1) -> GateRe
         if r.ratio >= worst:
             worst, where = r.ratio, f"N={n} B={b} W={w}: {r.worst}"
     return GateResult("split invariance", case, where, worst, splits=n_splits, floor64=floor)
+
+
+def check_long_window(adapter, case: Case) -> list[GateResult]:
+    """The equivalence gate on one long window (world 1) in every low precision the adapter declares (bf16,
+    fp16; the caller draws its fp32 windows): a gradient summed in 8 / 11 significant bits across micro-steps
+    rounds relative to the running sum, so its error grows with N while the big batch's does not, and
+    crosses C·err(big) + F·κ at some N (docs/performance.md: the N measured). A failure names the precision
+    and N. Returns one GateResult per precision run (none where the adapter declares fp32 only)."""
+    out = []
+    for p in (p for p in LOW_PRECISIONS if p in adapter.precisions):
+        c = case.replace(precision=p)
+        try:
+            out.append(check_equivalence(adapter, c))
+        except GateFailure as e:
+            raise GateFailure(f"[long window] {p}, N={c.accum_steps}: {e}", gate=e.gate, case=c, error=e.error,
+                              bound=e.bound, hint=e.hint) from None
+    return out
 
 
 def _prefix_reference(adapter, case: Case, x, y, device, reverse: bool = False):

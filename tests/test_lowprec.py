@@ -1,0 +1,47 @@
+"""Long windows in every declared precision (issue 16, item 2): gradients accumulated in bf16 / fp16 across
+micro-steps are rejected, naming the precision and N; fp32 main gradients under autocast pass."""
+import pytest
+
+from verify.adapters import broken_lowprec as bl
+from verify.adapters import xtrain
+from verify.case import Case
+from verify.gates import GateFailure, check_equivalence
+from verify.gates.windows import check_long_window
+from xtrain_core.config import ModelConfig, OptimConfig
+
+OPTS = xtrain.XtrainOptions(model=ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=1, d_model=32), seq_len=16,
+                            optim=OptimConfig(lr=1e-2))
+TINY = xtrain.XtrainOptions(model=ModelConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=1, d_model=8), seq_len=4,
+                            optim=OptimConfig(lr=1e-2))
+
+
+@pytest.mark.parametrize("name, precision, dtype", [("half_model", "fp16", "torch.float16"),
+                                                    ("bf16_params", "bf16", "torch.bfloat16")])
+def test_low_precision_parameters_are_rejected_in_their_precision_only(name, precision, dtype):
+    adapter = bl.LOWPREC_BROKEN[name]
+    case = Case(accum_steps=4, micro_batch=1, steps=1, options=TINY, precision=precision, seed=1, data_seed=2)
+    with pytest.raises(GateFailure, match=rf"^\[long window\] {precision}, N=4: \[equivalence\] gradient \(step 0\) of "
+                                          rf"'[\w.]+' is {dtype} at the boundary of 4 micro-steps"):
+        check_long_window(adapter, case)
+    check_equivalence(adapter, case.replace(accum_steps=1))  # N = 1: nothing accumulates
+    other = "bf16" if precision == "fp16" else "fp16"
+    check_equivalence(adapter, case.replace(precision=other))  # xtrain's trainer there
+    check_equivalence(adapter, case.replace(precision="fp32"))
+
+
+def test_a_trainer_declaring_fp32_only_runs_no_low_precision_window():
+    assert check_long_window(xtrain.single.replace(precisions=("fp32",)), Case(accum_steps=2, micro_batch=1, steps=1,
+                                                                              options=TINY)) == []
+
+
+@pytest.mark.slow  # N = 256 in bf16 and fp16: ~10 s
+def test_fp32_main_gradients_pass_and_a_bf16_buffer_is_rejected_at_n_256():
+    case = Case(accum_steps=256, micro_batch=1, steps=1, options=OPTS, seed=3, data_seed=4)
+    results = check_long_window(xtrain.single, case)
+    assert [r.case.precision for r in results] == ["bf16", "fp16"] and max(r.ratio for r in results) < 0.5
+    with pytest.raises(GateFailure, match=r"^\[long window\] bf16, N=256: \[equivalence\] gradient \(step 0\) of "
+                                          r"'[\w.]+': accumulation error") as e:
+        check_long_window(bl.low_precision_grad, case)
+    assert e.value.error > e.value.bound and e.value.case.precision == "bf16"
+    # the same buffer passes at N = 64: its rounding has not yet crossed C·err(big) + F·κ
+    assert max(r.ratio for r in check_long_window(bl.low_precision_grad, case.replace(accum_steps=64))) < 1
