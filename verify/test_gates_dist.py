@@ -2,7 +2,7 @@
 
 The data-parallel gates on the adapter under proof, when it declares data parallelism: boundary-only
 communication and equivalence to its own one-rank big batch over drawn (N, B_local, world, K, options),
-and, for every fp16 adapter (world 1 without data parallelism), the injected-overflow gate,
+and, for a data-parallel fp16 adapter, the injected-overflow gate at every world (verify/gates/overflow.py),
 on warm rank pools (gloo on CPU; --verify-backend nccl on GPUs, rank r on cuda:r). Worlds from
 XTRAIN_DIST_MIN_WORLD (default 1) to XTRAIN_DIST_MAX_WORLD (default 4, capped by GPUs under NCCL).
 """
@@ -59,12 +59,15 @@ def test_bytes_per_step_independent_of_N(verify_adapter):
 
 
 def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapter):
-    """fp16: window 0 of K=2 overflows in ONE drawn micro-step on ONE drawn rank (verify/gates/overflow.py)."""
+    """fp16: window 0 of K=2 overflows in ONE drawn micro-step on ONE drawn rank (verify/gates/overflow.py).
+    One process (the GPU gate's CUDA step) runs it in test_gates.py."""
     hook, why = overflow_hook(verify_adapter)
     if hook is None:
         report.skip("overflow", why)
         pytest.skip(why)
-    top = max_world() if verify_adapter.data_parallel else 1
+    if not verify_adapter.data_parallel:
+        pytest.skip("not data-parallel: test_gates.py runs the overflow gate in one process")
+    top = max_world()
 
     @settings(max_examples=gate_budget("overflow"), deadline=None)
     @given(data=st.data())
