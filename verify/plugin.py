@@ -33,11 +33,15 @@ MARKERS = ("verify_gate: a gate test of verify (its failures go into the run rep
 
 
 def _profiles() -> None:
-    from hypothesis import HealthCheck, settings
+    from hypothesis import HealthCheck, Phase, settings
 
+    # No explain phase: after shrinking it replays the failing case once per varied part of it (each replay
+    # a whole run of the user's trainer and the float64 references) to annotate lines the verdict does not
+    # need; on HF's Trainer that was most of a failing gate's time. The shrunk case stays in every verdict.
+    phases = tuple(p for p in Phase if p is not Phase.explain)
     ci = settings.get_profile("ci")
-    settings.register_profile("dev", max_examples=10, deadline=None)
-    settings.register_profile("ci", parent=ci, max_examples=100, deadline=None,
+    settings.register_profile("dev", max_examples=10, deadline=None, phases=phases)
+    settings.register_profile("ci", parent=ci, max_examples=100, deadline=None, phases=phases,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=150)
     if os.environ.get("HYPOTHESIS_PROFILE") in ("dev", "ci", "gpu"):

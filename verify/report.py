@@ -28,6 +28,8 @@ BOUNDS = {
     "token_mean": "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
                   "target change nothing; rel ≤ max(1e-9, 8·twin floor)·κ",
     "empty_window": "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
+    "overflow": "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
+                "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
 }
 ORDER = tuple(BOUNDS)  # the report's gate order: BOUNDS' order
 
@@ -80,7 +82,13 @@ def record(result) -> None:
     s = _gate(_key(key, result.case))
     s["examples"] += 1
     _keep_floor(s, result)
-    if key not in ("bit_exact", "empty_window"):  # bit-exact has no error to rank: every example is torch.equal or a failure
+    if key == "overflow":  # exact checks, no error to rank: the worlds seen, and the largest world × N as the case
+        c, w = result.case, s.get("worst_case")
+        s["worlds"] = sorted(set(s.get("worlds", [])) | {c.world})
+        if w is None or c.world * c.accum_steps > w["world"] * w["accum_steps"]:
+            s.update(worst_ratio=0.0, worst_check="largest world × N: " + result.worst, worst_case=c.as_dict(),
+                     worst_case_text=str(c))
+    elif key not in ("bit_exact", "empty_window"):  # bit-exact has no error to rank: every example is torch.equal or a failure
         _keep_worst(s, result.ratio, result.worst, result.case)
 
 

@@ -41,7 +41,8 @@ def budget(share: int, least: int, n: int | None = None) -> int:
 # token_mean / empty_window: ~6 trainers built per case (HF's Trainer: ~1 s each), and every count bug shows
 # on nearly every padded case, so a fifth of split invariance's share.
 GATE_BUDGETS = {"equivalence": (1, 1), "bit_exact": (1, 1), "split_invariance": (10, 3), "token_mean": (20, 3),
-                "empty_window": (20, 3), "long_windows": (30, 2), "data_parallel": (2, 8), "bytes_per_step": (30, 3)}
+                "empty_window": (20, 3), "long_windows": (30, 2), "data_parallel": (2, 8), "bytes_per_step": (30, 3),
+                "overflow": (10, 3)}
 
 
 def gate_budget(gate: str, n: int | None = None) -> int:

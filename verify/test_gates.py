@@ -8,7 +8,7 @@ partial sums. Each passed
 example goes into the run report.
 """
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from . import report
@@ -141,3 +141,27 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
             report.record(r)
 
     long_windows()
+
+
+def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):
+    """fp16, one process on the gate's device: window 0 of K=2 overflows in ONE drawn micro-step
+    (verify/gates/overflow.py; every world, on rank pools: test_gates_dist.py)."""
+    from .gates.overflow import check_overflow, overflow_hook
+
+    hook, why = overflow_hook(verify_adapter)
+    if hook is None:
+        report.skip("overflow", why)
+        pytest.skip(why)
+    if verify_adapter.process_group:
+        pytest.skip("needs a process group even alone: test_gates_dist.py runs the overflow gate")
+
+    @settings(max_examples=gate_budget("overflow"), deadline=None)
+    @given(data=st.data())
+    def overflow(data):
+        case = data.draw(cases(verify_adapter, max_accum=4, min_steps=2, max_steps=2), label="case")
+        case = case.replace(precision="fp16")
+        assume(0 not in case.empty_steps())  # an empty window has nothing to overflow
+        micro = data.draw(st.integers(0, case.accum_steps - 1), label="overflowing micro-step")
+        report.record(check_overflow(verify_adapter, case, micro, 0))
+
+    overflow()

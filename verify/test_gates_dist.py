@@ -2,16 +2,18 @@
 
 The data-parallel gates on the adapter under proof, when it declares data parallelism: boundary-only
 communication and equivalence to its own one-rank big batch over drawn (N, B_local, world, K, options),
+and, for a data-parallel fp16 adapter, the injected-overflow gate at every world (verify/gates/overflow.py),
 on warm rank pools (gloo on CPU; --verify-backend nccl on GPUs, rank r on cuda:r). Worlds from
 XTRAIN_DIST_MIN_WORLD (default 1) to XTRAIN_DIST_MAX_WORLD (default 4, capped by GPUs under NCCL).
 """
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from . import report
 from ._gpulock import gpu_shared  # noqa: F401
 from .gates import check_distributed, check_same_bytes
+from .gates.overflow import check_overflow, overflow_hook
 from .gates.distributed import max_world, min_world
 from .strategies import dist_cases, gate_budget
 
@@ -54,3 +56,27 @@ def test_bytes_per_step_independent_of_N(verify_adapter):
         report.record(check_same_bytes(verify_adapter, case))
 
     same_bytes()
+
+
+def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapter):
+    """fp16: window 0 of K=2 overflows in ONE drawn micro-step on ONE drawn rank (verify/gates/overflow.py).
+    One process (the GPU gate's CUDA step) runs it in test_gates.py."""
+    hook, why = overflow_hook(verify_adapter)
+    if hook is None:
+        report.skip("overflow", why)
+        pytest.skip(why)
+    if not verify_adapter.data_parallel:
+        pytest.skip("not data-parallel: test_gates.py runs the overflow gate in one process")
+    top = max_world()
+
+    @settings(max_examples=gate_budget("overflow"), deadline=None)
+    @given(data=st.data())
+    def overflow(data):
+        case = data.draw(dist_cases(verify_adapter, min_world=min(min_world(), top), max_world=top, max_accum=4,
+                                    min_steps=2, max_steps=2), label="case").replace(precision="fp16")
+        assume(0 not in case.empty_steps())  # an empty window has nothing to overflow
+        micro = data.draw(st.integers(0, case.accum_steps - 1), label="overflowing micro-step")
+        rank = data.draw(st.integers(0, case.world - 1), label="overflowing rank")
+        report.record(check_overflow(verify_adapter, case, micro, rank))
+
+    overflow()

@@ -1,7 +1,8 @@
 """Injected overflow (fp16): the inf-handling path of a GradScaler trainer, which the other gates never
 reach (their windows are drawn not to overflow).
 
-The case runs K ≥ 2 windows under fp16 on W ranks. In window 0 ONE micro-batch on ONE rank (micro-step m,
+The case runs K ≥ 2 windows under fp16 on W ranks (rank pools; W = 1 without a process group: in this
+process, on case.device). In window 0 ONE micro-batch on ONE rank (micro-step m,
 rank r, drawn) overflows: the adapter's `overflow` hook is applied to it just before its micro_step()
 (verify.data.overflow_rows, the default for floating inputs, scales its rows by 2^20; xtrain arms an inf
 in the next backward's gradient). The big batch (the same adapter at N=1, one rank) holds the same rows,
@@ -19,6 +20,8 @@ ranks       after every window (window 1 shows optimizer state a skip must leave
 Every failure is a GateFailure with gate="overflow", naming the window, the rank and where the overflow was.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -103,10 +106,17 @@ def check_overflow(adapter, case: Case, micro: int, rank: int, *, pool=None, ref
     if case.precision != "fp16" or case.steps < 2 or not (0 <= micro < case.accum_steps and 0 <= rank < case.world):
         raise ValueError(f"the overflow gate needs precision fp16, steps ≥ 2 and micro < N, rank < W; got {case} "
                          f"micro={micro} rank={rank}")
-    pool = pool or get_pool(case.world)
-    ref_pool = pool if case.world == 1 else (ref_pool or get_pool(1))
-    ref = ref_pool.run(overflow_job, adapter, case, micro, rank, True)[0]
-    runs = pool.run(overflow_job, adapter, case, micro, rank)
+    if 0 in case.empty_steps():  # no valid target: nothing is backwarded, an armed hook would fire in window 1
+        raise ValueError(f"the overflow gate needs a window 0 with a valid target; got {case}")
+    if case.world == 1 and not adapter.process_group and pool is None:  # one process: here, on case.device
+        here = SimpleNamespace(rank=0, world=1, device=torch.device(case.device))
+        ref = overflow_job(here, adapter, case, micro, rank, True)
+        runs = [overflow_job(here, adapter, case, micro, rank)]
+    else:
+        pool = pool or get_pool(case.world)
+        ref_pool = pool if case.world == 1 else (ref_pool or get_pool(1))
+        ref = ref_pool.run(overflow_job, adapter, case, micro, rank, True)[0]
+        runs = pool.run(overflow_job, adapter, case, micro, rank)
     where = f"window 0 overflows in micro-step {micro} of {case.accum_steps} on rank {rank} of {case.world}"
 
     def fail(msg):

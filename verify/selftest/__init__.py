@@ -10,7 +10,9 @@ then run on the wrapped trainer over a fixed set of cases built from the adapter
                      that show there alone (Operator.long) run on it, and only on it
     data-parallel    every world the gates draw (XTRAIN_DIST_MIN_WORLD..MAX_WORLD, default 1..4, capped
                      by --max-world), W=1 included: W=1 and 2 (N=3, B=2, K=2), W=3 and 4 (N=2, B=1, K=2),
-                     when the adapter declares data parallelism
+                     when the adapter declares data parallelism; for an fp16 adapter with a way to
+                     overflow, the overflow gate too, on the same cases under fp16 (window 0 overflowing in
+                     micro-step 0 on the last rank)
 
 For an adapter with an ignore_index every case is padded (fixed valid-target counts per row: uneven
 micro-batches and ranks, empty rows, every window holding some valid target), so the token operators
@@ -34,7 +36,7 @@ from .operators import OPERATORS, Operator
 
 __all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES"]
 
-GATES = ("equivalence", "bit-exact", "token-mean", "long-window", "boundary-only", "dp-equivalence")
+GATES = ("equivalence", "bit-exact", "token-mean", "long-window", "boundary-only", "dp-equivalence", "overflow")
 DIST = {1: (3, 2), 2: (3, 2), 3: (2, 1), 4: (2, 1)}  # world -> (N, B) of its data-parallel case
 PAD = (1.0, 0.0, 0.25, 1.0, 0.5, 0.0, 1.0)  # valid share of a row, cycled: uneven micro-batches and ranks
 
@@ -89,13 +91,17 @@ def _run_gates(adapter, case, plain: bool, dist: bool) -> dict:
 
     out = {}
     if case.accum_steps >= LONG_N:
-        checks = [("long-window", lambda a, c: check_long_window(a, c))]
+        checks = [("long-window", check_long_window)]
     elif not dist:
         checks = [("equivalence", check_equivalence)] + ([("bit-exact", check_bit_exact)]
                                                          if plain and case.accum_steps == 1 else [])
         checks += [("token-mean", check_token_mean)] if case.lengths is not None else []
     else:
         checks = [("data-parallel", check_distributed)]
+        from ..gates.overflow import check_overflow, overflow_hook
+
+        if overflow_hook(adapter)[0] is not None:
+            checks.append(("overflow", lambda a, c: check_overflow(a, c.replace(precision="fp16"), 0, c.world - 1)))
     for name, check in checks:
         try:
             check(adapter, case)
@@ -214,6 +220,9 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
     single, dist = selftest_cases(adapter, worlds=worlds, device=device)
     cases = single + dist
     plain = adapter.plain is not None
+    from ..gates.overflow import overflow_hook
+
+    overflow_ok = overflow_hook(adapter)[0] is not None
     res = SelftestResult(adapter.locate(), cases, {}, worlds=[c.world for c in dist], n_single=len(single))
     total, done = len(cases) * (1 + len(ops)), 0
     for i, case in enumerate(cases):
@@ -224,7 +233,7 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
     for op in ops:
         mutant = op.apply(adapter)
         where = [(i, c) for i, c in enumerate(cases) if op.exists(c) and (c.world > 1 or not op.dist_only)
-                 and (c.accum_steps >= LONG_N) == op.long]
+                 and (c.accum_steps >= LONG_N) == op.long and (not op.fp16 or overflow_ok)]
         row = {g: "n/a" for g in GATES}
         for i, case in where:
             for gate, v in _run_gates(mutant, case, plain, i >= len(single)).items():

@@ -23,6 +23,10 @@ every rank unless said otherwise):
     padding_counted_as_valid   divided by every target position, padding included (also at N = 1)
     loss_over_sequences        divided by the window's number of sequences (also at N = 1)
 
+fp16 (adapters with a way to overflow, verify/gates/overflow.py; run on the data-parallel cases):
+    overflow_decided_on_one_rank  ranks ≥ 1 never see an overflow: where the boundary gradient is
+                               non-finite their inner trainer skips, and the wrapper steps them anyway
+
 The token operators know the window's valid counts from the batches and the adapter's ignore_index (the
 ranks' counts through one all_reduce inside grads(), where the harness's reading is not judged); the ones
 that act at N = 1 too divide consistently under every split, so only the token-mean gate can see them.
@@ -132,6 +136,9 @@ class Operator:
     long: bool = False
     """The fault shows only in long low-precision windows: the self-test runs it on its long-window case
     alone (selftest_cases), where the other operators do not run."""
+    fp16: bool = False
+    """The bug lives on the overflow path: it exists only for an adapter the overflow gate can run on (fp16
+    and a way to overflow: verify.gates.overflow.overflow_hook)."""
 
     def apply(self, adapter):
         """The adapter with this fault planted around its factory (pools rebuild it by name)."""
@@ -266,6 +273,25 @@ def _one_rank_factor(w):
     return _ratio(c[0], _world() * w.counts[0]) if c[0] else 1.0
 
 
+def _seen_non_finite(w, grads: dict) -> None:
+    """Reads the boundary gradient (changes nothing): did the window overflow, on any rank?"""
+    w.non_finite = any(not bool(torch.isfinite(g).all()) for g in grads.values())
+
+
+def _step_anyway(w, loss):
+    """After the inner trainer's (correct) skip: on ranks ≥ 1, an overflowing window is stepped regardless.
+    The wrapper cannot reach the inner optimizer, so its "step" is a weight-decay-like shrink (× (1 - 1e-3))
+    written into the tensors params() returns: which update does not matter, that those ranks move does."""
+    import torch.distributed as dist
+
+    if getattr(w, "non_finite", False) and _world() > 1 and dist.get_rank() > 0:
+        with torch.no_grad():
+            for p in w.inner.params().values():
+                p.mul_(1.0 - 1e-3)
+    w.non_finite = False
+    return loss
+
+
 N2 = lambda c: c.accum_steps >= 2  # noqa: E731
 
 
@@ -331,4 +357,8 @@ OPERATORS = {op.name: op for op in [
              PADDED, scale=_count_factor(lambda c, w: c[1]), loss=lambda w, loss: loss * w.factor, at_n1=True),
     Operator("loss_over_sequences", "divided by the window's number of sequences, not of valid targets",
              PADDED, scale=_count_factor(lambda c, w: c[2]), loss=lambda w, loss: loss * w.factor, at_n1=True),
+    # -- fp16 overflow -------------------------------------------------------------------------------------
+    Operator("overflow_decided_on_one_rank", "ranks ≥ 1 never see an overflow: they step an overflowing window",
+             lambda c: c.world >= 2, scale=lambda w: 1.0, replace_grads=_seen_non_finite, loss=_step_anyway,
+             dist_only=True, at_n1=True, fp16=True),
 ]}
