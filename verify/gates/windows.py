@@ -62,7 +62,10 @@ def check_long_window(adapter, case: Case) -> list[GateResult]:
     fp16; the caller draws its fp32 windows): a gradient summed in 8 / 11 significant bits across micro-steps
     rounds relative to the running sum, so its error grows with N while the big batch's does not, and
     crosses C·err(big) + F·κ at some N (docs/performance.md: the N measured). A failure names the precision
-    and N. Returns one GateResult per precision run (none where the adapter declares fp32 only)."""
+    and N. Returns one GateResult per precision run (none where the adapter declares fp32 only).
+    The partial-sum gate stays float64: its question (does each micro-step land exactly once) has no
+    precision, and a low-precision partial sum after n micro-steps carries the error of a window of n, which
+    this check at the longest N already bounds."""
     out = []
     for p in (p for p in LOW_PRECISIONS if p in adapter.precisions):
         c = case.replace(precision=p)
