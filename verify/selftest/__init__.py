@@ -14,7 +14,7 @@ then run on the wrapped trainer over a fixed set of cases built from the adapter
                      overflow, the overflow gate too, on the same cases under fp16 (window 0 overflowing in
                      micro-step 0 on the last rank)
 
-For an adapter with an ignore_index every case is padded (fixed valid-target counts per row: uneven
+For an adapter with an ignore_index every case but the long window is padded (fixed valid-target counts per row: uneven
 micro-batches and ranks, empty rows, every window holding some valid target), so the token operators
 can show.
 
@@ -68,7 +68,7 @@ def selftest_cases(adapter, *, worlds=(1, 2, 3), device: str = "cpu"):
     low = [p for p in LOW_PRECISIONS if p in adapter.precisions]
     if low:
         single.append(Case(accum_steps=LONG_N, micro_batch=1, steps=1, seed=5, data_seed=15, device=device, options=o,
-                           precision=low[0]))
+                           precision=low[0]))  # unpadded: only low_precision_accumulation runs there
     return single, [_padded(adapter, c) for c in dist]
 
 

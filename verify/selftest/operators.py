@@ -227,12 +227,10 @@ def _low_precision_micro(w, x, y, m):
         return
     g, c = _own_gradient(w, x, y, m)
     low = torch.float16 if w.precision == "fp16" else torch.bfloat16
+    w.low_sum = {} if w.low_sum is None else w.low_sum
     with torch.no_grad():
-        if w.low_sum is None:
-            w.low_sum = {k: (c * v.float()).to(low) for k, v in g.items()}
-        else:
-            for k, v in g.items():
-                w.low_sum[k] = (w.low_sum[k].float() + c * v.float()).to(low)
+        for k, v in g.items():  # a micro-batch without a valid target may bring no gradient at all
+            w.low_sum[k] = ((w.low_sum[k].float() if k in w.low_sum else 0.0) + c * v.float()).to(low)
     w.low_weight += c
 
 
