@@ -1,6 +1,6 @@
 """At which N does the gate find a gradient accumulated in low precision? One table per precision.
 
-    python -m benchmarks.lowprec_detection [--out reports] [--max-n 1024] [--seeds 3]
+    python -m benchmarks.lowprec_detection [--out reports/cpu] [--max-n 1024] [--seeds 3]
 
 A benchmark of numerics, not of speed, and not a test. For each precision (bf16, fp16 autocast), each
 (init, data) seed pair and N on a grid up to --max-n (B = 1, the long-window gate's shape), the worst
@@ -18,7 +18,7 @@ The detection N of a trainer is the smallest grid N whose ratio is > 1 (none: ">
 reference and κ (per-row float64 runs) are the same for every precision and trainer (the planted ones are
 xtrain's trainer in float64), so each is computed once per (seed pair, N).
 
-Writes OUT/cpu/lowprec-detection.json (verify._meta header).
+Writes OUT/lowprec-detection.json (verify._meta header).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def detection(rows: list[dict], p: str, name: str):
 
 def main(argv=None):
     ap = Parser(prog="benchmarks.lowprec_detection", description="the N at which the gate finds low-precision accumulation")
-    ap.add_argument("--out", default="reports")
+    ap.add_argument("--out", default=os.path.join("reports", "cpu"))
     ap.add_argument("--max-n", type=positive_int, default=1024)
     ap.add_argument("--seeds", type=positive_int, default=3, help="(init, data) seed pairs: (0, 0), (1, 1), ...")
     ap.add_argument("--threads", type=positive_int, default=1)
@@ -108,7 +108,7 @@ def main(argv=None):
     doc = dict(header(KIND), settings=dict(model=vars(MODEL), seq_len=16, micro_batch=1, grid=ns, seeds=a.seeds,
                                            threads=torch.get_num_threads()),
                detection_n=summary, worst_xtrain=worst_xtrain, seeds=seeds, seconds=time.perf_counter() - t0)
-    path = os.path.join(a.out, "cpu", f"{KIND}.json")
+    path = os.path.join(a.out, f"{KIND}.json")
     atomic_write(path, json.dumps(doc, indent=1, default=str) + "\n")
     print(f"wrote {path} ({doc['seconds']:.0f} s)")
 

@@ -85,6 +85,16 @@ def test_bench_dist_steps_under_torchrun_cpu(tmp_path):
         assert counted["per_window"]["micro 0"] == [], (side, counted["per_window"])
 
 
+def test_lowprec_detection_cpu(tmp_path):
+    """The detection-N benchmark's smallest sweep: N = 16, one seed pair; xtrain stays under its bound in
+    both low precisions, nothing is detected that early."""
+    out = _run(["-m", "benchmarks.lowprec_detection", "--max-n", "16", "--seeds", "1"], tmp_path)
+    doc = _report(tmp_path / "lowprec-detection.json")
+    assert doc["kind"] == "lowprec-detection" and doc["settings"]["grid"] == [16] and "detection N" in out
+    assert all(v < 1 for v in doc["worst_xtrain"].values()), doc["worst_xtrain"]
+    assert doc["detection_n"]["bf16"]["buffer"] == [None] and doc["detection_n"]["fp16"]["xtrain"] == [None]
+
+
 def test_bf16_accumulation_cpu(tmp_path):
     """The numerics benchmark's smallest sweep: N = 1, 2, 4, every gate verdict recorded and agreeing with the
     ratio the script computes; xtrain's fp32 accumulation passes at every N."""
