@@ -69,3 +69,15 @@ class MLPTrainer:
 mlp = Adapter(factory=MLPTrainer, data=vectors, defaults=MLPOptions(), name="position-wise MLP (tests)")
 tiny_mlp = Adapter(factory=MLPTrainer, data=vectors, defaults=MLPOptions(tokens=4, features=3, hidden=5),
                    name="tiny position-wise MLP (tests)")
+
+
+def gibibyte_model(query):
+    """A user's own memory model (the predicted_peak hook), deliberately wrong: 1 GiB for every configuration,
+    far above what the tiny MLP allocates, so verify.memory must call the ratio absurd and exit 1."""
+    from verify.memory import Prediction
+
+    return Prediction(mode="one GiB", peaks={c: dict(bytes=2**30, terms={"everything": 2**30}) for c in query.configs},
+                      quantity="a fixed guess", text="Mode **one GiB** (tests/memory_adapters.py).")
+
+
+tiny_mlp_modelled = tiny_mlp.replace(predicted_peak=gibibyte_model)
