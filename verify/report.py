@@ -127,10 +127,6 @@ def merge(into: dict, blob: str) -> None:
             t["expected_before_boundary"] = t.get("expected_before_boundary", 0) + s["expected_before_boundary"]
 
 
-def local() -> dict:
-    return json.loads(dump())
-
-
 # -- writing -----------------------------------------------------------------------------------------
 
 def paths(folder: str) -> tuple[str, str]:
