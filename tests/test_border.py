@@ -28,11 +28,13 @@ LAYERS = [
     ("xtrain CLI", ["xtrain_core.train"]),
     # the façade (`verify`: lazy, imports nothing at load) and what every part of the harness shares
     ("harness base", ["verify", "verify._meta", "verify.settings", "verify.verdict", "verify.comm",
-                      "verify.protocol", "verify.data", "verify.report", "verify.hints"]),
+                      "verify.protocol", "verify.data", "verify.hints"]),
     # running a case: the driving loop, rank pools, the pull driver, strategies, the GPU lock
     ("harness runtime", ["verify.case", "verify.pool", "verify.pool_*", "verify.pull", "verify.strategies",
                          "verify._gpulock"]),
     ("gates", ["verify.gates", "verify.gates.*"]),
+    # the run report prints each gate's bound in words from the tolerance policy's constants
+    ("report", ["verify.report"]),
     ("studies", ["verify.selftest", "verify.selftest.*", "verify.memory", "verify.memory.*"]),
     ("front ends", ["verify.plugin", "verify.selftest.__main__", "verify.gpu_gate", "verify.memory.__main__",
                     "verify.test_gates", "verify.test_gates_*"]),

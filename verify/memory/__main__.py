@@ -51,7 +51,8 @@ class _Trainer(argparse.Action):
 
 def parse_args(argv=None):
     p = Parser(prog="verify.memory", description=__doc__.split("\n\n")[1],
-               epilog="Exit status: 0 all invariants hold, 1 one fails or cannot be established, 2 bad input.")
+               epilog="Exit status: 0 PASS (all invariants hold), 1 FAIL (one fails), 3 INCONCLUSIVE (one cannot be "
+                      "decided at this size; not a failure), 2 bad input.")
     p.add_argument("--effective-batch", type=positive_int, default=32, metavar="E",
                    help="E: rows (sequences) per optimizer step, over all ranks (default 32)")
     p.add_argument("--device", default="auto", help="auto (cuda if visible, else cpu), cpu, cuda or cuda:K")
