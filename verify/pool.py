@@ -27,7 +27,8 @@ model, N=4). So the suite keeps ONE pool per (world, backend) per process (= per
 * Shutdown: barrier, destroy_process_group, os._exit(0) in each worker (0/60 teardown aborts vs 4/65
   without).
 
-Torch is imported lazily: a worker turns the flight recorder on (verify/comm.py) before torch loads.
+The rank side (what each worker process runs) is verify/pool_worker.py. Torch is imported lazily: a
+worker turns the flight recorder on (verify/comm.py) before torch loads.
 """
 from __future__ import annotations
 
@@ -36,13 +37,12 @@ import os
 import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
-import traceback
-from dataclasses import dataclass
 from multiprocessing import connection
+
+from .pool_worker import RankContext, worker_main  # noqa: F401  (RankContext: re-exported)
 
 ENV_TIMEOUT = "XTRAIN_DIST_TIMEOUT"
 ENV_BACKEND = "XTRAIN_DIST_BACKEND"
@@ -84,114 +84,6 @@ class DistTimeout(DistJobError):
     pass
 
 
-@dataclass
-class RankContext:
-    """What a job function gets as its first argument, on each rank."""
-
-    rank: int
-    world: int
-    backend: str
-    device: object  # torch.device
-    recorder: object  # verify.comm.Recorder for this process
-    state: dict  # per-worker scratch space that survives across jobs (e.g. a cached private group)
-
-
-# -- the worker (a spawned process) ---------------------------------------------------------------
-
-def _die_with_parent(owner_pid: int) -> None:
-    """SIGKILL this worker when its parent dies (the forkserver, which exits when the owner does, or the
-    owner itself under spawn); exit now if the owner is already gone."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    try:
-        os.kill(owner_pid, 0)
-    except ProcessLookupError:
-        os._exit(1)
-
-
-def _release_forkserver_pipe() -> None:
-    """A forkserver child inherits the write end of the server's "owner alive" pipe. Holding it keeps
-    the server alive after the owner dies — and so this worker, whose PDEATHSIG waits for the server."""
-    try:
-        from multiprocessing import forkserver
-
-        fd = forkserver._forkserver._forkserver_alive_fd
-        if fd is not None:
-            forkserver._forkserver._forkserver_alive_fd = None
-            os.close(fd)
-    except (AttributeError, OSError):
-        pass
-
-
-def _worker(rank: int, world: int, backend: str, store_path: str, conn, dump_path: str, threads: int,
-            owner_pid: int) -> None:
-    _release_forkserver_pipe()
-    _die_with_parent(owner_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    import faulthandler
-
-    dump = open(dump_path, "w")
-    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
-    from . import comm
-
-    comm.enable(nccl=backend == "nccl")  # before torch.distributed sets up its recorder
-    from ._meta import fp32_only
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    # Look like a torchrun rank to libraries that read the environment (Accelerate decides on data
-    # parallelism from it); the group itself comes from the FileStore below.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS=str(threads))
-    if backend == "nccl":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # allows deterministic cuBLAS where a job asks
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        fp32_only()
-    else:
-        device = torch.device("cpu")
-    try:
-        dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=max(600.0, 2 * job_timeout())))
-        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # first optimizer imports torch._dynamo (~1 s)
-        recorder = comm.Recorder()
-        recorder.check_recording(lambda: dist.all_reduce(torch.zeros(1, device=device)))
-        ctx = RankContext(rank, world, backend, device, recorder, {})
-        conn.send_bytes(pickle.dumps(("ready", os.getpid())))
-    except BaseException:
-        conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
-        os._exit(1)
-    while True:
-        try:
-            msg = conn.recv_bytes()
-        except (EOFError, OSError):  # parent gone
-            os._exit(1)
-        job = pickle.loads(msg)
-        if job is None:
-            break
-        fn, args, kwargs = job
-        try:
-            reply = pickle.dumps(("ok", fn(ctx, *args, **kwargs)))
-        except BaseException:
-            reply = pickle.dumps(("err", traceback.format_exc()))
-        conn.send_bytes(reply)
-    try:
-        dist.barrier()
-        dist.destroy_process_group()
-        conn.send_bytes(pickle.dumps(("bye", None)))
-    finally:
-        dump.close()
-        os._exit(0)
-
-
 # -- the parent side ------------------------------------------------------------------------------
 
 class RankPool:
@@ -217,9 +109,9 @@ class RankPool:
             for r in range(world):
                 here, there = ctx.Pipe(duplex=True)
                 dump = os.path.join(self.dir, f"stacks-rank{r}.txt")
-                p = ctx.Process(target=_worker, name=f"xtrain-rank{r}-of-{world}", daemon=True,
+                p = ctx.Process(target=worker_main, name=f"xtrain-rank{r}-of-{world}", daemon=True,
                                 args=(r, world, self.backend, os.path.join(self.dir, "store"), there, dump,
-                                      self.threads, os.getpid()))
+                                      self.threads, os.getpid(), max(600.0, 2 * job_timeout())))
                 p.start()
                 there.close()
                 self.procs.append(p)

@@ -39,12 +39,12 @@ import time
 
 from pathlib import Path
 
-from xtrain_core.cli import Parser, Progress, UsageError, fail, positive_int, resolve_device, writable_dir
+from xtrain_core.cli import resolve_device
 from xtrain_core.config import PRESETS
 
+from .._cli import Parser, Progress, UsageError, fail, positive_int, writable_dir
 from ..adapters.xtrain_memory import ANCHOR, ANCHOR_NAME, anchor_applies
 from .plan import Plan, plan_configs
-from .report import EXIT_CODES
 
 MODE_TRAINERS = {"xtrain": "verify.adapters.xtrain:adapter", "torch_ddp": "verify.adapters.xtrain:torch_ddp",
                  "fsdp2": "verify.adapters.xtrain:fsdp2", "fsdp2_keep": "verify.adapters.xtrain:fsdp2_keep"}
@@ -63,8 +63,8 @@ class _Trainer(argparse.Action):
 
 def parse_args(argv=None):
     p = Parser(prog="verify.memory", description=__doc__.split("\n\n")[1],
-               epilog=f"Exit status: {EXIT_CODES['PASS']} all invariants hold, {EXIT_CODES['FAIL']} one fails, "
-                      f"{EXIT_CODES['INCONCLUSIVE']} INCONCLUSIVE (one cannot be decided at this size), 2 bad input.")
+               epilog="Exit status: 0 PASS (all invariants hold), 1 FAIL (one fails), 3 INCONCLUSIVE (one cannot be "
+                      "decided at this size; not a failure), 2 bad input.")
     p.add_argument("--effective-batch", type=positive_int, default=32, metavar="E",
                    help="E: rows (sequences) per optimizer step, over all ranks (default 32)")
     p.add_argument("--device", default="auto", help="auto (cuda if visible, else cpu), cpu, cuda or cuda:K")
@@ -200,7 +200,7 @@ def _options(adapter, args, cuda: bool, flag: str):
     defaults are an XtrainOptions), else the adapter's defaults; --model/--seq-len are then an error."""
     from xtrain_core.config import OptimConfig
 
-    from ..adapters.xtrain import XtrainOptions
+    from ..adapters.xtrain_options import XtrainOptions
 
     if not isinstance(adapter.defaults, XtrainOptions):
         given = [f for f, v in (("--model", args.model), ("--seq-len", args.seq_len)) if v is not None]
