@@ -67,3 +67,42 @@ def test_memory_exit_codes_in_help_and_docstring():
     readme = _flat(DOCS["README.md"])
     assert f"exits {EXIT_CODES['INCONCLUSIVE']}, INCONCLUSIVE" in readme
     assert f"exits {EXIT_CODES['FAIL']}, naming the rows" in readme
+
+
+def test_gate_budget_table_is_the_codes():
+    """The guide's table of cases per gate and profile is what gate_budget computes."""
+    import hypothesis
+
+    import verify.plugin  # noqa: F401
+    from verify.strategies import GATE_BUDGETS, gate_budget
+
+    rows = dict(re.findall(r"^\| `(\w+)`[^|]*\| (\d+ \| \d+ \| \d+) \|$", DOCS["docs/verify-your-trainer.md"], re.M))
+    names = {getattr(g, "value", g): g for g in GATE_BUDGETS}
+    assert set(rows) == set(names), f"table gates {sorted(rows)} vs GATE_BUDGETS {sorted(names)}"
+    for name, cells in rows.items():
+        want = " | ".join(str(gate_budget(names[name], hypothesis.settings.get_profile(p).max_examples))
+                          for p in ("dev", "ci", "gpu"))
+        assert cells == want, f"{name}: the guide says {cells}, gate_budget gives {want}"
+
+
+def _mentions(pattern: str):
+    for doc, text in DOCS.items():
+        for m in re.finditer(pattern, text):
+            yield doc, m.group(1)
+
+
+def test_every_command_and_path_the_docs_name_exists():
+    """`python -m X` runs a module that exists; a repo path in backticks (verify/…, xtrain_core/…,
+    benchmarks/…, examples/…, tests/…) is a file or folder of the tree. Moving a module without its docs
+    fails here."""
+    import importlib.util
+
+    bad = []
+    for doc, mod in _mentions(r"python3? -m ([\w.]+)"):
+        if mod.split(".")[0] in ("verify", "xtrain_core", "benchmarks", "examples") and importlib.util.find_spec(mod) is None:
+            bad.append(f"{doc}: python -m {mod}")
+    for doc, path in _mentions(r"`((?:verify|xtrain_core|benchmarks|examples|tests|reports|docs)/[\w./-]*)`"):
+        p = path.split("::")[0].rstrip("/.")
+        if "*" not in p and "{" not in p and not (ROOT / p).exists():
+            bad.append(f"{doc}: {path}")
+    assert not bad, "the docs name what the tree does not have:\n" + "\n".join(bad)
