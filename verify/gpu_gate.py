@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
+from ._cli import Parser, UsageError, fail, positive_int, writable_dir
 
 STEP_TIMEOUT = {"gates": 900, "gpu-tests": 600, "memory": 600, "nccl": 1200}
 
