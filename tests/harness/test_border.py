@@ -17,7 +17,7 @@ import ast
 import fnmatch
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("verify", "xtrain_core")
 MAX_LINES = 400
 
