@@ -38,9 +38,9 @@ def _git(*args: str, where: str | None = None) -> str | None:
 def git_commit(where: str | None = None) -> str | None:
     """HEAD's sha of the repository at `where` (default: the invoking directory, i.e. the code under
     test, not this installed package); XTRAIN_GIT_COMMIT wins (GPU machines get trees without .git)."""
-    if os.environ.get("XTRAIN_GIT_COMMIT"):
-        return os.environ["XTRAIN_GIT_COMMIT"]
-    return _git("rev-parse", "HEAD", where=where) or None
+    from .settings import Settings
+
+    return Settings.from_env().git_commit or _git("rev-parse", "HEAD", where=where) or None
 
 
 def git_state(where: str | None = None) -> dict:
@@ -48,7 +48,9 @@ def git_state(where: str | None = None) -> dict:
     where there is no git repository: a copied tree names its commit through XTRAIN_GIT_COMMIT)."""
     head = _git("rev-parse", "HEAD", where=where)
     status = _git("status", "--porcelain", "--untracked-files=no", where=where) if head else None
-    source = "XTRAIN_GIT_COMMIT" if os.environ.get("XTRAIN_GIT_COMMIT") else ("git" if head else None)
+    from .settings import Settings, env_of
+
+    source = env_of("git_commit") if Settings.from_env().git_commit else ("git" if head else None)
     return dict(commit=git_commit(where), commit_source=source,
                 branch=_git("rev-parse", "--abbrev-ref", "HEAD", where=where) if head else None,
                 dirty=None if status is None else bool(status))

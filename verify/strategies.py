@@ -9,7 +9,6 @@ case (N=1, B=1, K=1, world 1, the adapter's smallest options), so a failure is r
 """
 from __future__ import annotations
 
-import os
 
 from hypothesis import strategies as st
 
@@ -53,7 +52,9 @@ def gate_budget(gate: str, n: int | None = None) -> int:
 
 def gate_device() -> str:
     """--verify-device / XTRAIN_TEST_DEVICE: cuda runs the gates on the GPU; default cpu."""
-    return os.environ.get("XTRAIN_TEST_DEVICE", "cpu")
+    from .settings import Settings
+
+    return Settings.from_env().device
 
 
 def _options_strategy(adapter):
