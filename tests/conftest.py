@@ -1,5 +1,17 @@
+import pytest
 import torch
 
 torch.set_num_threads(1)
 
-from verify._gpulock import _gpu_sharing  # noqa: E402,F401  (GPU tests share the GPU lock; verify/_gpulock.py)
+from verify._gpulock import gpu_lock  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _gpu_sharing(request):
+    """A test marked `gpu` holds the GPU lock (verify/_gpulock.py) while it runs: shared, or exclusive when
+    it is also marked `memory` (NVML's figures are device-wide)."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    with gpu_lock(exclusive=request.node.get_closest_marker("memory") is not None):
+        yield

@@ -3,7 +3,7 @@ the harness's windows, classify DDP's non-gradient traffic, and refuse to underc
 import pytest
 
 from verify.comm import Collective, Windows, _parse
-from verify.dist_jobs import overflow_recorder, probe_counter, recorder_reads_clean
+from tests.helpers.dist_jobs import overflow_recorder, probe_counter, recorder_reads_clean
 from verify.gates.distributed import max_world
 from verify.pool import get_pool
 

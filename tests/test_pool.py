@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from verify import dist_jobs
+from tests.helpers import dist_jobs
 from verify.pool import DistJobError, DistTimeout, RankPool, get_pool
 
 pytestmark = pytest.mark.distributed
@@ -69,7 +69,7 @@ def test_hung_job_times_out_with_stack_dumps(monkeypatch):
 OWNER = """
 import sys
 sys.path.insert(0, {root!r})
-from verify import dist_jobs
+from tests.helpers import dist_jobs
 from verify.pool import get_pool
 pool = get_pool(2)
 print(*pool.pids, flush=True)

@@ -233,4 +233,12 @@ def test_memory_refuses_an_absurd_effective_batch_in_under_a_second(capsys):
         parse_args(["--effective-batch", "99999999999999999999"])
     assert e.value.code == 2 and time.perf_counter() - t0 < 1.0
     err = capsys.readouterr().err
-    assert err.startswith("verify.memory: error: argument --effective-batch: must be ≤ ") and len(err.splitlines()) == 1
+    assert err.startswith("verify.memory: error: argument --effective-batch: must be ≤ 65536, got 9999") and \
+        len(err.splitlines()) == 1
+
+
+def test_the_memory_bound_is_the_largest_micro_batch():
+    from verify.memory.__main__ import MAX_E
+    from xtrain_core.config import MAX_MICRO_BATCH
+
+    assert MAX_E == MAX_MICRO_BATCH  # sweep A's N = 1 runs all E rows as one micro-batch

@@ -165,8 +165,10 @@ class Adapter:
     name: str = ""
     ref: str | None = field(default=None, compare=False)
     """'module:attribute' this adapter is importable as; found on first use when not given."""
-    mutation: str | None = None
-    """Set by the self-test: the fault operator wrapped around `factory` (verify.selftest)."""
+    mutation: Any = None
+    """Set by the self-test: the fault operator wrapped around `factory`, an object with `name` and
+    `apply(adapter)` that pickles by reference (verify.selftest.operators.Operator); pool ranks rebuild the
+    mutant through it, so the protocol needs no import of the self-test."""
     precisions: tuple[str, ...] = ("fp32",)
     ignore_index: int | None = None
     scheduler_per_rank: bool = False
@@ -213,7 +215,7 @@ class Adapter:
             object.__setattr__(self, "name", self.ref or _qual(self.factory))
 
     def __repr__(self):
-        return f"Adapter({self.name!r}{', ' + self.mutation if self.mutation else ''})"
+        return f"Adapter({self.name!r}{', ' + self.mutation.name if self.mutation is not None else ''})"
 
     def declarations(self) -> dict:
         """Every declaration that changes what the gates expect, by name (the report lists them)."""
@@ -311,13 +313,9 @@ def _no_trainer(factory: str, obj, missing: list[str]) -> str:
             f"{', '.join(m + '()' for m in TRAINER_METHODS)} (verify.Trainer)")
 
 
-def _rebuild(ref: str, mutation: str | None) -> Adapter:
+def _rebuild(ref: str, mutation) -> Adapter:
     a = load_adapter(ref)
-    if mutation is not None:
-        from .selftest.operators import OPERATORS
-
-        a = OPERATORS[mutation].apply(a)
-    return a
+    return a if mutation is None else mutation.apply(a)
 
 
 def _qual(fn) -> str:

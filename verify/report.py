@@ -11,22 +11,25 @@ from __future__ import annotations
 import json
 import os
 
+from .gates.tolerance import FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT
+
 __all__ = ["record", "skip", "write", "read", "render_md", "REPORT_NAME"]
 
 REPORT_NAME = "verify-report"
 _STATS: dict[str, dict] = {}
 
 BOUNDS = {
-    "equivalence": "step 0 (fp32 or the autocast precision): err(acc) ≤ 8·err(big) + 8·eps32·κ vs float64; fp32 "
-                   "losses rel < 1e-3; float64 K steps: loss rel, params / max(1,|p|) ≤ max(1e-9, 8·floor)",
+    "equivalence": f"step 0 (fp32 or the autocast precision): {STEP0_TEXT} vs float64 (the loss's all-parameter term only "
+                   f"under autocast); fp32 losses rel < {LOSS_MAX_REL:g}; "
+                   f"float64 K steps: loss rel, params / max(1,|p|) ≤ {FLOAT64_TEXT}",
     "bit_exact": "torch.equal on every gradient, loss and parameter after K steps",
     "boundary_only": "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 elements",
     "data_parallel_equivalence": "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
     "split_invariance": "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
-    "partial_sums": "after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
-                    "max(1e-9, 8·floor)·κ",
+    "partial_sums": f"after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
+                    f"{FLOAT64_TEXT}",
     "token_mean": "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
-                  "target change nothing; rel ≤ max(1e-9, 8·twin floor)·κ",
+                  f"target change nothing; rel ≤ {FLOAT64_TEXT} (floor: the twins')",
     "empty_window": "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
     "overflow": "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
                 "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
@@ -122,10 +125,6 @@ def merge(into: dict, blob: str) -> None:
             t["float64_floor"] = max(s["float64_floor"], t.get("float64_floor") or 0.0)
         if "expected_before_boundary" in s:
             t["expected_before_boundary"] = t.get("expected_before_boundary", 0) + s["expected_before_boundary"]
-
-
-def local() -> dict:
-    return json.loads(dump())
 
 
 # -- writing -----------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ KNOBS = (
     Knob("pool_start", "XTRAIN_POOL_START", "forkserver for gloo, spawn for nccl",
          "how pool ranks start: forkserver (torch preloaded once) or spawn"),
     Knob("hypothesis_profile", "HYPOTHESIS_PROFILE", "unset: your hypothesis default",
-         "dev (10 random examples a test), ci (100, derandomized) or gpu (150)"),
+         "dev, ci or gpu: a budget of 10 random examples / 100 derandomized / 150 per test"),
     Knob("cache_home", "XDG_CACHE_HOME", "`~/.cache`", "a verify run keeps hypothesis' database and pytest's cache "
          "in `$XDG_CACHE_HOME/xtrain-verify`"),
     Knob("gpu_lock", "XTRAIN_GPU_LOCK", "`<tmp>/xtrain-gpu-<uid>.lock`",
@@ -201,9 +201,20 @@ class Settings:
         import torch
 
         torch.use_deterministic_algorithms(True)
-        from ._meta import fp32_only
-
         fp32_only()
+
+
+def fp32_only() -> None:
+    """TF32 off for matmuls and convolutions: every GPU measurement and gate here means true fp32, as the
+    anchor measured it. (Newer torch prefers fp32_precision and may warn; the effect is the same.)"""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def _number(kind, text: str, env: str, what: str):

@@ -5,19 +5,18 @@ case (N=1, B=1, K=1, world 1, the adapter's smallest options), so a failure is r
                                         for adapters with an ignore_index — padding), world 1
     dist_cases(adapter, max_world=4)    the same plus a world size W; B is then per rank
     padding(...)                        valid targets per row: empty rows, micro-batches and ranks included
-    xtrain_options()                    xtrain's adapter knobs: GPT size, sequence length, optimizer
+
+An adapter's own options come from its `options` hook (a strategy, or a zero-argument callable giving one):
+xtrain's are verify/adapters/xtrain_strategies.py.
 """
 from __future__ import annotations
 
 
 from hypothesis import strategies as st
 
-from xtrain_core.config import ModelConfig, OptimConfig
-
 from .case import Case
 
-__all__ = ["cases", "dist_cases", "padding", "model_configs", "optim_configs", "xtrain_options", "gate_device",
-           "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+__all__ = ["cases", "dist_cases", "padding", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
 # must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
@@ -132,33 +131,3 @@ def dist_cases(draw, adapter, *, min_world: int = 1, max_world: int = 4, **bound
     """`cases(adapter, **bounds)` at a world size W (shrinks toward min_world: a failure is reported at
     the smallest world that shows it); micro_batch is then B per rank."""
     return draw(cases(adapter, world=draw(st.integers(min_world, max_world)), **bounds))
-
-
-# -- xtrain's adapter ----------------------------------------------------------------------------------
-
-@st.composite
-def model_configs(draw, *, max_layers: int = 2, max_heads: int = 2, head_dims=(4, 8, 16),
-                  min_vocab: int = 8, max_vocab: int = 96, seq_len: int = 32) -> ModelConfig:
-    h = draw(st.integers(1, max_heads))
-    return ModelConfig(vocab_size=draw(st.integers(min_vocab, max_vocab)), seq_len=seq_len,
-                       n_layer=draw(st.integers(1, max_layers)), n_head=h, d_model=h * draw(st.sampled_from(head_dims)))
-
-
-@st.composite
-def optim_configs(draw, *, max_warmup: int = 3) -> OptimConfig:
-    return OptimConfig(
-        lr=draw(st.sampled_from([1e-3, 3e-4, 1e-2])),
-        weight_decay=draw(st.sampled_from([0.0, 0.1])),
-        max_grad_norm=draw(st.sampled_from([1.0, None, 0.05])),
-        warmup_steps=draw(st.integers(0, max_warmup)),
-    )
-
-
-@st.composite
-def xtrain_options(draw, *, max_seq: int = 24, model=None, optim=None, loss_norm: str = "mean"):
-    """xtrain's knobs: a small GPT, a sequence length S ≤ max_seq, AdamW settings with clip and warm-up."""
-    from .adapters.xtrain import XtrainOptions
-
-    m = draw(model if model is not None else model_configs(seq_len=max_seq))
-    return XtrainOptions(model=m, seq_len=draw(st.integers(1, min(max_seq, m.seq_len))),
-                         optim=draw(optim if optim is not None else optim_configs()), loss_norm=loss_norm)

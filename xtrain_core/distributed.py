@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .config import IMPLS, OptimConfig
+from .config import OptimConfig
 from .model import ce_mean, ce_sum
 from .trainer import MicroSchedule, make_optimizer
 
@@ -241,20 +241,6 @@ class TorchDDPTrainer(RankAveraged):
                                         alone=self.world == 1)
             self._backward(objective)
         self._next_micro = micro + 1
-
-
-def make_trainer(impl: str, model: nn.Module, optim: OptimConfig, accum_steps: int, *, group=None, **numerics):
-    """--ddp-impl xtrain|torch -> a trainer over `group` (None: the default group); numerics: loss_norm,
-    precision."""
-    if impl == "xtrain":
-        return DistAccumTrainer(model, optim, accum_steps, group=group, **numerics)
-    if impl == "torch":
-        return TorchDDPTrainer(model, optim, accum_steps, group=group, **numerics)
-    if impl == "fsdp2":
-        from .fsdp import FSDP2Trainer
-
-        return FSDP2Trainer(model, optim, accum_steps, group=group, **numerics)
-    raise ValueError(f"ddp impl must be one of {IMPLS}, got {impl!r}")
 
 
 # -- launch ----------------------------------------------------------------------------------------

@@ -130,6 +130,25 @@ def build(args, dist_env=None):
     return model_cfg, train, optim, device
 
 
+def make_trainer(impl: str, model, optim: OptimConfig, accum_steps: int, *, group=None, **numerics):
+    """--ddp-impl xtrain|torch|fsdp2 -> a trainer over `group` (None: the default group); numerics: loss_norm,
+    precision. It lives here, where the CLI builds trainers: in distributed.py it closed an import cycle
+    with fsdp.py, whose FSDP2Trainer builds on distributed.RankAveraged."""
+    if impl == "xtrain":
+        from .distributed import DistAccumTrainer
+
+        return DistAccumTrainer(model, optim, accum_steps, group=group, **numerics)
+    if impl == "torch":
+        from .distributed import TorchDDPTrainer
+
+        return TorchDDPTrainer(model, optim, accum_steps, group=group, **numerics)
+    if impl == "fsdp2":
+        from .fsdp import FSDP2Trainer
+
+        return FSDP2Trainer(model, optim, accum_steps, group=group, **numerics)
+    raise ValueError(f"ddp impl must be one of {IMPLS}, got {impl!r}")
+
+
 def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, out=sys.stdout, *,
         rank: int = 0, world: int = 1, impl: str = "xtrain", docs=None):
     """world == 1: the single-process trainer. world > 1: this rank of a data-parallel run (the
@@ -137,7 +156,7 @@ def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, ou
     import torch
 
     from .data import DocStream, TokenStream, split_micro
-    from .distributed import make_trainer, shard
+    from .distributed import shard
     from .model import IGNORE, build_model
     from .trainer import AccumTrainer
 

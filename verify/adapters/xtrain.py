@@ -4,42 +4,23 @@
                 when a process group of world > 1 exists; plain step declared (bit-exact gate runs)
     torch_ddp   xtrain's model and AdamW under torch DistributedDataParallel with no_sync()
 
-Options (drawn per case by verify.strategies.xtrain_options): the GPT's size, the sequence length and
-the optimizer settings (lr, weight decay, clipping, warm-up). Data: xtrain's own TokenStream.
+Options (XtrainOptions, drawn per case through the `options` hook by xtrain_strategies.xtrain_options): the
+GPT's size, the sequence length and the optimizer settings (lr, weight decay, clipping, warm-up). Data:
+xtrain's own TokenStream.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from xtrain_core.config import PRESETS, ModelConfig, OptimConfig
 from xtrain_core.data import TokenStream
 from xtrain_core.model import IGNORE, build_model
 
 from ..protocol import DDP_EXPECTED, Adapter, Spec
+from .xtrain_options import XtrainOptions
 
 __all__ = ["XtrainOptions", "overflow_grad", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "fsdp2", "fsdp2_keep",
            "fsdp2_tokens", "single", "data_parallel"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class XtrainOptions:
-    model: ModelConfig = field(default_factory=lambda: PRESETS["tiny"])
-    seq_len: int = 16
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    loss_norm: str = "mean"
-
-    def __post_init__(self):
-        if not 1 <= self.seq_len <= self.model.seq_len:
-            raise ValueError(f"seq_len must lie in [1, model.seq_len={self.model.seq_len}], got {self.seq_len}")
-
-    def describe(self) -> str:
-        m, o = self.model, self.optim
-        norm = "" if self.loss_norm == "mean" else f" loss_norm={self.loss_norm}"
-        return (f"S={self.seq_len} model(L={m.n_layer} h={m.n_head} d={m.d_model} V={m.vocab_size}) "
-                f"optim(lr={o.lr:g} wd={o.weight_decay:g} clip={o.max_grad_norm} warmup={o.warmup_steps}){norm}")
 
 
 def options_of(spec: Spec) -> XtrainOptions:
@@ -55,14 +36,14 @@ def tokens(rows: int, seed: int, options) -> tuple[torch.Tensor, torch.Tensor]:
     return TokenStream(o.model.vocab_size, o.seq_len, seed=seed).next(rows)
 
 
-def _strategy():
-    from ..strategies import xtrain_options
+def _strategy():  # the `options` hook: a zero-argument callable keeps hypothesis out of this import
+    from .xtrain_strategies import xtrain_options
 
     return xtrain_options()
 
 
 def _token_strategy():
-    from ..strategies import xtrain_options
+    from .xtrain_strategies import xtrain_options
 
     return xtrain_options(loss_norm="tokens")
 

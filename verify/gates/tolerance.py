@@ -50,7 +50,7 @@ import torch
 
 __all__ = ["GateFailure", "C", "FLOOR", "EPS32", "ATOL64_PARAMS", "RTOL64_LOSS", "LOSS_MAX_REL", "KAPPA_EXACT_ABOVE",
            "FLOAT32_SEEN", "rel_err", "condition", "bound", "needs_kappa", "overall_error", "step0_checks",
-           "twin_diff", "twin_floor", "measured_floor", "bound64", "Judge"]
+           "twin_diff", "twin_floor", "measured_floor", "bound64", "Judge", "STEP0_TEXT", "FLOAT64_TEXT"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 C = 8.0
@@ -69,6 +69,12 @@ KAPPA_EXACT_ABOVE = 0.5
 # A twin difference above sqrt(eps64·eps32) ≈ 5e-12 is 2e4 × float64's unit roundoff and 2e4 × below float32's:
 # float64 sums of a few thousand terms stay far under it, a float32 part anywhere far over it (seen ≥ 1e-8).
 FLOAT32_SEEN = math.sqrt(torch.finfo(torch.float64).eps * EPS32)
+
+# The bounds in words, built from the constants above (the report prints them; the docs quote them and a test
+# checks the quote): what `bound` and `bound64` compute, κ and the all-parameter term included.
+_F = f"{FLOOR / EPS32:g}·eps32"
+STEP0_TEXT = f"err(acc) ≤ {C:g}·max(err(big), err(big, all parameters)) + {_F}·max(1, κ)"
+FLOAT64_TEXT = f"max({RTOL64_LOSS:.0e}, {C:g}·min(floor, {_F}))·max(1, κ)".replace("e-0", "e-")
 
 
 class GateFailure(AssertionError):

@@ -36,9 +36,15 @@ import sys
 import time
 
 from xtrain_core.cli import Parser, UsageError, fail, int_at_least, positive_int
-from xtrain_core.config import MAX_MICRO_BATCH, PRESETS
+from xtrain_core.config import PRESETS
 
 from .plan import ANCHOR_NAME, Plan, build_plan
+
+
+# Sweep A measures N = 1, B = E: all E rows in ONE micro-batch, so E is bounded as a micro-batch is, by the
+# largest one a run can meet (xtrain's MAX_MICRO_BATCH; tests/test_settings.py holds them equal). Checked at
+# parsing: the sweeps' plan enumerates E's divisors, which for an absurd E would never end.
+MAX_E = 2**16
 
 
 class _Trainer(argparse.Action):
@@ -51,11 +57,10 @@ class _Trainer(argparse.Action):
 
 def parse_args(argv=None):
     p = Parser(prog="verify.memory", description=__doc__.split("\n\n")[1],
-               epilog="Exit status: 0 all invariants hold, 1 one fails or cannot be established, 2 bad input.")
-    # Sweep A measures N = 1, B = E: all E rows in ONE micro-batch, so E is bounded as a micro-batch is (checked
-    # at parsing: the sweeps' plan enumerates E's divisors, which for an absurd E would never end).
-    p.add_argument("--effective-batch", type=int_at_least(1, MAX_MICRO_BATCH), default=32, metavar="E",
-                   help=f"E: rows (sequences) per optimizer step, over all ranks (default 32; ≤ {MAX_MICRO_BATCH}: "
+               epilog="Exit status: 0 PASS (all invariants hold), 1 FAIL (one fails), 3 INCONCLUSIVE (one cannot be "
+                      "decided at this size; not a failure), 2 bad input.")
+    p.add_argument("--effective-batch", type=int_at_least(1, MAX_E), default=32, metavar="E",
+                   help=f"E: rows (sequences) per optimizer step, over all ranks (default 32; ≤ {MAX_E}: "
                         f"sweep A runs all E rows as one micro-batch)")
     p.add_argument("--device", default="auto", help="auto (cuda if visible, else cpu), cpu, cuda or cuda:K")
     p.add_argument("--trainer", "--verify-trainer", dest="trainer", action=_Trainer, default="xtrain",

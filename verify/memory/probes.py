@@ -114,7 +114,7 @@ class RssProbe:
 # -- GPU: torch's allocator and NVML --------------------------------------------------------------
 
 def nvml_index_for(device: torch.device):
-    """The NVML handle of a torch CUDA device (by UUID, then PCI bus id, then index) and how it was found."""
+    """The NVML handle of a torch CUDA device (by UUID, then PCI bus id, then index)."""
     import pynvml
 
     props = torch.cuda.get_device_properties(device)
@@ -122,28 +122,28 @@ def nvml_index_for(device: torch.device):
     if uuid is not None:
         try:
             u = str(uuid)
-            return pynvml.nvmlDeviceGetHandleByUUID(u if u.startswith(("GPU-", "MIG-")) else "GPU-" + u), "uuid"
+            return pynvml.nvmlDeviceGetHandleByUUID(u if u.startswith(("GPU-", "MIG-")) else "GPU-" + u)
         except Exception:  # noqa: BLE001  (MIG, old drivers: fall through)
             pass
     if hasattr(props, "pci_bus_id"):
         try:
             bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-            return pynvml.nvmlDeviceGetHandleByPciBusId(bus), "pci"
+            return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
         except Exception:  # noqa: BLE001
             pass
     if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
         raise ProbeUnavailable(f"cannot map torch device {device} to an NVML device (CUDA_VISIBLE_DEVICES is set)")
-    return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0), "index"
+    return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
 
 
 class NvmlSampler:
     """Device memory used (nvmlDeviceGetMemoryInfo(h).used, as nvidia-smi and the anchor read it) for each
     device, sampled every `period` seconds by a daemon thread; keeps the max per device."""
 
-    def __init__(self, handles, names, period: float, mapping: str):
+    def __init__(self, handles, names, period: float):
         import pynvml
 
-        self.nv, self.handles, self.names, self.period, self.mapping = pynvml, handles, names, period, mapping
+        self.nv, self.handles, self.names, self.period = pynvml, handles, names, period
         self._stop = threading.Event()
         self.error: str | None = None
 
@@ -156,8 +156,7 @@ class NvmlSampler:
             raise ProbeUnavailable("NVML unavailable: nvidia-ml-py (pynvml) is not installed") from None
         try:
             pynvml.nvmlInit()
-            found = [nvml_index_for(d) for d in devices]
-            handles = [h for h, _ in found]
+            handles = [nvml_index_for(d) for d in devices]
             names = [pynvml.nvmlDeviceGetName(h) for h in handles]
             names = [n.decode() if isinstance(n, bytes) else n for n in names]
             for h in handles:
@@ -166,14 +165,7 @@ class NvmlSampler:
             raise
         except Exception as e:  # noqa: BLE001  (NVMLError_LibraryNotFound, _DriverNotLoaded, _NoPermission, ...)
             raise ProbeUnavailable(f"NVML unavailable: {one_line(e)}") from None
-        return cls(handles, names, period, ",".join(m for _, m in found))
-
-    def driver_version(self) -> str | None:
-        try:
-            v = self.nv.nvmlSystemGetDriverVersion()
-            return v.decode() if isinstance(v, bytes) else v
-        except Exception:  # noqa: BLE001
-            return None
+        return cls(handles, names, period)
 
     def _used(self) -> list[int]:
         return [self.nv.nvmlDeviceGetMemoryInfo(h).used for h in self.handles]

@@ -140,6 +140,10 @@ class Operator:
     """The bug lives on the overflow path: it exists only for an adapter the overflow gate can run on (fp16
     and a way to overflow: verify.gates.overflow.overflow_hook)."""
 
+    def __reduce__(self):
+        # by name: the table's lambdas do not pickle, and a pool rank finds the same operator in OPERATORS
+        return _operator, (self.name,)
+
     def apply(self, adapter):
         """The adapter with this fault planted around its factory (pools rebuild it by name)."""
         inner, ignore = adapter.factory, adapter.ignore_index
@@ -147,7 +151,7 @@ class Operator:
         def mutant_factory(spec):
             return Mutant(self, inner, spec, ignore) if spec.accum_steps > 1 or self.at_n1 else inner(spec)
 
-        return adapter.replace(factory=mutant_factory, ref=adapter.locate(), mutation=self.name,
+        return adapter.replace(factory=mutant_factory, ref=adapter.locate(), mutation=self,
                                name=f"{adapter.name} ⊕ {self.name}")
 
 
@@ -315,6 +319,10 @@ UNEVEN_MICRO = lambda c: N2(c) and _shows(c, lambda s: len(set(_micro_counts(s))
 FIRST_MICRO = lambda c: N2(c) and _shows(c, lambda s: sum(_micro_counts(s)) != len(s) * _micro_counts(s)[0])  # noqa: E731
 UNEVEN_RANKS = lambda c: c.world >= 2 and _shows(  # noqa: E731
     c, lambda s: len({sum(sum(m[r]) for m in s) for r in range(c.world)}) > 1)
+
+def _operator(name: str) -> Operator:
+    return OPERATORS[name]
+
 
 OPERATORS = {op.name: op for op in [
     Operator("drop_micro_step", "micro-step 0 never reaches the trainer, which averages the other N-1", N2,

@@ -8,7 +8,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .comm import Windows
+from verify.comm import Windows
 
 
 def probe_counter(ctx) -> dict:
@@ -53,7 +53,7 @@ def probe_counter(ctx) -> dict:
 
 def overflow_recorder(ctx, n: int) -> str:
     """Issue n collectives between two reads; returns the recorder's error (or '' if none)."""
-    from .comm import RecorderError
+    from verify.comm import RecorderError
 
     ctx.recorder.discard()
     t = torch.ones(1, device=ctx.device)
