@@ -8,7 +8,7 @@
 #    fp32, TF32 off, interleaved reps, median; the flight recorder's collectives per optimizer step; peak memory.
 # 2. what a distributed gate example costs on NCCL, cold (spawn) vs warm, worlds 1, 2 and W.
 # 3. the distributed gates on NCCL, worlds 1..W: verify/test_gates_dist.py (the default adapter, through
-#    the pytest plugin) and tests/test_gates_dist.py (xtrain's own trainers and the broken ones), both
+#    the pytest plugin) and tests/harness/test_gates_dist.py (xtrain's own trainers and the broken ones), both
 #    `-m distributed`; hypothesis profile gpu for W ≤ 2, ci above, to stay within 8 minutes: the three
 #    steps are capped at 150 + 90 + 220 s.
 # Writes under OUT (9 files): gpus.txt, bench_steps_wW.log, bench_dist_steps_cuda_wW.json,
@@ -38,7 +38,7 @@ timeout -s INT 90 "$PY" -m benchmarks.bench_dist --backend nccl --worlds "1,2,$W
 echo "[2] example cost, rc=$? ($(( $(date +%s) - t0 )) s)"; grep "^world" "$OUT/bench_pools_nccl.log"
 
 XTRAIN_DIST_BACKEND=nccl XTRAIN_DIST_MAX_WORLD="$W" HYPOTHESIS_PROFILE="$PROFILE" timeout -s INT 220 \
-    "$PY" -m pytest $PLUGIN verify/test_gates_dist.py tests/test_gates_dist.py -m distributed \
+    "$PY" -m pytest $PLUGIN verify/test_gates_dist.py tests/harness/test_gates_dist.py -m distributed \
     --verify-backend nccl -n 2 -p no:cacheprovider -q --durations=15 --hypothesis-show-statistics \
     --verify-report "$OUT" --junitxml="$OUT/nccl_suite_w$W.xml" > "$OUT/nccl_suite_w$W.log" 2>&1
 echo "[3] NCCL gates (profile $PROFILE), rc=$? ($(( $(date +%s) - t0 )) s)"; tail -n 4 "$OUT/nccl_suite_w$W.log"

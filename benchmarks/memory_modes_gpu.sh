@@ -3,7 +3,7 @@
 #
 #     bash benchmarks/memory_modes_gpu.sh OUT
 #
-# `python -m verify.memory.modes` on CUDA (NCCL, one GPU per rank): xtrain's flat buffer, torch DDP no_sync,
+# `python -m benchmarks.memory_modes` on CUDA (NCCL, one GPU per rank): xtrain's flat buffer, torch DDP no_sync,
 # FSDP2 (reshard after forward) and FSDP2 keep, each a `torchrun --nproc-per-node 2 -m verify.memory` run
 # of the gpt2-ish GPT at S=512, E=8 (4 rows per rank: sweep A N=1,2,4; sweep B N=1,2,4 at B=1), fp32 with
 # TF32 off, 2 warm-up + 3 measured steps per configuration; the probe is torch.cuda.max_memory_allocated
@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 t0=$(date +%s)
 { nvidia-smi -L; "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"; } > "$OUT/gpus.txt" 2>&1
-timeout -s INT 178 "$PY" -m verify.memory.modes --device cuda --world 2 --effective-batch 8 --model gpt2-ish \
+timeout -s INT 178 "$PY" -m benchmarks.memory_modes --device cuda --world 2 --effective-batch 8 --model gpt2-ish \
     --seq-len 512 --timeout 120 --budget 165 --out "$OUT" --name memory-modes-cuda 2>&1 | tee "$OUT/memory-modes-cuda.log"
 rc=${PIPESTATUS[0]}
 echo "memory per mode, rc=$rc ($(( $(date +%s) - t0 )) s)"

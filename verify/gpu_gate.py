@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
+from ._cli import Parser, UsageError, fail, positive_int, writable_dir
 
 from .settings import env_of
 
@@ -65,7 +65,7 @@ def plan(gpus: int, out: str, args, root: str | None) -> list[tuple[str, list[st
         steps.append(("memory", [py, "-m", "verify.memory", "--effective-batch", "32", "--device", "cuda:0",
                                  "--out", os.path.join(out, "memory")], {}))
     if gpus >= 2:
-        targets = here + (["tests/test_gates_dist.py", "tests/test_fsdp.py", "tests/test_ddp_modes.py"] if root else [])
+        targets = here + (["tests/harness/test_gates_dist.py", "tests/core/test_fsdp.py", "tests/harness/test_ddp_modes.py"] if root else [])
         targets = [t for t in targets if root is None or t.startswith("-") or os.path.exists(os.path.join(root, t))]
         steps.append(("nccl", [*pytest, *targets, "-m", "distributed", "--verify-backend", "nccl", "--verify-device",
                                "cuda", "-n", "2", "--verify-report", os.path.join(out, "nccl"),

@@ -45,6 +45,10 @@ its model, loss or optimizer:
   before the micro_step() that holds the overflowing rows (`rows`: a slice of that micro-batch), returning
   the micro-batch to hand it; it may scale the rows (verify.data.overflow_rows, the default for floating
   inputs) or arm the trainer (xtrain's token data cannot overflow: verify.adapters.xtrain.overflow_grad).
+* `predicted_peak`: the adapter's own memory model for `python -m verify.memory`:
+  `predicted_peak(query: verify.memory.PeakQuery) -> verify.memory.Prediction | str` (a str: why there is
+  no prediction for this setting). Each configuration's measured peak is reported beside it, and a ratio
+  outside verify.memory's absurd bounds fails the run. Not declared: the report says "not predicted".
 * optional trainer method `loss_scale()`: the fp16 loss scale now (GradScaler.get_scale()). Given, the
   overflow gate checks that an overflowing window changes it exactly as the big batch's one step does.
 * optional trainer method `partial_grads()`: between micro-steps, the gradient `grads()` would return if
@@ -188,6 +192,9 @@ class Adapter:
     overflow: Callable | None = None
     """(trainer, inputs, targets, rows) -> (inputs, targets): makes the micro-batch's `rows` overflow fp16
     (the injected-overflow gate). None: verify.data.overflow_rows where the inputs are floating."""
+    predicted_peak: Callable | None = None
+    """verify.memory.PeakQuery -> verify.memory.Prediction | str: the predicted peak per configuration of
+    `python -m verify.memory` (the adapter's memory model; xtrain's: verify/adapters/xtrain_memory.py)."""
 
     def __post_init__(self):
         for what in ("factory", "data"):
@@ -207,6 +214,9 @@ class Adapter:
         if self.overflow is not None and not callable(self.overflow):
             raise AdapterError(f"overflow= must be callable (trainer, inputs, targets, rows) -> (inputs, targets), "
                                f"got {self.overflow!r}")
+        if self.predicted_peak is not None and not callable(self.predicted_peak):
+            raise AdapterError(f"predicted_peak= must be callable (verify.memory.PeakQuery -> Prediction | str), "
+                               f"got {self.predicted_peak!r}")
         if not isinstance(self.empty_windows, bool):
             raise AdapterError(f"empty_windows must be True or False, got {self.empty_windows!r}")
         if self.process_group and not self.data_parallel:
@@ -325,7 +335,7 @@ def _qual(fn) -> str:
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
-            loss_precision: str | None = None, empty_windows: bool = True, overflow=None):
+            loss_precision: str | None = None, empty_windows: bool = True, overflow=None, predicted_peak=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
 
@@ -334,7 +344,8 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
                        data_parallel=data_parallel, process_group=process_group, expected=expected,
                        name=name or f"{fn.__module__}.{fn.__qualname__}", precisions=precisions,
                        ignore_index=ignore_index, counts=counts, scheduler_per_rank=scheduler_per_rank,
-                       loss_precision=loss_precision, empty_windows=empty_windows, overflow=overflow)
+                       loss_precision=loss_precision, empty_windows=empty_windows, overflow=overflow,
+                       predicted_peak=predicted_peak)
 
     return wrap
 

@@ -5,7 +5,7 @@
     s.check_machine()                                     # cuda / nccl need a GPU: a SettingError now
     s.export()                                            # children (xdist workers, ranks, subprocesses)
 
-KNOBS is the table (field, variable, default, what it does) the user guide lists; tests/test_settings.py
+KNOBS is the table (field, variable, default, what it does) the user guide lists; tests/harness/test_settings.py
 holds the guide to it. Bad values raise SettingError (a ValueError) whose message is one line naming the
 option or variable, the value and the fix; entry points turn it into their usage error (the CLIs: exit 2;
 the pytest plugin: pytest's usage error, exit 4, like pytest's own options).
@@ -74,7 +74,7 @@ PROFILES = ("dev", "ci", "gpu")  # the hypothesis profiles the plugin registers 
 
 
 def knobs_table() -> str:
-    """KNOBS as the markdown table docs/verify-your-trainer.md shows (tests/test_settings.py holds them equal)."""
+    """KNOBS as the markdown table docs/verify-your-trainer.md shows (tests/harness/test_settings.py holds them equal)."""
     rows = ["| variable | option | default | what it sets |", "|---|---|---|---|"]
     for k in KNOBS:
         rows.append(f"| `{k.env}` | {f'`{k.option}`' if k.option else ''} | {k.default} | {k.doc} |")

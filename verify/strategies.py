@@ -35,7 +35,7 @@ def budget(share: int, least: int, n: int | None = None) -> int:
 
 
 # Each gate test's share of the profile's budget and its floor (budget()): the one table behind the example
-# counts the guide states (docs/verify-your-trainer.md §1; tests/test_plugin.py checks them).
+# counts the guide states (docs/verify-your-trainer.md §1; tests/harness/test_plugin.py checks them).
 # token_mean / empty_window: ~6 trainers built per case (HF's Trainer: ~1 s each), and every count bug shows
 # on nearly every padded case, so a fifth of split invariance's share.
 GATE_BUDGETS = {"equivalence": (1, 1), "bit_exact": (1, 1), "split_invariance": (10, 3), "token_mean": (20, 3),

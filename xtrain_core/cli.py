@@ -1,51 +1,16 @@
-"""Shared CLI plumbing: bad input is one line on stderr and exit code 2, never a traceback."""
+"""xtrain's CLI plumbing: bad input is one line on stderr and exit code 2, never a traceback.
+
+The generic part (UsageError, Parser, fail, integer types, Progress, writable_dir) lives in verify/_cli.py,
+its one home, shared by every entry point of the harness and of xtrain (re-exported here): the harness may
+not import xtrain_core (tests/test_border.py), and one UsageError class is caught wherever it is raised.
+"""
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 
+from verify._cli import (PROG, Parser, Progress, UsageError, fail, int_at_least, nonneg_int, positive_int,  # noqa: F401
+                         writable_dir)
 
-class UsageError(Exception):
-    """Bad user input. str(e) is the whole message: it names the flag and the fix."""
-
-
-class Parser(argparse.ArgumentParser):
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        PROG[0] = self.prog
-
-    def error(self, message):  # argparse would print the usage block too: keep it to one line
-        fail(f"{message} (see --help)")
-
-
-PROG = ["xtrain"]  # set by each entry point, so errors read "xtrain_core.train: error: ..."
-
-
-def fail(message: str, code: int = 2):
-    print(f"{PROG[0]}: error: {message}", file=sys.stderr)
-    raise SystemExit(code)
-
-
-def int_at_least(lo: int, hi: int | None = None):
-    """An argparse type: an integer in [lo, hi], with an error that names the bound and the input. hi is a
-    size a run can ever meet: past it the run could only exhaust memory or time, so it is refused up front."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer ≥ {lo}, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be ≥ {lo}, got {v}")
-        if hi is not None and v > hi:
-            raise argparse.ArgumentTypeError(f"must be ≤ {hi}, got {v}")
-        return v
-
-    return parse
-
-
-positive_int, nonneg_int = int_at_least(1), int_at_least(0)
 SEED_MAX = 2**63 - 1  # torch.manual_seed takes a signed 64-bit integer
 
 
@@ -82,30 +47,6 @@ def resolve_device(name: str):
     raise UsageError(f"--device must be cpu, cuda or cuda:K, got {name!r}")
 
 
-class Progress:
-    """A one-line progress bar on stderr (redrawn in place on a TTY, a line every ~10% otherwise)."""
-
-    def __init__(self, total: int, label: str = "", stream=None):
-        self.total, self.label, self.stream = total, label, stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.t0, self._last = time.perf_counter(), -1
-
-    def update(self, done: int, info: str = "") -> None:
-        frac = done / self.total if self.total else 1.0
-        bar = "#" * int(24 * frac)
-        line = f"{self.label}[{bar:<24}] {done}/{self.total} {info}"
-        if self.tty:
-            self.stream.write("\r" + line + " " * 4)
-            if done == self.total:
-                self.stream.write("\n")
-        else:
-            decile = int(10 * frac)
-            if decile != self._last or done == self.total:
-                self.stream.write(line + "\n")
-                self._last = decile
-        self.stream.flush()
-
-
 def text_file(flag: str, path: str) -> None:
     """UsageError unless `path` is a regular, readable, UTF-8 text file (one line naming the flag)."""
     import os
@@ -124,19 +65,6 @@ def text_file(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: not UTF-8 text (byte {e.start}); {fix}") from None
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot read it ({e.strerror}); {fix}") from None
-
-
-def writable_dir(flag: str, path) -> None:
-    """Create `path` if needed; UsageError naming the flag unless a file can be written there (checked
-    before any work, so a bad --out fails now, not after minutes of measuring)."""
-    import os
-    import tempfile
-
-    try:
-        os.makedirs(path, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
 def torchrun_env() -> tuple[int, int, int] | None:

@@ -20,7 +20,7 @@ of the count, Transformers an all_gather, before the step). Every p.grad is a vi
 gradient_as_bucket_view): autograd accumulates into it in place, zero copies, zero_grad is one memset.
 
 W == 1 has nobody to talk to: no hooks fire, no collective, and the arithmetic is AccumTrainer's (same
-kernels, bit-identical; tests/test_gates_dist.py proves it).
+kernels, bit-identical; tests/harness/test_gates_dist.py proves it).
 
 `TorchDDPTrainer` is the same schedule on torch's DistributedDataParallel with `no_sync()` around the
 forward AND backward of micro-steps 0..N-2: the ecosystem's standard, driven by the same harness. Its

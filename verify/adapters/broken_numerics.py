@@ -15,7 +15,7 @@ mixed precision (fp16 GradScaler, bf16):
                                  micro-step, then unscaled once more at the boundary
     bf16_accumulation_buffer     gradients summed in a bf16 buffer: rounding grows with N
     SanitizeNonFinite            inf/NaN gradients zeroed per micro-step, so a poisoned window is stepped
-                                 (no gate: poisoned_window_job below runs it, tests/test_numerics.py checks it)
+                                 (no gate: poisoned_window_job below runs it, tests/core/test_numerics.py checks it)
 long windows:
     drop_micro_63           micro-step 63 never backwards (only when N ≥ 64)
     doubling_buffer         the accumulated gradient doubles before each micro-step adds to it

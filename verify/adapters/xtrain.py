@@ -17,6 +17,7 @@ from xtrain_core.data import TokenStream
 from xtrain_core.model import IGNORE, build_model
 
 from ..protocol import DDP_EXPECTED, Adapter, Spec
+from .xtrain_memory import predicted_peak as peak
 from .xtrain_options import XtrainOptions
 
 __all__ = ["XtrainOptions", "overflow_grad", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "fsdp2", "fsdp2_keep",
@@ -227,25 +228,30 @@ def variant(cls, base: Adapter) -> Adapter:
 _COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions(), precisions=("fp32", "bf16", "fp16"),
                overflow=overflow_grad)
 
-adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", **_COMMON)
+adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", predicted_peak=peak(None),
+                  **_COMMON)
 tokens_adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, ignore_index=IGNORE,
-                         name="xtrain, loss_norm=tokens",
+                         name="xtrain, loss_norm=tokens", predicted_peak=peak(None),
                          **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
 torch_ddp = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED,
-                    name="xtrain model under torch DDP no_sync()", **_COMMON)
+                    name="xtrain model under torch DDP no_sync()", predicted_peak=peak("torch_ddp"), **_COMMON)
 torch_ddp_tokens = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED, ignore_index=IGNORE,
-                           name="xtrain model under torch DDP no_sync(), loss_norm=tokens",
+                           name="xtrain model under torch DDP no_sync(), loss_norm=tokens", predicted_peak=peak("torch_ddp"),
                            **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
 fsdp2 = Adapter(factory=fsdp2_factory, process_group=True, counts=fsdp2_row, name="xtrain model under FSDP2",
+                predicted_peak=peak("fsdp2"),
                 **{**_COMMON, "precisions": ("fp32", "bf16")})
 fsdp2_keep = Adapter(factory=fsdp2_keep_factory, process_group=True, counts=fsdp2_keep_row,
-                     name="xtrain model under FSDP2, no reshard after forward", **{**_COMMON, "precisions": ("fp32", "bf16")})
+                     name="xtrain model under FSDP2, no reshard after forward", predicted_peak=peak("fsdp2_keep"),
+                     **{**_COMMON, "precisions": ("fp32", "bf16")})
 fsdp2_tokens = Adapter(factory=fsdp2_factory, process_group=True, counts=fsdp2_row, ignore_index=IGNORE,
-                       name="xtrain model under FSDP2, loss_norm=tokens",
+                       name="xtrain model under FSDP2, loss_norm=tokens", predicted_peak=peak("fsdp2"),
                        **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens"),
                           "precisions": ("fp32", "bf16")})
-single = Adapter(factory=single_factory, plain=PlainTrainer, name="xtrain AccumTrainer", **_COMMON)
-data_parallel = Adapter(factory=dist_factory, data_parallel=True, name="xtrain DistAccumTrainer", **_COMMON)
+single = Adapter(factory=single_factory, plain=PlainTrainer, name="xtrain AccumTrainer", predicted_peak=peak("single"),
+                 **_COMMON)
+data_parallel = Adapter(factory=dist_factory, data_parallel=True, name="xtrain DistAccumTrainer",
+                        predicted_peak=peak("xtrain"), **_COMMON)
 
 
 # -- xtrain's own promise: world 1 IS the single-process path -------------------------------------------

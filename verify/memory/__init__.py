@@ -16,19 +16,25 @@
     4. probe.start(); `steps` measured optimizer steps (no host synchronisation inside them);
        probe.stop().
 
-The plain-torch anchor (verify/memory/h200_torch_single_E32.json) was measured with the same protocol,
-so the two compare. Modules: `plan` (flags -> configurations), `runners` (the CPU zygote client, the
-GPU runner, the sweeps), `probes`, `invariants`, `report` (assembly, anchor comparison, md/png/text),
-`_zygote` (the CPU fork server), `__main__` (the CLI), `model` (the predicted peak per data-parallel
-mode), `modes` + `modes_report` (`python -m verify.memory.modes`: every mode in one command). Importing this package imports neither torch nor
-matplotlib; the probe classes load on first use.
+xtrain's plain-torch anchor (verify/adapters/h200_torch_single_E32.json) was measured with the same protocol,
+so the two compare. Modules: `plan` (the configurations), `runners` (the CPU zygote client, the
+GPU runner, the sweeps), `probes`, `invariants`, `prediction` (the adapter's predicted_peak hook:
+`PeakQuery` -> `Prediction`, judged by the ratio), `anchor` (a reference measurement beside ours),
+`report` (assembly, md/png/text), `plot`, `timing`, `_zygote` (the CPU fork server): none knows a
+trainer. `__main__` (the CLI) is xtrain's wing: its default trainer and short names, --model/--seq-len,
+the H200 anchor; xtrain's memory model is verify/adapters/xtrain_memory.py, the memory-modes study
+benchmarks/memory_modes.py. Importing this package imports neither torch nor matplotlib; the probe
+classes load on first use.
 """
 from __future__ import annotations
 
 import importlib
 import time
 
-__all__ = ["measure", "RssProbe", "CudaProbe", "NvmlSampler", "ProbeUnavailable", "cuda_full_reset"]
+from .prediction import PeakQuery, Prediction
+
+__all__ = ["measure", "RssProbe", "CudaProbe", "NvmlSampler", "ProbeUnavailable", "cuda_full_reset", "PeakQuery",
+           "Prediction"]
 
 _PROBES = {"RssProbe", "CudaProbe", "NvmlSampler", "ProbeUnavailable", "cuda_full_reset"}
 

@@ -138,10 +138,8 @@ def serve(ref: str | None = None) -> int:
 
     import torch.distributed  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401  (FSDP2 adapters import it lazily: ~0.5 s per child otherwise)
-    import xtrain_core.data  # noqa: F401
-    import xtrain_core.trainer  # noqa: F401
 
-    from ..adapters import broken  # noqa: F401
+    from .. import case  # noqa: F401  (measure draws through it)
     from ..protocol import load_adapter
     from . import probes  # noqa: F401
 

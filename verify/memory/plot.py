@@ -1,5 +1,5 @@
-"""The figures of verify.memory: peak vs N for one run (`peaks_figure`), per data-parallel mode
-(`modes_figure`), and `to_png`. matplotlib is imported here only, so the reports render without it.
+"""The figures of verify.memory: peak vs N for one run (`peaks_figure`), and `to_png` (the memory-modes
+study's figure, benchmarks/memory_modes_report.py, uses the same layout). matplotlib is imported here only, so the reports render without it.
 
 Layout rule for every panel: the legend never sits on the axes. One legend for the whole figure goes
 below the panels (labels wrapped to a width), so it can neither cover a point (N = 1 is where the peaks
@@ -95,51 +95,4 @@ def peaks_figure(report):
     s = report["settings"]
     what = f"{s['model_name']}, S={s['seq_len']}" if s.get("model_name") else (s.get("adapter_name") or s["trainer"])
     fig.suptitle(f"peak memory vs N: {what}, {s['device']} ({report['verdict']})", fontsize=11)
-    return fig
-
-
-def modes_figure(report):
-    """Three panels: B = 1 sweep and fixed-E sweep per mode (measured, predicted), measured vs predicted."""
-    plt = _plt()
-    unit, scale = report_unit(report)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 5.0), layout="constrained")
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    E_local = report["settings"]["effective_batch"] // report["settings"]["world_size"]
-    for k, m in enumerate(report["modes"]):
-        col = colors[k % len(colors)]
-        for ax, sweep in ((axes[0], "B"), (axes[1], "A")):
-            rs = sorted((r for r in m.get("rows", []) if sweep in r["sweeps"]), key=lambda r: r["N"])
-            if not rs:
-                continue
-            ns = [r["N"] for r in rs]
-            ax.plot(ns, [float("nan") if r["peak_bytes"] is None else r["peak_bytes"] / scale for r in rs], "-o",
-                    color=col, label=f"{m['mode']} measured")
-            if any(r["predicted_bytes"] for r in rs):
-                ax.plot(ns, [float("nan") if r["predicted_bytes"] is None else r["predicted_bytes"] / scale for r in rs],
-                        "--x", color=col, lw=1, label=f"{m['mode']} predicted")
-        pts = [(r["predicted_bytes"] / scale, x / scale) for r in m.get("rows", []) if r["predicted_bytes"]
-               for x in r["measured"] if x is not None]
-        if pts:
-            axes[2].plot(*zip(*pts), "o", color=col, alpha=0.8)
-    for ax, title in ((axes[0], "fixed micro-batch B = 1 (flat in N for N ≥ 2?)"),
-                      (axes[1], f"fixed effective batch per rank {E_local} (B = {E_local}/N)")):
-        ax.set_xscale("log", base=2)
-        ns = sorted({int(x) for ln in ax.get_lines() for x in ln.get_xdata()})
-        if ns:
-            ax.set_xticks(ns, [str(n) for n in ns])
-        ax.set_xlabel("N (micro-steps per optimizer step)")
-        ax.set_ylabel(f"peak {unit} per rank")
-        ax.set_ylim(bottom=0)
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-    lim = max([1.0] + [max(ln.get_xdata().max(), ln.get_ydata().max()) for ln in axes[2].get_lines()])
-    axes[2].plot([0, lim * 1.05], [0, lim * 1.05], "k:", lw=1, label="measured = predicted")
-    axes[2].set_xlabel(f"predicted {unit}")
-    axes[2].set_ylabel(f"measured {unit} (each rank)")
-    axes[2].set_title("measured vs predicted, every configuration (colour = mode)", fontsize=10)
-    axes[2].grid(alpha=0.3)
-    legend_below(fig, axes, ncol=5)
-    s = report["settings"]
-    fig.suptitle(f"peak memory per data-parallel mode: {s['model_name']}, S={s['seq_len']}, E={s['effective_batch']}, "
-                 f"W={s['world_size']}, {s['device']} ({report['verdict']})", fontsize=11)
     return fig

@@ -211,10 +211,9 @@ def render_md(report) -> str:
               f"FSDP2's are the gathered full tensors, a rank holds 1/W of the parameters; the optimizer state is "
               f"read from the trainer's `.opt` or `.optimizer`, a DTensor's local shard; — when it exposes neither).", ""]
     if a:
-        L += ["## Beside plain torch on one H200 (the anchor)", "",
-              f"Anchor: `{a['source']}` (plain torch, no xtrain code: the same GPT, fp32 with TF32 off, one warm-up "
-              "step then 3 measured steps, AdamW(fused=True)). Ours: the trainer under test through the harness "
-              f"interface: {_ours(report)}.", "",
+        L += ["## Beside plain torch (the anchor)", "",
+              f"Anchor: `{a['source']}`" + (f" ({a['note']})" if a.get("note") else "") + ". Ours: the trainer under "
+              f"test through the harness interface: {_ours(report)}.", "",
               "| N | B | peak alloc GiB ours / torch | reserved GiB ours / torch | nvml GiB ours / torch | "
               "step ms ours / torch | tok/s ours / torch |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for p in a["pairs"]:
@@ -285,8 +284,8 @@ def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nv
         head["machine_info"]["nvml"] = "ok" if nvml is None else nvml
     ref = plan.adapter.locate()
     git = {k: v for k, v in git_state().items() if k != "commit"}  # the commit is the header's git_commit
-    git["sources_sha256"] = sources_sha256(ref)
-    n_params = plan.model.n_params if plan.model is not None else (ok0[0]["param_count"] if ok0 else None)
+    git["sources_sha256"] = sources_sha256(ref, plan.sources)
+    n_params = plan.n_params if plan.n_params is not None else (ok0[0]["param_count"] if ok0 else None)
     floor, _ = tolerance(plan.cuda)
     hwm = all(x.get("hwm_source", "").startswith("VmHWM") for x in ok0)
     probe = probe_definition(plan.cuda, hwm_reset=hwm)
@@ -295,7 +294,7 @@ def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nv
         settings=dict(effective_batch=plan.E, world_size=plan.world, effective_batch_per_rank=plan.E_local,
                       device=str(plan.device), trainer=plan.trainer, adapter=ref, adapter_name=plan.adapter.name,
                       options=_plain(plan.options), options_text=_short(plan.options), model_name=plan.model_name,
-                      model=None if plan.model is None else plan.model.__dict__.copy(), n_params=n_params,
+                      model=plan.model, n_params=n_params,
                       seq_len=plan.seq_len, warmup_steps=plan.warmup, measured_steps=plan.steps, dtype="float32",
                       threads=plan.threads if not plan.cuda else None, tf32=False if plan.cuda else None,
                       sweep_A=f"N | {plan.E_local}, B = {plan.E_local}/N (per rank)",
@@ -317,15 +316,9 @@ def _md_prediction(report) -> list[str]:
         return []
     unit, _ = _unit(report)
     L = ["## Predicted peak (memory model)", ""]
-    if pr["mode"] is None or pr["verdict"] == "N/A" and "sizes" not in pr:
+    if pr["mode"] is None:
         return L + [f"Not predicted: {pr['reason']}.", ""]
-    z = pr["sizes"]
-    acts = ", ".join(f"B={B}: {_fmt(v['saved_bytes'], report)}" for B, v in pr["activations"].items())
-    L += [f"Mode **{pr['mode']}** (`verify/memory/model.py`): P = {z['params']:,} parameter elements × {z['elem_bytes']} B, "
-          f"W = {z['world']}, FSDP2 shard {z['shard']:,} elements, units (root, blocks) {z['units'][0]:,}, "
-          f"{z['units'][1] if len(z['units']) > 1 else 0:,} × {len(z['units']) - 1}. Activations of one micro-batch "
-          f"(bytes saved for backward by one forward, counted by saved_tensors_hooks; saved tensors, not temporaries), "
-          f"{unit}: {acts}.", "",
+    L += [pr.get("text") or f"Mode **{pr['mode']}** (`{pr.get('model')}`).", "",
           f"The prediction is {pr['quantity']}. Model check (exit 1 only outside the absurd bounds "
           f"{pr['absurd_bounds']}, predictions ≥ 4 × the noise floor): **{pr['verdict']}**.", "",
           f"| N | B | predicted {unit} | measured / predicted | terms counted ({unit}) |", "|---:|---:|---:|---:|---|"]
@@ -340,17 +333,15 @@ def _md_prediction(report) -> list[str]:
 
 # -- provenance -----------------------------------------------------------------------------------
 
-def sources_sha256(adapter_ref: str | None = None) -> str:
-    """sha256 over the measured code: every .py file of xtrain_core and verify as imported (a repository
-    or site-packages), and the adapter's own module. Identifies the code with or without git."""
+def sources_sha256(adapter_ref: str | None = None, packages=("verify",)) -> str:
+    """sha256 over the measured code: every .py file of `packages` as imported (a repository or
+    site-packages; the CLI adds the trainer's own package), and the adapter's own module. Identifies the
+    code with or without git."""
     import hashlib
     import importlib
 
-    import verify
-    import xtrain_core
-
     files = []
-    for pkg in (xtrain_core, verify):
+    for pkg in map(importlib.import_module, packages):
         root = Path(pkg.__file__).resolve().parent
         files += [(f.relative_to(root.parent).as_posix(), f) for f in sorted(root.rglob("*.py"))]
     mod = importlib.import_module(adapter_ref.split(":")[0]) if adapter_ref else None

@@ -14,14 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-from xtrain_core.cli import Progress
-
 from .plan import Config, Plan, byte_unit
 
 
 def package_root() -> str:
     """The directory that contains the `verify` package (the repository, or site-packages when installed):
-    the probe processes import verify and xtrain_core from there, as this process did."""
+    the probe processes import verify (and what sits beside it) from there, as this process did."""
     import verify
 
     return str(Path(verify.__file__).resolve().parent.parent)
@@ -180,30 +178,6 @@ class GpuRunner:
         return res
 
 
-def activations(plan: Plan) -> dict[int, dict]:
-    """The activation input of verify/memory/model.py, per micro-batch size B of the plan: one forward of
-    xtrain's GPT (plan.model) on B rows of the adapter's data, on the plan's device, counted by
-    probes.saved_activation_bytes (bytes saved for backward, and the logits' bytes). Measured here, apart
-    from the peak probes and after them: on the GPU its memory is freed before anything else runs."""
-    import torch
-    from xtrain_core.model import build_model
-
-    from ..case import _to
-    from .probes import saved_activation_bytes
-
-    model = build_model(plan.model, 0, device=plan.device)
-    loss = model.loss_batched if getattr(plan.options, "loss_norm", "mean") == "mean" else model.loss_sum
-    out = {}
-    for B in sorted({c.B for c in plan.configs}):
-        x, y = plan.adapter.batch(B, 1 << 16, plan.options)
-        out[B] = saved_activation_bytes(model, loss, _to(x, plan.device, torch.float32),
-                                        _to(y, plan.device, torch.float32))
-    del model
-    if plan.cuda:
-        torch.cuda.empty_cache()
-    return out
-
-
 def dist_or_none():
     import torch.distributed as dist
 
@@ -216,10 +190,11 @@ def _fresh_port() -> int:
         return s.getsockname()[1]
 
 
-def run_sweeps(plan: Plan) -> list[dict]:
-    """This rank's measurement of every configuration, in plan order."""
+def run_sweeps(plan: Plan, progress=None) -> list[dict]:
+    """This rank's measurement of every configuration, in plan order. `progress`: an object whose
+    update(done, info) is called after each configuration (the CLI's progress bar), or None."""
     dist = dist_or_none()
-    bar = Progress(len(plan.configs), label="memory ") if plan.rank == 0 else None
+    bar = progress if plan.rank == 0 else None
     gpu = GpuRunner(plan) if plan.cuda else None
     cpu = CpuProbeServer(plan) if not plan.cuda else None
     unit, scale = byte_unit(plan.cuda)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from xtrain_core.cli import Parser, Progress, fail, positive_int
+from .._cli import Parser, Progress, fail, positive_int
 
 
 def parse_args(argv=None):

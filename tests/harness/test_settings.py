@@ -11,7 +11,7 @@ import torch
 
 from verify.settings import KNOBS, Settings, SettingError, check_report_dir, knobs_table
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("XTRAIN_")}, "PYTHONPATH": ROOT,
        "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")

@@ -1,4 +1,4 @@
-"""Small framework-owned loops for tests/test_pull.py: each runs its own loop over a loader and is driven
+"""Small framework-owned loops for tests/harness/test_pull.py: each runs its own loop over a loader and is driven
 by verify.Pull, like the HF and Lightning recipes, without either framework."""
 import torch
 import torch.nn.functional as F

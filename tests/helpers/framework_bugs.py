@@ -1,4 +1,4 @@
-"""Planted bugs in the framework recipes (tests/test_pull.py): the recipe as written, one line changed.
+"""Planted bugs in the framework recipes (tests/harness/test_pull.py): the recipe as written, one line changed.
 Each must be rejected, while the recipe itself passes the same case."""
 from unittest import mock
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tests import overflow_adapters as oa
+from tests.helpers import overflow_adapters as oa
 from verify.adapters import broken_overflow as bo
 from verify.adapters import xtrain
 from verify.case import Case

@@ -1,4 +1,4 @@
-"""python -m verify.memory.modes --effective-batch E --world W [--device cpu|cuda] [--modes M,M,...]
+"""python -m benchmarks.memory_modes --effective-batch E --world W [--device cpu|cuda] [--modes M,M,...]
                               [--model NAME] [--seq-len S] [--steps K] [--warmup K] [--threads T]
                               [--out DIR] [--name STEM] [--timeout S] [--budget S]
 
@@ -6,7 +6,7 @@ Peak memory per data-parallel mode: runs `torch.distributed.run --standalone --n
 verify.memory --trainer MODE ...` once per mode (xtrain, torch_ddp, fsdp2, fsdp2_keep by default), each
 with the same model, data, E and protocol, and writes one combined report, OUT/STEM.json/.md/.png
 (default STEM memory-modes): every mode's invariants (is the peak flat in N at fixed B?), its measured
-peaks per rank beside the memory model's prediction (verify/memory/model.py) and their ratio, and each
+peaks per rank beside the memory model's prediction (verify/adapters/xtrain_memory.py) and their ratio, and each
 mode's full verify.memory report inside the JSON.
 
 Progress is one line per mode on stderr. Exit status: 0 every mode PASS, 1 a mode fails (an invariant,
@@ -29,13 +29,14 @@ from pathlib import Path
 from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
 from xtrain_core.config import PRESETS
 
-from .plan import MODE_TRAINERS, XTRAIN, GiB, MiB
+from verify.memory.__main__ import MODE_TRAINERS
+from verify.memory.plan import GiB, MiB
 
-MODES = (XTRAIN, *MODE_TRAINERS)
+MODES = tuple(MODE_TRAINERS)
 
 
 def parse_args(argv=None):
-    p = Parser(prog="verify.memory.modes", description=__doc__.split("\n\n")[1],
+    p = Parser(prog="benchmarks.memory_modes", description=__doc__.split("\n\n")[1],
                epilog="Exit status: 0 every mode passes, 1 one fails, 2 bad input.")
     p.add_argument("--effective-batch", type=positive_int, default=8, metavar="E", help="over all ranks (default 8)")
     p.add_argument("--world", type=positive_int, default=2, metavar="W", help="ranks (default 2)")
@@ -129,7 +130,7 @@ def _kill(p: subprocess.Popen) -> None:
 
 def run_mode(args, mode: str, work: Path, timeout: float | None = None) -> dict:
     """One mode's torchrun; its report (or the one-line reason there is none)."""
-    from .runners import package_root
+    from verify.memory.runners import package_root
 
     out = work / mode
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -179,8 +180,9 @@ def _summary(res: dict, unit) -> str:
 
 
 def main(argv=None) -> int:
-    from . import modes_report as mr
-    from . import report as single_report  # the verdicts' exit codes and the INCONCLUSIVE hint
+    from verify.memory import report as single_report  # the verdicts' exit codes and the INCONCLUSIVE hint
+
+    from . import memory_modes_report as mr
 
     args = parse_args(argv)
     try:

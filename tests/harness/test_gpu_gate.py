@@ -11,7 +11,7 @@ import torch
 
 from verify import gpu_gate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _names(steps):
@@ -28,7 +28,7 @@ def test_the_plan_follows_the_gpus(tmp_path):
     assert _names(two) == ["gates", "gpu-tests", "memory", "nccl"]
     name, cmd, env = two[-1]
     assert "--verify-backend" in cmd and "nccl" in cmd and env["XTRAIN_DIST_MAX_WORLD"] == "2"
-    assert "tests/test_fsdp.py" in cmd and "tests/test_ddp_modes.py" in cmd
+    assert "tests/core/test_fsdp.py" in cmd and "tests/harness/test_ddp_modes.py" in cmd
     installed = gpu_gate.plan(8, str(tmp_path), SimpleNamespace(profile="ci", max_world=4, no_memory=True), None)
     assert _names(installed) == ["gates", "nccl"] and "--pyargs" in installed[0][1]
     assert installed[-1][2]["XTRAIN_DIST_MAX_WORLD"] == "4"

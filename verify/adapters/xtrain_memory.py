@@ -1,5 +1,7 @@
-"""A memory model per data-parallel mode: the PREDICTED peak bytes per rank of one configuration (N, B),
-of the same quantity the probe measures (pure arithmetic, no torch: tests/test_memory_modes.py).
+"""xtrain's memory model, one per data-parallel mode: the PREDICTED peak bytes per rank of one configuration
+(N, B), of the same quantity verify.memory's probe measures (pure arithmetic: tests/memory/test_memory_model.py).
+xtrain's adapters offer it through the generic hook `Adapter(predicted_peak=...)` (verify/memory/prediction.py);
+each adapter names its mode, so no name is matched. `ANCHOR`: plain torch on one H200, xtrain's GPT.
 
 Inputs: P parameter elements of b bytes (fp32: 4), W ranks, FSDP2's units (the root: embeddings, final
 norm, head; then one per block) and a rank's shard (Σ ⌈dim0/W⌉·rest over the parameters, FSDP2's padding),
@@ -37,28 +39,14 @@ What counts depends on the probe (`probe` argument):
 """
 from __future__ import annotations
 
+import importlib.resources
 from dataclasses import dataclass
 
 MODES = ("single", "xtrain", "torch_ddp", "fsdp2", "fsdp2_keep")
-ABSURD = (0.25, 4.0)
-"""measured/predicted outside this range is not a modelling approximation (a term the size of the whole
-peak is missing or double-counted, or the probe measured something else): the run fails."""
-
-_ADAPTERS = {"adapter": None, "tokens_adapter": None, "single": "single", "data_parallel": "xtrain",
-             "torch_ddp": "torch_ddp", "torch_ddp_tokens": "torch_ddp",
-             "fsdp2": "fsdp2", "fsdp2_tokens": "fsdp2", "fsdp2_keep": "fsdp2_keep"}
 CLASSES = {"single": "AccumTrainer", "xtrain": "DistAccumTrainer", "torch_ddp": "TorchDDPTrainer",
            "fsdp2": "FSDP2Trainer", "fsdp2_keep": "FSDP2Trainer"}
-
-
-def mode_of(adapter_ref: str, world: int, trainer_class: str | None = None) -> str | None:
-    """The mode of one of xtrain's adapters (verify.adapters.xtrain:NAME), None for any other trainer or
-    when the trainer that ran (its class) is not the one the mode describes."""
-    module, _, name = adapter_ref.partition(":")
-    if module != "verify.adapters.xtrain" or name not in _ADAPTERS:
-        return None
-    mode = _ADAPTERS[name] or ("xtrain" if world > 1 else "single")
-    return mode if trainer_class in (None, CLASSES[mode]) else None
+"""The trainer class each mode describes: a mode declines any other (a planted bug built from the same
+adapter, verify.adapters.xtrain.variant, keeps the hook but not the class)."""
 
 
 @dataclass(frozen=True)
@@ -128,14 +116,7 @@ def predict(mode: str, N: int, z: Sizes, activations: int, logits: int, *, probe
     return dict(bytes=sum(v for _, v in counted), terms=dict(counted))
 
 
-def judge(ratio: float | None, predicted: int, floor: int) -> str:
-    """'ok', 'absurd', or 'unjudged' (no ratio, or a prediction under 4 × the probe's noise floor)."""
-    if ratio is None or predicted < 4 * floor:
-        return "unjudged"
-    return "ok" if ABSURD[0] <= ratio <= ABSURD[1] else "absurd"
-
-
-# -- applied to a verify.memory report ----------------------------------------------------------
+# -- the hook: verify.memory.PeakQuery -> verify.memory.Prediction ----------------------------------
 
 QUANTITY = {
     "cpu": "the same quantity as the CPU probe: what a step allocates above the RSS right before the measured "
@@ -147,55 +128,77 @@ QUANTITY = {
 }
 
 
-def _fmt(b: int, report: dict) -> str:
-    from .plan import fmt_bytes, report_unit
+def activations(options, Bs, device, batch) -> dict[int, dict]:
+    """The activation input of the model, per micro-batch size B: one forward of xtrain's GPT
+    (options.model) on B rows of `batch(rows)`, on `device`, counted by verify.memory.probes.
+    saved_activation_bytes (bytes saved for backward, and the logits' bytes). Measured after the peak
+    probes: on the GPU its memory is freed before anything else runs."""
+    import torch
+    from xtrain_core.model import build_model
 
-    return f"{fmt_bytes(b, report)} {report_unit(report)[0]}"
+    from ..memory.probes import saved_activation_bytes
+
+    model = build_model(options.model, 0, device=device)
+    loss = model.loss_batched if getattr(options, "loss_norm", "mean") == "mean" else model.loss_sum
+    out = {}
+    for B in sorted(set(Bs)):
+        x, y = batch(B)
+        out[B] = saved_activation_bytes(model, loss, x.to(device), y.to(device))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
-def add_predictions(report: dict, plan, acts: dict | None, error: str | None = None) -> None:
-    """Predicted peak per configuration and rank (`predicted_bytes`, `pred_ratio` = measured/predicted in
-    every rank row; `predicted_bytes`, `predicted_terms` per configuration) and the `prediction` section:
-    mode, inputs, the quantity predicted, verdict (FAIL only for an absurd ratio, see model.ABSURD)."""
-    from .invariants import tolerance
+def predicted_peak(mode: str | None):
+    """The `predicted_peak` hook of one of xtrain's adapters: its mode (None: xtrain's default adapter,
+    AccumTrainer alone, DistAccumTrainer at world > 1)."""
 
-    ok = [x for c in report["configs"] for x in c["ranks"] if "error" not in x]
-    cls = {x.get("trainer_class") for x in ok}
-    mode = mode_of(plan.adapter.locate(), plan.world, cls.pop() if len(cls) == 1 else None) \
-        if plan.model is not None and ok else None
-    probe = "cuda" if plan.cuda else "cpu"
-    claim = "measured/predicted within the absurd bounds " + f"[{ABSURD[0]}, {ABSURD[1]}] (reported, not judged inside them)"
-    for c in report["configs"]:
-        c.update(predicted_bytes=None, predicted_terms=None)
-        for x in c["ranks"]:
-            x.update(predicted_bytes=None, pred_ratio=None)
-    if mode is None or acts is None:
-        why = error or ("no memory model for this trainer (xtrain, torch_ddp, fsdp2, fsdp2_keep only)" if mode is None
-                        else "activations not measured")
-        report["prediction"] = dict(mode=mode, verdict="N/A", claim=claim, rows=[why], reason=why)
-        return
-    m = plan.model
-    z = gpt_sizes(m.vocab_size, m.seq_len, m.n_layer, m.d_model, plan.world, elem_bytes=4)
-    floor, _ = tolerance(plan.cuda)
-    absurd, judged = [], 0
-    for c in report["configs"]:
-        a = acts[c["B"]]
-        pred = predict(mode, c["N"], z, a["saved_bytes"], a["output_bytes"], probe=probe)
-        c.update(predicted_bytes=pred["bytes"], predicted_terms=pred["terms"],
-                 pred_ratio=None if c["peak_bytes"] is None else c["peak_bytes"] / pred["bytes"])
-        for x in c["ranks"]:
-            if "error" in x:
-                continue
-            r = x["peak_bytes"] / pred["bytes"] if pred["bytes"] > 0 else None
-            x.update(predicted_bytes=pred["bytes"], pred_ratio=r)
-            verdict = judge(r, pred["bytes"], floor)
-            judged += verdict != "unjudged"
-            if verdict == "absurd":
-                absurd.append(f"rank {x['rank']}: N={c['N']},B={c['B']} measured {_fmt(x['peak_bytes'], report)} / "
-                              f"predicted {_fmt(pred['bytes'], report)} = {r:.2f}")
-    status = "FAIL" if absurd else "PASS" if judged else "N/A"
-    report["prediction"] = dict(
-        mode=mode, probe=probe, quantity=QUANTITY[probe], verdict=status, claim=claim, absurd_bounds=list(ABSURD),
-        rows=absurd or ([] if judged else [f"every prediction under 4 × the noise floor ({_fmt(floor, report)})"]),
-        sizes=dict(params=z.params, elem_bytes=z.elem_bytes, world=z.world, shard=z.shard, units=list(z.units)),
-        activations={str(B): v for B, v in sorted(acts.items())}, model="verify/memory/model.py", doc=__doc__)
+    def hook(q):
+        from ..memory.plan import byte_unit
+        from ..memory.prediction import Prediction
+
+        m = mode or ("xtrain" if q.world > 1 else "single")
+        if q.trainer_class not in (None, CLASSES[m]):
+            return f"no memory model: xtrain's {m} mode describes {CLASSES[m]}, {q.trainer_class} ran"
+        o = q.options
+        z = gpt_sizes(o.model.vocab_size, o.model.seq_len, o.model.n_layer, o.model.d_model, q.world, elem_bytes=4)
+        try:
+            acts = activations(o, [B for _, B in q.configs], q.device,
+                               lambda rows: q.adapter.batch(rows, 1 << 16, o))
+        except Exception as e:  # noqa: BLE001
+            from ..memory.probes import one_line
+
+            return f"activations not measured: {one_line(e)}"
+        peaks = {(N, B): predict(m, N, z, acts[B]["saved_bytes"], acts[B]["output_bytes"], probe=q.probe)
+                 for N, B in q.configs}
+        unit, scale = byte_unit(q.probe == "cuda")
+        amount = (lambda b: f"{b / scale:.3f}") if unit == "GiB" else (lambda b: f"{b / scale:.1f}")  # noqa: E731
+        text = (f"Mode **{m}** (`verify/adapters/xtrain_memory.py`): P = {z.params:,} parameter elements × "
+                f"{z.elem_bytes} B, W = {z.world}, FSDP2 shard {z.shard:,} elements, units (root, blocks) "
+                f"{z.units[0]:,}, {z.units[1] if len(z.units) > 1 else 0:,} × {len(z.units) - 1}. Activations of one "
+                "micro-batch (bytes saved for backward by one forward, counted by saved_tensors_hooks; saved tensors, "
+                "not temporaries), {unit}: " + ", ".join(f"B={B}: {amount(v['saved_bytes'])}" for B, v in sorted(acts.items())) + ".")
+        return Prediction(mode=m, peaks=peaks, quantity=QUANTITY[q.probe], text=text, source="verify/adapters/xtrain_memory.py",
+                          inputs=dict(sizes=dict(params=z.params, elem_bytes=z.elem_bytes, world=z.world, shard=z.shard,
+                                                 units=list(z.units)),
+                                      activations={str(B): v for B, v in sorted(acts.items())}), doc=__doc__)
+
+    hook.__qualname__ = hook.__name__ = f"predicted_peak_{mode or 'xtrain'}"
+    return hook
+
+
+# -- the anchor: plain torch, no xtrain code, the same GPT on one H200 ----------------------------
+
+ANCHOR_NAME = "h200_torch_single_E32.json"
+ANCHOR = importlib.resources.files(__package__).joinpath(ANCHOR_NAME)
+"""Plain torch on one H200 (gpt2-ish, S=512, E=32), shipped inside the package so an installed verify
+finds it too (benchmarks/plain_torch.py measured it)."""
+
+
+def anchor_applies(options, *, E: int, world: int, cuda: bool) -> bool:
+    """The anchor's setting: xtrain's options with the gpt2-ish GPT at S=512, E=32, one GPU."""
+    from xtrain_core.config import PRESETS
+
+    model = getattr(options, "model", None)
+    return cuda and world == 1 and E == 32 and model == PRESETS["gpt2-ish"] and options.seq_len == 512

@@ -13,7 +13,7 @@ from verify._meta import SCHEMA_VERSION
 
 
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # benchmarks/ is a folder of the repository, not part of the installed package
     sys.path.insert(0, ROOT)
 TINY = ["--seq-len", "16", "--vocab-size", "32", "--d-model", "16", "--n-layer", "1", "--n-head", "2"]

@@ -14,7 +14,7 @@ from xtrain_core.model import IGNORE, build_model
 from xtrain_core.trainer import AccumTrainer
 
 CFG = ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

@@ -12,7 +12,7 @@ from tests.helpers import dist_jobs
 from verify.pool import DistJobError, DistTimeout, RankPool, get_pool
 
 pytestmark = pytest.mark.distributed
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _gone(pid: int) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = {p: (ROOT / p).read_text() for p in ("README.md", "docs/design.md", "docs/verify-your-trainer.md",
                                            "docs/performance.md")}
 

@@ -1,4 +1,4 @@
-"""verify.Pull: a loop the framework owns, driven as the four-method trainer. Small loops (tests/pull_loops.py)
+"""verify.Pull: a loop the framework owns, driven as the four-method trainer. Small loops (tests/helpers/pull_loops.py)
 that prefetch the window and clip, then the gates on them: a correct loop passes, a ×N loss is rejected
 although the loop clips (the gradient is read before clipping), the framework's errors surface with
 their traceback, and no thread is left behind."""
@@ -13,7 +13,7 @@ import verify
 from verify.case import Case, drive, split
 from verify.gates import GateFailure, check_equivalence
 
-from tests import pull_loops
+from tests.helpers import pull_loops
 
 
 _BEFORE = set()
@@ -82,7 +82,7 @@ def test_hf_trainer_with_a_per_micro_batch_mean_is_rejected_on_padded_data():
     """The historical HF bug (each micro-batch's own token mean ÷ N): padded micro-batches with 8 and 2
     valid labels. The recipe passes the same case."""
     from examples.hf_trainer import factory
-    from tests import framework_bugs
+    from tests.helpers import framework_bugs
 
     case = Case(accum_steps=2, micro_batch=1, steps=1, lengths=(8, 2))
     assert check_equivalence(factory, case).ratio < 1
@@ -93,7 +93,7 @@ def test_hf_trainer_with_a_per_micro_batch_mean_is_rejected_on_padded_data():
 @needs("lightning")
 def test_lightning_with_the_loss_divided_by_N_twice_is_rejected():
     from examples.lightning_trainer import factory
-    from tests import framework_bugs
+    from tests.helpers import framework_bugs
 
     case = Case(accum_steps=3, micro_batch=2, steps=2)
     assert check_equivalence(factory, case).ratio < 1

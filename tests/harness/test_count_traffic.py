@@ -1,10 +1,10 @@
 """Declared collectives are honoured by every gate (issue 15 item 10): a trainer that reduces its token
 count on every micro-step (torchtitan's all_reduce, HF's all_gather of num_items_in_batch) and declares it
 passes boundary-only, data-parallel equivalence and bytes per step; undeclared, or declared only for
-another world, the same traffic fails. (The plugin run of every gate on them: tests/test_examples.py.)"""
+another world, the same traffic fails. (The plugin run of every gate on them: tests/examples/test_examples.py.)"""
 import pytest
 
-from tests import count_adapters as ca
+from tests.helpers import count_adapters as ca
 from verify.adapters import xtrain
 from verify.case import Case
 from verify.gates import GateFailure, check_distributed, check_same_bytes
@@ -74,10 +74,10 @@ def test_declared_count_traffic_passes_every_gate_through_the_plugin(tmp_path, n
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
-                        "--verify-trainer", f"tests.count_adapters:{name}"], capture_output=True, text=True,
+                        "--verify-trainer", f"tests.helpers.count_adapters:{name}"], capture_output=True, text=True,
                        cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     gates = json.loads((tmp_path / "reports" / "verify-report.json").read_text())["gates"]

@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["--accum-steps", "2", "--micro-batch", "2", "--steps", "3", "--seq-len", "16"]
 
 

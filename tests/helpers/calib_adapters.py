@@ -1,5 +1,5 @@
 """Small MLP trainers of real framework behaviour the float64 checks must judge at the precision each has
-(tests/test_calibration.py), a real 1e-5 error they must still reject, and the declarations of issue 15.
+(tests/harness/test_calibration.py), a real 1e-5 error they must still reject, and the declarations of issue 15.
 
     hf_style          HF's ForCausalLMLoss: the loss on `logits.float()`, a downcast on a float64 model
     fabric_64_true    Lightning Fabric precision="64-true": the forward's output cast to float32

@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import verify
-from tests import count_adapters as _ca
+from tests.helpers import count_adapters as _ca
 from verify.adapters import broken_tokens as bt
 from verify.adapters import xtrain
 from verify.case import Case

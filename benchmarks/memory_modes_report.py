@@ -1,4 +1,4 @@
-"""The combined report of `python -m verify.memory.modes`: one verify.memory report per data-parallel mode
+"""The combined report of `python -m benchmarks.memory_modes`: one verify.memory report per data-parallel mode
 -> STEM.json (every mode's full report inside), STEM.md (verdicts, flatness at fixed B, measured vs
 predicted per mode and N, the model's terms), STEM.png (peak vs N per mode beside the prediction, and
 measured vs predicted). Renders from the report dict alone."""
@@ -9,9 +9,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import plot
-from .plan import fmt_bytes as _f
-from .plan import report_unit as _unit
+from verify.memory import plot
+from verify.memory.plan import fmt_bytes as _f
+from verify.memory.plan import report_unit as _unit
 
 
 def combined(verdicts: list[str]) -> str:
@@ -43,7 +43,7 @@ def _flat(rep: dict) -> dict:
 
 
 def assemble(args, results: list[dict], argv, wall: float) -> dict:
-    from .._meta import git_state, header
+    from verify._meta import git_state, header
 
     head = header("memory-modes")
     first = next((r["report"] for r in results if r["report"] is not None), None)
@@ -63,8 +63,8 @@ def assemble(args, results: list[dict], argv, wall: float) -> dict:
             m.update(stderr_tail=r["stderr_tail"])
         modes.append(m)
     return dict(
-        head, tool="verify.memory.modes", git={k: v for k, v in git_state().items() if k != "commit"},
-        command="python -m verify.memory.modes " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        head, tool="benchmarks.memory_modes", git={k: v for k, v in git_state().items() if k != "commit"},
+        command="python -m benchmarks.memory_modes " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         settings=dict(effective_batch=args.effective_batch, world_size=args.world, device=args.device,
                       model_name=s.get("model_name"), model=s.get("model"), n_params=s.get("n_params"),
                       seq_len=s.get("seq_len"), measured_steps=s.get("measured_steps"), warmup_steps=s.get("warmup_steps"),
@@ -105,7 +105,7 @@ def text_table(report) -> str:
 def render_md(report, stem: str) -> str:
     s, mi = report["settings"], report["machine_info"]
     unit, _ = _unit(report)
-    from .._meta import commit_text
+    from verify._meta import commit_text
 
     commit = commit_text(report, 12)
     dev = mi["gpu"] if mi.get("gpu") and s["device"] == "cuda" else f"CPU ({mi.get('cpu_model') or 'unknown'}, {mi['cpu_count']} cores)"
@@ -149,7 +149,7 @@ def render_md(report, stem: str) -> str:
                          + f" = {_f(r['predicted_bytes'], report)} {unit}")
     pr = report.get("probe") or {}
     L += ["", "## What the figures are", "", f"- **measured**: {pr.get('primary')}. {pr.get('includes')}",
-          f"- **predicted** (`verify/memory/model.py`): {report.get('prediction_quantity')}.",
+          f"- **predicted** (`verify/adapters/xtrain_memory.py`): {report.get('prediction_quantity')}.",
           "- **model check**: measured / predicted outside [0.25, 4] (for predictions ≥ 4 × the noise floor) fails "
           "the run; inside, the ratio is reported, not judged. The invariants (a1, a2, b1, b2) are the verdict.",
           "- Each mode's full verify.memory report is inside the JSON (`modes[].report`).", "",
@@ -158,11 +158,58 @@ def render_md(report, stem: str) -> str:
 
 
 def write_all(report, out: Path, stem: str) -> list[Path]:
-    from .._meta import atomic_write_all
+    from verify._meta import atomic_write_all
 
     files = {out / f"{stem}.json": json.dumps(report, indent=1, default=str) + "\n", out / f"{stem}.md": render_md(report, stem)}
     try:
-        files[out / f"{stem}.png"] = plot.to_png(plot.modes_figure(report))
+        files[out / f"{stem}.png"] = plot.to_png(modes_figure(report))
     except ImportError:
-        print("verify.memory.modes: matplotlib is not installed; writing the report without the plot", file=sys.stderr)
+        print("benchmarks.memory_modes: matplotlib is not installed; writing the report without the plot", file=sys.stderr)
     return [Path(p) for p in atomic_write_all(files)]
+
+
+def modes_figure(report):
+    """Three panels: B = 1 sweep and fixed-E sweep per mode (measured, predicted), measured vs predicted."""
+    plt = plot._plt()
+    unit, scale = _unit(report)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.0), layout="constrained")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    E_local = report["settings"]["effective_batch"] // report["settings"]["world_size"]
+    for k, m in enumerate(report["modes"]):
+        col = colors[k % len(colors)]
+        for ax, sweep in ((axes[0], "B"), (axes[1], "A")):
+            rs = sorted((r for r in m.get("rows", []) if sweep in r["sweeps"]), key=lambda r: r["N"])
+            if not rs:
+                continue
+            ns = [r["N"] for r in rs]
+            ax.plot(ns, [float("nan") if r["peak_bytes"] is None else r["peak_bytes"] / scale for r in rs], "-o",
+                    color=col, label=f"{m['mode']} measured")
+            if any(r["predicted_bytes"] for r in rs):
+                ax.plot(ns, [float("nan") if r["predicted_bytes"] is None else r["predicted_bytes"] / scale for r in rs],
+                        "--x", color=col, lw=1, label=f"{m['mode']} predicted")
+        pts = [(r["predicted_bytes"] / scale, x / scale) for r in m.get("rows", []) if r["predicted_bytes"]
+               for x in r["measured"] if x is not None]
+        if pts:
+            axes[2].plot(*zip(*pts), "o", color=col, alpha=0.8)
+    for ax, title in ((axes[0], "fixed micro-batch B = 1 (flat in N for N ≥ 2?)"),
+                      (axes[1], f"fixed effective batch per rank {E_local} (B = {E_local}/N)")):
+        ax.set_xscale("log", base=2)
+        ns = sorted({int(x) for ln in ax.get_lines() for x in ln.get_xdata()})
+        if ns:
+            ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("N (micro-steps per optimizer step)")
+        ax.set_ylabel(f"peak {unit} per rank")
+        ax.set_ylim(bottom=0)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    lim = max([1.0] + [max(ln.get_xdata().max(), ln.get_ydata().max()) for ln in axes[2].get_lines()])
+    axes[2].plot([0, lim * 1.05], [0, lim * 1.05], "k:", lw=1, label="measured = predicted")
+    axes[2].set_xlabel(f"predicted {unit}")
+    axes[2].set_ylabel(f"measured {unit} (each rank)")
+    axes[2].set_title("measured vs predicted, every configuration (colour = mode)", fontsize=10)
+    axes[2].grid(alpha=0.3)
+    plot.legend_below(fig, axes, ncol=5)
+    s = report["settings"]
+    fig.suptitle(f"peak memory per data-parallel mode: {s['model_name']}, S={s['seq_len']}, E={s['effective_batch']}, "
+                 f"W={s['world_size']}, {s['device']} ({report['verdict']})", fontsize=11)
+    return fig

@@ -6,9 +6,12 @@ import os
 import pytest
 
 pytest.importorskip("matplotlib")
+from benchmarks import memory_modes_report  # noqa: E402
 from verify.memory import plot  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIGURES = {"peaks_figure": plot.peaks_figure, "modes_figure": memory_modes_report.modes_figure}
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def layout_problems(fig) -> list[str]:
@@ -42,7 +45,7 @@ def layout_problems(fig) -> list[str]:
                                          ("modes_figure", "reports/h200x2/memory-modes/memory-modes-cuda.json")])
 def test_figure_legend_covers_no_point(figure, path):
     with open(os.path.join(ROOT, path)) as f:
-        fig = getattr(plot, figure)(json.load(f))
+        fig = FIGURES[figure](json.load(f))
     try:
         assert layout_problems(fig) == [], path
     finally:

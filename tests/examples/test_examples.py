@@ -12,7 +12,7 @@ from hypothesis import settings
 
 
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
 DEV = settings.get_profile("dev").max_examples  # the examples a gate draws in the runs below
 EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync", "hf_trainer",
@@ -128,7 +128,7 @@ def test_selftest_kills_every_operator(tmp_path, ref, score):
 def test_selftest_fails_when_an_operator_survives(tmp_path):
     """A gate that cannot see a bug must show as a surviving operator and exit 1: here the adapter
     redefines its own reference so that the grads × N mutant IS its big batch (a deliberately blind setup)."""
-    r = selftest(tmp_path, "tests.blind_adapter:adapter")
+    r = selftest(tmp_path, "tests.helpers.blind_adapter:adapter")
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
     assert "SURVIVED" in r.stdout and "survived: ['loss_sum_not_mean']" in r.stdout
 

@@ -1,13 +1,13 @@
 """Issue 15 items 1 and 3: the float64 checks judge a trainer at the precision its float64 run really has
 (the twin floor of verify/gates/tolerance.py), its declarations change what is expected without turning a
-gate off, and a real 1e-5 accumulation error still fails. Trainers: tests/calib_adapters.py."""
+gate off, and a real 1e-5 accumulation error still fails. Trainers: tests/helpers/calib_adapters.py."""
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests import calib_adapters as ca
+from tests.helpers import calib_adapters as ca
 from verify.case import Case
 from verify.gates import GateFailure, check_distributed, check_equivalence
 from verify.gates.tolerance import EPS32, FLOOR, bound64, twin_floor
@@ -92,7 +92,7 @@ def test_the_report_shows_the_floor_and_the_declarations(tmp_path, monkeypatch):
     report.record(check_equivalence(ca.fp32_declared, Case(accum_steps=2, micro_batch=1, steps=1)))
     gates = json.loads(report.dump())
     assert gates["equivalence"]["float64_floor"] == EPS32
-    report.write(str(tmp_path), trainer="tests.calib_adapters:fp32_declared", settings={}, gates=gates,
+    report.write(str(tmp_path), trainer="tests.helpers.calib_adapters:fp32_declared", settings={}, gates=gates,
                  declarations=ca.fp32_declared.declarations())
     md = (tmp_path / "verify-report.md").read_text()
     assert "Declarations: `loss_precision=fp32`" in md and "| 1.19e-07 |" in md

@@ -11,7 +11,7 @@ from hypothesis import settings
 
 
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # CI unset: pytest prints the short summary untrimmed on CI; these runs must show the verdict whole anyway.
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER", "COLUMNS")},
        "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
@@ -149,7 +149,7 @@ def test_the_guides_example_counts_are_the_codes():
 
 
 def test_a_trainer_that_raises_shows_its_own_frame_and_its_error_whole(tmp_path):
-    r = pytest_verify(tmp_path, "--verify-trainer", "tests.raising_adapter:adapter", "-k", "big_batch")
+    r = pytest_verify(tmp_path, "--verify-trainer", "tests.helpers.raising_adapter:adapter", "-k", "big_batch")
     assert r.returncode == 1, r.stdout[-3000:]
     line = "RuntimeError: this trainer cannot take accum_steps=3: a bug in the user's own micro_step"
     assert f"FAILED test_gates.py::test_accumulation_equals_big_batch - {line}" in r.stdout.splitlines(), r.stdout
