@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .._cli import Parser, Progress, UsageError, fail, positive_int, resolve_device, writable_dir
+from .._cli import Parser, Progress, UsageError, fail, int_at_least, positive_int, resolve_device, writable_dir
 from .plan import Plan, plan_configs
 
 
@@ -67,6 +67,12 @@ class Wing:
     """packages whose source the report's sources_sha256 covers (with the adapter's own module)"""
 
 
+# Sweep A measures N = 1, B = E: all E rows in ONE micro-batch, so E is bounded as a micro-batch is, by the
+# largest one a run can meet (xtrain's MAX_MICRO_BATCH; tests/harness/test_settings.py holds them equal). Checked at
+# parsing: the sweeps' plan enumerates E's divisors, which for an absurd E would never end.
+MAX_E = 2**16
+
+
 class _Trainer(argparse.Action):
     """--trainer / --verify-trainer (one destination): remembers the spelling, for the error messages."""
 
@@ -80,8 +86,9 @@ def parse_args(argv=None, wing: Wing | None = None):
     p = Parser(prog="verify.memory", description=__doc__.split("\n\n")[1],
                epilog="Exit status: 0 PASS (all invariants hold), 1 FAIL (one fails), 3 INCONCLUSIVE (one cannot be "
                       "decided at this size; not a failure), 2 bad input.")
-    p.add_argument("--effective-batch", type=positive_int, default=32, metavar="E",
-                   help="E: rows (sequences) per optimizer step, over all ranks (default 32)")
+    p.add_argument("--effective-batch", type=int_at_least(1, MAX_E), default=32, metavar="E",
+                   help=f"E: rows (sequences) per optimizer step, over all ranks (default 32; ≤ {MAX_E}: "
+                        f"sweep A runs all E rows as one micro-batch)")
     p.add_argument("--device", default="auto", help="auto (cuda if visible, else cpu), cpu, cuda or cuda:K")
     p.add_argument("--trainer", "--verify-trainer", dest="trainer", action=_Trainer, default=wing.default,
                    metavar="NAME|MODULE:FACTORY" if wing.trainers else "MODULE:FACTORY",
