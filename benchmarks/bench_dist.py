@@ -111,9 +111,10 @@ def pools(args) -> dict:
     from tests.helpers.dist_jobs import whoami  # a no-op job (test plumbing, repo root on the path)
     from verify.gates import check_distributed
     from verify.pool import ENV_START, RankPool, get_pool
+    from verify.settings import Settings, env_of
 
-    torch.set_num_threads(int(os.environ.get("XTRAIN_TEST_THREADS", "1")))
-    os.environ["XTRAIN_DIST_BACKEND"] = args.backend  # the reference's one-rank pool (get_pool(1)) too
+    torch.set_num_threads(Settings.from_env().threads)
+    os.environ[env_of("backend")] = args.backend  # the reference's one-rank pool (get_pool(1)) too
     xtrain = adapters.adapter
     rows = []
     worlds = sorted({int(w) for w in args.worlds.split(",")}) if args.worlds else range(1, args.max_world + 1)

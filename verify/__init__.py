@@ -51,6 +51,8 @@ __all__ = [
     "run_selftest", "OPERATORS",
     # loops the framework owns (HF Trainer, Lightning): the pull-mode driver
     "Pull", "PullError",
+    # every knob of a run, from the environment (verify/settings.py)
+    "Settings", "SettingError",
 ]
 
 _WHERE = {
@@ -67,6 +69,7 @@ _WHERE = {
     "measure_memory": ("memory", "measure"),
     "run_selftest": ("selftest", "run_selftest"), "OPERATORS": ("selftest", "OPERATORS"),
     "Pull": "pull", "PullError": "pull",
+    "Settings": "settings", "SettingError": "settings",
 }
 
 

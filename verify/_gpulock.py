@@ -12,16 +12,15 @@ marked `gpu`.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from contextlib import contextmanager
 
 import pytest
 
+from .settings import Settings
+
 
 def lock_path() -> str:
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    return os.environ.get("XTRAIN_GPU_LOCK", os.path.join(tempfile.gettempdir(), f"xtrain-gpu-{uid}.lock"))
+    return Settings.from_env().gpu_lock
 
 
 @contextmanager
@@ -42,7 +41,7 @@ def gpu_lock(exclusive: bool):
 @pytest.fixture
 def gpu_shared():
     """For gate tests: a shared hold on the GPU while they run on CUDA (memory probes wait for none)."""
-    if not os.environ.get("XTRAIN_TEST_DEVICE", "cpu").startswith("cuda"):
+    if Settings.from_env().device != "cuda":
         yield
         return
     with gpu_lock(exclusive=False):

@@ -11,20 +11,11 @@ import tempfile
 
 import torch
 
+from .settings import Settings, env_of, fp32_only  # noqa: F401  (fp32_only: its home is the device set-up)
+
 # The distribution's name on the package index ("xtrain" there is an unrelated project); the import names
 # are verify and xtrain_core. Code that looks the installed distribution up uses this constant.
 DISTRIBUTION = "xtrain-verify"
-
-
-def fp32_only() -> None:
-    """TF32 off for matmuls and convolutions: every GPU measurement and gate here means true fp32, as the
-    anchor measured it. (Newer torch prefers fp32_precision and may warn; the effect is the same.)"""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
 
 
 def _git(*args: str, where: str | None = None) -> str | None:
@@ -38,9 +29,7 @@ def _git(*args: str, where: str | None = None) -> str | None:
 def git_commit(where: str | None = None) -> str | None:
     """HEAD's sha of the repository at `where` (default: the invoking directory, i.e. the code under
     test, not this installed package); XTRAIN_GIT_COMMIT wins (GPU machines get trees without .git)."""
-    if os.environ.get("XTRAIN_GIT_COMMIT"):
-        return os.environ["XTRAIN_GIT_COMMIT"]
-    return _git("rev-parse", "HEAD", where=where) or None
+    return Settings.from_env().git_commit or _git("rev-parse", "HEAD", where=where) or None
 
 
 def git_state(where: str | None = None) -> dict:
@@ -48,7 +37,7 @@ def git_state(where: str | None = None) -> dict:
     where there is no git repository: a copied tree names its commit through XTRAIN_GIT_COMMIT)."""
     head = _git("rev-parse", "HEAD", where=where)
     status = _git("status", "--porcelain", "--untracked-files=no", where=where) if head else None
-    source = "XTRAIN_GIT_COMMIT" if os.environ.get("XTRAIN_GIT_COMMIT") else ("git" if head else None)
+    source = env_of("git_commit") if Settings.from_env().git_commit else ("git" if head else None)
     return dict(commit=git_commit(where), commit_source=source,
                 branch=_git("rev-parse", "--abbrev-ref", "HEAD", where=where) if head else None,
                 dirty=None if status is None else bool(status))

@@ -22,6 +22,8 @@ import time
 
 from ._cli import Parser, UsageError, fail, positive_int, writable_dir
 
+from .settings import env_of
+
 STEP_TIMEOUT = {"gates": 900, "gpu-tests": 600, "memory": 600, "nccl": 1200}
 
 
@@ -54,7 +56,7 @@ def plan(gpus: int, out: str, args, root: str | None) -> list[tuple[str, list[st
     py = sys.executable
     pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", *_plugin_args(), "-q", "-rs"]
     here = ["verify"] if root else ["--pyargs", "verify"]
-    env = {"HYPOTHESIS_PROFILE": args.profile}
+    env = {env_of("hypothesis_profile"): args.profile}
     steps = [("gates", [*pytest, *here, "-m", "not distributed", "--verify-device", "cuda", "-n", "4",
                         "--verify-report", os.path.join(out, "gates"), "--junitxml", os.path.join(out, "gates.xml")], env)]
     if root:
@@ -68,7 +70,7 @@ def plan(gpus: int, out: str, args, root: str | None) -> list[tuple[str, list[st
         steps.append(("nccl", [*pytest, *targets, "-m", "distributed", "--verify-backend", "nccl", "--verify-device",
                                "cuda", "-n", "2", "--verify-report", os.path.join(out, "nccl"),
                                "--junitxml", os.path.join(out, "nccl.xml")],
-                      {**env, "XTRAIN_DIST_MAX_WORLD": str(min(gpus, args.max_world))}))
+                      {**env, env_of("max_world"): str(min(gpus, args.max_world))}))
     return steps
 
 

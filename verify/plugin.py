@@ -22,8 +22,9 @@ import os
 
 import pytest
 
+from .settings import Settings, SettingError, check_report_dir, env_of
+
 OPT_TRAINER, OPT_REPORT, OPT_BACKEND, OPT_DEVICE = "--verify-trainer", "--verify-report", "--verify-backend", "--verify-device"
-ENV_BACKEND, ENV_DEVICE = "XTRAIN_DIST_BACKEND", "XTRAIN_TEST_DEVICE"
 _KEY = pytest.StashKey[dict]()
 MARKERS = ("verify_gate: a gate test of verify (its failures go into the run report)",
            "gpu: needs a CUDA device (skipped without one)",
@@ -44,8 +45,9 @@ def _profiles() -> None:
     settings.register_profile("ci", parent=ci, max_examples=100, deadline=None, phases=phases,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=150)
-    if os.environ.get("HYPOTHESIS_PROFILE") in ("dev", "ci", "gpu"):
-        settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
+    profile = Settings.from_env().hypothesis_profile
+    if profile in ("dev", "ci", "gpu"):
+        settings.load_profile(profile)
 
 
 try:
@@ -60,16 +62,17 @@ def pytest_addoption(parser):
                 help="the adapter to prove (default: verify.adapters.xtrain:adapter, xtrain's trainer)")
     g.addoption(OPT_REPORT, metavar="DIR", default=None,
                 help="where verify-report.json/.md go (default: ./reports of the invoking directory)")
-    g.addoption(OPT_BACKEND, choices=("gloo", "nccl"), default=None,
-                help=f"process-group backend of the data-parallel gates (default ${ENV_BACKEND} or gloo)")
-    g.addoption(OPT_DEVICE, choices=("cpu", "cuda"), default=None,
-                help=f"device of the gates (default ${ENV_DEVICE} or cpu)")
+    # no `choices=`: a bad value is one line from Settings, not pytest's usage block
+    g.addoption(OPT_BACKEND, metavar="gloo|nccl", default=None,
+                help=f"process-group backend of the data-parallel gates (default ${env_of('backend')}, else nccl "
+                     f"on cuda and gloo on the cpu)")
+    g.addoption(OPT_DEVICE, metavar="cpu|cuda", default=None,
+                help=f"device of the gates (default ${env_of('device')} or cpu)")
 
 
 def cache_home() -> str:
     """Where a verify run keeps its tools' state: $XDG_CACHE_HOME/xtrain-verify (default ~/.cache/...)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "xtrain-verify")
+    return os.path.join(Settings.from_env().cache_home, "xtrain-verify")
 
 
 def _verify_run(config) -> bool:
@@ -114,19 +117,18 @@ def pytest_configure(config):
     state = dict(trainer=getattr(o, "verify_trainer", None), report=getattr(o, "verify_report", None),
                  adapter=None, stats={}, failures=[], skipped={})
     config.stash[_KEY] = state
+    try:  # every option checked here, before anything runs or is written
+        s = Settings.from_env(device=getattr(o, "verify_device", None), backend=getattr(o, "verify_backend", None))
+        s.check_machine()
+        if state["report"] is not None:
+            check_report_dir(state["report"], OPT_REPORT)
+    except SettingError as e:
+        raise pytest.UsageError(str(e)) from None
     # The library reads these (pools, strategies), in this process and in xdist workers and ranks it starts.
-    if getattr(o, "verify_backend", None):
-        os.environ[ENV_BACKEND] = o.verify_backend
-    if getattr(o, "verify_device", None):
-        os.environ[ENV_DEVICE] = o.verify_device
-    if os.environ.get(ENV_DEVICE, "cpu").startswith("cuda"):
-        _cuda_setup()
-    if state["report"] is not None:
-        rep = os.path.abspath(state["report"])
-        if os.path.exists(rep) and not os.path.isdir(rep):
-            raise pytest.UsageError(f"{OPT_REPORT} {state['report']}: exists and is not a directory; pass a directory")
+    s.export()
+    s.setup_device()
     if state["trainer"] is not None:  # named explicitly: fail now, not in the middle of the run
-        state["adapter"] = _load(state["trainer"])
+        state["adapter"] = _load(state["trainer"], s)
     xdist = config.pluginmanager.hasplugin("xdist")
     config.pluginmanager.register((_XdistReporter if xdist else _Reporter)(config), "verify-reporter")
 
@@ -150,35 +152,24 @@ def pytest_make_collect_report(collector):
         sys.dont_write_bytecode = before
 
 
-def _load(ref: str):
+def _load(ref: str, settings: Settings):
     from .protocol import AdapterError, load_adapter
 
     try:
-        return load_adapter(ref, option=OPT_TRAINER)
+        adapter = load_adapter(ref, option=OPT_TRAINER)
+        adapter.check_factory(settings.device, option=OPT_TRAINER)
+        return adapter
     except AdapterError as e:
         raise pytest.UsageError(str(e)) from None
 
 
-def _cuda_setup() -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise pytest.UsageError(f"{OPT_DEVICE} cuda: no CUDA GPU is visible to torch; use {OPT_DEVICE} cpu")
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # bit-exact gates need determinism
-    torch.use_deterministic_algorithms(True)
-    from ._meta import fp32_only
-
-    fp32_only()
-
-
 def settings_of(config) -> dict:
     from .gates.distributed import max_world, min_world
-    from .pool import default_backend
-    from .strategies import gate_device
 
-    profile = os.environ.get("HYPOTHESIS_PROFILE") or config.getoption("hypothesis_profile", None) or "default"
-    return dict(hypothesis_profile=profile, device=gate_device(), backend=default_backend(),
-                worlds=[min_world(), max_world()], threads=int(os.environ.get("XTRAIN_TEST_THREADS", "1")))
+    s = Settings.from_env()
+    profile = s.hypothesis_profile or config.getoption("hypothesis_profile", None) or "default"
+    return dict(hypothesis_profile=profile, device=s.device, backend=s.backend,
+                worlds=[min_world(), max_world()], threads=s.threads)
 
 
 @pytest.fixture(scope="session")
@@ -190,10 +181,10 @@ def verify_adapter(request):
     if state["adapter"] is None:
         from .protocol import DEFAULT_REF
 
-        state["adapter"] = _load(state["trainer"] or DEFAULT_REF)
+        state["adapter"] = _load(state["trainer"] or DEFAULT_REF, Settings.from_env())
     # CPU results depend on the intra-op thread count: candidate and reference run with the same one,
     # and one thread per xdist worker keeps 2-core boxes from oversubscribing.
-    torch.set_num_threads(int(os.environ.get("XTRAIN_TEST_THREADS", "1")))
+    torch.set_num_threads(Settings.from_env().threads)
     return state["adapter"]
 
 
@@ -366,7 +357,7 @@ class _Reporter:
         try:
             written = rep.write(folder, trainer=trainer, settings=settings_of(config), gates=state["stats"],
                                 failures=state["failures"], exitstatus=int(exitstatus),
-                                device=os.environ.get(ENV_DEVICE, "cpu"),
+                                device=Settings.from_env().device,
                                 declarations=adapter.declarations() if adapter is not None else None)
         except OSError as e:
             if tr is not None:

@@ -43,13 +43,9 @@ import time
 from multiprocessing import connection
 
 from .pool_worker import RankContext, worker_main  # noqa: F401  (RankContext: re-exported)
+from .settings import Settings, env_of
 
-ENV_TIMEOUT = "XTRAIN_DIST_TIMEOUT"
-ENV_BACKEND = "XTRAIN_DIST_BACKEND"
-DEFAULT_TIMEOUT = 120.0
-
-
-ENV_START = "XTRAIN_POOL_START"
+ENV_TIMEOUT, ENV_START = env_of("timeout"), env_of("pool_start")
 # What the forkserver imports once, so each rank starts in ~0.1 s instead of ~3 s (import torch, and
 # the first optimizer's import of torch._dynamo). The server is single-threaded when it forks.
 PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel"]
@@ -62,18 +58,16 @@ def start_method(backend: str = "gloo") -> str:
     import multiprocessing as mp
 
     fork_ok = backend != "nccl" and "forkserver" in mp.get_all_start_methods()
-    m = os.environ.get(ENV_START) or ("forkserver" if fork_ok else "spawn")
-    if m not in ("forkserver", "spawn"):
-        raise ValueError(f"{ENV_START} must be forkserver or spawn, got {m!r}")
-    return m
+    return Settings.from_env().pool_start or ("forkserver" if fork_ok else "spawn")
 
 
 def job_timeout() -> float:
-    return float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT)
+    return Settings.from_env().timeout
 
 
 def default_backend() -> str:
-    return os.environ.get(ENV_BACKEND) or "gloo"
+    """XTRAIN_DIST_BACKEND, else by the device: nccl on cuda, gloo on the cpu (verify/settings.py)."""
+    return Settings.from_env().backend
 
 
 class DistJobError(AssertionError):
@@ -94,7 +88,7 @@ class RankPool:
         import multiprocessing as mp
 
         self.world, self.backend = world, backend or default_backend()
-        self.threads = threads or int(os.environ.get("XTRAIN_TEST_THREADS", "1"))
+        self.threads = threads or Settings.from_env().threads
         reclaim_stale()
         # The owner's pid is in the name: a later pool can tell whether this folder's owner still lives.
         self.dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}w{world}-{os.getpid()}-")

@@ -242,7 +242,37 @@ class Adapter:
         return out
 
     def __call__(self, spec: Spec) -> Trainer:
-        return self.factory(spec)
+        trainer = self.factory(spec)
+        missing = missing_methods(trainer)
+        if missing:
+            raise AdapterError(_no_trainer(self.name, trainer, missing))
+        return trainer
+
+    def check_factory(self, device: str = "cpu", *, option: str = "--verify-trainer") -> None:
+        """Up front, before any gate: AdapterError (one line, naming `option`) when the factory's trainer lacks
+        a method of the protocol. A single-process adapter builds one trainer (accum_steps 1, float32, its
+        defaults). A data-parallel one is not built in the invoking process (frameworks start loops, install
+        signal handlers, read the launcher's environment): its trainer class is checked, or the class its
+        factory is annotated to return; otherwise its first build in a gate raises the same AdapterError
+        (__call__). A factory that raises is the gates' to report, with the case."""
+        try:
+            ret = inspect.signature(self.factory).return_annotation
+        except (TypeError, ValueError):
+            ret = None
+        if not self.data_parallel and (self.options is None or self.defaults is not None):
+            try:
+                obj = self.factory(Spec(accum_steps=1, device=device, options=self.defaults))
+            except Exception:  # noqa: BLE001
+                return
+        elif isinstance(self.factory, type):
+            obj = self.factory
+        elif isinstance(ret, type) and ret is not inspect.Signature.empty:
+            obj = ret
+        else:
+            return
+        missing = missing_methods(obj)
+        if missing:
+            raise AdapterError(f"{option} {self.ref or self.name}: " + _no_trainer(_qual(self.factory), obj, missing))
 
     def replace(self, **changes) -> "Adapter":
         changes.setdefault("ref", None)
@@ -277,6 +307,20 @@ class Adapter:
 
     def __reduce__(self):
         return _rebuild, (self.locate(), self.mutation)
+
+
+TRAINER_METHODS = ("micro_step", "grads", "optimizer_step", "params")  # verify.Trainer, in call order
+
+
+def missing_methods(obj) -> list[str]:
+    """The methods of the trainer protocol that `obj` (a trainer, or its class) does not have."""
+    return [m for m in TRAINER_METHODS if not callable(getattr(obj, m, None))]
+
+
+def _no_trainer(factory: str, obj, missing: list[str]) -> str:
+    what = obj.__name__ if isinstance(obj, type) else f"a {type(obj).__name__}"
+    return (f"{factory} makes {what} without {', '.join(m + '()' for m in missing)}; a trainer needs "
+            f"{', '.join(m + '()' for m in TRAINER_METHODS)} (verify.Trainer)")
 
 
 def _rebuild(ref: str, mutation) -> Adapter:

@@ -58,7 +58,9 @@ class _Stopped(BaseException):
 
 
 def _timeout() -> float:
-    return float(os.environ.get("XTRAIN_DIST_TIMEOUT") or 120)
+    from .settings import Settings
+
+    return Settings.from_env().timeout
 
 
 class _Channel:

@@ -11,7 +11,6 @@ xtrain's are verify/adapters/xtrain_strategies.py.
 """
 from __future__ import annotations
 
-import os
 
 from hypothesis import strategies as st
 
@@ -52,7 +51,9 @@ def gate_budget(gate: str, n: int | None = None) -> int:
 
 def gate_device() -> str:
     """--verify-device / XTRAIN_TEST_DEVICE: cuda runs the gates on the GPU; default cpu."""
-    return os.environ.get("XTRAIN_TEST_DEVICE", "cpu")
+    from .settings import Settings
+
+    return Settings.from_env().device
 
 
 def _options_strategy(adapter):

@@ -39,15 +39,6 @@ def test_bad_trainer_is_a_one_line_usage_error(tmp_path, ref, needle):
     assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == []  # nothing written
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--verify-backend", "mpi"], "argument --verify-backend: invalid choice: 'mpi'"),
-    (["--verify-device", "tpu"], "argument --verify-device: invalid choice: 'tpu'"),
-])
-def test_bad_backend_or_device(tmp_path, args, needle):
-    r = pytest_verify(tmp_path, *args)
-    assert r.returncode == 4 and needle in r.stderr and list(tmp_path.iterdir()) == [], r.stderr
-
-
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
 def test_cuda_without_a_gpu(tmp_path):
     r = pytest_verify(tmp_path, "--verify-device", "cuda")

@@ -1,5 +1,5 @@
 """xtrain's memory model, one per data-parallel mode: the PREDICTED peak bytes per rank of one configuration
-(N, B), of the same quantity verify.memory's probe measures (pure arithmetic: tests/test_memory_model.py).
+(N, B), of the same quantity verify.memory's probe measures (pure arithmetic: tests/memory/test_memory_model.py).
 xtrain's adapters offer it through the generic hook `Adapter(predicted_peak=...)` (verify/memory/prediction.py);
 each adapter names its mode, so no name is matched. `ANCHOR`: plain torch on one H200, xtrain's GPT.
 

@@ -20,14 +20,14 @@ Every failure names the rank, the step, the micro-step and the collective(s) inv
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..case import Case, Trace, block_grads, drive, twin
 from ..comm import Collective, Windows
-from ..pool import default_backend, get_pool
+from ..pool import get_pool
+from ..settings import Settings
 from .diagnose import determinism
 from .single import GateResult
 from .tolerance import GateFailure, Judge, condition, measured_floor, twin_floor
@@ -36,22 +36,18 @@ __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "chec
            "max_world", "min_world", "SCALARS"]
 
 SCALARS = 8  # side-channel floats allowed to ride with the gradients (xtrain: Σ raw·B_local and N·B_local)
-ENV_MAX_WORLD, ENV_MIN_WORLD = "XTRAIN_DIST_MAX_WORLD", "XTRAIN_DIST_MIN_WORLD"
 DTYPES = (torch.float32, torch.float64)
 F32, F64 = str(torch.float32), str(torch.float64)
 
 
 def max_world() -> int:
     """World sizes the suite draws up to: XTRAIN_DIST_MAX_WORLD (default 4), capped by GPUs under NCCL."""
-    w = int(os.environ.get(ENV_MAX_WORLD) or 4)
-    if default_backend() == "nccl":
-        w = min(w, torch.cuda.device_count())
-    return w
+    return Settings.from_env().world_cap()
 
 
 def min_world() -> int:
     """The smallest world the suite draws: XTRAIN_DIST_MIN_WORLD (default 1), e.g. 8 to run only world 8."""
-    return min(int(os.environ.get(ENV_MIN_WORLD) or 1), max_world())
+    return min(Settings.from_env().min_world, max_world())
 
 
 # -- what runs on the ranks ----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from pathlib import Path
 from xtrain_core.cli import resolve_device
 from xtrain_core.config import PRESETS
 
-from .._cli import Parser, Progress, UsageError, fail, positive_int, writable_dir
+from .._cli import Parser, Progress, UsageError, fail, int_at_least, positive_int, writable_dir
 from ..adapters.xtrain_memory import ANCHOR, ANCHOR_NAME, anchor_applies
 from .plan import Plan, plan_configs
 
@@ -51,6 +51,12 @@ MODE_TRAINERS = {"xtrain": "verify.adapters.xtrain:adapter", "torch_ddp": "verif
 """Short --trainer names of the data-parallel modes of xtrain's GPT (benchmarks/memory_modes.py runs each)."""
 ANCHOR_NOTE = ("plain torch on one H200, no xtrain code: the same GPT, fp32 with TF32 off, one warm-up step then 3 measured "
                "steps, AdamW(fused=True)")
+
+
+# Sweep A measures N = 1, B = E: all E rows in ONE micro-batch, so E is bounded as a micro-batch is, by the
+# largest one a run can meet (xtrain's MAX_MICRO_BATCH; tests/harness/test_settings.py holds them equal). Checked at
+# parsing: the sweeps' plan enumerates E's divisors, which for an absurd E would never end.
+MAX_E = 2**16
 
 
 class _Trainer(argparse.Action):
@@ -65,8 +71,9 @@ def parse_args(argv=None):
     p = Parser(prog="verify.memory", description=__doc__.split("\n\n")[1],
                epilog="Exit status: 0 PASS (all invariants hold), 1 FAIL (one fails), 3 INCONCLUSIVE (one cannot be "
                       "decided at this size; not a failure), 2 bad input.")
-    p.add_argument("--effective-batch", type=positive_int, default=32, metavar="E",
-                   help="E: rows (sequences) per optimizer step, over all ranks (default 32)")
+    p.add_argument("--effective-batch", type=int_at_least(1, MAX_E), default=32, metavar="E",
+                   help=f"E: rows (sequences) per optimizer step, over all ranks (default 32; ≤ {MAX_E}: "
+                        f"sweep A runs all E rows as one micro-batch)")
     p.add_argument("--device", default="auto", help="auto (cuda if visible, else cpu), cpu, cuda or cuda:K")
     p.add_argument("--trainer", "--verify-trainer", dest="trainer", action=_Trainer, default="xtrain",
                    metavar="NAME|MODULE:FACTORY",

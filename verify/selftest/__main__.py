@@ -20,46 +20,55 @@ def parse_args(argv=None):
                    help="the adapter to test (default: xtrain's trainer)")
     p.add_argument("--verify-report", metavar="DIR", default="reports",
                    help="directory of verify-report.json/.md (default ./reports)")
-    p.add_argument("--verify-backend", choices=("gloo", "nccl"), default=None,
-                   help="process-group backend for the data-parallel cases (default gloo)")
-    p.add_argument("--verify-device", choices=("cpu", "cuda"), default=None, help="device (default cpu)")
+    p.add_argument("--verify-backend", metavar="gloo|nccl", default=None,
+                   help="process-group backend for the data-parallel cases (default $XTRAIN_DIST_BACKEND, else nccl "
+                        "on cuda and gloo on the cpu)")
+    p.add_argument("--verify-device", metavar="cpu|cuda", default=None, help="device (default $XTRAIN_TEST_DEVICE or cpu)")
     p.add_argument("--max-world", type=positive_int, default=None,
                    help="largest world of the data-parallel cases (default: every world the gates draw, "
                         "XTRAIN_DIST_MIN_WORLD..XTRAIN_DIST_MAX_WORLD, 1..4)")
     return p.parse_args(argv)
 
 
+def max_world_bound(s) -> tuple[int, str]:
+    """The largest --max-world this box runs, and why: the worlds the self-test has cases for (DIST), the
+    gates' largest world (XTRAIN_DIST_MAX_WORLD), and under NCCL the GPUs."""
+    from . import DIST
+
+    bound, why = max(DIST), f"the self-test has data-parallel cases for worlds 1..{max(DIST)}"
+    cap = s.world_cap()
+    if cap < bound:
+        gpus = s.backend == "nccl" and cap < s.max_world
+        bound, why = cap, (f"nccl has {cap} GPU(s) here" if gpus else f"{s.where('max_world')} (worlds the gates draw)")
+    return bound, why
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = os.path.abspath(args.verify_report)
-    if os.path.exists(out) and not os.path.isdir(out):
-        fail(f"--verify-report {args.verify_report}: exists and is not a directory; pass a directory")
-    if args.verify_backend:
-        os.environ["XTRAIN_DIST_BACKEND"] = args.verify_backend
-    device = args.verify_device or os.environ.get("XTRAIN_TEST_DEVICE", "cpu")
+    from ..protocol import AdapterError, load_adapter
+    from ..settings import Settings, SettingError, check_report_dir
+
+    try:  # every option checked here, before anything runs or is written
+        s = Settings.from_env(device=args.verify_device, backend=args.verify_backend)
+        s.check_machine()
+        check_report_dir(args.verify_report, "--verify-report")
+        if args.max_world is not None:
+            bound, why = max_world_bound(s)
+            if args.max_world > bound:
+                fail(f"--max-world {args.max_world}: {why}; pass --max-world ≤ {bound}")
+        adapter = load_adapter(args.verify_trainer)
+        adapter.check_factory(s.device)
+    except (SettingError, AdapterError) as e:
+        fail(str(e))
+    out, device = os.path.abspath(args.verify_report), s.device
+    s.export()
+    s.setup_device()
     import torch
 
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            fail("--verify-device cuda: no CUDA GPU is visible to torch; use --verify-device cpu")
-        os.environ["XTRAIN_TEST_DEVICE"] = "cuda"
-        if not args.verify_backend:
-            os.environ["XTRAIN_DIST_BACKEND"] = "nccl"
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        from .._meta import fp32_only
-
-        fp32_only()
-    from ..protocol import AdapterError, load_adapter
-
-    try:
-        adapter = load_adapter(args.verify_trainer)
-    except AdapterError as e:
-        fail(str(e))
     if adapter.defaults is None and adapter.options is not None:
         fail(f"--verify-trainer {args.verify_trainer}: the adapter draws options but declares no defaults; "
              f"give it defaults= for the self-test's fixed cases")
-    torch.set_num_threads(int(os.environ.get("XTRAIN_TEST_THREADS", "1")))
+    torch.set_num_threads(s.threads)
     from . import run_selftest
 
     bar = Progress(1, label="selftest ")

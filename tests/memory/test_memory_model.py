@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from memory_helpers import REPO, fake_report
+from tests.helpers.memory import REPO, fake_report
 
 from verify.adapters import xtrain_memory as mm
 from verify.memory.invariants import check_invariants
@@ -76,7 +76,7 @@ def _query(adapter, world=1, trainer_class=None, configs=((1, 2), (2, 1))):
 def test_each_adapter_declares_its_mode_and_declines_another_trainer():
     """No name is matched: each of xtrain's adapters carries its mode in its hook; the mode declines a
     trainer class it does not describe (a planted bug built from the same adapter keeps the hook)."""
-    import memory_adapters
+    from tests.helpers import memory_adapters
 
     from verify.adapters import broken, xtrain
     from verify.memory import Prediction

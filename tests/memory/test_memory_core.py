@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from memory_helpers import HAS_CUDA, fake_report, rows
+from tests.helpers.memory import HAS_CUDA, fake_report, rows
 
 from verify.memory.invariants import check_invariants
 from verify.memory.plan import MiB, plan_configs
@@ -105,7 +105,7 @@ def test_measure_follows_the_protocol():
     """Batches drawn up front from the adapter's data (N·B rows per step, split into N micro-batches of B,
     floats cast to the run's dtype), one warm-up step whose boundary grads give grad_bytes, the probe
     around exactly `steps` optimizer steps."""
-    import memory_adapters
+    from tests.helpers import memory_adapters
 
     from verify.memory import measure
     from verify.protocol import Spec
@@ -230,7 +230,7 @@ print(json.dumps(p.stop(), default=str))
 def test_rss_probe_sees_a_resident_allocation():
     """In a fresh interpreter: in a long-lived xdist worker another test's memory, released while the probe
     runs, lowers the resident set by more than the 48 MiB allocated (seen in CI: peak 0 over a 1.3 GB base)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": root})
     assert r.returncode == 0, r.stderr[-2000:]
@@ -343,7 +343,7 @@ def test_judging_bounds():
 
 
 def test_the_adapter_declares_a_callable_hook():
-    import memory_adapters
+    from tests.helpers import memory_adapters
 
     from verify.protocol import AdapterError
 

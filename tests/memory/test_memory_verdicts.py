@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from memory_helpers import ENV, REPO, memory_cli
+from tests.helpers.memory import ENV, REPO, memory_cli
 
 from verify.memory import timing
 from verify.memory.report import EXIT_CODES, overall

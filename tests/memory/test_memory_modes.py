@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from memory_helpers import ENV, REPO
+from tests.helpers.memory import ENV, REPO
 
 from benchmarks.memory_modes import main as modes_main
 

@@ -4,8 +4,8 @@ optimizer, options and data, declared as an adapter the way a user would.
 
 Sized so accumulation is measurable on the CPU: one row's activations (tokens × hidden floats per layer,
 ~16 MiB) are well above the 4 MiB noise floor, the parameters (~1.2 MiB) well below them.
-Importable as `memory_adapters` when tests/ is on the path (pytest puts it there; the CLI test passes
-PYTHONPATH so the probe processes import it too).
+Referenced as `tests.helpers.memory_adapters:NAME` (the CLI tests run from the repository root with it on
+PYTHONPATH, so the probe processes import it too).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def gibibyte_model(query):
     from verify.memory import Prediction
 
     return Prediction(mode="one GiB", peaks={c: dict(bytes=2**30, terms={"everything": 2**30}) for c in query.configs},
-                      quantity="a fixed guess", text="Mode **one GiB** (tests/memory_adapters.py).")
+                      quantity="a fixed guess", text="Mode **one GiB** (tests/helpers/memory_adapters.py).")
 
 
 tiny_mlp_modelled = tiny_mlp.replace(predicted_peak=gibibyte_model)

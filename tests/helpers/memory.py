@@ -1,5 +1,5 @@
 """Shared by the memory tests (tests/test_memory_*.py): the CLI in a subprocess, its environment, synthetic
-rows and a synthetic report. Importable as `memory_helpers` (tests/ is on the path, as for memory_adapters)."""
+rows and a synthetic report (`from tests.helpers.memory import ...`)."""
 from __future__ import annotations
 
 import json
@@ -15,8 +15,7 @@ import torch
 from verify.memory.invariants import check_invariants
 from verify.memory.plan import MiB, plan_configs
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
     ENV.pop(k, None)

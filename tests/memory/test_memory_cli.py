@@ -4,10 +4,9 @@ proof that a planted leak makes it exit 1, bad input, world 2 under torchrun. GP
 present, alone on the GPU (verify/_gpulock.py)."""
 from __future__ import annotations
 
-import os
 
 import pytest
-from memory_helpers import ENV, HAS_CUDA, SMALL, TESTS, memory_cli, report_of
+from tests.helpers.memory import ENV, HAS_CUDA, SMALL, memory_cli, report_of
 
 from verify.memory.__main__ import main
 from verify.memory.invariants import check_invariants
@@ -86,15 +85,14 @@ def test_leaky_graph_is_invisible_to_the_equivalence_gate():
 
 @pytest.mark.slow
 def test_a_trainer_that_is_not_a_gpt_end_to_end(tmp_path):
-    """Any adapter: an MLP over float vectors (tests/memory_adapters.py), its own data, options and
+    """Any adapter: an MLP over float vectors (tests/helpers/memory_adapters.py), its own data, options and
     optimizer, measured through the CLI in fresh probe processes that import it by reference."""
-    env = dict(ENV, PYTHONPATH=os.pathsep.join([str(TESTS), ENV["PYTHONPATH"]]))
     r = memory_cli("--effective-batch", "4", "--device", "cpu", "--steps", "1", "--threads", "1",
-                   "--verify-trainer", "memory_adapters:mlp", "--out", str(tmp_path), env=env)
+                   "--verify-trainer", "tests.helpers.memory_adapters:mlp", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     rep = report_of(tmp_path)
     s = rep["settings"]
-    assert (s["adapter"], s["model_name"], s["model"], s["seq_len"]) == ("memory_adapters:mlp", None, None, None)
+    assert (s["adapter"], s["model_name"], s["model"], s["seq_len"]) == ("tests.helpers.memory_adapters:mlp", None, None, None)
     assert s["options"] == dict(tokens=2048, features=64, hidden=512, lr=0.01) and s["n_params"] == 296_449
     assert rep["verdict"] == "PASS" and [v["status"] for v in rep["invariants"]] == ["PASS"] * 4
     for c in rep["configs"]:
@@ -115,14 +113,13 @@ def test_a_trainer_that_is_not_a_gpt_end_to_end(tmp_path):
 def test_a_users_own_memory_model_is_judged(tmp_path):
     """The predicted_peak hook, through the CLI: a user's adapter brings its own prediction (here 1 GiB for a
     tiny MLP: absurd), the report names its mode and the rows, and the run exits 1."""
-    env = dict(ENV, PYTHONPATH=os.pathsep.join([str(TESTS), ENV["PYTHONPATH"]]))
     r = memory_cli("--effective-batch", "2", "--device", "cpu", "--steps", "1", "--threads", "1",
-                   "--trainer", "memory_adapters:tiny_mlp_modelled", "--out", str(tmp_path), env=env)
+                   "--trainer", "tests.helpers.memory_adapters:tiny_mlp_modelled", "--out", str(tmp_path))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "(model) FAIL" in r.stdout and "predicted 1024.0 MiB" in r.stdout
     pr = report_of(tmp_path, 2)["prediction"]
     assert (pr["mode"], pr["verdict"], pr["quantity"]) == ("one GiB", "FAIL", "a fixed guess")
-    assert "Mode **one GiB** (tests/memory_adapters.py)." in (tmp_path / "memory-E2.md").read_text()
+    assert "Mode **one GiB** (tests/helpers/memory_adapters.py)." in (tmp_path / "memory-E2.md").read_text()
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -136,12 +133,12 @@ def test_a_users_own_memory_model_is_judged(tmp_path):
     (["--trainer", "nope", "--device", "cpu"], "--trainer nope: unknown trainer; use one of xtrain, torch_ddp, fsdp2, fsdp2_keep, leaky_graph or MODULE:FACTORY"),
     (["--trainer", "no.such:f", "--device", "cpu"], "--trainer no.such:f: cannot import 'no.such'"),
     (["--verify-trainer", "no.such:f", "--device", "cpu"], "--verify-trainer no.such:f: cannot import 'no.such'"),
-    (["--trainer", "memory_adapters:nothing", "--device", "cpu"],
-     "--trainer memory_adapters:nothing: module 'memory_adapters' has no attribute 'nothing'"),
-    (["--trainer", "memory_adapters:MLPTrainer", "--device", "cpu"], "'MLPTrainer' is a plain function; declare its data"),
-    (["--trainer", "memory_adapters:mlp", "--model", "tiny", "--device", "cpu"],
-     "--model applies to xtrain's trainer only; --trainer memory_adapters:mlp (position-wise MLP (tests))"),
-    (["--trainer", "memory_adapters:mlp", "--model", "tiny", "--seq-len", "8", "--device", "cpu"],
+    (["--trainer", "tests.helpers.memory_adapters:nothing", "--device", "cpu"],
+     "--trainer tests.helpers.memory_adapters:nothing: module 'tests.helpers.memory_adapters' has no attribute 'nothing'"),
+    (["--trainer", "tests.helpers.memory_adapters:MLPTrainer", "--device", "cpu"], "'MLPTrainer' is a plain function; declare its data"),
+    (["--trainer", "tests.helpers.memory_adapters:mlp", "--model", "tiny", "--device", "cpu"],
+     "--model applies to xtrain's trainer only; --trainer tests.helpers.memory_adapters:mlp (position-wise MLP (tests))"),
+    (["--trainer", "tests.helpers.memory_adapters:mlp", "--model", "tiny", "--seq-len", "8", "--device", "cpu"],
      "--model and --seq-len apply to xtrain's trainer only"),
     (["--trainer", "leaky_graph", "--seq-len", "999", "--device", "cpu"], "--seq-len 999 exceeds --model small's limit"),
     (["--anchor", "/no/such.json", "--device", "cpu"], "--anchor /no/such.json: no such file"),

@@ -11,7 +11,7 @@ from verify.memory import plot  # noqa: E402
 
 FIGURES = {"peaks_figure": plot.peaks_figure, "modes_figure": memory_modes_report.modes_figure}
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def layout_problems(fig) -> list[str]:

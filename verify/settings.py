@@ -1,0 +1,247 @@
+"""One settings object: every knob a verify run reads from the environment, defined once, checked up front.
+
+    s = Settings.from_env()                               # the environment (os.environ)
+    s = Settings.from_env(backend="nccl", device=None)    # a command-line option wins over its variable
+    s.check_machine()                                     # cuda / nccl need a GPU: a SettingError now
+    s.export()                                            # children (xdist workers, ranks, subprocesses)
+
+KNOBS is the table (field, variable, default, what it does) the user guide lists; tests/harness/test_settings.py
+holds the guide to it. Bad values raise SettingError (a ValueError) whose message is one line naming the
+option or variable, the value and the fix; entry points turn it into their usage error (the CLIs: exit 2;
+the pytest plugin: pytest's usage error, exit 4, like pytest's own options).
+
+The backend follows the device, for the plugin and the self-test alike: NCCL on CUDA, gloo on the CPU.
+A gloo rank runs on the CPU (verify/pool_worker.py), so gloo under `--verify-device cuda` would prove
+the data-parallel gates, and any adapter that needs a process group even alone, on the CPU while the
+user asked for the GPU. torch's own default (`init_process_group()` with no backend) pairs them the
+same way. `--verify-backend` / XTRAIN_DIST_BACKEND still choose either.
+
+Bottom layer: stdlib only; torch is imported inside the functions that need it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field, fields
+
+__all__ = ["Settings", "SettingError", "Knob", "KNOBS", "check_report_dir", "env_of", "knobs_table", "DEVICES", "BACKENDS", "POOL_STARTS"]
+
+DEVICES, BACKENDS, POOL_STARTS = ("cpu", "cuda"), ("gloo", "nccl"), ("forkserver", "spawn")
+
+
+class SettingError(ValueError):
+    """A knob or option that cannot be used; str(e) is one line: the option or variable, the value, the fix."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    field: str  # the Settings field
+    env: str  # the variable that sets it
+    default: str  # as the docs show it
+    doc: str  # one line for the docs
+    option: str | None = None  # the command-line option that sets it too, where there is one
+
+
+KNOBS = (
+    Knob("device", "XTRAIN_TEST_DEVICE", "cpu", "where the gates run: cpu or cuda (deterministic algorithms, TF32 off)",
+         "--verify-device"),
+    Knob("backend", "XTRAIN_DIST_BACKEND", "nccl on cuda, else gloo",
+         "process groups of the rank pools: gloo or nccl (rank r on cuda:r; needs a GPU)", "--verify-backend"),
+    Knob("threads", "XTRAIN_TEST_THREADS", "1", "CPU intra-op threads of every gate run and pool rank"),
+    Knob("min_world", "XTRAIN_DIST_MIN_WORLD", "1", "smallest world the data-parallel gates draw"),
+    Knob("max_world", "XTRAIN_DIST_MAX_WORLD", "4", "largest world the data-parallel gates draw (capped by the GPUs "
+         "under nccl)"),
+    Knob("timeout", "XTRAIN_DIST_TIMEOUT", "120", "seconds a distributed job or a Pull wait may take; then the hung "
+         "ranks' stacks are dumped"),
+    Knob("pool_start", "XTRAIN_POOL_START", "forkserver for gloo, spawn for nccl",
+         "how pool ranks start: forkserver (torch preloaded once) or spawn"),
+    Knob("hypothesis_profile", "HYPOTHESIS_PROFILE", "unset: your hypothesis default",
+         "dev, ci or gpu: a budget of 10 random examples / 100 derandomized / 150 per test"),
+    Knob("cache_home", "XDG_CACHE_HOME", "`~/.cache`", "a verify run keeps hypothesis' database and pytest's cache "
+         "in `$XDG_CACHE_HOME/xtrain-verify`"),
+    Knob("gpu_lock", "XTRAIN_GPU_LOCK", "`<tmp>/xtrain-gpu-<uid>.lock`",
+         "the lock file that keeps a memory test off a GPU other tests use"),
+    Knob("git_commit", "XTRAIN_GIT_COMMIT", "git rev-parse HEAD", "the commit a report names (a copied tree has no .git)"),
+)
+_BY_FIELD = {k.field: k for k in KNOBS}
+
+
+def env_of(name: str) -> str:
+    """The variable of knob `name` (the one place it is spelled)."""
+    return _BY_FIELD[name].env
+PROFILES = ("dev", "ci", "gpu")  # the hypothesis profiles the plugin registers (verify/plugin.py)
+
+
+def knobs_table() -> str:
+    """KNOBS as the markdown table docs/verify-your-trainer.md shows (tests/harness/test_settings.py holds them equal)."""
+    rows = ["| variable | option | default | what it sets |", "|---|---|---|---|"]
+    for k in KNOBS:
+        rows.append(f"| `{k.env}` | {f'`{k.option}`' if k.option else ''} | {k.default} | {k.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+def _default_lock() -> str:
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"xtrain-gpu-{uid}.lock")
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: str = "cpu"
+    backend: str = ""  # "" = follow the device (nccl on cuda, else gloo); resolved in __post_init__
+    threads: int = 1
+    min_world: int = 1
+    max_world: int = 4
+    timeout: float = 120.0
+    pool_start: str = ""  # "" = by backend (pool.start_method)
+    hypothesis_profile: str = ""
+    cache_home: str = ""  # "" = ~/.cache
+    gpu_lock: str = ""  # "" = <tmp>/xtrain-gpu-<uid>.lock
+    git_commit: str = ""  # "" = ask git
+    sources: dict = field(default_factory=dict, compare=False, repr=False)
+    """field -> where its value came from ("--verify-backend", "XTRAIN_DIST_BACKEND"): what an error names."""
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, fix: str):
+            if not ok:
+                raise SettingError(f"{self.where(name)}: {fix}")
+
+        need(self.device in DEVICES, "device", "must be cpu or cuda")
+        if not self.backend:
+            object.__setattr__(self, "backend", "nccl" if self.device == "cuda" else "gloo")
+        need(self.backend in BACKENDS, "backend", "must be gloo or nccl")
+        for name in ("threads", "min_world", "max_world"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer ≥ 1")
+        need(self.min_world <= self.max_world, "min_world",
+             f"exceeds {self.where('max_world')}; set {_BY_FIELD['max_world'].env} ≥ {self.min_world} too")
+        need(isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0, "timeout",
+             "must be a number of seconds > 0")
+        need(self.pool_start in ("", *POOL_STARTS), "pool_start", "must be forkserver or spawn")
+        if not self.cache_home:
+            object.__setattr__(self, "cache_home", os.path.join(os.path.expanduser("~"), ".cache"))
+        if not self.gpu_lock:
+            object.__setattr__(self, "gpu_lock", _default_lock())
+
+    def fix(self, name: str, value) -> str:
+        """How to set `name` to `value` the way it was set: '--verify-device cpu' or 'XTRAIN_TEST_DEVICE=cpu'."""
+        src = self.sources.get(name) or _BY_FIELD[name].option or _BY_FIELD[name].env
+        return f"{src} {value}" if src.startswith("--") else f"{src}={value}"
+
+    def where(self, name: str) -> str:
+        """'--verify-backend mpi', 'XTRAIN_DIST_BACKEND=mpi' or 'backend='mpi'': what an error about `name` names."""
+        src, v = self.sources.get(name), getattr(self, name)
+        if src is None:
+            return f"{name}={v!r}"
+        return f"{src} {v}" if src.startswith("--") else f"{src}={v}"
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides) -> "Settings":
+        """The knobs from `environ` (default os.environ), then `overrides` by field name (None: not given, the
+        variable stands). An empty variable counts as unset."""
+        environ = os.environ if environ is None else environ
+        values, sources = {}, {}
+        types = {f.name: f.type for f in fields(cls)}
+        for k in KNOBS:
+            text = environ.get(k.env)
+            if not text:
+                continue
+            sources[k.field] = k.env
+            if types[k.field] == "int":
+                values[k.field] = _number(int, text, k.env, "an integer ≥ 1")
+            elif types[k.field] == "float":
+                values[k.field] = _number(float, text, k.env, "a number of seconds > 0")
+            else:
+                values[k.field] = text
+        for name, v in overrides.items():
+            if name not in _BY_FIELD:
+                raise TypeError(f"Settings has no knob {name!r}")
+            if v is not None:
+                values[name], sources[name] = v, _BY_FIELD[name].option or name
+        return cls(**values, sources=sources)
+
+    def check_machine(self) -> None:
+        """What needs the machine to tell: cuda and nccl need a GPU torch can see (imports torch only then)."""
+        if self.device != "cuda" and self.backend != "nccl":
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        if self.device == "cuda":
+            raise SettingError(f"{self.where('device')}: no CUDA GPU is visible to torch; use {self.fix('device', 'cpu')}")
+        raise SettingError(f"{self.where('backend')}: no CUDA GPU is visible to torch (NCCL puts rank r on cuda:r); "
+                           f"use {self.fix('backend', 'gloo')}")
+
+    def world_cap(self) -> int:
+        """The largest world this box runs the gates at: max_world, capped by the GPUs under NCCL."""
+        if self.backend != "nccl":
+            return self.max_world
+        import torch
+
+        return min(self.max_world, torch.cuda.device_count())
+
+    def export(self, environ=None) -> None:
+        """Write the knobs set by command-line options into their variables in `environ` (default os.environ):
+        xdist workers, pool ranks and subprocesses read them from there. Derived values (the backend that
+        follows the device) are not written: a child derives them alike, and a child given another device
+        must not inherit this one's backend."""
+        environ = os.environ if environ is None else environ
+        for name, src in self.sources.items():
+            if src.startswith("--"):
+                environ[_BY_FIELD[name].env] = str(getattr(self, name))
+
+    def setup_device(self) -> None:
+        """The CUDA set-up of a gate run (plugin and self-test): deterministic algorithms (the bit-exact gates
+        need them; cuBLAS needs its workspace setting for that) and TF32 off. Nothing on the CPU."""
+        if self.device != "cuda":
+            return
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        import torch
+
+        torch.use_deterministic_algorithms(True)
+        fp32_only()
+
+
+def fp32_only() -> None:
+    """TF32 off for matmuls and convolutions: every GPU measurement and gate here means true fp32, as the
+    anchor measured it. (Newer torch prefers fp32_precision and may warn; the effect is the same.)"""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def _number(kind, text: str, env: str, what: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise SettingError(f"{env}={text}: must be {what}") from None
+
+
+def check_report_dir(path: str, option: str) -> None:
+    """SettingError naming `option` unless a report can be written in folder `path`. Leaves nothing behind:
+    folders it had to create for the probe are removed again (the report writer makes them)."""
+    shown, path = path, os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SettingError(f"{option} {shown}: exists and is not a directory; pass a directory")
+    made, p = [], path
+    while not os.path.exists(p):
+        made.append(p)
+        p = os.path.dirname(p)
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise SettingError(f"{option} {shown}: cannot write there ({e.strerror or e}); pass a writable directory") from None
+    finally:
+        for d in made:  # deepest first
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
