@@ -38,8 +38,8 @@ LAYERS = [
     # the run report prints each gate's bound in words from the tolerance policy's constants
     ("report", ["verify.report"]),
     ("studies", ["verify.selftest", "verify.selftest.*", "verify.memory", "verify.memory.*"]),
-    ("front ends", ["verify.plugin", "verify.selftest.__main__", "verify.gpu_gate", "verify.test_gates",
-                    "verify.test_gates_*"]),
+    ("front ends", ["verify.plugin", "verify.selftest.__main__", "verify.gpu_gate", "verify.memory.cli",
+                    "verify.test_gates", "verify.test_gates_*"]),
     # adapters: xtrain's trainers and the planted bugs, built on the harness and on xtrain_core
     ("adapters", ["verify.adapters", "verify.adapters.*"]),
     # xtrain's wing entry (WING_ENTRIES): the generic memory CLI run with xtrain's defaults
@@ -185,7 +185,8 @@ def test_the_checks_can_fail():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
     assert generic("verify.gates.single") and generic("verify") and not generic("verify.adapters.xtrain")
-    assert generic("verify.memory.report") and not generic("verify.memory.__main__")
+    assert generic("verify.memory.report") and generic("verify.memory.cli") and not generic("verify.memory.__main__")
+    assert layer("verify.memory.__main__") > layer("verify.adapters.xtrain_memory") > layer("verify.memory.cli")
     assert wing("xtrain_core.config") and wing("verify.adapters") and not wing("verify.case")
     assert layer("verify.gates.single") > layer("verify.case") > layer("verify.protocol")
     assert layer("verify.selftest.__main__") > layer("verify.selftest") and layer("verify.pool_worker") == layer("verify.pool")

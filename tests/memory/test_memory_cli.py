@@ -154,6 +154,22 @@ def test_bad_input_is_one_line_exit_2(args, needle, capsys, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("args,needle", [
+    ([], "--trainer MODULE:FACTORY is required"),
+    (["--trainer", "xtrain"], "--trainer xtrain: unknown trainer; use MODULE:FACTORY naming an adapter"),
+    (["--trainer", "tests.helpers.memory_adapters:mlp", "--model", "tiny"], "unrecognized arguments: --model tiny"),
+])
+def test_without_a_wing_the_cli_knows_no_trainer(args, needle, capsys, tmp_path):
+    """verify.memory.cli.main without xtrain's wing: no default trainer, no short names, no xtrain flags."""
+    from verify.memory.cli import main as generic_main
+
+    with pytest.raises(SystemExit) as e:
+        generic_main(["--out", str(tmp_path), "--device", "cpu", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and needle in err, err
+    assert not any(tmp_path.iterdir())
+
+
 def test_bad_input_as_a_user_sees_it(tmp_path):
     r = memory_cli("--effective-batch", "0", "--out", str(tmp_path))
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
