@@ -7,6 +7,7 @@ from verify.adapters import xtrain
 from verify.case import Case
 from verify.gates import GateFailure, check_equivalence
 from verify.gates.windows import check_long_window
+from verify.verdict import Gate
 from xtrain_core.config import ModelConfig, OptimConfig
 
 OPTS = xtrain.XtrainOptions(model=ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=1, d_model=32), seq_len=16,
@@ -63,5 +64,5 @@ def test_the_self_test_kills_low_precision_accumulation_with_the_long_window_gat
     from verify.selftest import run_selftest
 
     res = run_selftest(xtrain.single, operators=["low_precision_accumulation"])
-    assert res.ok and res.rows["low_precision_accumulation"]["long-window"] == "rejects", res.table()
+    assert res.ok and res.rows["low_precision_accumulation"][Gate.LONG_WINDOW] == "rejects", res.table()
     assert res.rows["low_precision_accumulation"]["equivalence"] == "n/a"  # the short cases do not run it

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from xtrain_core.trainer import AccumTrainer
 
+from ..verdict import Gate
 from . import xtrain
 
 
@@ -107,12 +108,12 @@ scaled_by_one = _adapter(N1ScaledByOne)
 
 # name -> (adapter, the gate that must reject it). scaled_by_one is the control: harmless, must pass.
 BROKEN = {
-    "missing_1_over_N": (missing_1_over_N, "equivalence"),
-    "zero_grad_in_micro_loop": (zero_grad_in_micro_loop, "equivalence"),
-    "optimizer_step_every_micro": (optimizer_step_every_micro, "equivalence"),
-    "scheduler_step_every_micro": (scheduler_step_every_micro, "equivalence"),
-    "n1_different_reduction": (n1_different_reduction, "bit_exact"),
-    "writes_into_targets": (writes_into_targets, "bit_exact"),
+    "missing_1_over_N": (missing_1_over_N, Gate.EQUIVALENCE),
+    "zero_grad_in_micro_loop": (zero_grad_in_micro_loop, Gate.EQUIVALENCE),
+    "optimizer_step_every_micro": (optimizer_step_every_micro, Gate.EQUIVALENCE),
+    "scheduler_step_every_micro": (scheduler_step_every_micro, Gate.EQUIVALENCE),
+    "n1_different_reduction": (n1_different_reduction, Gate.BIT_EXACT),
+    "writes_into_targets": (writes_into_targets, Gate.BIT_EXACT),
 }
 
 
