@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from verify.verdict import Gate
 from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,15 +141,15 @@ def verdict(run: dict) -> str:
 
 
 def failure_rows(report: dict, seconds: dict | None = None) -> list[dict]:
-    """Each failing gate test: its gate, the one-line verdict (it names the shrunk case), the hint and the
-    test's time to that verdict (drawing, failing, shrinking)."""
+    """Each failing gate test: its gate (the report's `gate`, from GateFailure.gate: never read from the text),
+    the one-line verdict (it names the shrunk case), the hint and the test's time to that verdict (drawing,
+    failing, shrinking)."""
     rows = []
     for f in report.get("failures", []):
         first = f["message"].strip().splitlines()[0] if f.get("message") else ""
-        gate = re.match(r"\[([^\]]+)\]", first.split("GateFailure: ")[-1])
         case = re.search(r"case (N=.*)$", first)
         test = f.get("test", "").split("::")[-1]
-        rows.append(dict(test=test, seconds=(seconds or {}).get(test), gate=gate.group(1) if gate else "?",
+        rows.append(dict(test=test, seconds=(seconds or {}).get(test), gate=f.get("gate") or "?",
                          case=case.group(1) if case else "", verdict=first, hint=f.get("hint")))
     return rows
 
@@ -156,11 +157,11 @@ def failure_rows(report: dict, seconds: dict | None = None) -> list[dict]:
 def explain(f: dict) -> str | None:
     """What a failure of this recipe means, where its verdict shows a known class (None otherwise)."""
     text = f["verdict"]
-    if "nan" in text.lower() and f["gate"] in ("equivalence", "token mean", "split invariance"):
+    if "nan" in text.lower() and f["gate"] in (Gate.EQUIVALENCE, Gate.TOKEN_MEAN, Gate.SPLIT_INVARIANCE):
         return ("a micro-batch without a valid target gives 0/0 = NaN where the window's token mean is defined: the "
                 "loss is a mean per micro-batch, not over the window's valid targets (fixed in 4.46, #34191/#34373)")
     ops = re.findall(r"\w+:(\w+) \w+ \[", text)
-    if f["gate"] == "boundary-only" and ops and all("broadcast" in op for op in ops):
+    if f["gate"] == Gate.BOUNDARY_ONLY and ops and all("broadcast" in op for op in ops):
         return ("broadcasts only, no gradient: DDP (broadcast_buffers=True) sends the model's buffers from rank 0 on "
                 "every forward, no_sync() or not — real per-micro-step traffic (this GPT-2 keeps its causal mask, "
                 "bool positions², and masked_bias as buffers), not the accumulation bug")

@@ -37,8 +37,8 @@ __all__ = [
     "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "load_adapter",
     "AdapterError", "data",
     # cases and the gates
-    "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
-    "check_token_mean", "check_empty_window", "check_overflow",
+    "Case", "check_equivalence", "check_bit_exact", "check_distributed", "Gate", "GateFailure", "GateSkipped",
+    "GateResult", "check_token_mean", "check_empty_window", "check_overflow",
     # hypothesis strategies
     "cases", "dist_cases",
     # the run report
@@ -61,7 +61,7 @@ _WHERE = {
     "AdapterError": "protocol",
     "Case": "case",
     "check_equivalence": "gates", "check_bit_exact": "gates", "check_distributed": "gates",
-    "GateFailure": "gates", "GateSkipped": "gates", "GateResult": "gates",
+    "Gate": "verdict", "GateFailure": "verdict", "GateSkipped": "verdict", "GateResult": "verdict",
     "check_token_mean": "gates", "check_empty_window": "gates", "check_overflow": "gates.overflow",
     "cases": "strategies", "dist_cases": "strategies",
     "write_report": ("report", "write"),

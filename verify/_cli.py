@@ -1,5 +1,6 @@
 """CLI plumbing shared by every command line of the harness (and re-exported by xtrain_core/cli.py): bad
-input is one line on stderr and exit code 2, never a traceback. Standard library only.
+input is one line on stderr and exit code 2, never a traceback. Standard library only (resolve_device
+imports torch when called).
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import time
 
 __all__ = ["UsageError", "Parser", "PROG", "fail", "int_at_least", "positive_int", "nonneg_int", "Progress",
-           "writable_dir"]
+           "writable_dir", "resolve_device"]
 
 
 class UsageError(Exception):
@@ -88,3 +89,23 @@ def writable_dir(flag: str, path) -> None:
         tempfile.TemporaryFile(dir=path).close()
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def resolve_device(name: str):
+    """'cpu' | 'cuda' | 'cuda:K' -> torch.device, or UsageError naming --device."""
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise UsageError(f"--device must be cpu, cuda or cuda:K, got {name!r}") from None
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: no CUDA GPU is visible to torch; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            n = torch.cuda.device_count()
+            raise UsageError(f"--device {name}: only {n} GPU(s) visible (cuda:0..cuda:{n - 1}); pass one of those")
+        return dev
+    raise UsageError(f"--device must be cpu, cuda or cuda:K, got {name!r}")

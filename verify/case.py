@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .verdict import Gate, GateFailure
+
 __all__ = ["Case", "Trace", "split", "shard", "drive", "twin"]
 
 
@@ -141,15 +143,16 @@ def shard(inputs: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: i
              targets[(n * world + rank) * b:(n * world + rank + 1) * b]) for n in range(accum_steps)]
 
 
-def block_grads(adapter, case: "Case", device) -> list[dict]:
+def block_grads(adapter, case: "Case", device, gate: Gate | None = None) -> list[dict]:
     """float64 step-0 boundary gradient of every block of rows one micro-step of one rank sums (the
-    adapter at accum_steps=1 on that block alone): the terms of the sum accumulation computes."""
+    adapter at accum_steps=1 on that block alone): the terms of the sum accumulation computes. `gate`:
+    whose runs these are (drive)."""
     inputs, targets = case.batches(adapter)[0]
     out = []
     for r in range(case.world):
         for x, y in shard(inputs, targets, case.accum_steps, r, case.world):
             t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(device), adapter=adapter))
-            out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate="reference").grads0)
+            out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate=gate).grads0)
     return out
 
 
@@ -182,9 +185,11 @@ class _NoMarks:
 
 
 def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cpu", rank: int = 0,
-          world: int = 1, windows=None, gate: str = "harness") -> Trace:
+          world: int = 1, windows=None, gate: Gate | None = None) -> Trace:
     """The harness's loop: shard each global batch, hand each micro-step its own copy, mark a window
-    before every trainer call (for the collective counter), and return CPU copies of what came back."""
+    before every trainer call (for the collective counter), and return CPU copies of what came back.
+    `gate`: the gate these runs serve, named by a failure (a trainer writing into its batch); None outside
+    the gates ("harness")."""
     from .comm import set_active
 
     windows = windows or _NoMarks()
@@ -218,10 +223,8 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
         for m, x, y, xc, yc in given:  # after the whole step: a trainer may keep its batch and edit it later
             for what, mine, theirs in (("inputs", x, xc), ("targets", y, yc)):
                 if not torch.equal(mine, theirs):
-                    from .gates.tolerance import GateFailure
-
                     raise GateFailure(
-                        f"[{gate}] the trainer wrote into its {what} (step {k}, micro-step {m} of {accum_steps}"
+                        f"[{gate or 'harness'}] the trainer wrote into its {what} (step {k}, micro-step {m} of {accum_steps}"
                         f"{f', rank {rank}' if world > 1 else ''}): the batch it was handed changed in place. A "
                         f"trainer must not modify its batch (clone it first): in a real loop the same storage "
                         f"may be read again", gate=gate)

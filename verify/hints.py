@@ -16,9 +16,12 @@ lead, never a verdict: the verdict line above it is the finding.
 """
 from __future__ import annotations
 
+from .verdict import Gate
+
 __all__ = ["hint"]
 
-NUMERIC = ("equivalence", "distributed equivalence", "split invariance")  # gates whose error is a relative error
+# gates whose error is a relative error against the big batch
+NUMERIC = (Gate.EQUIVALENCE, Gate.DP_EQUIVALENCE, Gate.SPLIT_INVARIANCE, Gate.LONG_WINDOW)
 EXACT = 0.02  # how near a factor an error must be to be called that factor
 SMALL = (1e-3, 0.1)
 

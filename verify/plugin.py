@@ -213,7 +213,7 @@ def _hidden_dirs() -> tuple[str, ...]:
 
 def _gate_failures(exc) -> list:
     """The GateFailures in `exc` (hypothesis raises an exception group when it finds several distinct ones)."""
-    from .gates.tolerance import GateFailure
+    from .verdict import GateFailure
 
     if isinstance(exc, GateFailure):
         return [exc]
@@ -259,7 +259,7 @@ def _verdict_repr(item, excinfo):
         longrepr, line = excinfo.getrepr(style=style, tbfilter=user), excinfo.exconly(tryshort=True).split("\n")[0]
         if getattr(longrepr, "reprcrash", None) is not None:  # the summary: that line, not hypothesis' notes too
             longrepr.reprcrash.message = line
-        return longrepr, line, None
+        return longrepr, line, None, None
     first = fails[0]
     verdict, why = _one_line(first), hint(first)
     lines = [verdict + "\n"] + ([f"hint: {why}\n"] if why else [])
@@ -270,7 +270,8 @@ def _verdict_repr(item, excinfo):
     lines.append("(the harness's frames are hidden; --full-trace shows them)\n")
     path, lineno = item.location[0], (item.location[1] or 0) + 1
     crash = ReprFileLocation(path=path, lineno=lineno, message=verdict)
-    return ExceptionChainRepr([(ReprTraceback([ReprEntryNative(lines)], None, style="native"), crash, None)]), verdict, why
+    return (ExceptionChainRepr([(ReprTraceback([ReprEntryNative(lines)], None, style="native"), crash, None)]), verdict,
+            why, first.gate)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -280,9 +281,10 @@ def pytest_runtest_makereport(item, call):
             and not item.config.option.fulltrace):
         global _HIDDEN
         _HIDDEN = _HIDDEN or _hidden_dirs()
-        report.longrepr, verdict, why = _verdict_repr(item, call.excinfo)
-        if verdict:  # plain attributes cross from xdist workers with the report
+        report.longrepr, verdict, why, gate = _verdict_repr(item, call.excinfo)
+        if verdict:  # plain attributes cross from xdist workers with the report (the gate as its name)
             report.verify_verdict, report.verify_hint = verdict, why
+            report.verify_gate = None if gate is None else gate.value
     return report
 
 
@@ -308,7 +310,8 @@ class _Reporter:
         if report.failed and report.when == "call":
             crash = getattr(report.longrepr, "reprcrash", None)
             text = crash.message if crash is not None else str(report.longrepr)[-2000:]
-            state["failures"].append(dict(test=report.nodeid, message=text, hint=getattr(report, "verify_hint", None)))
+            state["failures"].append(dict(test=report.nodeid, gate=getattr(report, "verify_gate", None), message=text,
+                                          hint=getattr(report, "verify_hint", None)))
         elif report.skipped and isinstance(report.longrepr, tuple):  # pytest.skip(reason) in a gate test
             reason = str(report.longrepr[2])
             state["skipped"][report.nodeid.split("::")[-1]] = reason.removeprefix("Skipped: ")

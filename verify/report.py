@@ -12,29 +12,32 @@ import json
 import os
 
 from .gates.tolerance import FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT
+from .verdict import Gate
 
 __all__ = ["record", "skip", "write", "read", "render_md", "REPORT_NAME"]
 
 REPORT_NAME = "verify-report"
 _STATS: dict[str, dict] = {}
 
+# Keys: the gates' names (Gate values), "@precision" added for a mixed-precision tally (equivalence@bf16).
 BOUNDS = {
-    "equivalence": f"step 0 (fp32 or the autocast precision): {STEP0_TEXT} vs float64 (the loss's all-parameter term only "
-                   f"under autocast); fp32 losses rel < {LOSS_MAX_REL:g}; "
-                   f"float64 K steps: loss rel, params / max(1,|p|) ≤ {FLOAT64_TEXT}",
-    "bit_exact": "torch.equal on every gradient, loss and parameter after K steps",
-    "boundary_only": "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 elements",
-    "data_parallel_equivalence": "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
-    "split_invariance": "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
-    "partial_sums": f"after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
-                    f"{FLOAT64_TEXT}",
-    "token_mean": "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
-                  f"target change nothing; rel ≤ {FLOAT64_TEXT} (floor: the twins')",
-    "empty_window": "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
-    "overflow": "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
-                "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
+    Gate.EQUIVALENCE: f"step 0 (fp32 or the autocast precision): {STEP0_TEXT} vs float64 (the loss's all-parameter term only "
+                      f"under autocast); fp32 losses rel < {LOSS_MAX_REL:g}; "
+                      f"float64 K steps: loss rel, params / max(1,|p|) ≤ {FLOAT64_TEXT}",
+    Gate.BIT_EXACT: "torch.equal on every gradient, loss and parameter after K steps",
+    Gate.BOUNDARY_ONLY: "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 elements",
+    Gate.DP_EQUIVALENCE: "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
+    Gate.SPLIT_INVARIANCE: "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
+    Gate.PARTIAL_SUMS: f"after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
+                       f"{FLOAT64_TEXT}",
+    Gate.TOKEN_MEAN: "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
+                     f"target change nothing; rel ≤ {FLOAT64_TEXT} (floor: the twins')",
+    Gate.EMPTY_WINDOW: "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
+    Gate.OVERFLOW: "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
+                   "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
 }
-ORDER = tuple(BOUNDS)  # the report's gate order: BOUNDS' order
+ORDER = tuple(g.value for g in BOUNDS)  # the report's gate order: BOUNDS' order
+EXACT = (Gate.BIT_EXACT, Gate.EMPTY_WINDOW)  # torch.equal or a failure: no error / bound to rank
 
 
 def _gate(name: str) -> dict:
@@ -54,21 +57,25 @@ def _keep_floor(s: dict, result) -> None:
         s["float64_floor"] = max(float(f), s.get("float64_floor") or 0.0)
 
 
-def _key(name: str, case) -> str:
+def _key(gate: Gate, case) -> str:
+    """The report's key: the gate's name, with "@precision" outside fp32 (a plain str: it goes to JSON)."""
     p = getattr(case, "precision", "fp32")
-    return name if p == "fp32" else f"{name}@{p}"
+    return gate.value if p == "fp32" else f"{gate.value}@{p}"
 
 
 def record(result) -> None:
     """One passed example of a gate (a verify.GateResult); mixed-precision examples are tallied apart
     (equivalence@bf16, ...), each precision having its own rounding."""
-    if result.gate == "data-parallel":
+    gate = Gate(result.gate)
+    if gate is Gate.DP_EQUIVALENCE:  # one data-parallel run proves both: the counter's and the numbers' verdict
         ex, w = result.extra, result.case.world
-        b = _gate(_key("boundary_only", result.case))
+        b = _gate(_key(Gate.BOUNDARY_ONLY, result.case))
         b["examples"] += 1
         b["worlds"] = sorted(set(b.get("worlds", [])) | {w})
         b["expected_before_boundary"] = b.get("expected_before_boundary", 0) + len(ex["comm"].expected_used)
-        if w > 1:  # world 1 has nobody to reduce with
+        # world 1 has nobody to reduce with; a case whose reference has no gradient (every window without a valid
+        # target) has no gradient bytes to divide by
+        if w > 1 and ex["gradient_bytes"]:
             per_step = [by / ex["gradient_bytes"] for by in ex["boundary_bytes"]]
             for key, vals in (("boundary_bytes_over_gradient_bytes", per_step),
                               ("boundary_collectives_per_step", ex["boundary_collectives"])):
@@ -76,27 +83,26 @@ def record(result) -> None:
                 b[key] = [min(lo, min(vals)), max(hi, max(vals))]
             if b["worst_case"] is None or w * result.case.accum_steps > b["worst_case"]["world"] * b["worst_case"]["accum_steps"]:
                 b.update(worst_check="largest world × N", worst_case=result.case.as_dict(), worst_case_text=str(result.case))
-        e = _gate(_key("data_parallel_equivalence", result.case))
+        e = _gate(_key(Gate.DP_EQUIVALENCE, result.case))
         e["examples"] += 1
         _keep_worst(e, result.ratio, result.worst, result.case)
         _keep_floor(e, result)
         return
-    key = "bit_exact" if result.gate.startswith("bit-exact") else result.gate.replace(" ", "_")
-    s = _gate(_key(key, result.case))
+    s = _gate(_key(gate, result.case))
     s["examples"] += 1
     _keep_floor(s, result)
-    if key == "overflow":  # exact checks, no error to rank: the worlds seen, and the largest world × N as the case
+    if gate is Gate.OVERFLOW:  # exact checks, no error to rank: the worlds seen, and the largest world × N as the case
         c, w = result.case, s.get("worst_case")
         s["worlds"] = sorted(set(s.get("worlds", [])) | {c.world})
         if w is None or c.world * c.accum_steps > w["world"] * w["accum_steps"]:
             s.update(worst_ratio=0.0, worst_check="largest world × N: " + result.worst, worst_case=c.as_dict(),
                      worst_case_text=str(c))
-    elif key not in ("bit_exact", "empty_window"):  # bit-exact has no error to rank: every example is torch.equal or a failure
+    elif gate not in EXACT:
         _keep_worst(s, result.ratio, result.worst, result.case)
 
 
-def skip(gate: str, reason: str) -> None:
-    s = _gate(gate)
+def skip(gate: Gate, reason: str) -> None:
+    s = _gate(Gate(gate).value)
     s["skipped"] += 1
     s["skip_reason"] = reason
 
@@ -193,14 +199,14 @@ def render_md(doc: dict) -> str:
                 lines.append(f"| {name} | skipped | — | — | — | {g['skip_reason']} | |")
                 continue
             extra = ""
-            if base == "boundary_only":
+            if base == Gate.BOUNDARY_ONLY:
                 lo_hi = g.get("boundary_bytes_over_gradient_bytes")
                 extra = (f"worlds {g.get('worlds')}; at world > 1: bytes per step ÷ gradient bytes "
                          f"{'—' if lo_hi is None else f'{lo_hi[0]:.4f}–{lo_hi[1]:.4f}'}, boundary collectives per "
                          f"step {g.get('boundary_collectives_per_step')}; declared collectives before the boundary "
                          f"{g.get('expected_before_boundary', 0)}; largest case: ")
             short = g.get("worst_case_text") or "—"
-            ratio = "—" if base in ("bit_exact", "boundary_only", "empty_window") else _ratio(g["worst_ratio"])
+            ratio = "—" if base in (*EXACT, Gate.BOUNDARY_ONLY) else _ratio(g["worst_ratio"])
             floor = g.get("float64_floor")
             lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | "
                          f"{'—' if floor is None else f'{floor:.2e}'} | {extra}{short} | {BOUNDS.get(base, '')} |")

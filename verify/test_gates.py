@@ -16,6 +16,7 @@ from ._gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GP
 from .gates import check_bit_exact, check_equivalence
 from .gates.windows import LONG_N
 from .strategies import cases, gate_budget
+from .verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]
 
@@ -31,7 +32,7 @@ def test_accum1_bit_identical_to_plain(verify_adapter):
     if verify_adapter.plain is None:
         reason = (f"{verify_adapter.name} declares no plain (no-accumulation) step: declare "
                   f"@verify.adapter(plain=...) to prove accum_steps=1 is that step bit for bit")
-        report.skip("bit_exact", reason)
+        report.skip(Gate.BIT_EXACT, reason)
         pytest.skip(reason)
 
     @settings(max_examples=gate_budget("bit_exact"), deadline=None)
@@ -53,7 +54,7 @@ def test_split_invariance_on_padded_windows(verify_adapter):
     if verify_adapter.ignore_index is None:
         reason = (f"{verify_adapter.name} declares no ignore_index: padded, variable-length windows do not apply "
                   f"(declare @verify.adapter(ignore_index=-100) for a token-weighted trainer)")
-        report.skip("split_invariance", reason)
+        report.skip(Gate.SPLIT_INVARIANCE, reason)
         pytest.skip(reason)
     worlds = max_world() if verify_adapter.data_parallel else 1
 
@@ -80,7 +81,7 @@ def test_token_mean_claim(verify_adapter):
     if verify_adapter.ignore_index is None:
         reason = (f"{verify_adapter.name} declares no ignore_index: it claims no token mean (declare "
                   f"@verify.adapter(ignore_index=-100) for a token-weighted trainer)")
-        report.skip("token_mean", reason)
+        report.skip(Gate.TOKEN_MEAN, reason)
         pytest.skip(reason)
 
     @settings(max_examples=gate_budget("token_mean"), deadline=None)
@@ -101,7 +102,7 @@ def test_empty_window_is_no_step(verify_adapter):
               f"{verify_adapter.name} declares empty_windows=False: never fed a window without a valid target"
               if not verify_adapter.empty_windows else None)
     if reason:
-        report.skip("empty_window", reason)
+        report.skip(Gate.EMPTY_WINDOW, reason)
         pytest.skip(reason)
 
     @settings(max_examples=gate_budget("empty_window"), deadline=None)
@@ -132,7 +133,7 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
         try:
             report.record(check_partial_sums(verify_adapter, case))
         except GateSkipped as e:
-            report.skip("partial_sums", str(e))
+            report.skip(Gate.PARTIAL_SUMS, str(e))
         # Every declared low precision, at the longest window: a bf16 / fp16 accumulator's error grows with N
         # (one step: the float64 run, precision-free, already ran K steps above).
         low = data.draw(cases(verify_adapter, min_accum=LONG_N, max_accum=LONG_N, max_micro_batch=1, max_steps=1),
@@ -150,7 +151,7 @@ def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):
 
     hook, why = overflow_hook(verify_adapter)
     if hook is None:
-        report.skip("overflow", why)
+        report.skip(Gate.OVERFLOW, why)
         pytest.skip(why)
     if verify_adapter.process_group:
         pytest.skip("needs a process group even alone: test_gates_dist.py runs the overflow gate")

@@ -16,6 +16,7 @@ from .gates import check_distributed, check_same_bytes
 from .gates.overflow import check_overflow, overflow_hook
 from .gates.distributed import max_world, min_world
 from .strategies import dist_cases, gate_budget
+from .verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
 
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usef
 def _data_parallel(adapter):
     if not adapter.data_parallel:
         reason = f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))"
-        report.skip("boundary_only", reason)
+        report.skip(Gate.BOUNDARY_ONLY, reason)
         pytest.skip(reason)
 
 
@@ -63,7 +64,7 @@ def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapte
     One process (the GPU gate's CUDA step) runs it in test_gates.py."""
     hook, why = overflow_hook(verify_adapter)
     if hook is None:
-        report.skip("overflow", why)
+        report.skip(Gate.OVERFLOW, why)
         pytest.skip(why)
     if not verify_adapter.data_parallel:
         pytest.skip("not data-parallel: test_gates.py runs the overflow gate in one process")

@@ -1,6 +1,6 @@
 """xtrain's CLI plumbing: bad input is one line on stderr and exit code 2, never a traceback.
 
-The generic part (UsageError, Parser, fail, integer types, Progress, writable_dir) lives in verify/_cli.py,
+The generic part (UsageError, Parser, fail, integer types, Progress, writable_dir, resolve_device) lives in verify/_cli.py,
 its one home, shared by every entry point of the harness and of xtrain (re-exported here): the harness may
 not import xtrain_core (tests/test_border.py), and one UsageError class is caught wherever it is raised.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from verify._cli import (PROG, Parser, Progress, UsageError, fail, int_at_least, nonneg_int, positive_int,  # noqa: F401
-                         writable_dir)
+                         resolve_device, writable_dir)
 
 SEED_MAX = 2**63 - 1  # torch.manual_seed takes a signed 64-bit integer
 
@@ -25,26 +25,6 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {v}")
     return v
-
-
-def resolve_device(name: str):
-    """'cpu' | 'cuda' | 'cuda:K' -> torch.device, or UsageError naming --device."""
-    import torch
-
-    if name == "cpu":
-        return torch.device("cpu")
-    if name.startswith("cuda"):
-        try:
-            dev = torch.device(name)
-        except RuntimeError:
-            raise UsageError(f"--device must be cpu, cuda or cuda:K, got {name!r}") from None
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {name}: no CUDA GPU is visible to torch; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            n = torch.cuda.device_count()
-            raise UsageError(f"--device {name}: only {n} GPU(s) visible (cuda:0..cuda:{n - 1}); pass one of those")
-        return dev
-    raise UsageError(f"--device must be cpu, cuda or cuda:K, got {name!r}")
 
 
 CHUNK = 1 << 20  # bytes read at a time from a --data/--docs file: its size never sets the memory a check takes

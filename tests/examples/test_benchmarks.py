@@ -134,10 +134,11 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     from benchmarks import frameworks as fw
 
     rejected = {"failures": [{"test": "verify/test_gates.py::test_split_invariance", "hint": "a per-micro-batch mean",
+                              "gate": "split invariance",
                               "message": "verify.gates.tolerance.GateFailure: [split invariance] split N=2 B=1 of a "
                                          "window of 2 rows: loss 4.1 vs 4.0; case N=1 B=2 K=1 seed=0 data_seed=0 "
                                          "lengths=[8, 7]\nmore lines"}],
-                "gates": {"split_invariance": {"examples": 3, "worst_ratio": None}}}
+                "gates": {"split invariance": {"examples": 3, "worst_ratio": None}}}
     passing = {"failures": [], "gates": {"equivalence": {"examples": 10, "worst_ratio": 0.25}}}
     runs = {"4.45.2": dict(exit_code=1, report=rejected), "current": dict(exit_code=0, report=passing)}
     monkeypatch.setattr(fw, "venv", lambda v, cache, log: (v, {"transformers": "4.45.2" if v == "4.45.2" else "5.0.0",

@@ -74,10 +74,10 @@ def test_data_parallel_examples_pass_every_gate(tmp_path, name):
     # Fabric at world 2 only: each rank process imports lightning (~5 s of CPU: it pulls in torchmetrics)
     worlds = (2, 2) if name == "fabric_no_backward_sync" else (2, 3)
     r, gates = plugin(tmp_path, name, worlds)
-    assert gates["equivalence"]["examples"] >= DEV and gates["boundary_only"]["worlds"] == sorted(set(worlds))
-    assert gates["boundary_only"]["boundary_bytes_over_gradient_bytes"][1] < 1.1  # the gradients once (+ the loss)
-    assert gates["boundary_only"]["expected_before_boundary"] > 0  # DDP's declared bucket rebuild was seen
-    assert "declares no plain" in gates["bit_exact"]["skip_reason"] and "declares no plain" in r.stdout
+    assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == sorted(set(worlds))
+    assert gates["boundary-only"]["boundary_bytes_over_gradient_bytes"][1] < 1.1  # the gradients once (+ the loss)
+    assert gates["boundary-only"]["expected_before_boundary"] > 0  # DDP's declared bucket rebuild was seen
+    assert "declares no plain" in gates["bit-exact"]["skip_reason"] and "declares no plain" in r.stdout
 
 
 @pytest.mark.distributed
@@ -86,7 +86,7 @@ def test_accelerate_passes_at_world_1(tmp_path):
     """Alone in a one-rank group (the gates' world 1) Accelerate wraps DDP without entering no_sync(): an
     all-reduce per micro-step, declared for world 1 only (verify.DDP_WORLD1_EXPECTED)."""
     r, gates = plugin(tmp_path, "accelerate_accumulate", (1, 1), "-k", "data_parallel")
-    assert gates["boundary_only"]["worlds"] == [1] and gates["boundary_only"]["expected_before_boundary"] > 0
+    assert gates["boundary-only"]["worlds"] == [1] and gates["boundary-only"]["expected_before_boundary"] > 0
 
 
 @pytest.mark.distributed
@@ -95,9 +95,9 @@ def test_framework_recipes_pass_every_gate_at_worlds_1_and_2(tmp_path, name):
     """The framework owns the loop (verify.Pull): HF Trainer.train() and Lightning fit(), from an empty
     directory, at worlds 1 and 2 (DDP under the harness's process group)."""
     r, gates = plugin(tmp_path, name, (1, 2))
-    assert gates["equivalence"]["examples"] >= DEV and gates["boundary_only"]["worlds"] == [1, 2]
+    assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == [1, 2]
     # declared traffic seen: HF (accelerate) at world 1 reduces every micro-step; Lightning broadcasts per batch
-    assert gates["boundary_only"]["expected_before_boundary"] > 0
+    assert gates["boundary-only"]["expected_before_boundary"] > 0
 
 
 def selftest(tmp_path, ref, timeout=600):

@@ -87,7 +87,7 @@ def test_documented_install_from_an_empty_directory_proves_a_users_trainer(tmp_p
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     rep = json.loads((user / "reports" / "verify-report.json").read_text())
     assert rep["trainer"] == "my_mlp:factory" and rep["gates"]["equivalence"]["examples"] > 0
-    assert rep["gates"]["bit_exact"]["examples"] > 0 and (user / "reports" / "verify-report.md").is_file()
+    assert rep["gates"]["bit-exact"]["examples"] > 0 and (user / "reports" / "verify-report.md").is_file()
     after = [_tree(p) for p in ours]
     assert after == before, [sorted(set(a) - set(b)) for a, b in zip(after, before)]  # nothing written there
 

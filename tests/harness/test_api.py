@@ -6,7 +6,7 @@ import verify
 
 PUBLIC = {
     "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "load_adapter", "AdapterError", "data",
-    "Case", "check_equivalence", "check_bit_exact", "check_distributed", "GateFailure", "GateSkipped", "GateResult",
+    "Case", "check_equivalence", "check_bit_exact", "check_distributed", "Gate", "GateFailure", "GateSkipped", "GateResult",
     "cases", "dist_cases", "write_report", "Recorder", "Collective", "Windows", "CountRow", "measure_memory",
     "run_selftest", "OPERATORS", "Pull", "PullError",
     "check_token_mean", "check_empty_window", "check_overflow",

@@ -13,6 +13,7 @@ from verify.gates import GateFailure, check_distributed, check_equivalence
 from verify.gates.tolerance import EPS32, FLOOR, bound64, twin_floor
 from verify.gates.windows import check_partial_sums
 from verify.strategies import cases
+from verify.verdict import Gate
 
 PRECISE = ["hf_style", "fabric_64_true"]  # float32 inside the float64 run, revealed by the twin
 
@@ -126,8 +127,8 @@ def test_a_scheduler_stepped_per_rank_fails_undeclared_or_unemulated(declared):
     but not emulated in the one-process reference (it ignores Spec.schedule_world): rejected too — the
     declaration changes the expectation, it does not switch the comparison off."""
     adapter = ca.per_rank_unemulated if declared else ca.per_rank_undeclared
-    with pytest.raises(GateFailure, match=r"^\[distributed equivalence\] rank 0: .*(loss|parameter).* after step [12]|"
-                                          r"^\[distributed equivalence\] rank 0: (float64|step-[12])"):
+    with pytest.raises(GateFailure, match=r"^\[data-parallel equivalence\] rank 0: .*(loss|parameter).* after step [12]|"
+                                          r"^\[data-parallel equivalence\] rank 0: (float64|step-[12])"):
         check_distributed(adapter, SCHED)
 
 
@@ -141,7 +142,7 @@ def test_two_runs_that_differ_are_diagnosed_not_judged(n):
                                           r"(loss|gradient).+instead of a \[equivalence\] failure\): likely train-mode "
                                           r"dropout") as e:
         check_equivalence(ca.dropout, Case(accum_steps=n, micro_batch=2, steps=1))
-    assert e.value.gate == "determinism" and "use_deterministic_algorithms" in e.value.hint
+    assert e.value.gate is Gate.DETERMINISM and "use_deterministic_algorithms" in e.value.hint
 
 
 def test_the_partial_sum_gate_diagnoses_too():
@@ -153,14 +154,14 @@ def test_a_deterministic_failure_keeps_its_verdict():
     """A real bug is deterministic: the rerun agrees and the gate's own verdict stands."""
     with pytest.raises(GateFailure, match=r"^\[equivalence\] ") as e:
         check_equivalence(ca.off_by_1e5, Case(accum_steps=3, micro_batch=2, steps=1))
-    assert e.value.gate == "equivalence"
+    assert e.value.gate is Gate.EQUIVALENCE
 
 
 @pytest.mark.distributed
 def test_the_data_parallel_gate_diagnoses_too():
-    with pytest.raises(GateFailure, match=r"^\[determinism\] .+ \[distributed equivalence\] failure") as e:
+    with pytest.raises(GateFailure, match=r"^\[determinism\] .+ \[data-parallel equivalence\] failure") as e:
         check_distributed(ca.dropout_dp, Case(accum_steps=1, micro_batch=2, steps=1, world=2))
-    assert e.value.gate == "determinism"
+    assert e.value.gate is Gate.DETERMINISM
 
 
 # -- lazy κ ----------------------------------------------------------------------------------------------
@@ -215,4 +216,4 @@ def test_batch_norm_is_a_true_non_equivalence_not_nondeterminism():
     check_equivalence(ca.batch_norm, Case(accum_steps=1, micro_batch=4, steps=2))
     with pytest.raises(GateFailure, match=r"^\[equivalence\] ") as e:
         check_equivalence(ca.batch_norm, Case(accum_steps=2, micro_batch=4, steps=2))
-    assert e.value.gate == "equivalence"
+    assert e.value.gate is Gate.EQUIVALENCE

@@ -81,4 +81,4 @@ def test_declared_count_traffic_passes_every_gate_through_the_plugin(tmp_path, n
                        cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     gates = json.loads((tmp_path / "reports" / "verify-report.json").read_text())["gates"]
-    assert gates["split_invariance"]["examples"] > 0 and gates["boundary_only"]["expected_before_boundary"] > 0
+    assert gates["split invariance"]["examples"] > 0 and gates["boundary-only"]["expected_before_boundary"] > 0

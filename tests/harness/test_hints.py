@@ -2,9 +2,10 @@
 from verify.case import Case
 from verify.gates import GateFailure
 from verify.hints import hint
+from verify.verdict import Gate
 
 
-def _fail(gate="equivalence", N=4, W=1, error=None, **kw):
+def _fail(gate=Gate.EQUIVALENCE, N=4, W=1, error=None, **kw):
     return GateFailure("[x] y", gate=gate, case=Case(accum_steps=N, micro_batch=1, steps=1, world=W), error=error, **kw)
 
 
@@ -12,15 +13,15 @@ def test_each_class_of_failure_gets_its_hint():
     assert "N=1" in hint(_fail(N=1, error=1e-3)) and "dropout" in hint(_fail(N=1))
     assert "a missing 1/N" in hint(_fail(N=4, error=3.0000001)) and "error ≈ 3 = N − 1" in hint(_fail(N=4, error=3.0))
     assert "1/N applied twice" in hint(_fail(N=4, error=0.75))
-    assert "a missing 1/W" in hint(_fail("distributed equivalence", N=3, W=2, error=1.0))
-    assert "1/W applied twice" in hint(_fail("distributed equivalence", N=3, W=4, error=0.75))
+    assert "a missing 1/W" in hint(_fail(Gate.DP_EQUIVALENCE, N=3, W=2, error=1.0))
+    assert "1/W applied twice" in hint(_fail(Gate.DP_EQUIVALENCE, N=3, W=4, error=0.75))
     assert "clipping" in hint(_fail(N=4, error=1.2e-2)) and "BatchNorm" in hint(_fail(N=4, error=1.2e-2))
-    assert "clipping" in hint(_fail("split invariance", N=2, error=3e-3))
+    assert "clipping" in hint(_fail(Gate.SPLIT_INVARIANCE, N=2, error=3e-3))
 
 
 def test_no_hint_where_no_class_fits():
     assert hint(_fail(N=4, error=2.5)) is None and hint(_fail(N=4, error=1e-5)) is None
-    assert hint(_fail(N=4, error=float("nan"))) is None and hint(_fail("boundary-only", N=4, error=3.0)) is None
+    assert hint(_fail(N=4, error=float("nan"))) is None and hint(_fail(Gate.BOUNDARY_ONLY, N=4, error=3.0)) is None
     assert hint(GateFailure("[x] y")) is None
 
 

@@ -60,13 +60,13 @@ def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tm
     assert oct((tmp_path / "reports" / "verify-report.json").stat().st_mode & 0o777) == "0o644"
     g = one["gates"]
     assert g["equivalence"]["examples"] >= DEV and 0 < g["equivalence"]["worst_ratio"] < 1  # + the long-N ones
-    assert g["equivalence"]["worst_case"]["data_seed"] is not None and g["bit_exact"]["examples"] == DEV
-    assert "does not declare data parallelism" in g["boundary_only"]["skip_reason"]
+    assert g["equivalence"]["worst_case"]["data_seed"] is not None and g["bit-exact"]["examples"] == DEV
+    assert "does not declare data parallelism" in g["boundary-only"]["skip_reason"]
     md = (tmp_path / "reports" / "verify-report.md").read_text()
     assert f"| equivalence | {g['equivalence']['examples']} |" in md and "every gate that ran passed" in md
     assert "not a git checkout" in md and "commit `None`" not in md  # tmp_path is no git repository
     skipped = serial.stdout.split("verify: skipped gates", 1)[1]  # on the terminal too, with the reason
-    assert "boundary_only: examples.mlp_regressor.Trainer does not declare data parallelism" in skipped
+    assert "boundary-only: examples.mlp_regressor.Trainer does not declare data parallelism" in skipped
     other = tmp_path / "elsewhere"
     par = pytest_verify(tmp_path, "--verify-trainer", "examples.mlp_regressor:factory", "-n", "2",
                         "--verify-report", str(other))
@@ -126,11 +126,11 @@ def test_dev_profile_draws_at_least_3_examples_per_gate_with_padded_split_window
     gates, ran = _report(tmp_path / "reports")["gates"], {}
     for key, g in gates.items():  # equivalence@bf16 ...: a gate's examples over every precision drawn
         ran[key.split("@")[0]] = ran.get(key.split("@")[0], 0) + g["examples"]
-    assert GATE_MIN_EXAMPLES == 3 and {"equivalence", "bit_exact", "boundary_only", "split_invariance",
-                                       "partial_sums"} <= {k for k, n in ran.items() if n}
+    assert GATE_MIN_EXAMPLES == 3 and {"equivalence", "bit-exact", "boundary-only", "split invariance",
+                                       "partial sums"} <= {k for k, n in ran.items() if n}
     assert min(n for n in ran.values() if n) >= GATE_MIN_EXAMPLES, ran
     for key, g in gates.items():
-        if key.startswith("split_invariance"):
+        if key.startswith("split invariance"):
             case = g["worst_case"]
             assert case["accum_steps"] >= 2 and min(case["lengths"][:case["world"] * case["micro_batch"]]) < \
                 _row_length(case), case  # micro-batch 0 of the window is padded

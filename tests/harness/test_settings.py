@@ -226,7 +226,7 @@ def test_selftest_max_world_is_bounded_by_what_the_gates_draw(monkeypatch):
 
 
 def test_memory_refuses_an_absurd_effective_batch_in_under_a_second(capsys):
-    from verify.memory.__main__ import parse_args
+    from verify.memory.cli import parse_args
 
     t0 = time.perf_counter()
     with pytest.raises(SystemExit) as e:
@@ -238,7 +238,7 @@ def test_memory_refuses_an_absurd_effective_batch_in_under_a_second(capsys):
 
 
 def test_the_memory_bound_is_the_largest_micro_batch():
-    from verify.memory.__main__ import MAX_E
+    from verify.memory.cli import MAX_E
     from xtrain_core.config import MAX_MICRO_BATCH
 
     assert MAX_E == MAX_MICRO_BATCH  # sweep A's N = 1 runs all E rows as one micro-batch

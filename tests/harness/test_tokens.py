@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import verify
 from tests.helpers import count_adapters as _ca
 from verify.adapters import broken_tokens as bt
-from verify.adapters import xtrain
+from verify.adapters import planted, xtrain
 from verify.case import Case
 from verify.gates.windows import LONG_N
 from verify.gates import GateFailure, GateSkipped, check_empty_window, check_token_mean
@@ -19,6 +19,7 @@ from verify.gates.windows import check_split_invariance
 from verify.gates.tolerance import float32_loss
 from verify.protocol import AdapterError, Expected
 from verify.strategies import budget, cases, padding
+from verify.verdict import Gate
 from xtrain_core.config import ModelConfig, OptimConfig
 
 SMALL = xtrain.XtrainOptions(model=ModelConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=1, d_model=8), seq_len=4,
@@ -77,24 +78,24 @@ def _exists(name, case) -> bool:
     return True  # empty_div_by_zero: 0/0 on every empty window
 
 
-@pytest.mark.parametrize("name", sorted(bt.TOKENS_BROKEN))
+@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("token mean", "empty window")])
 @settings(max_examples=budget(10, 3), deadline=None)
 @given(data=st.data())
 def test_planted_token_bugs_are_rejected_by_their_gate(name, data):
-    adapter, gate = bt.TOKENS_BROKEN[name]
+    adapter, gate = planted.BY_NAME[name].adapter, planted.BY_NAME[name].gate
     case = data.draw(_token_cases(adapter))
     assume(_exists(name, case))
-    check = check_token_mean if gate == "token mean" else check_empty_window
+    check = check_token_mean if gate is Gate.TOKEN_MEAN else check_empty_window
     with pytest.raises(GateFailure, match=rf"^\[{gate}\] ") as e:
         check(adapter, case)
-    assert e.value.gate == gate and e.value.case is not None
+    assert e.value.gate is gate and e.value.case is not None
 
 
 @pytest.mark.parametrize("name", ["all_positions", "count_plus_one", "sequences"])
 def test_the_wrong_counts_pass_every_split_the_other_gates_try(name):
     """Why the token-mean gate exists: these counts are split-consistent, so split invariance (every (N, B)
     of the window against the trainer's own big batch) passes them on the very window that rejects them."""
-    adapter = bt.TOKENS_BROKEN[name][0]
+    adapter = planted.BY_NAME[name].adapter
     case = CASE.replace(accum_steps=2, micro_batch=3)
     check_split_invariance(adapter, case.replace(steps=1, lengths=case.lengths[:6]))
     with pytest.raises(GateFailure, match=r"^\[token mean\] additivity over windows A \(10 valid targets\) and B \(11\)"):
@@ -212,7 +213,7 @@ def test_only_the_token_mean_gate_sees_split_consistent_counts():
     res = run_selftest(alone_no_plain, operators=TOKEN_OPS)
     assert res.ok and res.score == "4/4" and res.worlds == [], res.table()  # count_from_one_rank: no ranks here
     for op in ("padding_counted_as_valid", "loss_over_sequences"):
-        assert res.rows[op]["token-mean"] == "rejects" and res.rows[op]["equivalence"] == "passes", res.table()
+        assert res.rows[op][Gate.TOKEN_MEAN] == "rejects" and res.rows[op]["equivalence"] == "passes", res.table()
     assert res.rows["count_from_one_rank"]["verdict"] == "n/a"
 
 
@@ -221,7 +222,7 @@ def test_token_operators_do_not_apply_without_an_ignore_index():
 
     res = run_selftest(xtrain.single, operators=TOKEN_OPS)
     assert res.ok and res.score == "0/0" and not any(c.lengths for c in res.cases)
-    assert all(r["verdict"] == "n/a" for r in res.rows.values()) and "token-mean" not in str(res.baseline)
+    assert all(r["verdict"] == "n/a" for r in res.rows.values()) and not any(Gate.TOKEN_MEAN in r for r in res.baseline.values())
 
 
 
@@ -241,7 +242,7 @@ def test_the_unwrapped_trainer_passes_only_if_it_passes_at_every_world():
     res = run_selftest(declared_above_world_1, max_world=2, operators=[])
     assert res.worlds == [1, 2] and not res.ok and not res.baseline_ok
     w1, w2 = (res.baseline[i] for i, c in enumerate(res.cases) if i >= res.n_single)
-    assert w1["boundary-only"].startswith("kill: [boundary-only]") and w2["boundary-only"] == "pass", (w1, w2)
+    assert w1[Gate.BOUNDARY_ONLY].startswith("kill: [boundary-only]") and w2[Gate.BOUNDARY_ONLY] == "pass", (w1, w2)
     assert "FAILS at world 1" in res.table() and "FAILS at worlds" not in res.table()
     assert res.as_dict()["verdict"] == "FAIL: the unwrapped trainer fails a gate at world 1"
 

@@ -95,12 +95,3 @@ count_plus_one = _adapter(CountPlusOne)
 sequences = _adapter(Sequences)
 empty_div_by_zero = _adapter(EmptyDivByZero)
 empty_stepped = _adapter(EmptyStepped)
-
-# name -> (adapter, the gate that must reject it)
-TOKENS_BROKEN = {
-    "all_positions": (all_positions, "token mean"),
-    "count_plus_one": (count_plus_one, "token mean"),
-    "sequences": (sequences, "token mean"),
-    "empty_div_by_zero": (empty_div_by_zero, "empty window"),
-    "empty_stepped": (empty_stepped, "empty window"),
-}

@@ -4,10 +4,10 @@ policy (tolerance.py)."""
 from .distributed import (check_boundary_only, check_dist_equivalence, check_distributed, check_same_bytes,
                           run_distributed)
 from .overflow import check_overflow
-from .single import GateResult, GateSkipped, check_bit_exact, check_equivalence
+from ..verdict import Gate, GateFailure, GateResult, GateSkipped
+from .single import check_bit_exact, check_equivalence
 from .tokens import check_empty_window, check_token_mean
-from .tolerance import GateFailure
 
 __all__ = ["check_equivalence", "check_bit_exact", "check_distributed", "check_same_bytes", "check_boundary_only",
-           "check_dist_equivalence", "run_distributed", "GateResult", "GateSkipped", "GateFailure",
+           "check_dist_equivalence", "run_distributed", "Gate", "GateResult", "GateSkipped", "GateFailure",
            "check_token_mean", "check_empty_window", "check_overflow"]

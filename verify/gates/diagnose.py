@@ -5,18 +5,19 @@ whose two IDENTICAL runs differ (train-mode dropout drawing from the global RNG,
 micro-step, nondeterministic kernels) fails them all, and the failure reads like an accumulation bug, at
 N=1 too, where accumulation does nothing. So when a numeric check is about to fail, the gate runs the same
 configuration once more and compares bit for bit; if the two differ, the failure is GateFailure(gate=
-"determinism") with a hint saying how to fix it, instead of the equivalence verdict. This runs only on the
+Gate.DETERMINISM) with a hint saying how to fix it, instead of the equivalence verdict. This runs only on the
 failing path: a passing gate pays nothing.
 """
 from __future__ import annotations
 
 import torch
 
-from .tolerance import GateFailure, _max_abs
+from ..verdict import Gate, GateFailure
+from .tolerance import _max_abs
 
 __all__ = ["GATE", "HINT", "first_difference", "determinism"]
 
-GATE = "determinism"
+GATE = Gate.DETERMINISM
 HINT = ("make the trainer deterministic under the gates: train-mode dropout or any random number drawn per "
         "micro-step (seed its generator from Spec.seed when the trainer is built, or run dropout-free / in eval "
         "mode), nondeterministic kernels (torch.use_deterministic_algorithms(True)). BatchNorm is not this: its "

@@ -28,9 +28,9 @@ from ..case import Case, Trace, block_grads, drive, twin
 from ..comm import Collective, Windows
 from ..pool import get_pool
 from ..settings import Settings
+from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .diagnose import determinism
-from .single import GateResult
-from .tolerance import GateFailure, Judge, condition, measured_floor, twin_floor
+from .tolerance import Judge, condition, measured_floor, twin_floor
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
@@ -77,7 +77,7 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
         win.mark(("init",))
         trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter))
         trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=ctx.rank,
-                      world=ctx.world, windows=win, gate="data-parallel")
+                      world=ctx.world, windows=win, gate=Gate.DP_EQUIVALENCE)
         del trainer
         comms = win.attribute(ctx.recorder.read())
         out.runs[str(dtype)] = RankRun(trace, comms, ctx.recorder.main_thread,
@@ -92,14 +92,14 @@ def reference_job(ctx, adapter, case: Case, twin_only: bool = False) -> dict:
     refs = {}
     for name, dtype in (() if twin_only else (("big32", torch.float32),)) + (("ref64", torch.float64),):
         trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device), adapter=adapter))
-        refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate="reference")
+        refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate=Gate.DP_EQUIVALENCE)
     return refs
 
 
 def kappa_job(ctx, adapter, case: Case, ref_grads: dict) -> dict:
     """On a one-rank pool, when a check needs it (lazy κ): κ per parameter of the sum over every rank's
     micro-blocks (tolerance.condition) against the float64 reference's gradient `ref_grads`."""
-    return condition(block_grads(adapter, case, ctx.device), ref_grads)
+    return condition(block_grads(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref_grads)
 
 
 def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> list[RankOutcome]:
@@ -216,7 +216,7 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
     """Raises GateFailure naming the rank, step, micro-step and collective on the first violation. `row`
     (a counts.CountRow): the exact collectives of the trainer's sync mode, checked instead of "none before
     the boundary" (the elements rule too, where the row gives one)."""
-    gate, N, W = "boundary-only", case.accum_steps, case.world
+    gate, N, W = Gate.BOUNDARY_ONLY, case.accum_steps, case.world
     ref = outcomes[0].refs["ref64"]
     P = sum(g.numel() for g in ref.grads0.values())
     report = CommReport(case, P, {}, {})
@@ -318,7 +318,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
     kappa = functools.cache(kappa) if callable(kappa) else kappa  # one function for every rank: computed once
     measure = functools.cache(measure) if callable(measure) else measure
     for o in outcomes:
-        j = Judge("distributed equivalence", case, f"rank {o.rank}: ",
+        j = Judge(Gate.DP_EQUIVALENCE, case, f"rank {o.rank}: ",
                   lambda step, o=o: boundary_summary(report, o.rank, F32, step))
         acc = o.runs[F32].trace
         doomed = None
@@ -337,7 +337,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
     for dt in outcomes[0].runs:  # all ranks hold the same parameters, bit for bit, after every step
         p0 = outcomes[0].runs[dt].trace.params
         for o in outcomes[1:]:
-            j = Judge("distributed equivalence", case, f"rank {o.rank}: ")
+            j = Judge(Gate.DP_EQUIVALENCE, case, f"rank {o.rank}: ")
             for k, (pa, pb) in enumerate(zip(o.runs[dt].trace.params, p0)):
                 for name, p in pb.items():
                     j.equal(pa.get(name, torch.empty(0)), p,
@@ -348,8 +348,6 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
 def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
     """Both gates on one run: the counter first (its message names the collective), then the numbers."""
     if not adapter.data_parallel:
-        from .single import GateSkipped
-
         raise GateSkipped(f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))")
     outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
     row = adapter.counts(case) if adapter.counts is not None else None
@@ -367,7 +365,7 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
         raise determinism(e, rerun, outcomes[0].runs[F32].trace) from None
     steps = report.steps[(0, F32)]
-    return GateResult("data-parallel", case, worst, ratio, comm=report, floor64=floor,
+    return GateResult(Gate.DP_EQUIVALENCE, case, worst, ratio, comm=report, floor64=floor,
                       boundary_bytes=[s.boundary_bytes for s in steps],
                       boundary_collectives=[len(s.reduced) for s in steps],
                       gradient_bytes=4 * report.grad_elements)
@@ -386,8 +384,8 @@ def check_same_bytes(adapter, case: Case, *, pool=None, ref_pool=None) -> GateRe
         if a != b:
             k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
             raise GateFailure(
-                f"[bytes per step] rank {rank} ({dt.replace('torch.', '')} run), step {k}: the boundary moves "
+                f"[{Gate.BYTES_PER_STEP}] rank {rank} ({dt.replace('torch.', '')} run), step {k}: the boundary moves "
                 f"{a[k][0]} B in {a[k][1]} gradient collective(s) at N={case.accum_steps}, {b[k][0]} B in {b[k][1]} "
                 f"at N=1 over the same window ({one_case}) — a step's boundary must reduce the gradient once, "
-                f"whatever N; case {case}", gate="bytes per step", case=case)
+                f"whatever N; case {case}", gate=Gate.BYTES_PER_STEP, case=case)
     return got

@@ -17,7 +17,7 @@ scale       where the trainer has `loss_scale()`: on every rank, after every win
 ranks       after every window (window 1 shows optimizer state a skip must leave alone), every rank's
             parameters bit-equal to rank 0's.
 
-Every failure is a GateFailure with gate="overflow", naming the window, the rank and where the overflow was.
+Every failure is a GateFailure with gate=Gate.OVERFLOW, naming the window, the rank and where the overflow was.
 """
 from __future__ import annotations
 
@@ -27,12 +27,11 @@ import torch
 
 from ..case import Case, shard
 from ..pool import get_pool
-from .single import GateResult, GateSkipped
-from .tolerance import GateFailure
+from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 
 __all__ = ["check_overflow", "overflow_hook", "overflow_job", "GATE"]
 
-GATE = "overflow"
+GATE = Gate.OVERFLOW
 
 
 def overflow_hook(adapter):

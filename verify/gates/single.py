@@ -15,28 +15,15 @@ from __future__ import annotations
 import torch
 
 from ..case import Case, block_grads, drive, twin
+from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .diagnose import determinism
-from .tolerance import GateFailure, Judge, condition, measured_floor, twin_floor
+from .tolerance import Judge, condition, measured_floor, twin_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
 
 
-class GateSkipped(Exception):
-    """The gate does not apply to this adapter; str(e) says why."""
-
-
-class GateResult:
-    """A passed gate: which check came closest to its bound, and how close (error / bound)."""
-
-    def __init__(self, gate: str, case: Case, worst: str = "", ratio: float = 0.0, **extra):
-        self.gate, self.case, self.worst, self.ratio, self.extra = gate, case, worst, ratio, extra
-
-    def __repr__(self):
-        return f"GateResult({self.gate!r}, worst={self.worst!r}, ratio={self.ratio:.3g})"
-
-
 def _equivalence(adapter, case: Case, device: str) -> GateResult:
-    gate, N = "equivalence", case.accum_steps
+    gate, N = Gate.EQUIVALENCE, case.accum_steps
     batches = case.batches(adapter)
     f64 = torch.float64
     run = lambda n, dtype, data=batches: drive(  # noqa: E731
@@ -52,7 +39,7 @@ def _equivalence(adapter, case: Case, device: str) -> GateResult:
             floor = j.float64(acc64, ref64, declared, measure)
         except GateFailure as e:
             doomed = e
-        kappa = (lambda: condition(block_grads(adapter, case, device), ref64.grads0)) if N > 1 else None
+        kappa = (lambda: condition(block_grads(adapter, case, device, gate), ref64.grads0)) if N > 1 else None
         j.accumulator(acc)
         j.step0(acc, big, ref64, kappa, doomed=doomed)
         j.loss_trajectory(acc, big)
@@ -64,7 +51,7 @@ def _equivalence(adapter, case: Case, device: str) -> GateResult:
 
 
 def _bit_exact(adapter, case: Case, device: str) -> GateResult:
-    gate = "bit-exact accum=1"
+    gate = Gate.BIT_EXACT
     if adapter.plain is None:
         raise GateSkipped(f"{adapter.name} declares no plain (no-accumulation) step; declare "
                           f"@verify.adapter(plain=...) to prove accum_steps=1 is that step bit for bit")
@@ -76,11 +63,11 @@ def _bit_exact(adapter, case: Case, device: str) -> GateResult:
     return GateResult(gate, case)
 
 
-_GATES = {"equivalence": _equivalence, "bit_exact": _bit_exact}
+_GATES = {Gate.EQUIVALENCE: _equivalence, Gate.BIT_EXACT: _bit_exact}
 
 
 def gate_job(ctx, name, adapter, case: Case):
-    """On a pool rank: run one single-process gate there (a name of _GATES, or a module-level function
+    """On a pool rank: run one single-process gate there (a Gate of _GATES, or a module-level function
     (adapter, case, device) -> GateResult); failures come back as values, not tracebacks."""
     try:
         return "ok", _GATES.get(name, name)(adapter, case, str(ctx.device))
@@ -109,7 +96,7 @@ def run_alone(name, adapter, case: Case, pool=None) -> GateResult:
 
 def check_equivalence(adapter, case: Case, *, pool=None) -> GateResult:
     """Big-batch equivalence: accumulation (N, B) vs one step on the N·B batch, same init and data."""
-    return run_alone("equivalence", adapter, case, pool)
+    return run_alone(Gate.EQUIVALENCE, adapter, case, pool)
 
 
 def check_bit_exact(adapter, case: Case, *, pool=None) -> GateResult:
@@ -117,4 +104,4 @@ def check_bit_exact(adapter, case: Case, *, pool=None) -> GateResult:
     the adapter declares no plain step)."""
     if adapter.plain is None:
         return _bit_exact(adapter, case, case.device)  # raises GateSkipped without starting a pool
-    return run_alone("bit_exact", adapter, case, pool)
+    return run_alone(Gate.BIT_EXACT, adapter, case, pool)

@@ -27,12 +27,13 @@ import math
 import torch
 
 from ..case import Case, Trace, drive
-from .single import GateResult, GateSkipped, run_alone
-from .tolerance import GateFailure, Judge, bound64, float32_loss, rel_err, twin_floor
+from ..verdict import Gate, GateFailure, GateResult, GateSkipped
+from .single import run_alone
+from .tolerance import Judge, bound64, float32_loss, rel_err, twin_floor
 
 __all__ = ["check_token_mean", "check_empty_window", "windows_case"]
 
-GATE, EMPTY = "token mean", "empty window"
+GATE, EMPTY = Gate.TOKEN_MEAN, Gate.EMPTY_WINDOW
 F64 = torch.float64
 
 
@@ -83,7 +84,7 @@ class _Runs:
     def count(self, y: torch.Tensor) -> int:
         return int((y != self.ign).sum())
 
-    def run(self, windows, n: int, gate: str) -> Trace:
+    def run(self, windows, n: int, gate: Gate) -> Trace:
         trainer = self.adapter(self.case.spec(accum_steps=n, dtype=F64, device=self.device, adapter=self.adapter))
         return drive(trainer, windows, n, dtype=F64, device=self.device, gate=gate)
 

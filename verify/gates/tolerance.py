@@ -48,6 +48,8 @@ import math
 
 import torch
 
+from ..verdict import Gate, GateFailure
+
 __all__ = ["GateFailure", "C", "FLOOR", "EPS32", "ATOL64_PARAMS", "RTOL64_LOSS", "LOSS_MAX_REL", "KAPPA_EXACT_ABOVE",
            "FLOAT32_SEEN", "rel_err", "condition", "bound", "needs_kappa", "overall_error", "step0_checks",
            "twin_diff", "twin_floor", "measured_floor", "bound64", "Judge", "STEP0_TEXT", "FLOAT64_TEXT"]
@@ -75,26 +77,6 @@ FLOAT32_SEEN = math.sqrt(torch.finfo(torch.float64).eps * EPS32)
 _F = f"{FLOOR / EPS32:g}·eps32"
 STEP0_TEXT = f"err(acc) ≤ {C:g}·max(err(big), err(big, all parameters)) + {_F}·max(1, κ)"
 FLOAT64_TEXT = f"max({RTOL64_LOSS:.0e}, {C:g}·min(floor, {_F}))·max(1, κ)".replace("e-0", "e-")
-
-
-class GateFailure(AssertionError):
-    """A trainer failed a gate; the message names the gate, what differed, where, and the case.
-
-    Structured fields (any may be None) let the plugin, the report and the hints read a failure without
-    parsing its text: `gate` (the gate's name), `case` (the Case), `error` and `bound` (the measured
-    quantity and its limit, where the failure is numeric), `hint` (one line: the likely cause)."""
-
-    def __init__(self, message: str = "", *, gate: str | None = None, case=None, error: float | None = None,
-                 bound: float | None = None, hint: str | None = None):
-        super().__init__(message)
-        self.gate, self.case, self.error, self.bound, self.hint = gate, case, error, bound, hint
-
-    def __reduce__(self):  # crosses process boundaries (pool ranks) with its fields
-        return _rebuild_failure, (str(self), self.gate, self.case, self.error, self.bound, self.hint)
-
-
-def _rebuild_failure(message, gate, case, error, bound, hint) -> "GateFailure":
-    return GateFailure(message, gate=gate, case=case, error=error, bound=bound, hint=hint)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -207,7 +189,7 @@ class Judge:
     """Applies the policy for one gate and one case; raises GateFailure('[gate] ...; case ...').
     `suffix(step)` may add context to a message (the distributed gate appends the boundary's collectives)."""
 
-    def __init__(self, gate: str, case, where: str = "", suffix=None):
+    def __init__(self, gate: Gate, case, where: str = "", suffix=None):
         self.gate, self.case, self.where = gate, case, where
         self.suffix = suffix or (lambda step: "")
         self.worst, self.worst_ratio, self.note = "", 0.0, ""

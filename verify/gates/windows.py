@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from ..case import Case, _cpu, _to, block_grads, split, twin
+from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .diagnose import determinism
-from .single import GateResult, GateSkipped, check_equivalence
-from .tolerance import KAPPA_EXACT_ABOVE, GateFailure, bound64, condition, measured_floor, rel_err, twin_floor
+from .single import check_equivalence
+from .tolerance import KAPPA_EXACT_ABOVE, bound64, condition, measured_floor, rel_err, twin_floor
 
 __all__ = ["splits", "check_split_invariance", "check_partial_sums", "check_long_window", "LOW_PRECISIONS", "LONG_N"]
 
@@ -47,14 +48,20 @@ def check_split_invariance(adapter, case: Case, *, max_world: int = 1) -> GateRe
         try:
             r = check_equivalence(adapter, c) if w == 1 else check_distributed(adapter, c)
         except GateFailure as e:
-            raise GateFailure(f"[split invariance] split N={n} B={b} W={w} of a window of {E} rows: {e}",
-                              gate=e.gate if e.gate == "determinism" else "split invariance", case=c, error=e.error,
+            raise GateFailure(f"[{Gate.SPLIT_INVARIANCE}] split N={n} B={b} W={w} of a window of {E} rows: {e}",
+                              gate=_outer(e, Gate.SPLIT_INVARIANCE), case=c, error=e.error,
                               bound=e.bound, hint=e.hint) from None
         n_splits += 1
         floor = max(floor, r.extra.get("floor64") or 0.0)
         if r.ratio >= worst:
             worst, where = r.ratio, f"N={n} B={b} W={w}: {r.worst}"
-    return GateResult("split invariance", case, where, worst, splits=n_splits, floor64=floor)
+    return GateResult(Gate.SPLIT_INVARIANCE, case, where, worst, splits=n_splits, floor64=floor)
+
+
+def _outer(inner: GateFailure, gate: Gate) -> Gate:
+    """The gate of a failure that wraps another gate's: this one, unless the inner one is a determinism
+    diagnosis (which stands: no comparison of runs judges a nondeterministic trainer)."""
+    return inner.gate if inner.gate is Gate.DETERMINISM else gate
 
 
 def check_long_window(adapter, case: Case) -> list[GateResult]:
@@ -72,8 +79,8 @@ def check_long_window(adapter, case: Case) -> list[GateResult]:
         try:
             out.append(check_equivalence(adapter, c))
         except GateFailure as e:
-            raise GateFailure(f"[long window] {p}, N={c.accum_steps}: {e}", gate=e.gate, case=c, error=e.error,
-                              bound=e.bound, hint=e.hint) from None
+            raise GateFailure(f"[{Gate.LONG_WINDOW}] {p}, N={c.accum_steps}: {e}", gate=_outer(e, Gate.LONG_WINDOW),
+                              case=c, error=e.error, bound=e.bound, hint=e.hint) from None
     return out
 
 
@@ -84,7 +91,7 @@ def _prefix_reference(adapter, case: Case, x, y, device, reverse: bool = False):
 
     trainer = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=device, adapter=adapter))
     batches = twin([(x, y)]) if reverse else [(x, y)]
-    return drive(trainer, batches, 1, dtype=torch.float64, device=device, gate="partial sums")
+    return drive(trainer, batches, 1, dtype=torch.float64, device=device, gate=Gate.PARTIAL_SUMS)
 
 
 def check_partial_sums(adapter, case: Case) -> GateResult:
@@ -95,7 +102,7 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
     could hide it): its float64 big batch and that batch's twin, two more runs. Where that floor is above
     float64's and a parameter's error reaches KAPPA_EXACT_ABOVE of C·floor, its sum's condition number κ over the
     micro-batches so far scales the bound (tolerance.bound64; one float64 run per micro-batch, once)."""
-    gate, N = "partial sums", case.accum_steps
+    gate, N = Gate.PARTIAL_SUMS, case.accum_steps
     if case.world != 1:
         raise ValueError("the partial-sum gate runs one process (world 1)")
     if adapter.process_group:
@@ -132,7 +139,7 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                                        adapter.loss_precision)
             b = bound64(declared if floor is None else floor)
             if e > KAPPA_EXACT_ABOVE * b and b > bound64():  # a float32 part: rounding relative to the sum's terms
-                blocks = blocks if blocks is not None else block_grads(adapter, case, device)
+                blocks = blocks if blocks is not None else block_grads(adapter, case, device, gate)
                 b = bound64(floor, condition(blocks[:m + 1], {name: want.get(name, torch.zeros_like(g))}).get(name, 1.0))
             if not e <= b:
                 fail = GateFailure(

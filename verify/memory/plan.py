@@ -1,5 +1,5 @@
 """What a verify.memory run measures: the configurations of both sweeps, the trainer (an Adapter) and its
-options, the device, the world. The CLI (verify/memory/__main__.py, `build_plan`) turns the flags into a
+options, the device, the world. The CLI (verify/memory/cli.py, `build_plan`) turns the flags into a
 Plan; this module knows no trainer.
 """
 from __future__ import annotations

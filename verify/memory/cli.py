@@ -1,0 +1,273 @@
+"""python -m verify.memory --effective-batch E [--device auto|cpu|cuda|cuda:K]
+                        [--trainer xtrain|torch_ddp|fsdp2|fsdp2_keep|leaky_graph|MODULE:FACTORY]
+                        [--model tiny|small|gpt2-ish] [--seq-len S] [--steps K] [--warmup K] [--out DIR]
+                        [--threads T] [--anchor JSON]
+
+Measures the peak memory of gradient accumulation and checks that it follows ONE micro-batch, not N.
+
+  sweep A  fixed effective batch E: every N dividing E, with B = E/N
+  sweep B  fixed micro-batch B = 1: N = 1, 2, 4, 8, ... up to E
+
+Each configuration is isolated: on the CPU a fresh process per configuration (peak RSS above the RSS
+right before the measured steps); on a GPU one process with a full allocator reset between
+configurations (torch's max allocated/reserved, plus NVML device memory used sampled by a thread).
+For an adapter that declares a memory model (Adapter(predicted_peak=...); xtrain's trainers do:
+verify/adapters/xtrain_memory.py) every configuration also gets a PREDICTED peak of the same quantity the
+probe measures, and the ratio measured/predicted (reported; exit 1 only if absurd).
+Writes OUT/memory-E{E}.json, .md and .png (atomically, all or none). Exit status: 0 PASS, 1 FAIL (an
+invariant fails), 3 INCONCLUSIVE (an invariant cannot be decided at this size: the output says how to make
+it decidable), 2 bad input. The invariants:
+
+  (a) fixed E: peak does not grow as N grows; peak(N=E, B=1) is well below peak(N=1, B=E)
+  (b) fixed B: peak is flat within 2% for N >= 2; peak(N=2) - peak(N=1) <= the gradient buffers
+
+The trainer is any adapter (verify.protocol.Adapter): its data, its model, measured with its own
+defaults. A trainer family may add to this command line (a `Wing`: short trainer names, the default
+trainer, its own flags that build the options, an anchor); `python -m verify.memory` runs with xtrain's
+(verify/adapters/xtrain_memory.py: --model and --seq-len set xtrain's options, for adapters whose defaults
+are xtrain's). Under torchrun each rank measures its own process/device; rank 0 writes the report with
+per-rank peaks. Thresholds and what each figure includes: docs/design.md, "Peak memory".
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .._cli import Parser, Progress, UsageError, fail, int_at_least, positive_int, resolve_device, writable_dir
+from .plan import Plan, plan_configs
+
+
+@dataclass(frozen=True)
+class Wing:
+    """What a trainer family adds to the command line (xtrain's: verify.adapters.xtrain_memory.WING). Every
+    field is optional: without a wing, --trainer MODULE:FACTORY is measured with its adapter's defaults."""
+
+    trainers: dict = field(default_factory=dict)
+    """short --trainer name -> an Adapter or its 'MODULE:FACTORY' reference"""
+    default: str | None = None
+    """the --trainer default (a short name or a reference); None: --trainer is required"""
+    trainer_help: str = ""
+    flags: Callable | None = None
+    """flags(parser): adds the wing's own flags"""
+    options: Callable | None = None
+    """options(adapter, args, cuda, flag) -> (Spec.options, model or None): the options its flags build, and
+    what the report says of the model (dict: name, config, seq_len, n_params); UsageError for a flag that
+    does not apply"""
+    anchor: Callable | None = None
+    """anchor(options, E=, world=, cuda=) -> (default anchor path or None, applies: bool, note)"""
+    anchor_help: str = ""
+    sources: tuple[str, ...] = ("verify",)
+    """packages whose source the report's sources_sha256 covers (with the adapter's own module)"""
+
+
+# Sweep A measures N = 1, B = E: all E rows in ONE micro-batch, so E is bounded as a micro-batch is, by the
+# largest one a run can meet (xtrain's MAX_MICRO_BATCH; tests/harness/test_settings.py holds them equal). Checked at
+# parsing: the sweeps' plan enumerates E's divisors, which for an absurd E would never end.
+MAX_E = 2**16
+
+
+class _Trainer(argparse.Action):
+    """--trainer / --verify-trainer (one destination): remembers the spelling, for the error messages."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.trainer_flag = option_string
+
+
+def parse_args(argv=None, wing: Wing | None = None):
+    wing = wing or Wing()
+    p = Parser(prog="verify.memory", description=__doc__.split("\n\n")[1],
+               epilog="Exit status: 0 PASS (all invariants hold), 1 FAIL (one fails), 3 INCONCLUSIVE (one cannot be "
+                      "decided at this size; not a failure), 2 bad input.")
+    p.add_argument("--effective-batch", type=int_at_least(1, MAX_E), default=32, metavar="E",
+                   help=f"E: rows (sequences) per optimizer step, over all ranks (default 32; ≤ {MAX_E}: "
+                        f"sweep A runs all E rows as one micro-batch)")
+    p.add_argument("--device", default="auto", help="auto (cuda if visible, else cpu), cpu, cuda or cuda:K")
+    p.add_argument("--trainer", "--verify-trainer", dest="trainer", action=_Trainer, default=wing.default,
+                   metavar="NAME|MODULE:FACTORY" if wing.trainers else "MODULE:FACTORY",
+                   help="trainer to measure: " + (wing.trainer_help or "MODULE:FACTORY naming an adapter"))
+    if wing.flags is not None:
+        wing.flags(p)
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="measured optimizer steps per configuration, after the warm-up (default: cpu 1, cuda 3 as the anchor)")
+    p.add_argument("--warmup", type=positive_int, default=None, metavar="K",
+                   help="warm-up optimizer steps before the measured ones (default: 1 in one process, as the anchor; "
+                        "2 under torchrun: torch DDP rebuilds its gradient buckets in its second iteration)")
+    p.add_argument("--out", default="reports", help="directory for memory-E{E}.json/.md/.png (default reports/)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU intra-op threads (default: torch's)")
+    p.add_argument("--anchor", default=None,
+                   help="plain-torch anchor JSON" + (f" (default: {wing.anchor_help})" if wing.anchor_help else ""))
+    p.set_defaults(trainer_flag="--trainer")
+    return p.parse_args(argv)
+
+
+def _usage_fail(msg: str, rank: int):
+    if rank == 0:
+        fail(msg)
+    raise SystemExit(2)
+
+
+def _init_dist(plan: Plan):
+    import torch
+    import torch.distributed as dist
+
+    if plan.world > 1 and not dist.is_initialized():
+        if plan.cuda:
+            torch.cuda.set_device(plan.device)
+        dist.init_process_group("nccl" if plan.cuda else "gloo")
+
+
+def _report(plan: Plan, per_rank, argv, t0) -> dict:
+    from . import report as rep
+    from .invariants import check_invariants
+    from .prediction import add_predictions
+    from .runners import nvml_status
+
+    verdicts = check_invariants(per_rank, E_local=plan.E_local, cuda=plan.cuda)
+    nvml = nvml_status(plan)[1] if plan.cuda else None
+    report = rep.assemble(plan, per_rank, verdicts, nvml=nvml)
+    add_predictions(report, plan)
+    report["wall_s"] = time.perf_counter() - t0
+    report["command"] = "python -m verify.memory " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    if report["anchor"] is not None:
+        report["anchor"]["verdict"] = "PASS" if all(t["status"] == "PASS" for t in report["anchor"]["targets"]) else "FAIL"
+    report["verdict"] = rep.overall(report)
+    return report
+
+
+def main(argv=None, wing: Wing | None = None) -> int:
+    """The command line: `python -m verify.memory` is main(wing=xtrain's)."""
+    wing = wing or Wing()
+    args = parse_args(argv, wing)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        plan = build_plan(args, wing)
+    except UsageError as e:
+        _usage_fail(str(e), rank)
+    if args.device == "auto" and not plan.cuda and rank == 0:
+        print("verify.memory: no CUDA GPU visible to torch; measuring the CPU path "
+              "(a fresh process per configuration)", file=sys.stderr, flush=True)
+    from . import report as rep
+    from .runners import dist_or_none, run_sweeps
+
+    try:
+        _init_dist(plan)
+        t0 = time.perf_counter()
+        rows = run_sweeps(plan, Progress(len(plan.configs), label="memory "))
+        dist = dist_or_none()
+        if dist is not None:
+            per_rank = [None] * plan.world
+            dist.all_gather_object(per_rank, rows)
+        else:
+            per_rank = [rows]
+        code = 0
+        if plan.rank == 0:
+            report = _report(plan, per_rank, argv, t0)
+            paths = rep.write_all(report, plan.out)
+            print(rep.text_table(report), flush=True)
+            print("wrote " + ", ".join(str(p) for p in paths), flush=True)
+            code = rep.EXIT_CODES[report["verdict"]]
+        if dist is not None:
+            box = [code]
+            dist.broadcast_object_list(box, src=0)
+            code = box[0]
+            dist.barrier()
+            dist.destroy_process_group()
+        return code
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+    except UsageError as e:
+        _usage_fail(str(e), rank)
+
+
+# -- flags -> Plan -----------------------------------------------------------------------------------
+
+def resolve_adapter(name: str, wing: Wing, flag: str = "--trainer"):
+    """A short name of the wing, or 'MODULE:FACTORY' naming an Adapter. AdapterError with a one-line reason
+    naming `flag`."""
+    from ..protocol import Adapter, AdapterError, load_adapter
+
+    if name in wing.trainers:
+        a = wing.trainers[name]
+        return a if isinstance(a, Adapter) else load_adapter(a, option=flag)
+    if ":" not in name:
+        names = f"one of {', '.join(wing.trainers)} or " if wing.trainers else ""
+        raise AdapterError(f"{flag} {name}: unknown trainer; use {names}MODULE:FACTORY naming an adapter "
+                           f"(e.g. mypkg.train:adapter)")
+    return load_adapter(name, option=flag)
+
+
+def _device(name: str, world: int):
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local if world > 1 else 0)
+        return torch.device("cpu")  # the CLI says so once the flags are known to be valid
+    device = resolve_device(name)  # one rule with xtrain's CLI (verify/_cli.py)
+    if device.type == "cuda" and world > 1:
+        return torch.device("cuda", local)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def build_plan(args, wing: Wing | None = None) -> Plan:
+    """Flags -> Plan, or UsageError naming the flag. Runs nothing."""
+    import pickle
+
+    import torch
+
+    from ..protocol import AdapterError
+
+    wing = wing or Wing()
+    flag = getattr(args, "trainer_flag", None) or "--trainer"
+    if args.trainer is None:
+        raise UsageError("--trainer MODULE:FACTORY is required: name the adapter to measure (e.g. mypkg.train:adapter)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = _device(args.device, world)
+    E = args.effective_batch
+    if E % world:
+        raise UsageError(f"--effective-batch {E} is not divisible by the world size {world}; E = N × B × world")
+    try:
+        adapter = resolve_adapter(args.trainer, wing, flag)
+        adapter.locate()  # the CPU probe processes import it by this reference
+    except AdapterError as e:
+        raise UsageError(str(e)) from None
+    options, model = (wing.options(adapter, args, device.type == "cuda", flag) if wing.options
+                      else (adapter.defaults, None))
+    if device.type == "cpu":
+        try:
+            pickle.dumps(options)
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(f"{flag} {args.trainer}: the adapter's defaults cannot be pickled for the probe "
+                             f"processes ({type(e).__name__}: {e})") from None
+    default, applies, note = wing.anchor(options, E=E, world=world, cuda=device.type == "cuda") if wing.anchor \
+        else (None, args.anchor is not None, "")
+    anchor = Path(args.anchor) if args.anchor else default
+    if args.anchor and not anchor.is_file():
+        raise UsageError(f"--anchor {args.anchor}: no such file")
+    if not applies:
+        anchor = None  # an anchor is one model in one setting: nothing to compare elsewhere
+    out = Path(args.out)
+    if rank == 0:
+        writable_dir("--out", args.out)
+    model = model or {}
+    plan = Plan(E=E, world=world, rank=rank, device=device, adapter=adapter, trainer=args.trainer, options=options,
+                model_name=model.get("name"), model=model.get("config"), seq_len=model.get("seq_len"),
+                n_params=model.get("n_params"), sources=wing.sources,
+                steps=args.steps or (3 if device.type == "cuda" else 1), warmup=args.warmup or (2 if world > 1 else 1),
+                threads=args.threads or torch.get_num_threads(), out=out, anchor=anchor, anchor_note=note)
+    plan.configs = plan_configs(plan.E_local)
+    return plan
+
