@@ -1,11 +1,11 @@
 """The mesh in the protocol (issue 18 item 1): verify.Mesh's layout, Spec / Adapter validation, the assembly of
 what the ranks own (exactly once over pp stages, tp ranks bit-identical), and the mesh gate on a pipelined MLP
-(tests/helpers/mesh_adapters.py): the correct trainer passes, each planted bug is rejected naming the axis."""
+(verify/adapters/broken_mesh.py): the correct trainer passes, each planted bug is rejected naming the axis."""
 import pytest
 import torch
 
 import verify
-from tests.helpers import mesh_adapters
+from verify.adapters import broken_mesh
 from verify.case import Case
 from verify.gates.distributed import max_world
 from verify.gates.mesh import check_mesh
@@ -36,12 +36,12 @@ def test_spec_and_adapter_validate_the_mesh_fields():
         Spec(accum_steps=4, pipeline_chunks=3)
     with pytest.raises(ValueError, match="Spec.mesh must be a verify.Mesh"):
         Spec(accum_steps=1, mesh=(1, 2, 1))
-    a = verify.adapter(data=mesh_adapters.DATA, mesh_axes=["tp", "pp"])(mesh_adapters.Pipe)
+    a = verify.adapter(data=broken_mesh.DATA, mesh_axes=["tp", "pp"])(broken_mesh.Pipe)
     assert a.mesh_axes == ("pp", "tp") and a.declarations()["mesh_axes"] == ["pp", "tp"]
-    assert "mesh_axes" not in verify.adapter(data=mesh_adapters.DATA)(mesh_adapters.Pipe).declarations()
+    assert "mesh_axes" not in verify.adapter(data=broken_mesh.DATA)(broken_mesh.Pipe).declarations()
     for bad in (("xp",), ("pp", "pp"), ("dp",)):
         with pytest.raises(AdapterError, match="mesh_axes must name distinct axes"):
-            verify.adapter(data=mesh_adapters.DATA, mesh_axes=bad)(mesh_adapters.Pipe)
+            verify.adapter(data=broken_mesh.DATA, mesh_axes=bad)(broken_mesh.Pipe)
     with pytest.raises(ValueError, match="Case.world must be the mesh's dp"):
         Case(accum_steps=2, micro_batch=1, steps=1, mesh=Mesh(dp=2, pp=2))
     c = Case(accum_steps=4, micro_batch=1, steps=1, world=2, mesh=Mesh(dp=2, pp=2), pipeline_chunks=2)
@@ -81,7 +81,7 @@ def test_a_mesh_gate_skips_adapters_without_mesh_axes():
     with pytest.raises(GateSkipped, match="declares no mesh axes"):
         check_mesh(xtrain.adapter, Case(accum_steps=2, micro_batch=1, steps=1, world=1, mesh=Mesh(pp=2)))
     with pytest.raises(ValueError, match=r"uses axes \['tp'\]"):
-        check_mesh(mesh_adapters.pipe, Case(accum_steps=2, micro_batch=1, steps=1, world=1, mesh=Mesh(tp=2)))
+        check_mesh(broken_mesh.pipe, Case(accum_steps=2, micro_batch=1, steps=1, world=1, mesh=Mesh(tp=2)))
 
 
 needs_2 = pytest.mark.skipif(max_world() < 2, reason="needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD)")
@@ -97,7 +97,7 @@ def _case(mesh, N, chunks, B=2, K=2):
     pytest.param(Mesh(pp=2), 4, 2, marks=needs_2), pytest.param(Mesh(pp=2), 3, 1, marks=needs_2),
     pytest.param(Mesh(dp=2, pp=2), 2, 2, marks=needs_4), pytest.param(Mesh(pp=4), 4, 4, marks=needs_4)], ids=str)
 def test_a_correct_pipeline_passes(mesh, N, chunks):
-    r = check_mesh(mesh_adapters.pipe, _case(mesh, N, chunks))
+    r = check_mesh(broken_mesh.pipe, _case(mesh, N, chunks))
     assert r.gate is Gate.MESH_EQUIVALENCE and 0 < r.ratio < 1
 
 
@@ -106,9 +106,9 @@ def test_a_correct_pipeline_passes(mesh, N, chunks):
 def test_scale_grads_under_outer_accumulation_is_rejected_naming_the_stage():
     """torchtitan #1733: scale_grads=True divides ALL .grad by the chunks after every schedule.step, so outer
     steps 0..S-2 are divided again and again. One outer step is exactly right — the bug needs outer ≥ 2."""
-    assert check_mesh(mesh_adapters.pipe_ema, _case(Mesh(pp=2), 2, 2)).ratio < 1  # outer = 1: right
+    assert check_mesh(broken_mesh.pipe_ema, _case(Mesh(pp=2), 2, 2)).ratio < 1  # outer = 1: right
     with pytest.raises(GateFailure) as e:
-        check_mesh(mesh_adapters.pipe_ema, _case(Mesh(pp=2), 4, 2))
+        check_mesh(broken_mesh.pipe_ema, _case(Mesh(pp=2), 4, 2))
     msg = str(e.value)
     assert e.value.gate is Gate.MESH_EQUIVALENCE
     assert msg.startswith("[mesh equivalence] mesh dp=1 pp=2 tp=1, chunks=2, outer=2: gradient (step 0) of '"), msg
@@ -118,8 +118,8 @@ def test_scale_grads_under_outer_accumulation_is_rejected_naming_the_stage():
 @pytest.mark.distributed
 @needs_2
 @pytest.mark.parametrize("adapter, says", [
-    (mesh_adapters.pipe_owned_twice, "replica 0: gradient (step 0) of '4.weight' owned twice, by stage 0 and stage 1"),
-    (mesh_adapters.pipe_no_loss, "replica 0: the last stage (stage 1) returned no loss")], ids=["owned_twice", "no_loss"])
+    (broken_mesh.pipe_owned_twice, "replica 0: gradient (step 0) of '4.weight' owned twice, by stage 0 and stage 1"),
+    (broken_mesh.pipe_no_loss, "replica 0: the last stage (stage 1) returned no loss")], ids=["owned_twice", "no_loss"])
 def test_assembly_failures_name_the_replica_and_stage(adapter, says):
     with pytest.raises(GateFailure) as e:
         check_mesh(adapter, _case(Mesh(pp=2), 2, 1))

@@ -1,11 +1,12 @@
-"""A tiny pipelined MLP for the mesh gate's own tests (torch.distributed.pipelining on gloo / CPU).
+"""A tiny pipelined MLP and its planted bugs, for the mesh gate (torch.distributed.pipelining, gloo / CPU).
+Registered in verify/adapters/planted.py; plain torch, no xtrain_core: the mesh gate's own proof.
 
     pipe            Mesh(dp, pp, 1): stages of a 4-layer MLP, ScheduleGPipe with scale_grads=False and each
                     micro-batch's mean loss divided by N, the dp all-reduce at micro-step N-1: correct
     pipe_ema        the same with the schedule's default scale_grads=True and the loss divided by the OUTER
                     steps: every schedule.step divides ALL .grad by its chunks, so a window of ≥ 2 outer steps
                     weighs its earlier steps by 1/chunks again (torchtitan #1733's moving average)
-    pipe_owned_twice  stage 0 also reports the first layer of stage 1 as its own: "owned twice"
+    pipe_owned_twice  stage 0 also reports one of its layers under the name of stage 1's first: "owned twice"
     pipe_no_loss    the last stage returns None from optimizer_step()
 
 At Mesh() (the reference) every trainer is the plain model: no process group needed.
@@ -117,7 +118,8 @@ class PipeNoLoss(Pipe):
 
 
 DATA = verify.data.regression(features=FEATURES)
-pipe = verify.adapter(data=DATA, mesh_axes=("dp", "pp"))(Pipe)
-pipe_ema = verify.adapter(data=DATA, mesh_axes=("dp", "pp"))(PipeEma)
-pipe_owned_twice = verify.adapter(data=DATA, mesh_axes=("dp", "pp"))(PipeOwnedTwice)
-pipe_no_loss = verify.adapter(data=DATA, mesh_axes=("dp", "pp"))(PipeNoLoss)
+_AXES = ("dp", "pp")
+pipe = verify.adapter(data=DATA, mesh_axes=_AXES, name="mesh_pipe")(Pipe)  # correct: must pass
+pipe_ema = verify.adapter(data=DATA, mesh_axes=_AXES, name="broken_mesh.scale_grads_ema")(PipeEma)
+pipe_owned_twice = verify.adapter(data=DATA, mesh_axes=_AXES, name="broken_mesh.owned_twice")(PipeOwnedTwice)
+pipe_no_loss = verify.adapter(data=DATA, mesh_axes=_AXES, name="broken_mesh.no_loss")(PipeNoLoss)
