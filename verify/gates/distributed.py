@@ -67,17 +67,19 @@ class RankOutcome:
     refs: dict = field(default_factory=dict)  # "big32" / "ref64" -> Trace (the one-rank reference)
 
 
-def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
-    """On every rank: the trainer in each dtype, windows marked, collectives read."""
+def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENCE) -> RankOutcome:
+    """On every rank: the trainer in each dtype, windows marked, collectives read. On a mesh the rows are
+    the rank's dp replica's (every pp stage and tp rank of a replica gets the same)."""
     batches = case.batches(adapter)
+    rank, world = (case.mesh.coords(ctx.rank)[0], case.mesh.dp) if case.mesh is not None else (ctx.rank, ctx.world)
     out = RankOutcome(ctx.rank, {})
     for dtype in dtypes:
         ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)
         win = Windows()
         win.mark(("init",))
         trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter))
-        trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=ctx.rank,
-                      world=ctx.world, windows=win, gate=Gate.DP_EQUIVALENCE)
+        trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=rank,
+                      world=world, windows=win, gate=gate)
         del trainer
         comms = win.attribute(ctx.recorder.read())
         out.runs[str(dtype)] = RankRun(trace, comms, ctx.recorder.main_thread,
@@ -102,19 +104,19 @@ def kappa_job(ctx, adapter, case: Case, ref_grads: dict) -> dict:
     return condition(block_grads(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref_grads)
 
 
-def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> list[RankOutcome]:
-    """The world-W run and the one-rank reference, side by side on two pools."""
-    pool = pool or get_pool(case.world)
-    if pool.world != case.world:
-        raise ValueError(f"case needs world {case.world}, pool has {pool.world}")
-    if case.world == 1:
-        outcomes = pool.run(rank_job, adapter, case)
+def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None, gate=Gate.DP_EQUIVALENCE) -> list[RankOutcome]:
+    """The world-W (or mesh.size) run and the one-rank reference, side by side on two pools."""
+    pool = pool or get_pool(case.ranks)
+    if pool.world != case.ranks:
+        raise ValueError(f"case needs world {case.ranks}, pool has {pool.world}")
+    if case.ranks == 1:
+        outcomes = pool.run(rank_job, adapter, case, gate=gate)
         refs = pool.run(reference_job, adapter, case)[0]
     else:
         ref_pool = ref_pool or get_pool(1)
         ref_pool.submit(reference_job, adapter, case)
         try:
-            outcomes = pool.run(rank_job, adapter, case)
+            outcomes = pool.run(rank_job, adapter, case, gate=gate)
         finally:
             refs = ref_pool.result()[0]
     for o in outcomes:
