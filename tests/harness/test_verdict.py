@@ -8,11 +8,14 @@ import pickle
 import pytest
 
 from tests.helpers import calib_adapters, count_adapters
+from verify.adapters import broken_mesh
 from verify.adapters import broken, broken_dist, broken_lowprec, broken_numerics, broken_overflow, broken_tokens, xtrain
 from verify.case import Case
 from verify.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence,
                           check_same_bytes, check_token_mean)
 from verify.gates.distributed import max_world
+from verify.gates.mesh import check_mesh
+from verify.mesh import Mesh
 from verify.gates.overflow import check_overflow
 from verify.gates.windows import check_long_window, check_partial_sums, check_split_invariance
 from verify.verdict import Gate
@@ -34,12 +37,12 @@ RAISES = {
         broken_numerics.per_micro_mean, Case(accum_steps=2, micro_batch=1, steps=1, lengths=(1, 4))),
     Gate.PARTIAL_SUMS: lambda: check_partial_sums(
         broken_numerics.doubling_buffer, Case(accum_steps=3, micro_batch=1, steps=1, options=TINY)),
-    Gate.LONG_WINDOW: lambda: check_long_window(broken_lowprec.LOWPREC_BROKEN["bf16_params"], Case(
+    Gate.LONG_WINDOW: lambda: check_long_window(broken_lowprec.bf16_params, Case(
         accum_steps=4, micro_batch=1, steps=1, options=TINY, precision="bf16", seed=1, data_seed=2)),
     Gate.TOKEN_MEAN: lambda: check_token_mean(broken_tokens.count_plus_one, PADDED),
     Gate.EMPTY_WINDOW: lambda: check_empty_window(broken_tokens.empty_stepped, PADDED),
     Gate.DETERMINISM: lambda: check_equivalence(calib_adapters.dropout, Case(accum_steps=1, micro_batch=2, steps=1)),
-    Gate.OVERFLOW: lambda: check_overflow(broken_overflow.OVERFLOW_BROKEN["skip_only_overflowing_micro"], Case(
+    Gate.OVERFLOW: lambda: check_overflow(broken_overflow.skip_only_overflowing_micro, Case(
         accum_steps=3, micro_batch=2, steps=2, precision="fp16", options=TINY), 1, 0),
     Gate.BOUNDARY_ONLY: lambda: check_distributed(
         broken_dist.all_reduce_every_micro, Case(accum_steps=2, micro_batch=1, steps=1, world=2, options=TINY)),
@@ -47,8 +50,10 @@ RAISES = {
         broken_dist.divide_by_world_twice, Case(accum_steps=2, micro_batch=1, steps=1, world=2, options=TINY)),
     Gate.BYTES_PER_STEP: lambda: check_same_bytes(
         count_adapters.logs_each_micro_loss, Case(accum_steps=3, micro_batch=1, steps=1, world=2, lengths=(0, 0, 2, 5, 1, 0))),
+    Gate.MESH_EQUIVALENCE: lambda: check_mesh(broken_mesh.pipe_ema, Case(
+        accum_steps=4, micro_batch=1, steps=1, world=1, mesh=Mesh(pp=2), pipeline_chunks=2)),
 }
-POOLED = {Gate.OVERFLOW, Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP}  # run on rank pools
+POOLED = {Gate.OVERFLOW, Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP, Gate.MESH_EQUIVALENCE}  # run on rank pools
 
 
 def test_every_gate_has_a_planted_bug_here():
