@@ -8,11 +8,14 @@ import pickle
 import pytest
 
 from tests.helpers import calib_adapters, count_adapters
+from verify.adapters import broken_mesh
 from verify.adapters import broken, broken_dist, broken_lowprec, broken_numerics, broken_overflow, broken_tokens, xtrain
 from verify.case import Case
 from verify.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence,
                           check_same_bytes, check_token_mean)
 from verify.gates.distributed import max_world
+from verify.gates.mesh import check_mesh
+from verify.mesh import Mesh
 from verify.gates.overflow import check_overflow
 from verify.gates.windows import check_long_window, check_partial_sums, check_split_invariance
 from verify.verdict import Gate
@@ -47,8 +50,10 @@ RAISES = {
         broken_dist.divide_by_world_twice, Case(accum_steps=2, micro_batch=1, steps=1, world=2, options=TINY)),
     Gate.BYTES_PER_STEP: lambda: check_same_bytes(
         count_adapters.logs_each_micro_loss, Case(accum_steps=3, micro_batch=1, steps=1, world=2, lengths=(0, 0, 2, 5, 1, 0))),
+    Gate.MESH_EQUIVALENCE: lambda: check_mesh(broken_mesh.pipe_ema, Case(
+        accum_steps=4, micro_batch=1, steps=1, world=1, mesh=Mesh(pp=2), pipeline_chunks=2)),
 }
-POOLED = {Gate.OVERFLOW, Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP}  # run on rank pools
+POOLED = {Gate.OVERFLOW, Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP, Gate.MESH_EQUIVALENCE}  # run on rank pools
 
 
 def test_every_gate_has_a_planted_bug_here():
