@@ -34,6 +34,20 @@ _FLOATING = {"Float", "Double", "Half", "BFloat16", "ComplexFloat", "ComplexDoub
              "Float8_e5m2"}
 _TORCH_NAME = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
                "Long": "int64", "Int": "int32", "Bool": "bool", "Byte": "uint8", "Char": "int8"}
+# an operation's family -> how it shows in c10d's names, case and underscores dropped (longest match first:
+# "reducescatter" before a plain "reduce")
+_FAMILIES = (("reduce_scatter", "reducescatter"), ("all_gather", "allgather"), ("all_reduce", "allreduce"),
+             ("broadcast", "broadcast"), ("barrier", "barrier"), ("all_to_all", "alltoall"), ("send", "send"),
+             ("recv", "recv"))
+
+
+def family(op: str) -> str:
+    """The one op-name normaliser: c10d gives one operation different names on different paths and backends
+    (all_gather, _allgather_base, allgather_into_tensor_coalesced, ... are "all_gather"). An op of no known
+    family is its own, lower-cased."""
+    o = op.lower().replace("_", "")
+    return next((name for name, shown in _FAMILIES if shown in o), op.lower())
+
 
 def enable(ring: int | None = None, *, nccl: bool = False) -> int:
     """Turn the recorder on for process groups created from now on; returns the ring size.
@@ -89,9 +103,9 @@ class Collective:
         """'gradient' (a reduction, or any non-broadcast collective, of floating data), 'broadcast'
         (DDP's parameter/buffer sync), 'metadata' (integer-only: DDP's shape check, its one-time bucket
         rebuild), 'barrier'."""
-        if "barrier" in self.op:
+        if family(self.op) == "barrier":
             return "barrier"
-        if "broadcast" in self.op:
+        if family(self.op) == "broadcast":
             return "broadcast" if self.floating else "metadata"
         if not self.floating:
             return "metadata"

@@ -110,7 +110,8 @@ class Spec:
 @dataclass(frozen=True)
 class Expected:
     """Collectives a trainer is expected to issue BEFORE the boundary (micro-steps 0..N-2): at most
-    `count` of op `op` carrying `dtype` data ('integer', 'floating' or 'any') in each matching window.
+    `count` of op `op` carrying `dtype` data ('integer', 'floating' or 'any') in each matching window. `op`
+    matches by family (verify.comm.family: "all_reduce" matches allreduce_coalesced, _allreduce_base, ...).
     `step` / `micro` = None match every optimizer step / micro-step."""
 
     op: str
