@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Mesh", "AXES", "device_mesh", "assemble", "MeshError", "check_spec", "mesh_axes"]
+__all__ = ["Mesh", "AXES", "device_mesh", "assemble", "MeshError", "check_spec", "mesh_axes", "meshes"]
 
 AXES = ("dp", "pp", "tp")  # outermost first: the order of init_device_mesh's dims and of coords()
 
@@ -78,6 +78,15 @@ def mesh_axes(axes, error=ValueError) -> tuple[str, ...]:
         raise error(f"mesh_axes must name distinct axes among {', '.join(AXES)} (not dp alone: that is "
                     f"data_parallel=True), got {axes!r}")
     return tuple(a for a in AXES if a in given)
+
+
+def meshes(axes, world: int) -> list:
+    """Every verify.Mesh of exactly `world` ranks wider than one rank only along `axes` (dp, pp, tp), in
+    fewest axes first (a failure shrinks toward the simplest mesh that shows it)."""
+    top = lambda a: world if a in axes else 1  # noqa: E731
+    out = [Mesh(dp=d, pp=p, tp=world // (d * p)) for d in range(1, top("dp") + 1) for p in range(1, top("pp") + 1)
+           if world % (d * p) == 0 and (world // (d * p) == 1 or "tp" in axes)]
+    return sorted(out, key=lambda m: (len(m.axes()), m.dp, m.pp))
 
 
 _MESHES: dict = {}  # (mesh, device type, world) -> DeviceMesh, per process: building one creates process groups

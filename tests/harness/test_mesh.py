@@ -124,3 +124,51 @@ def test_assembly_failures_name_the_replica_and_stage(adapter, says):
     with pytest.raises(GateFailure) as e:
         check_mesh(adapter, _case(Mesh(pp=2), 2, 1))
     assert e.value.gate is Gate.MESH_EQUIVALENCE and says in str(e.value), str(e.value)
+
+
+def test_meshes_are_every_factorisation_over_the_declared_axes():
+    from verify.mesh import meshes
+
+    assert {(m.dp, m.pp, m.tp) for m in meshes(("dp", "pp"), 4)} == {(1, 4, 1), (2, 2, 1), (4, 1, 1)}
+    assert {(m.dp, m.pp, m.tp) for m in meshes(("pp", "tp"), 4)} == {(1, 4, 1), (1, 2, 2), (1, 1, 4)}
+    assert [str(m) for m in meshes(("tp",), 3)] == ["mesh dp=1 pp=1 tp=3"]
+    assert len(meshes(("dp", "pp", "tp"), 8)) == 10 and all(m.size == 8 for m in meshes(("dp", "pp", "tp"), 8))
+    assert [len(m.axes()) for m in meshes(("dp", "pp", "tp"), 8)][:4] == [1, 1, 1, 2]  # the simplest meshes first
+
+
+def test_mesh_cases_draw_valid_meshes_within_the_world():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from verify.strategies import mesh_cases
+
+    tp_only = verify.adapter(data=broken_mesh.DATA, mesh_axes=("tp",))(broken_mesh.Pipe)
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(st.data())
+    def draw(data):
+        a = data.draw(st.sampled_from([broken_mesh.pipe, tp_only]))
+        c = data.draw(mesh_cases(a, max_world=4))
+        m = c.mesh
+        assert 2 <= m.size <= 4 and set(m.axes()) <= set(a.mesh_axes) and c.world == m.dp
+        assert c.accum_steps % c.pipeline_chunks == 0 and (c.pipeline_chunks == 1 or m.pp > 1)
+        assert c.lengths is None and c.spec().mesh == m and c.spec().pipeline_chunks == c.pipeline_chunks
+
+    draw()
+
+
+@pytest.mark.distributed
+@needs_4
+def test_split_invariance_over_mesh_shapes():
+    """One window of 4·2·2 rows on every mesh of 4 ranks over (dp, pp): each gives the big batch's step; the
+    moving average of scale_grads fails on the first pipelined mesh, named."""
+    from verify.gates.mesh import check_mesh_splits
+
+    base = Case(accum_steps=4, micro_batch=4, steps=1, pipeline_chunks=2, seed=1, data_seed=2)
+    r = check_mesh_splits(broken_mesh.pipe, base, 4)
+    assert r.gate is Gate.SPLIT_INVARIANCE and r.extra["splits"] == 3 and r.ratio < 1
+    with pytest.raises(GateFailure) as e:
+        check_mesh_splits(broken_mesh.pipe_ema, base, 4)
+    assert e.value.gate is Gate.SPLIT_INVARIANCE
+    assert str(e.value).startswith("[split invariance] mesh dp=1 pp=4 tp=1 of a window of 16 rows: [mesh equivalence] "
+                                   "mesh dp=1 pp=4 tp=1, chunks=2, outer=2: "), str(e.value)

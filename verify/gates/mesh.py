@@ -17,13 +17,13 @@ from __future__ import annotations
 import functools
 
 from ..case import Case, Trace
-from ..mesh import MeshError, assemble, missing
+from ..mesh import MeshError, assemble, meshes, missing
 from ..pool import get_pool
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .distributed import F32, F64, kappa_job, reference_job, run_distributed
 from .tolerance import Judge, measured_floor, twin_floor
 
-__all__ = ["check_mesh", "assemble_traces", "where"]
+__all__ = ["check_mesh", "check_mesh_splits", "assemble_traces", "where"]
 
 GATE = Gate.MESH_EQUIVALENCE
 
@@ -133,3 +133,25 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
                     except GateFailure as e:
                         raise _name_stage(e, stages, case.mesh.pp) from None
     return GateResult(GATE, case, worst[0], worst[1], floor64=used)
+
+
+def check_mesh_splits(adapter, case: Case, world: int) -> GateResult:
+    """Split invariance over mesh shapes: `case`'s window (E = N·B·dp rows, its seeds) on every mesh of
+    `world` ranks over the adapter's axes whose dp divides the window's rows per micro-step (B per replica =
+    N·B·dp / (N·dp')), with case's chunks where pp > 1, each through the mesh gate against the same 1×1×1
+    reference: every factorisation gives the big batch's step. A failure names the mesh."""
+    E, worst, n = case.effective_batch, ("", 0.0), 0
+    for m in meshes(adapter.mesh_axes, world):
+        if E % (case.accum_steps * m.dp):
+            continue
+        c = case.replace(mesh=m, world=m.dp, micro_batch=E // (case.accum_steps * m.dp),
+                         pipeline_chunks=case.pipeline_chunks if m.pp > 1 else 1)
+        try:
+            r = check_mesh(adapter, c)
+        except GateFailure as e:
+            raise GateFailure(f"[{Gate.SPLIT_INVARIANCE}] {m} of a window of {E} rows: {e}", gate=Gate.SPLIT_INVARIANCE,
+                              case=c, error=e.error, bound=e.bound, hint=e.hint) from None
+        n += 1
+        if r.ratio >= worst[1]:
+            worst = (f"{m}: {r.worst}", r.ratio)
+    return GateResult(Gate.SPLIT_INVARIANCE, case, worst[0], worst[1], splits=n)
