@@ -18,18 +18,20 @@ class Trainer:
     def __init__(self, spec):
         torch.manual_seed(spec.seed)  # every rank builds the full model; TP, then FSDP2, keep their shards
         net = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 1))
-        mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"): TP within a replica, FSDP2 across replicas
-        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-        net = parallelize_module(net.to(spec.device, spec.dtype), mesh["tp"], plan)
-        self.model = fully_shard(net, mesh=mesh["dp"])  # its reduce-scatter averages over dp
+        self.model, self.n, self.dp, self.loss = net.to(spec.device, spec.dtype), spec.accum_steps, spec.mesh.dp, 0.0
+        if spec.mesh.size > 1:  # at Mesh() (the 1×1×1 reference) the plain model: no process group needed
+            mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"): TP within a replica, FSDP2 across replicas
+            parallelize_module(self.model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fully_shard(self.model, mesh=mesh["dp"])  # its reduce-scatter averages over dp
+            self.dp_group = mesh["dp"].get_group()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.dp, self.n, self.loss = mesh["dp"], spec.accum_steps, 0.0
 
     def micro_step(self, x, y, micro):
-        self.model.set_requires_gradient_sync(micro == self.n - 1)  # before the forward: FSDP2 reads it in backward
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (a mesh): before the forward, read in backward
+            self.model.set_requires_gradient_sync(micro == self.n - 1)
         loss = F.mse_loss(self.model(x), y)
         (loss / self.n).backward()
-        self.loss = self.loss + loss.detach()
+        self.loss += loss.item() / self.n
 
     def grads(self):
         return {k: p.grad for k, p in self.model.named_parameters()}  # 2-D DTensors: the harness gathers them
@@ -37,8 +39,9 @@ class Trainer:
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.loss = self.loss / (self.n * self.dp.size()), 0.0
-        dist.all_reduce(loss, group=self.dp.get_group())  # the global batch's mean loss
+        loss, self.loss = torch.tensor(self.loss / self.dp, dtype=torch.float64), 0.0
+        if self.dp > 1:
+            dist.all_reduce(loss, group=self.dp_group)  # the global batch's mean loss
         return loss
 
     def params(self):

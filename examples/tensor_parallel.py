@@ -16,24 +16,26 @@ from verify.mesh import device_mesh
 class Trainer:
     def __init__(self, spec):
         torch.manual_seed(spec.seed)  # every rank builds the full model; parallelize_module keeps its shards
-        net = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24), torch.nn.Tanh(),
-                                  torch.nn.Linear(24, 12)).to(spec.device, spec.dtype)
-        mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"); the harness gives each dp replica its rows
-        self.tp, self.dp, self.n, self.loss = mesh["tp"], mesh["dp"], spec.accum_steps, 0.0
-        # the head's logits stay a DTensor sharded over the classes: loss_parallel's cross entropy reads them so
-        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(use_local_output=False)}
-        self.model = parallelize_module(net, self.tp, plan)
+        L, T = torch.nn.Linear, torch.nn.Tanh
+        self.model = torch.nn.Sequential(L(8, 24), T(), L(24, 24), T(), L(24, 12)).to(spec.device, spec.dtype)
+        self.n, self.dp, self.loss = spec.accum_steps, spec.mesh.dp, 0.0
+        if spec.mesh.size > 1:  # at Mesh() (the 1×1×1 reference) the plain model: no process group needed
+            mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"); the harness gives each dp replica its rows
+            self.dp_group = mesh["dp"].get_group()
+            # the head's logits stay a DTensor sharded over the classes: loss_parallel's cross entropy reads them so
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(use_local_output=False)}
+            parallelize_module(self.model, mesh["tp"], plan)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def micro_step(self, x, y, micro):
         with loss_parallel():  # the backward too: the loss's gradient flows into the sharded logits
             loss = F.cross_entropy(self.model(x), y)  # the mean over the replica's rows, on every tp rank
             (loss / self.n).backward()
-        self.loss = self.loss + loss.detach().full_tensor()
-        if micro == self.n - 1:  # the boundary: the replicas' mean gradient, one all-reduce over dp per tensor
+        self.loss += loss.item() / self.n
+        if micro == self.n - 1 and self.dp > 1:  # the boundary: the replicas' mean gradient, one all-reduce over dp
             for p in self.model.parameters():  # a DTensor's local shard: each tp rank reduces its own
-                dist.all_reduce(p.grad.to_local(), group=self.dp.get_group())
-                p.grad.div_(self.dp.size())
+                dist.all_reduce(p.grad.to_local(), group=self.dp_group)
+                p.grad.div_(self.dp)
 
     def grads(self):
         return {k: p.grad for k, p in self.model.named_parameters()}  # DTensors: the harness gathers them
@@ -41,8 +43,9 @@ class Trainer:
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.loss = self.loss / (self.n * self.dp.size()), 0.0
-        dist.all_reduce(loss, group=self.dp.get_group())  # the global batch's mean loss
+        loss, self.loss = torch.tensor(self.loss / self.dp, dtype=torch.float64), 0.0
+        if self.dp > 1:
+            dist.all_reduce(loss, group=self.dp_group)  # the global batch's mean loss
         return loss
 
     def params(self):

@@ -30,12 +30,15 @@ class TensorParallel:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         torch.manual_seed(spec.seed)
-        net = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
-                                  torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES)).to(spec.device, spec.dtype)
-        mesh = device_mesh(spec)
-        self.tp, self.dp, self.n, self.loss = mesh["tp"], mesh["dp"], spec.accum_steps, 0.0
-        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(use_local_output=False)}
-        self.model = parallelize_module(net, self.tp, plan)
+        L, T = torch.nn.Linear, torch.nn.Tanh
+        self.model = torch.nn.Sequential(L(FEATURES, HIDDEN), T(), L(HIDDEN, HIDDEN), T(),
+                                         L(HIDDEN, CLASSES)).to(spec.device, spec.dtype)
+        self.n, self.dp, self.tp, self.tp_rank, self.loss = spec.accum_steps, spec.mesh.dp, spec.mesh.tp, 0, 0.0
+        if spec.mesh.size > 1:  # at Mesh() (the reference) the plain model, as in the recipe
+            mesh = device_mesh(spec)
+            self.dp_group, self.tp_rank = mesh["dp"].get_group(), mesh["tp"].get_local_rank()
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(use_local_output=False)}
+            parallelize_module(self.model, mesh["tp"], plan)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def micro_step(self, x, y, micro):
@@ -44,11 +47,11 @@ class TensorParallel:
         with loss_parallel():
             loss = F.cross_entropy(self.model(x), y, reduction="sum") / self.count(y)
             (loss * self.loss_factor() / self.n).backward()
-        self.loss = self.loss + loss.detach().full_tensor()
-        if micro == self.n - 1:
+        self.loss += loss.item() / self.n
+        if micro == self.n - 1 and self.boundary_group() is not None:
             for p in self.model.parameters():
                 dist.all_reduce(p.grad.to_local(), group=self.boundary_group())
-                p.grad.div_(self.dp.size())
+                p.grad.div_(self.dp)
 
     def count(self, y):
         return len(y)
@@ -57,7 +60,7 @@ class TensorParallel:
         return 1
 
     def boundary_group(self):
-        return self.dp.get_group()
+        return self.dp_group if self.dp > 1 else None
 
     def grads(self):
         return {k: p.grad for k, p in self.model.named_parameters()}
@@ -65,8 +68,9 @@ class TensorParallel:
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.loss = self.loss / (self.n * self.dp.size()), 0.0
-        dist.all_reduce(loss, group=self.dp.get_group())
+        loss, self.loss = torch.tensor(self.loss / self.dp, dtype=torch.float64), 0.0
+        if self.dp > 1:
+            dist.all_reduce(loss, group=self.dp_group)
         return loss
 
     def params(self):
@@ -79,8 +83,8 @@ class ShardLocalCount(TensorParallel):
     its own count (Megatron #7513 class: a shard-local count as the normaliser)."""
 
     def count(self, y):
-        per = -(-CLASSES // self.tp.size())  # torch.chunk's split of the head's rows (Shard(0))
-        lo = self.tp.get_local_rank() * per
+        per = -(-CLASSES // self.tp)  # torch.chunk's split of the head's rows (Shard(0))
+        lo = self.tp_rank * per
         return ((y >= lo) & (y < lo + per)).sum()
 
 
@@ -89,7 +93,7 @@ class LossTimesTP(TensorParallel):
     (transformers #39648: the loss scaled up by TP × CP)."""
 
     def loss_factor(self):
-        return self.tp.size()
+        return self.tp
 
 
 class BoundaryOverWorld(TensorParallel):
@@ -98,15 +102,14 @@ class BoundaryOverWorld(TensorParallel):
     class: a tp-local gradient reduced as if it were a replica's)."""
 
     def boundary_group(self):
-        return dist.group.WORLD
+        return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
-def _tp(cls):
-    return adapter(data=classification(features=FEATURES, classes=CLASSES), mesh_axes=("dp", "tp"),
-                   name=f"broken_tp.{cls.__name__}")(cls)
+def _tp(cls, name):
+    return adapter(data=classification(features=FEATURES, classes=CLASSES), mesh_axes=("dp", "tp"), name=name)(cls)
 
 
-tensor_parallel = _tp(TensorParallel)  # the control: the recipe's trainer, passes
-shard_local_count = _tp(ShardLocalCount)
-loss_times_tp = _tp(LossTimesTP)
-boundary_over_world = _tp(BoundaryOverWorld)
+tensor_parallel = _tp(TensorParallel, "tp_recipe")  # the control: the recipe's trainer, must pass
+shard_local_count = _tp(ShardLocalCount, "broken_tp.shard_local_count")
+loss_times_tp = _tp(LossTimesTP, "broken_tp.loss_times_tp")
+boundary_over_world = _tp(BoundaryOverWorld, "broken_tp.boundary_over_world")
