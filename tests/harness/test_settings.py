@@ -117,6 +117,9 @@ def test_the_docs_state_the_codes_defaults():
     assert said and all(int(n) == d.timeout for n in said), said
     said = re.findall(r"`XTRAIN_DIST_MIN_WORLD`\.\.`XTRAIN_DIST_MAX_WORLD`, (\d+)\.\.(\d+) by default", text)
     assert said and all((int(a), int(b)) == (d.min_world, d.max_world) for a, b in said), said
+    from verify.selftest import DIST
+
+    assert re.findall(r"the self-test's cases go to world (\d+)", text) == [str(max(DIST))]
 
 
 def test_no_module_reads_a_knob_around_the_settings():
