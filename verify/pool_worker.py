@@ -93,6 +93,7 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump
         dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # first optimizer imports torch._dynamo (~1 s)
+        comm.record_p2p()  # pipelines' send / recv, which gloo's recorder leaves out
         recorder = comm.Recorder()
         recorder.check_recording(lambda: dist.all_reduce(torch.zeros(1, device=device)))
         ctx = RankContext(rank, world, backend, device, recorder, {})

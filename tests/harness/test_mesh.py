@@ -172,3 +172,71 @@ def test_split_invariance_over_mesh_shapes():
     assert e.value.gate is Gate.SPLIT_INVARIANCE
     assert str(e.value).startswith("[split invariance] mesh dp=1 pp=4 tp=1 of a window of 16 rows: [mesh equivalence] "
                                    "mesh dp=1 pp=4 tp=1, chunks=2, outer=2: "), str(e.value)
+
+
+# -- counts per axis (verify/gates/mesh_counts.py) ----------------------------------------------------------
+
+def _c(op, pg, t=0):
+    from verify.comm import Collective
+
+    return Collective(record_id=t, source="fr", backend="gloo", op=op, sizes=((1,),), dtypes=("Float",), pg=pg,
+                      thread="?", time_ns=t)
+
+
+def test_a_collective_is_on_the_axis_of_its_group():
+    from verify.gates.mesh_counts import axis_of
+
+    m = Mesh(dp=2, pp=2)
+    assert [axis_of(_c("all_reduce", f"{i} 'mesh_{a}'"), m) for i, a in enumerate(("dp", "pp", "tp"))] == ["dp", "pp", "tp"]
+    # init_device_mesh reuses the default group for an axis that spans the world; otherwise it is no axis
+    assert axis_of(_c("barrier", "0 'default_pg'"), m) is None and axis_of(_c("send", "0 'default_pg'"), Mesh(pp=4)) == "pp"
+    assert axis_of(_c("all_reduce", "7 'my_private_group'"), Mesh(tp=2)) is None
+
+
+def test_outer_steps_group_a_schedules_micro_steps():
+    from verify.gates.mesh_counts import outer_units
+
+    micro = [[_c("send", "", m)] for m in range(5)]  # N = 6 micro-steps, chunks 2: outer steps {0,1} {2,3} {4,5}
+    units, last = outer_units(micro, [_c("all_reduce", "", 9)], 2)
+    assert [[c.time_ns for c in u] for u in units] == [[0, 1], [2, 3]] and [c.time_ns for c in last] == [4, 9]
+
+
+@pytest.mark.distributed
+@needs_2
+def test_p2p_is_counted_once_on_gloo():
+    """gloo's flight recorder records no send / recv: the hook on ProcessGroup.send / recv does, once."""
+    from verify.pool import get_pool
+
+    got = get_pool(2).run(_p2p_job)
+    assert got == [["send", "send"], ["recv", "recv"]], got
+
+
+def _p2p_job(ctx):
+    import torch.distributed as dist
+
+    ctx.recorder.read()
+    t = torch.ones(2)
+    if ctx.rank == 0:
+        dist.send(t, 1)
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1)])[0].wait()
+    else:
+        dist.recv(t, 0)
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 0)])[0].wait()
+    return [c.op for c in ctx.recorder.read()]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh, N", [pytest.param(Mesh(tp=2), 3, marks=needs_2),
+                                     pytest.param(Mesh(dp=2, tp=2), 2, marks=needs_4)], ids=str)
+def test_a_correct_tensor_parallel_trainer_passes_with_its_counts(mesh, N):
+    r = check_mesh(broken_mesh.tp, _case(mesh, N, 1))
+    assert r.ratio < 1 and r.extra["counts"]["judged"] == ["dp", "tp"] and not r.extra["counts"]["unjudged"]
+    assert r.extra["counts"]["seen"][(0, "tp")] == {"all_reduce": 2 * 2 * N}  # fp32 + float64 runs × K=2 × N
+
+
+@pytest.mark.distributed
+@needs_2
+def test_an_axis_without_a_row_is_reported_unjudged_and_rows_are_keyed_by_axis():
+    assert check_mesh(broken_mesh.pipe_uncounted, _case(Mesh(pp=2), 2, 2)).extra["counts"]["unjudged"] == ["pp"]
+    with pytest.raises(ValueError, match="keyed by axis"):
+        check_mesh(broken_mesh.pipe_bad_counts, _case(Mesh(pp=2), 2, 2))

@@ -246,6 +246,19 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("no_loss", "the last stage returns no step loss",
                broken_mesh.pipe_no_loss, Gate.MESH_EQUIVALENCE,
                r"replica 0: the last stage \(stage 1\) returned no loss", PIPE),
+    PlantedBug("pp_chatter", "an all-reduce over pp after every schedule step",
+               broken_mesh.pipe_pp_chatter, Gate.BOUNDARY_ONLY,
+               r"axis pp .*: step 0, outer step 0 of 2 \(before the boundary\): count table row 'GPipe stage \d of 2' "
+               r"expects recv×\d+, send×\d+, observed all_reduce×1", PIPE),
+    PlantedBug("world_barrier", "a barrier on the world group every micro-step", broken_mesh.pipe_world_barrier,
+               Gate.BOUNDARY_ONLY, r"outer step 0 of 2: 1 collective\(s\) on no mesh axis: gloo:barrier",
+               PIPE.replace(accum_steps=2, pipeline_chunks=1, world=2, mesh=Mesh(dp=2, pp=2))),
+    PlantedBug("tp_extra_reduce", "the micro loss all-reduced over tp too", broken_mesh.tp_extra_reduce,
+               Gate.BOUNDARY_ONLY, r"axis tp .*count table row 'Colwise/Rowwise MLP' expects all_reduce×1, "
+               r"observed all_reduce×2", PIPE.replace(pipeline_chunks=1, mesh=Mesh(tp=2))),
+    PlantedBug("eager_dp", "the dp all-reduce on every micro-step", broken_mesh.tp_eager_dp, Gate.BOUNDARY_ONLY,
+               r"axis dp .*count table row 'dp: boundary-only' expects none, observed all_reduce×\d",
+               PIPE.replace(pipeline_chunks=1, world=2, mesh=Mesh(dp=2))),
     # -- tensor parallel (broken_tp.py: examples/tensor_parallel.py's trainer, one normaliser changed) ----------
     PlantedBug("shard_local_count", "loss ÷ the targets in this tp rank's class shard (Megatron #7513 class)",
                broken_tp.shard_local_count, Gate.MESH_EQUIVALENCE,

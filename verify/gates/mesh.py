@@ -21,6 +21,7 @@ from ..mesh import MeshError, assemble, meshes, missing
 from ..pool import get_pool
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .distributed import F32, F64, kappa_job, reference_job, run_distributed
+from .mesh_counts import check_mesh_counts
 from .tolerance import Judge, measured_floor, twin_floor
 
 __all__ = ["check_mesh", "check_mesh_splits", "assemble_traces", "where"]
@@ -96,6 +97,7 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
     if extra:
         raise ValueError(f"{case.mesh} uses axes {extra} that {adapter.name} does not declare ({adapter.mesh_axes})")
     outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool, gate=GATE)
+    counted = check_mesh_counts(outcomes, case, adapter.counts(case) if adapter.counts is not None else None)
     big, ref = outcomes[0].refs["big32"], outcomes[0].refs["ref64"]
     runs = {dt: assemble_traces([o.runs[dt].trace for o in outcomes], case, ref.grads0) for dt in (F32, F64)}
     stages = _stage_of([o.runs[F32].trace for o in outcomes], case)
@@ -132,7 +134,7 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
                                 f"({dt.replace('torch.', '')} run): replicas diverged", k)
                     except GateFailure as e:
                         raise _name_stage(e, stages, case.mesh.pp) from None
-    return GateResult(GATE, case, worst[0], worst[1], floor64=used)
+    return GateResult(GATE, case, worst[0], worst[1], floor64=used, counts=counted)
 
 
 def check_mesh_splits(adapter, case: Case, world: int) -> GateResult:
