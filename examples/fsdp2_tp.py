@@ -6,7 +6,6 @@ off on micro-steps 0..N-2 (set_requires_gradient_sync), so its reduce-scatter ov
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -20,18 +19,17 @@ class Trainer:
         net = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 1))
         self.model, self.n, self.dp, self.loss = net.to(spec.device, spec.dtype), spec.accum_steps, spec.mesh.dp, 0.0
         if spec.mesh.size > 1:  # at Mesh() (the 1×1×1 reference) the plain model: no process group needed
-            mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"): TP within a replica, FSDP2 across replicas
-            parallelize_module(self.model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-            fully_shard(self.model, mesh=mesh["dp"])  # its reduce-scatter averages over dp
-            self.dp_group = mesh["dp"].get_group()
+            self.mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"): TP within a replica, FSDP2 across replicas
+            parallelize_module(self.model, self.mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fully_shard(self.model, mesh=self.mesh["dp"])  # one unit, the root; its reduce-scatter averages over dp
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def micro_step(self, x, y, micro):
         if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (a mesh): before the forward, read in backward
             self.model.set_requires_gradient_sync(micro == self.n - 1)
-        loss = F.mse_loss(self.model(x), y)
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
         (loss / self.n).backward()
-        self.loss += loss.item() / self.n
+        self.loss += loss.item() / (self.n * self.dp)
 
     def grads(self):
         return {k: p.grad for k, p in self.model.named_parameters()}  # 2-D DTensors: the harness gathers them
@@ -39,13 +37,23 @@ class Trainer:
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.loss = torch.tensor(self.loss / self.dp, dtype=torch.float64), 0.0
+        loss, self.loss = torch.tensor(self.loss, dtype=torch.float64), 0.0
         if self.dp > 1:
-            dist.all_reduce(loss, group=self.dp_group)  # the global batch's mean loss
+            dist.all_reduce(loss, group=self.mesh["dp"].get_group())  # the global batch's mean loss
         return loss
 
     def params(self):
         return dict(self.model.named_parameters())
 
 
-factory = verify.adapter(data=verify.data.regression(features=8), mesh_axes=("dp", "tp"))(Trainer)
+def counts(case):
+    """Each micro-step: FSDP2's all-gather of its one unit over dp, Rowwise's all-reduce over tp. The boundary
+    adds FSDP2's reduce-scatter over dp (gloo has none: an all-reduce) and the loss's all-reduce."""
+    tp, gather = {"all_reduce": 1} if case.mesh.tp > 1 else {}, {"all_gather": 1}
+    nccl = verify.Settings.from_env().backend == "nccl"
+    end = {**gather, **({"reduce_scatter": 1, "all_reduce": 1} if nccl else {"all_reduce": 2})}
+    dp = verify.CountRow("FSDP2, root unit", before=gather, boundary=end) if case.mesh.dp > 1 else None
+    return {"tp": verify.CountRow("Rowwise", before=tp, boundary=tp), **({"dp": dp} if dp else {})}
+
+
+factory = verify.adapter(data=verify.data.regression(features=8), mesh_axes=("dp", "tp"), counts=counts)(Trainer)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..data import classification
+from ..gates.counts import CountRow
 from ..mesh import device_mesh
 from ..protocol import adapter
 
@@ -105,8 +106,16 @@ class BoundaryOverWorld(TensorParallel):
         return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
+def tp_counts(case):
+    """The recipe's row: tp all-reduces on every micro-step (Rowwise's output, the head's input gradient,
+    loss_parallel's three; only those three on a one-rank tp group); dp keeps the default boundary-only row."""
+    tp = {"all_reduce": 5 if case.mesh.tp > 1 else 3}
+    return {"tp": CountRow("Colwise/Rowwise + loss parallel", before=tp, boundary=tp)}
+
+
 def _tp(cls, name):
-    return adapter(data=classification(features=FEATURES, classes=CLASSES), mesh_axes=("dp", "tp"), name=name)(cls)
+    return adapter(data=classification(features=FEATURES, classes=CLASSES), mesh_axes=("dp", "tp"), counts=tp_counts,
+                   name=name)(cls)
 
 
 tensor_parallel = _tp(TensorParallel, "tp_recipe")  # the control: the recipe's trainer, must pass
