@@ -42,6 +42,8 @@ def test_its_gate_rejects_it(bug):
     msg = str(e.value)
     assert e.value.gate is bug.gate and msg.startswith(f"[{bug.gate}]"), msg
     assert re.search(bug.pattern, msg), msg
+    if e.value.error is not None and e.value.bound is not None:  # a numeric verdict: the error left its bound
+        assert not e.value.error < e.value.bound, msg  # (NaN: not within it either)
 
 
 def test_every_gate_of_the_registry_is_driven():

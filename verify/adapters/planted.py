@@ -185,11 +185,11 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("drop_micro_63", "micro-step 63 never backwards (N ≥ 64)", broken_numerics.drop_micro_63,
                Gate.PARTIAL_SUMS,
                r"after micro-step 63 of 96 \(boundary not reached\)",
-               Case(accum_steps=96, micro_batch=1, steps=1, options=SMALL, seed=1, data_seed=2), slow=True),
+               Case(accum_steps=96, micro_batch=1, steps=1, options=TINY, seed=1, data_seed=2), slow=True),
     PlantedBug("doubling_buffer", "the accumulated gradient doubles before each micro-step",
                broken_numerics.doubling_buffer, Gate.PARTIAL_SUMS, r"after micro-step 1 of 70",
-               Case(accum_steps=70, micro_batch=1, steps=2, options=_opts(seq_len=4, max_grad_norm=0.01), seed=5,
-                    data_seed=6)),
+               Case(accum_steps=70, micro_batch=1, steps=2, seed=5, data_seed=6,
+                    options=_opts(vocab=16, heads=1, d=8, seq_len=4, max_grad_norm=0.01))),
     # -- low-precision accumulation (broken_lowprec.py) ---------------------------------------------------------
     PlantedBug("half_model", "fp16 model (`.half()`): `.grad` accumulates in fp16",
                broken_lowprec.half_model, Gate.LONG_WINDOW,
@@ -202,19 +202,22 @@ PLANTED: tuple[PlantedBug, ...] = (
                broken_lowprec.low_precision_grad, Gate.LONG_WINDOW,
                r"bf16, N=256: \[equivalence\] gradient \(step 0\) of '[\w.]+': accumulation error",
                Case(accum_steps=256, micro_batch=1, steps=1, options=LONG, seed=3, data_seed=4), slow=True),
-    # -- the overflow path (broken_overflow.py): args (micro-step, rank) of the injected overflow --------------
+    # -- the overflow path (broken_overflow.py): args (micro-step, rank) of the injected overflow; the message
+    # names the window and rank that went wrong, and where the overflow was injected
     PlantedBug("skip_decided_on_one_rank", "the overflow skip decided on rank 0 alone",
                broken_overflow.skip_decided_on_one_rank, Gate.OVERFLOW,
-               r"rank 1, window 0: parameter", OVERFLOW.replace(world=2), (1, 1)),
+               r"rank 1, window 0: parameter(?s:.*)overflows in micro-step 1 of 3 on rank 1 of 2",
+               OVERFLOW.replace(world=2), (1, 1)),
     PlantedBug("skip_only_overflowing_micro", "only the overflowing micro-step dropped",
                broken_overflow.skip_only_overflowing_micro, Gate.OVERFLOW,
-               r"rank 0, window 0: parameter", OVERFLOW, (1, 0)),
+               r"rank 0, window 0: parameter(?s:.*)overflows in micro-step 1 of 3 on rank 0 of 1", OVERFLOW, (1, 0)),
     PlantedBug("scaler_update_every_micro", "the loss scale updated every micro-step",
                broken_overflow.scaler_update_every_micro, Gate.OVERFLOW,
-               r"rank 0, window 0: loss scale 128 after the window, the big batch's 512", OVERFLOW, (0, 0)),
+               r"rank 0, window 0: loss scale 128 after the window, the big batch's 512(?s:.*)"
+               r"overflows in micro-step 0 of 3 on rank 0 of 1", OVERFLOW, (0, 0)),
     PlantedBug("nan_to_num_before_check", "inf / NaN zeroed before the scaler's check",
                broken_overflow.nan_to_num_before_check, Gate.OVERFLOW,
-               r"rank 0, window 0: parameter", OVERFLOW, (2, 0)),
+               r"rank 0, window 0: parameter(?s:.*)overflows in micro-step 2 of 3 on rank 0 of 1", OVERFLOW, (2, 0)),
     # -- the token mean and empty windows (broken_tokens.py) ---------------------------------------------------
     PlantedBug("all_positions", "÷ every target position, padding included",
                broken_tokens.all_positions, Gate.TOKEN_MEAN, r"additivity|padding", TOKEN_WINDOWS),
