@@ -119,9 +119,9 @@ def test_no_module_reads_a_knob_around_the_settings():
 
 # -- every entry point checks its options before anything runs ------------------------------------------------
 
-def _pytest_verify(cwd, *args):
+def _pytest_verify(cwd, *args, env=None):
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=ENV, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env={**ENV, **(env or {})}, timeout=600)
 
 
 def _one_usage_line(r, line: str, code: int = 4):
@@ -144,6 +144,15 @@ def test_the_plugin_refuses_a_bad_option_in_one_line(tmp_path, args, line):
     r = _pytest_verify(tmp_path, *args)
     _one_usage_line(r, line)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.slow
+def test_a_bad_knob_stops_any_pytest_run_in_one_line(tmp_path):
+    """The plugin is loaded by every pytest run of the environment: a bad variable is its usage error (it
+    was a traceback at import before the plugin checked the settings first)."""
+    r = _pytest_verify(tmp_path, env={"XTRAIN_DIST_TIMEOUT": "soon"})
+    _one_usage_line(r, "ERROR: XTRAIN_DIST_TIMEOUT=soon: must be a number of seconds > 0")
+    assert list(tmp_path.iterdir()) == []
 
 
 NOT_A_TRAINER = '''
