@@ -104,6 +104,24 @@ def test_the_guide_lists_exactly_the_knobs():
     assert [int(n) for n in re.findall(r"\d+", doc)] == [settings.get_profile(p).max_examples for p in ("dev", "ci", "gpu")]
 
 
+def test_the_docs_state_the_codes_defaults():
+    """The table's default column, and the guide's and design's prose where they give a knob's default."""
+    d = Settings()
+    for k in KNOBS:
+        if k.default.isdigit():
+            assert int(k.default) == getattr(d, k.field), k
+    text = "".join(open(os.path.join(ROOT, p), encoding="utf-8").read() for p in
+                   ("README.md", "docs/verify-your-trainer.md", "docs/design.md"))
+    text = " ".join(text.split())
+    said = re.findall(r"`XTRAIN_DIST_TIMEOUT`,? (?:default )?(\d+) s", text)
+    assert said and all(int(n) == d.timeout for n in said), said
+    said = re.findall(r"`XTRAIN_DIST_MIN_WORLD`\.\.`XTRAIN_DIST_MAX_WORLD`, (\d+)\.\.(\d+) by default", text)
+    assert said and all((int(a), int(b)) == (d.min_world, d.max_world) for a, b in said), said
+    from verify.selftest import DIST
+
+    assert re.findall(r"the self-test's cases go to world (\d+)", text) == [str(max(DIST))]
+
+
 def test_no_module_reads_a_knob_around_the_settings():
     names = [k.env for k in KNOBS]
     for folder in ("verify", "benchmarks"):

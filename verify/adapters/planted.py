@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from xtrain_core.config import ModelConfig, OptimConfig
 
 from ..case import Case
+from ..mesh import Mesh
 from ..protocol import Adapter
 from ..verdict import Gate
-from . import broken, broken_dist, broken_lowprec, broken_numerics, broken_overflow, broken_tokens, ddp_modes
+from . import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, ddp_modes
 from .xtrain_options import XtrainOptions
 
 
@@ -78,6 +79,8 @@ EMPTY_FSDP = Case(accum_steps=1, micro_batch=1, steps=2, world=2, lengths=(1, 1,
 # data seed 0: an expert used only in micro-step 0 (under no_sync) on some rank (test_ddp_modes.py's _case_with)
 ROUTED = Case(accum_steps=2, micro_batch=1, steps=1, world=2)
 OVERFLOW = Case(accum_steps=3, micro_batch=2, steps=2, precision="fp16", options=TINY)
+# two pipeline stages, 2 micro-batches per schedule step, 2 outer steps: where scale_grads' 1/chunks compounds
+PIPE = Case(accum_steps=4, micro_batch=2, steps=2, world=1, mesh=Mesh(pp=2), pipeline_chunks=2, seed=1, data_seed=2)
 
 _BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
 _FSDP_ROW = r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"
@@ -232,6 +235,29 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("empty_stepped", "an empty window stepped on its zero gradient",
                broken_tokens.empty_stepped, Gate.EMPTY_WINDOW,
                r"a window without a valid target .* max\|Δ\| = \d", TOKEN_WINDOWS),
+    # -- mesh axes (broken_mesh.py: a GPipe MLP on torch.distributed.pipelining) ------------------------------
+    PlantedBug("scale_grads_ema", "schedule scale_grads=True under outer accumulation (torchtitan #1733)",
+               broken_mesh.pipe_ema, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=2 tp=1, chunks=2, outer=2: gradient \(step 0\) of '\d\.\w+' \(stage [01]\)", PIPE),
+    PlantedBug("owned_twice", "a stage reports a parameter of the next stage as its own",
+               broken_mesh.pipe_owned_twice, Gate.MESH_EQUIVALENCE,
+               r"replica 0: gradient \(step 0\) of '4.weight' owned twice, by stage 0 and stage 1", PIPE),
+    PlantedBug("no_loss", "the last stage returns no step loss",
+               broken_mesh.pipe_no_loss, Gate.MESH_EQUIVALENCE,
+               r"replica 0: the last stage \(stage 1\) returned no loss", PIPE),
+    PlantedBug("pp_chatter", "an all-reduce over pp after every schedule step",
+               broken_mesh.pipe_pp_chatter, Gate.BOUNDARY_ONLY,
+               r"axis pp .*: step 0, outer step 0 of 2 \(before the boundary\): count table row 'GPipe stage \d of 2' "
+               r"expects recv×\d+, send×\d+, observed all_reduce×1", PIPE),
+    PlantedBug("world_barrier", "a barrier on the world group every micro-step", broken_mesh.pipe_world_barrier,
+               Gate.BOUNDARY_ONLY, r"outer step 0 of 2: 1 collective\(s\) on no mesh axis: gloo:barrier",
+               PIPE.replace(accum_steps=2, pipeline_chunks=1, world=2, mesh=Mesh(dp=2, pp=2))),
+    PlantedBug("tp_extra_reduce", "the micro loss all-reduced over tp too", broken_mesh.tp_extra_reduce,
+               Gate.BOUNDARY_ONLY, r"axis tp .*count table row 'Colwise/Rowwise MLP' expects all_reduce×1, "
+               r"observed all_reduce×2", PIPE.replace(pipeline_chunks=1, mesh=Mesh(tp=2))),
+    PlantedBug("eager_dp", "the dp all-reduce on every micro-step", broken_mesh.tp_eager_dp, Gate.BOUNDARY_ONLY,
+               r"axis dp .*count table row 'dp: boundary-only' expects none, observed all_reduce×\d",
+               PIPE.replace(pipeline_chunks=1, world=2, mesh=Mesh(dp=2))),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}
