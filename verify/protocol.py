@@ -197,8 +197,8 @@ class Adapter:
     and its state alone on them). False: the harness never draws such a window, and says so."""
     counts: Callable | None = None
     """case -> verify.gates.counts.CountRow: the exact collectives per micro-step and at the boundary of
-    this adapter's sync mode (FSDP all-gathers, reduce-scatters, ...). Without it: none before the boundary
-    (but `expected`), and every gradient element reduced once at it."""
+    this adapter's sync mode (FSDP all-gathers, ...); for a mesh case {axis: CountRow} (gates/mesh_counts.py).
+    Without it: none before the boundary (but `expected`), and every gradient element reduced once at it."""
     overflow: Callable | None = None
     """(trainer, inputs, targets, rows) -> (inputs, targets): makes the micro-batch's `rows` overflow fp16
     (the injected-overflow gate). None: verify.data.overflow_rows where the inputs are floating."""

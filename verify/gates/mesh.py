@@ -8,7 +8,8 @@ exactly once; the tp ranks of a stage bit-identical) and judges it with the one 
 (tolerance.Judge): fp32 step-0 gradients and loss, fp32 losses of every step, float64 losses and
 parameters of every step. The dp replicas hold the same parameters, bit for bit, after every step.
 
-A replica's step loss comes from its last pipeline stage (optimizer_step() returns None elsewhere); the
+Before the numbers, the counter's verdict per mesh axis (gates/mesh_counts.py): its message names the
+collective. A replica's step loss comes from its last pipeline stage (optimizer_step() returns None elsewhere); the
 tp ranks of that stage must agree on it exactly. Failures name the mesh, the chunks, the outer steps,
 the replica and the stage that owns the parameter.
 """
