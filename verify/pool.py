@@ -327,6 +327,14 @@ atexit.register(close_all)
 _SIGTERM_INSTALLED = False
 
 
+def keep_sigterm() -> None:
+    """Leave SIGTERM to its owner: a launched rank (verify.run) keeps faulthandler's C-level handler, which
+    prints the stacks when torchrun stops the run (a Python handler would wait for the main thread to leave
+    a collective). Its pools still die with it (PR_SET_PDEATHSIG, EOF on their pipes)."""
+    global _SIGTERM_INSTALLED
+    _SIGTERM_INSTALLED = True
+
+
 def _install_sigterm() -> None:
     """On SIGTERM close the pools, then die of SIGTERM as before (only if nobody else handles it)."""
     global _SIGTERM_INSTALLED

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from . import pool
 
+    pool.keep_sigterm()
     world = pool_launched.LaunchedPool(ctx, store, env)
     pool.set_launched(world)
     import pytest
