@@ -1,13 +1,14 @@
 """The injected-overflow gate (verify/gates/overflow.py): correct fp16 trainers skip an overflowing window
-whole on every rank, and each planted overflow bug is rejected naming the window and the rank."""
+whole on every rank; each planted overflow bug is rejected naming the window and the rank
+(verify/adapters/planted.py, driven by test_planted.py)."""
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import overflow_adapters as oa
-from verify.adapters import planted, xtrain
+from verify.adapters import xtrain
 from verify.case import Case
-from verify.gates import GateFailure, GateSkipped
+from verify.gates import GateSkipped
 from verify.gates.distributed import max_world
 from verify.gates.overflow import check_overflow
 from verify.strategies import budget, cases
@@ -40,25 +41,11 @@ def test_other_xtrain_fp16_trainers_pass_at_two_ranks(adapter):
     check_overflow(adapter, _case(N=2, W=2), 1, 1)
 
 
-@pytest.mark.parametrize("name,world,micro,rank,says", [
-    ("skip_decided_on_one_rank", 2, 1, 1, "rank 1, window 0: parameter"),
-    ("skip_only_overflowing_micro", 1, 1, 0, "rank 0, window 0: parameter"),
-    ("scaler_update_every_micro", 1, 0, 0, "rank 0, window 0: loss scale 128 after the window, the big batch's 512"),
-    ("nan_to_num_before_check", 1, 2, 0, "rank 0, window 0: parameter"),
-])
-def test_every_planted_overflow_bug_is_rejected_naming_window_and_rank(name, world, micro, rank, says):
-    with pytest.raises(GateFailure) as e:
-        check_overflow(planted.BY_NAME[name].adapter, _case(W=world), micro, rank)
-    assert e.value.gate == "overflow" and says in str(e.value), str(e.value)
-    assert f"overflows in micro-step {micro} of 3 on rank {rank} of {world}" in str(e.value)
-
-
 def test_float_data_overflows_by_scaled_rows():
     """The generic route: nothing declared but fp16; verify.data.overflow_rows scales the rows."""
     for W, micro, rank in ((1, 2, 0), (2, 0, 1)):
         check_overflow(oa.scaled, _case(W=W, options=None), micro, rank)
-    with pytest.raises(GateFailure, match=r"\[overflow\] rank 0, window 0: parameter '0.weight' changed"):
-        check_overflow(oa.local_clean, _case(W=2, options=None), 1, 1)
+    # local_clean, which clears a rank's own overflow before the all-reduce, is a planted bug (planted.py)
 
 
 def test_the_gate_is_skipped_without_fp16_or_a_way_to_overflow():

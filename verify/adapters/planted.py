@@ -20,9 +20,10 @@ from xtrain_core.config import ModelConfig, OptimConfig
 
 from ..case import Case
 from ..mesh import Mesh
-from ..protocol import Adapter
+from ..protocol import Adapter, load_adapter
 from ..verdict import Gate
-from . import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, ddp_modes
+from . import (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, broken_tp,
+               ddp_modes)
 from .xtrain_options import XtrainOptions
 
 
@@ -31,7 +32,8 @@ class PlantedBug:
     name: str
     what: str
     """The bug in a few words (the docs' table)."""
-    adapter: Adapter
+    adapter: Adapter | str
+    """The adapter, or its 'MODULE:NAME' reference (tests/helpers/: importable from a checkout only)."""
     gate: Gate | str
     pattern: str
     """A regular expression the rejection message must contain (re.search)."""
@@ -41,14 +43,23 @@ class PlantedBug:
     args: tuple = ()
     """The gate's further arguments: overflow (micro-step, rank); split invariance (max_world,)."""
     slow: bool = False
+    needs: str = ""
+    """A module the adapter needs (an optional framework); without it the bug is not run."""
 
     def __post_init__(self):
         if not self.pattern:
             raise ValueError(f"PlantedBug {self.name}: pattern is empty; name what the rejection must say")
 
+    def load(self) -> Adapter:
+        if isinstance(self.adapter, Adapter):
+            return self.adapter
+        return load_adapter(self.adapter, option=f"planted bug {self.name}:")
+
     @property
     def trainer(self) -> str:
-        """The trainer class, as `module.Class` (the docs' table names it)."""
+        """The trainer class, as `module.Class`, or the adapter's reference (the docs' table names it)."""
+        if isinstance(self.adapter, str):
+            return self.adapter
         make = self.adapter.factory
         return f"{make.__module__.rsplit('.', 1)[-1]}.{make.__name__.removeprefix('make_')}"
 
@@ -79,8 +90,13 @@ EMPTY_FSDP = Case(accum_steps=1, micro_batch=1, steps=2, world=2, lengths=(1, 1,
 # data seed 0: an expert used only in micro-step 0 (under no_sync) on some rank (test_ddp_modes.py's _case_with)
 ROUTED = Case(accum_steps=2, micro_batch=1, steps=1, world=2)
 OVERFLOW = Case(accum_steps=3, micro_batch=2, steps=2, precision="fp16", options=TINY)
+# tests/helpers/count_adapters.py's windows: uneven valid counts per micro-step and rank
+COUNTED = Case(accum_steps=3, micro_batch=1, steps=2, world=2, lengths=(0, 0, 2, 5, 1, 0) + (0, 3, 0, 4, 0, 1))
 # two pipeline stages, 2 micro-batches per schedule step, 2 outer steps: where scale_grads' 1/chunks compounds
 PIPE = Case(accum_steps=4, micro_batch=2, steps=2, world=1, mesh=Mesh(pp=2), pipeline_chunks=2, seed=1, data_seed=2)
+# two tp ranks, N=3 (so loss × tp, error 1 = tp − 1, is not N − 1), B=4; data seed 1: every micro-batch holds
+# targets of both class shards (shard_local_count divides by no zero: a finite, rank-dependent loss)
+TP = Case(accum_steps=3, micro_batch=4, steps=2, world=1, mesh=Mesh(tp=2), seed=1, data_seed=1)
 
 _BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
 _FSDP_ROW = r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"
@@ -188,11 +204,11 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("drop_micro_63", "micro-step 63 never backwards (N ≥ 64)", broken_numerics.drop_micro_63,
                Gate.PARTIAL_SUMS,
                r"after micro-step 63 of 96 \(boundary not reached\)",
-               Case(accum_steps=96, micro_batch=1, steps=1, options=SMALL, seed=1, data_seed=2), slow=True),
+               Case(accum_steps=96, micro_batch=1, steps=1, options=TINY, seed=1, data_seed=2), slow=True),
     PlantedBug("doubling_buffer", "the accumulated gradient doubles before each micro-step",
                broken_numerics.doubling_buffer, Gate.PARTIAL_SUMS, r"after micro-step 1 of 70",
-               Case(accum_steps=70, micro_batch=1, steps=2, options=_opts(seq_len=4, max_grad_norm=0.01), seed=5,
-                    data_seed=6)),
+               Case(accum_steps=70, micro_batch=1, steps=2, seed=5, data_seed=6,
+                    options=_opts(vocab=16, heads=1, d=8, seq_len=4, max_grad_norm=0.01))),
     # -- low-precision accumulation (broken_lowprec.py) ---------------------------------------------------------
     PlantedBug("half_model", "fp16 model (`.half()`): `.grad` accumulates in fp16",
                broken_lowprec.half_model, Gate.LONG_WINDOW,
@@ -205,19 +221,22 @@ PLANTED: tuple[PlantedBug, ...] = (
                broken_lowprec.low_precision_grad, Gate.LONG_WINDOW,
                r"bf16, N=256: \[equivalence\] gradient \(step 0\) of '[\w.]+': accumulation error",
                Case(accum_steps=256, micro_batch=1, steps=1, options=LONG, seed=3, data_seed=4), slow=True),
-    # -- the overflow path (broken_overflow.py): args (micro-step, rank) of the injected overflow --------------
+    # -- the overflow path (broken_overflow.py): args (micro-step, rank) of the injected overflow; the message
+    # names the window and rank that went wrong, and where the overflow was injected
     PlantedBug("skip_decided_on_one_rank", "the overflow skip decided on rank 0 alone",
                broken_overflow.skip_decided_on_one_rank, Gate.OVERFLOW,
-               r"rank 1, window 0: parameter", OVERFLOW.replace(world=2), (1, 1)),
+               r"rank 1, window 0: parameter(?s:.*)overflows in micro-step 1 of 3 on rank 1 of 2",
+               OVERFLOW.replace(world=2), (1, 1)),
     PlantedBug("skip_only_overflowing_micro", "only the overflowing micro-step dropped",
                broken_overflow.skip_only_overflowing_micro, Gate.OVERFLOW,
-               r"rank 0, window 0: parameter", OVERFLOW, (1, 0)),
+               r"rank 0, window 0: parameter(?s:.*)overflows in micro-step 1 of 3 on rank 0 of 1", OVERFLOW, (1, 0)),
     PlantedBug("scaler_update_every_micro", "the loss scale updated every micro-step",
                broken_overflow.scaler_update_every_micro, Gate.OVERFLOW,
-               r"rank 0, window 0: loss scale 128 after the window, the big batch's 512", OVERFLOW, (0, 0)),
+               r"rank 0, window 0: loss scale 128 after the window, the big batch's 512(?s:.*)"
+               r"overflows in micro-step 0 of 3 on rank 0 of 1", OVERFLOW, (0, 0)),
     PlantedBug("nan_to_num_before_check", "inf / NaN zeroed before the scaler's check",
                broken_overflow.nan_to_num_before_check, Gate.OVERFLOW,
-               r"rank 0, window 0: parameter", OVERFLOW, (2, 0)),
+               r"rank 0, window 0: parameter(?s:.*)overflows in micro-step 2 of 3 on rank 0 of 1", OVERFLOW, (2, 0)),
     # -- the token mean and empty windows (broken_tokens.py) ---------------------------------------------------
     PlantedBug("all_positions", "÷ every target position, padding included",
                broken_tokens.all_positions, Gate.TOKEN_MEAN, r"additivity|padding", TOKEN_WINDOWS),
@@ -255,6 +274,55 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("eager_dp", "the dp all-reduce on every micro-step", broken_mesh.tp_eager_dp, Gate.BOUNDARY_ONLY,
                r"axis dp .*count table row 'dp: boundary-only' expects none, observed all_reduce×\d",
                PIPE.replace(pipeline_chunks=1, world=2, mesh=Mesh(dp=2))),
+    # -- the project's tests' own trainers (tests/helpers/, by reference): small MLPs and framework recipes ---
+    PlantedBug("off_by_1e5", "accumulation 1e-5 off, loss_precision declared",
+               "tests.helpers.calib_adapters:off_by_1e5", Gate.EQUIVALENCE, _EQ,
+               Case(accum_steps=3, micro_batch=2, steps=1)),
+    PlantedBug("per_rank_undeclared", "Accelerate's scheduler stepped per rank, undeclared",
+               "tests.helpers.calib_adapters:per_rank_undeclared", Gate.DP_EQUIVALENCE,
+               r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
+               Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)),
+    PlantedBug("per_rank_unemulated", "the same, declared, its reference ignoring Spec.schedule_world",
+               "tests.helpers.calib_adapters:per_rank_unemulated", Gate.DP_EQUIVALENCE,
+               r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
+               Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)),
+    PlantedBug("count_reduced_undeclared", "the token count all-reduced every micro-step, undeclared",
+               "tests.helpers.count_adapters:undeclared", Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of 3: 1 collective\(s\) before the boundary: \S+:all_?reduce int64 \[1\]", COUNTED),
+    PlantedBug("declared_at_world_1_only", "the same, declared for world 1 only",
+               "tests.helpers.count_adapters:declared_at_world_1_only", Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of 3: 1 collective\(s\) before the boundary", COUNTED),
+    PlantedBug("logs_each_micro_loss", "N scalar all-reduces at the boundary",
+               "tests.helpers.count_adapters:logs_each_micro_loss", Gate.BYTES_PER_STEP,
+               r"rank 0 \(float32 run\), step 0: the boundary moves \d+ B in 4 gradient collective\(s\) at N=3, \d+ B "
+               r"in 2 at N=1", COUNTED.replace(steps=1, lengths=COUNTED.lengths[:6])),
+    PlantedBug("local_clean", "ranks ≥ 1 zero their own inf before the all-reduce",
+               "tests.helpers.overflow_adapters:local_clean", Gate.OVERFLOW,
+               r"rank 0, window 0: parameter '0.weight' changed",
+               Case(accum_steps=3, micro_batch=2, steps=2, world=2, precision="fp16"), (1, 1)),
+    PlantedBug("pull_times_n", "a framework-owned loop without the 1/N, clipping on",
+               "tests.helpers.pull_loops:times_n", Gate.EQUIVALENCE, r"(loss|gradient).*accumulation error 3",
+               Case(accum_steps=4, micro_batch=2, steps=1)),
+    PlantedBug("hf_per_micro_batch_mean", "HF Trainer before 4.46: each micro-batch's token mean ÷ N",
+               "tests.helpers.framework_bugs:hf_per_micro_batch_mean", Gate.EQUIVALENCE, r"(loss|gradient)",
+               Case(accum_steps=2, micro_batch=1, steps=1, lengths=(8, 2)), needs="transformers"),
+    PlantedBug("lightning_over_n_twice", "Lightning: the loss ÷ accumulate_grad_batches by hand too",
+               "tests.helpers.framework_bugs:lightning_over_n_twice", Gate.EQUIVALENCE,
+               r"(loss|gradient).*accumulation error 6\.6", Case(accum_steps=3, micro_batch=2, steps=2),
+               needs="lightning"),
+    # -- tensor parallel (broken_tp.py: examples/tensor_parallel.py's trainer, one normaliser changed) ----------
+    PlantedBug("shard_local_count", "loss ÷ the targets in this tp rank's class shard (Megatron #7513 class)",
+               broken_tp.shard_local_count, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=2, chunks=1, outer=3: replica 0, stage 0: tp ranks 0 and 1 (return different "
+               r"losses|disagree)", TP),
+    PlantedBug("loss_times_tp", "the loss × the tp size (transformers #39648)",
+               broken_tp.loss_times_tp, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=2, chunks=1, outer=3: gradient \(step 0\) of '\d\.\w+': accumulation error 1\.0", TP),
+    # the default group spans the tp axis here (dp=1): the boundary's extra reductions are tp's (at dp > 1: no axis's)
+    PlantedBug("boundary_over_world", "the boundary all-reduce over every rank, tp included (torchtitan #3412 class)",
+               broken_tp.boundary_over_world, Gate.BOUNDARY_ONLY,
+               r"mesh dp=1 pp=1 tp=2, .*axis tp .*step 0, boundary .*count table row 'Colwise/Rowwise \+ loss parallel' "
+               r"expects all_reduce×5, observed all_reduce×11", TP),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}
