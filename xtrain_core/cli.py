@@ -27,6 +27,9 @@ def positive_float(text: str) -> float:
     return v
 
 
+CHUNK = 1 << 20  # bytes read at a time from a --data/--docs file: its size never sets the memory a check takes
+
+
 def text_file(flag: str, path: str) -> None:
     """UsageError unless `path` is a regular, readable, UTF-8 text file (one line naming the flag)."""
     import os
@@ -38,11 +41,18 @@ def text_file(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: no such file; {fix}")
     if not os.path.isfile(path):
         raise UsageError(f"{flag} {path}: not a regular file; {fix}")
-    try:
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    try:  # in chunks: a file of any size is checked in bounded memory (xtrain_core/data.py streams it too)
         with open(path, "rb") as f:
-            f.read().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{flag} {path}: not UTF-8 text (byte {e.start}); {fix}") from None
+            while chunk := f.read(CHUNK):
+                decoder.decode(chunk)
+                offset += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as e:  # e.start counts from the bytes the decoder still held, not the chunk
+        held = len(e.object) - len(chunk)
+        raise UsageError(f"{flag} {path}: not UTF-8 text (byte {offset - held + e.start}); {fix}") from None
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot read it ({e.strerror}); {fix}") from None
 

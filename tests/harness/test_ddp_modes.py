@@ -2,12 +2,14 @@
 data-parallel gates against its own count table row, the planted bugs are rejected naming the row, and
 what the installed torch does where upstream reports say DDP misbehaves (static_graph + no_sync, a
 compiled DDP module + no_sync, find_unused + no_sync with an unused set that changes per micro-step)."""
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verify.adapters import ddp_modes
+from verify.adapters import ddp_modes, planted
 from verify.adapters.ddp_modes import MODES, P_MLP, P_ROUTER, Router
 from verify.case import Case, shard
 from verify.gates import GateFailure, check_distributed
@@ -66,21 +68,23 @@ def test_every_mode_declares_its_row():
 
 # -- planted bugs ---------------------------------------------------------------------------------
 
+ROW_BUGS = [b.name for b in planted.of_gate("boundary-only", module="ddp_modes")]  # each message names its row
+
 @needs_2
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "compiled" in n else n  # torch.compile: ~5 s
-                                  for n in sorted(ddp_modes.BROKEN)])
+                                  for n in ROW_BUGS])
 @settings(max_examples=budget(50, 2), deadline=None)
 @given(data=st.data())
 def test_rejects_broken(name, data):
     """no_sync around backward only (find_unused, compiled: every micro-step syncs) and find_unused
     checked against bucket_view's row (its int32 bitmap undeclared): rejected, naming the row."""
-    adapter, row = ddp_modes.BROKEN[name]
+    adapter, pattern = planted.BY_NAME[name].adapter, planted.BY_NAME[name].pattern
     worlds = dict(min_world=WORLDS["min_world"], max_world=WORLDS["min_world"]) if "compiled" in name else WORLDS
     case = data.draw(dist_cases(adapter, **worlds, min_accum=2, max_accum=4, max_steps=2))  # compiled: one world
     with pytest.raises(GateFailure) as e:
         check_distributed(adapter, case)
     msg = str(e.value)
-    assert "count table row" in msg and f"'{row}'" in msg, msg
+    assert re.search(pattern, msg), msg  # names the count table row
     if name.endswith("backward_only"):
         assert "micro-step 0 of" in msg and "before the boundary" in msg and "all_reduce float32" in msg, msg
     elif name == "bucket_view_ignores_head_bias":  # the counts match: the element bound alone rejects it

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verify.adapters import broken_dist, xtrain
+from verify.adapters import broken_dist, planted, xtrain
 from verify.adapters.xtrain import XtrainOptions
 from verify.case import Case
 from verify.gates import GateFailure, check_boundary_only, check_dist_equivalence, check_distributed, run_distributed
@@ -63,13 +63,14 @@ def test_world1_is_the_single_process_path(data):
 # -- the gates must reject broken trainers --------------------------------------------------------
 
 @needs_2
-@pytest.mark.parametrize("name", sorted(broken_dist.BROKEN_DIST))
+@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("boundary-only", "data-parallel equivalence",
+                                                                   module="broken_dist") if "fsdp2" not in b.name])
 @settings(max_examples=budget(30, 3), deadline=None)
 @given(data=st.data())
 def test_rejects_broken(name, data):
     """Every drawn case with N ≥ 2 and W ≥ 2 is rejected, and the message names the micro-step and the
     collective."""
-    adapter, pattern = broken_dist.BROKEN_DIST[name]
+    adapter, pattern = planted.BY_NAME[name].adapter, planted.BY_NAME[name].pattern
     case = data.draw(dist_cases(adapter, **BROKEN_WORLDS, min_accum=2, max_accum=5))
     with pytest.raises(GateFailure) as e:
         check_distributed(adapter, case)

@@ -5,7 +5,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from verify.adapters import broken_numerics as bn
-from verify.adapters import xtrain
+from verify.adapters import planted, xtrain
 from verify.case import Case
 from verify.gates import GateFailure, check_distributed, check_equivalence
 from verify.gates.distributed import max_world
@@ -70,13 +70,13 @@ def _ranks_uneven(case) -> bool:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", sorted(bn.TOKEN_BROKEN))
+@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("split invariance")])
 @settings(max_examples=budget(30, 3), deadline=None)
 @given(data=st.data())
 def test_split_invariance_rejects_broken_token_weighting(name, data):
     """Each bug agrees with the big batch while every block of rows holds as many valid tokens as every
     other: on windows whose rows differ it must be rejected, naming the split."""
-    adapter = bn.TOKEN_BROKEN[name]
+    adapter = planted.BY_NAME[name].adapter
     case = data.draw(cases(adapter, min_accum=2, max_accum=4, max_micro_batch=2, max_steps=1, padded=True))
     assume(_uneven(case))
     if name == "per_rank_mean":  # visible only where some split gives the ranks different token counts

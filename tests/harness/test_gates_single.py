@@ -4,24 +4,23 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from verify.adapters import broken, xtrain
+from verify.adapters import broken, planted, xtrain
 from verify.adapters.xtrain import XtrainOptions
 from verify.case import Case
 from verify.gates import GateFailure, GateSkipped, check_bit_exact, check_equivalence
 from verify.protocol import Adapter
 from verify.strategies import cases
-from verify.verdict import Gate
 from xtrain_core.config import ModelConfig, OptimConfig
 
 SMALL = ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16)
 
 
-@pytest.mark.parametrize("name", [n for n, (_, g) in sorted(broken.BROKEN.items()) if g is Gate.EQUIVALENCE])
+@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("equivalence", module="broken")])
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_equivalence_rejects(name, data):
     """Every drawn case with N ≥ 2 (where these bugs exist) must be rejected."""
-    adapter = broken.BROKEN[name][0]
+    adapter = planted.BY_NAME[name].adapter
     case = data.draw(cases(adapter, min_accum=2, max_accum=6))
     if name == "scheduler_step_every_micro" and case.options.optim.warmup_steps < 2:
         # warm-up over 0 or 1 steps is a constant LR: the bug needs a schedule that moves to exist

@@ -3,7 +3,7 @@ micro-steps are rejected, naming the precision and N; fp32 main gradients under 
 import pytest
 
 from verify.adapters import broken_lowprec as bl
-from verify.adapters import xtrain
+from verify.adapters import planted, xtrain
 from verify.case import Case
 from verify.gates import GateFailure, check_equivalence
 from verify.gates.windows import check_long_window
@@ -19,7 +19,7 @@ TINY = xtrain.XtrainOptions(model=ModelConfig(vocab_size=16, seq_len=8, n_layer=
 @pytest.mark.parametrize("name, precision, dtype", [("half_model", "fp16", "torch.float16"),
                                                     ("bf16_params", "bf16", "torch.bfloat16")])
 def test_low_precision_parameters_are_rejected_in_their_precision_only(name, precision, dtype):
-    adapter = bl.LOWPREC_BROKEN[name]
+    adapter = planted.BY_NAME[name].adapter
     case = Case(accum_steps=4, micro_batch=1, steps=1, options=TINY, precision=precision, seed=1, data_seed=2)
     with pytest.raises(GateFailure, match=rf"^\[long window\] {precision}, N=4: \[equivalence\] gradient \(step 0\) of "
                                           rf"'[\w.]+' is {dtype} at the boundary of 4 micro-steps"):

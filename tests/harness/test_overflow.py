@@ -5,8 +5,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import overflow_adapters as oa
-from verify.adapters import broken_overflow as bo
-from verify.adapters import xtrain
+from verify.adapters import planted, xtrain
 from verify.case import Case
 from verify.gates import GateFailure, GateSkipped
 from verify.gates.distributed import max_world
@@ -49,7 +48,7 @@ def test_other_xtrain_fp16_trainers_pass_at_two_ranks(adapter):
 ])
 def test_every_planted_overflow_bug_is_rejected_naming_window_and_rank(name, world, micro, rank, says):
     with pytest.raises(GateFailure) as e:
-        check_overflow(bo.OVERFLOW_BROKEN[name], _case(W=world), micro, rank)
+        check_overflow(planted.BY_NAME[name].adapter, _case(W=world), micro, rank)
     assert e.value.gate == "overflow" and says in str(e.value), str(e.value)
     assert f"overflows in micro-step {micro} of 3 on rank {rank} of {world}" in str(e.value)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import verify
 from tests.helpers import count_adapters as _ca
 from verify.adapters import broken_tokens as bt
-from verify.adapters import xtrain
+from verify.adapters import planted, xtrain
 from verify.case import Case
 from verify.gates.windows import LONG_N
 from verify.gates import GateFailure, GateSkipped, check_empty_window, check_token_mean
@@ -78,11 +78,11 @@ def _exists(name, case) -> bool:
     return True  # empty_div_by_zero: 0/0 on every empty window
 
 
-@pytest.mark.parametrize("name", sorted(bt.TOKENS_BROKEN))
+@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("token mean", "empty window")])
 @settings(max_examples=budget(10, 3), deadline=None)
 @given(data=st.data())
 def test_planted_token_bugs_are_rejected_by_their_gate(name, data):
-    adapter, gate = bt.TOKENS_BROKEN[name]
+    adapter, gate = planted.BY_NAME[name].adapter, planted.BY_NAME[name].gate
     case = data.draw(_token_cases(adapter))
     assume(_exists(name, case))
     check = check_token_mean if gate is Gate.TOKEN_MEAN else check_empty_window
@@ -95,7 +95,7 @@ def test_planted_token_bugs_are_rejected_by_their_gate(name, data):
 def test_the_wrong_counts_pass_every_split_the_other_gates_try(name):
     """Why the token-mean gate exists: these counts are split-consistent, so split invariance (every (N, B)
     of the window against the trainer's own big batch) passes them on the very window that rejects them."""
-    adapter = bt.TOKENS_BROKEN[name][0]
+    adapter = planted.BY_NAME[name].adapter
     case = CASE.replace(accum_steps=2, micro_batch=3)
     check_split_invariance(adapter, case.replace(steps=1, lengths=case.lengths[:6]))
     with pytest.raises(GateFailure, match=r"^\[token mean\] additivity over windows A \(10 valid targets\) and B \(11\)"):

@@ -34,12 +34,12 @@ RAISES = {
         broken_numerics.per_micro_mean, Case(accum_steps=2, micro_batch=1, steps=1, lengths=(1, 4))),
     Gate.PARTIAL_SUMS: lambda: check_partial_sums(
         broken_numerics.doubling_buffer, Case(accum_steps=3, micro_batch=1, steps=1, options=TINY)),
-    Gate.LONG_WINDOW: lambda: check_long_window(broken_lowprec.LOWPREC_BROKEN["bf16_params"], Case(
+    Gate.LONG_WINDOW: lambda: check_long_window(broken_lowprec.bf16_params, Case(
         accum_steps=4, micro_batch=1, steps=1, options=TINY, precision="bf16", seed=1, data_seed=2)),
     Gate.TOKEN_MEAN: lambda: check_token_mean(broken_tokens.count_plus_one, PADDED),
     Gate.EMPTY_WINDOW: lambda: check_empty_window(broken_tokens.empty_stepped, PADDED),
     Gate.DETERMINISM: lambda: check_equivalence(calib_adapters.dropout, Case(accum_steps=1, micro_batch=2, steps=1)),
-    Gate.OVERFLOW: lambda: check_overflow(broken_overflow.OVERFLOW_BROKEN["skip_only_overflowing_micro"], Case(
+    Gate.OVERFLOW: lambda: check_overflow(broken_overflow.skip_only_overflowing_micro, Case(
         accum_steps=3, micro_batch=2, steps=2, precision="fp16", options=TINY), 1, 0),
     Gate.BOUNDARY_ONLY: lambda: check_distributed(
         broken_dist.all_reduce_every_micro, Case(accum_steps=2, micro_batch=1, steps=1, world=2, options=TINY)),

@@ -109,17 +109,26 @@ def test_a_trainer_that_is_not_a_gpt_end_to_end(tmp_path):
     assert "rows/s" in md and "no token rate is claimed" in md and "Not predicted: no memory model" in md
 
 
-@pytest.mark.slow
 def test_a_users_own_memory_model_is_judged(tmp_path):
-    """The predicted_peak hook, through the CLI: a user's adapter brings its own prediction (here 1 GiB for a
-    tiny MLP: absurd), the report names its mode and the rows, and the run exits 1."""
-    r = memory_cli("--effective-batch", "2", "--device", "cpu", "--steps", "1", "--threads", "1",
-                   "--trainer", "tests.helpers.memory_adapters:tiny_mlp_modelled", "--out", str(tmp_path))
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "(model) FAIL" in r.stdout and "predicted 1024.0 MiB" in r.stdout
-    pr = report_of(tmp_path, 2)["prediction"]
+    """The predicted_peak hook through the CLI's report path (flags -> plan -> report, rows synthetic: the
+    measurement itself is the end-to-end tests' business): a user's adapter brings its own prediction (1 GiB
+    for a tiny MLP: absurd), the report names its mode and the rows, and the verdict is FAIL (exit 1)."""
+    from verify.memory import report as memreport
+    from verify.memory.cli import _report, build_plan, parse_args
+    from tests.helpers.memory import rows
+
+    plan = build_plan(parse_args(["--effective-batch", "2", "--device", "cpu", "--out", str(tmp_path),
+                                  "--trainer", "tests.helpers.memory_adapters:tiny_mlp_modelled"]))
+    fields = dict(trainer_class="MLPTrainer", static_bytes=0, param_bytes=0, param_count=0, optim_state_bytes=0,
+                  step_ms=1.0, rows_s=1.0, step_s=[1.0], losses=[0.0])
+    measured = [dict(r, **fields) for r in rows({(1, 2): 30, (2, 1): 20, (1, 1): 18})]
+    rep = _report(plan, [measured], [], 0.0)
+    pr = rep["prediction"]
     assert (pr["mode"], pr["verdict"], pr["quantity"]) == ("one GiB", "FAIL", "a fixed guess")
-    assert "Mode **one GiB** (tests/helpers/memory_adapters.py)." in (tmp_path / "memory-E2.md").read_text()
+    assert pr["rows"][0] == "rank 0: N=1,B=2 measured 30.0 MiB / predicted 1024.0 MiB = 0.03"
+    assert rep["verdict"] == "FAIL" and memreport.EXIT_CODES[rep["verdict"]] == 1
+    assert "(model) FAIL" in memreport.text_table(rep)
+    assert "Mode **one GiB** (tests/helpers/memory_adapters.py)." in memreport.render_md(rep)
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -1,7 +1,7 @@
 """Deliberately broken trainers. Each reproduces a bug users hit; the gates must reject every one.
 
-They subclass xtrain's AccumTrainer and change one thing, so a rejection can only be caused by that
-one thing. Each is an adapter (xtrain's data and options, this factory) at module level, so rank pools
+They subclass xtrain's AccumTrainer and change one thing, one hook of the micro-step template
+(template.py), so a rejection can only be caused by that one thing. Each is an adapter (xtrain's data and options, this factory) at module level, so rank pools
 can import it by name.
 """
 from __future__ import annotations
@@ -12,54 +12,48 @@ import torch.nn.functional as F
 
 from xtrain_core.trainer import AccumTrainer
 
-from ..verdict import Gate
 from . import xtrain
+from .template import Planted
 
 
 class MissingScale(AccumTrainer):
     """Backward of the raw micro loss: the boundary gradient is N× the big-batch mean."""
 
-    def micro_step(self, idx, targets, micro):
-        loss = self.model.loss_batched(idx, targets)
-        self._raw_sum = loss.detach() if micro == 0 else self._raw_sum + loss.detach()
-        loss.backward()
-        self._next_micro = micro + 1
+    def _objective(self, forward_mean, *a, **k):
+        raw = []  # the trainer's bookkeeping as usual; what it backwards is the raw loss its forward returned
+        super()._objective(lambda idx, targets: raw.append(forward_mean(idx, targets)) or raw[-1], *a, **k)
+        return raw[0]
 
 
-class ZeroGradInLoop(AccumTrainer):
+class ZeroGradInLoop(Planted, AccumTrainer):
     """zero_grad at the start of every micro-step: only the last micro-batch survives."""
 
-    def micro_step(self, idx, targets, micro):
+    def before(self, idx, targets, micro):
         self.opt.zero_grad(set_to_none=True)
-        super().micro_step(idx, targets, micro)
 
 
-class StepEveryMicro(AccumTrainer):
+class StepEveryMicro(Planted, AccumTrainer):
     """optimizer.step() (and zero_grad) after every micro-step: N updates per 'step'."""
 
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
-        if micro < self.accum_steps - 1:
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+    def between(self, micro):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
 
-class SchedulerEveryMicro(AccumTrainer):
+class SchedulerEveryMicro(Planted, AccumTrainer):
     """LR scheduler stepped per micro-step: warm-up runs N× too fast."""
 
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
-        if micro < self.accum_steps - 1:
-            with warnings.catch_warnings():  # torch warns when sched.step() precedes opt.step(): that's the bug
-                warnings.simplefilter("ignore", UserWarning)
-                self.sched.step()
+    def between(self, micro):
+        with warnings.catch_warnings():  # torch warns when sched.step() precedes opt.step(): that's the bug
+            warnings.simplefilter("ignore", UserWarning)
+            self.sched.step()
 
 
 class N1OtherReduction(AccumTrainer):
     """N == 1 path that reduces differently: backward of the SUM over the B·S rows, the gradient divided
     by B·S at the boundary (the token-weighted recipe). Equal in exact arithmetic; in floating point the
     division happens after the backward instead of inside it, so gradients round differently whenever
-    B·S is not a power of two."""
+    B·S is not a power of two. (Its own micro-step: at N == 1 it is a different reduction, not a hook.)"""
 
     def micro_step(self, idx, targets, micro):
         if self.accum_steps != 1:
@@ -77,21 +71,17 @@ class N1OtherReduction(AccumTrainer):
 class N1ScaledByOne(AccumTrainer):
     """Always multiplies by 1/N, even at N == 1 (x * 1.0 is bit-exact: this one must PASS)."""
 
-    def micro_step(self, idx, targets, micro):
-        loss = self.model.loss_batched(idx, targets)
-        self._raw_sum = loss.detach() if micro == 0 else self._raw_sum + loss.detach()
-        (loss * (1.0 / self.accum_steps)).backward()
-        self._next_micro = micro + 1
+    def _backward(self, objective):
+        super()._backward(objective * (1.0 / self.accum_steps) if self.accum_steps == 1 else objective)
 
 
-class WritesIntoTargets(AccumTrainer):
+class WritesIntoTargets(Planted, AccumTrainer):
     """Masks the first target of every sequence IN PLACE (`targets[:, 0] = -100`, "skip the BOS token")
     before its loss. Whoever reads that batch next sees the edit: before the harness handed each call its
     own copy, the plain reference read the edited storage too, and the bit-exact gate passed."""
 
-    def micro_step(self, idx, targets, micro):
+    def before(self, idx, targets, micro):
         targets[:, 0] = -100
-        super().micro_step(idx, targets, micro)
 
 
 def _adapter(cls):  # fp32: these bugs are about accumulation arithmetic, and override the scaled backward
@@ -105,16 +95,7 @@ scheduler_step_every_micro = _adapter(SchedulerEveryMicro)
 n1_different_reduction = _adapter(N1OtherReduction)
 writes_into_targets = _adapter(WritesIntoTargets)
 scaled_by_one = _adapter(N1ScaledByOne)
-
-# name -> (adapter, the gate that must reject it). scaled_by_one is the control: harmless, must pass.
-BROKEN = {
-    "missing_1_over_N": (missing_1_over_N, Gate.EQUIVALENCE),
-    "zero_grad_in_micro_loop": (zero_grad_in_micro_loop, Gate.EQUIVALENCE),
-    "optimizer_step_every_micro": (optimizer_step_every_micro, Gate.EQUIVALENCE),
-    "scheduler_step_every_micro": (scheduler_step_every_micro, Gate.EQUIVALENCE),
-    "n1_different_reduction": (n1_different_reduction, Gate.BIT_EXACT),
-    "writes_into_targets": (writes_into_targets, Gate.BIT_EXACT),
-}
+# Which gate must reject each, and on what case: planted.py (scaled_by_one is a control: it must pass).
 
 
 # -- memory bugs: numerically correct (they pass the equivalence gates), caught by verify.memory ----------
@@ -128,13 +109,9 @@ class LeakyGraph(AccumTrainer):
         super().__init__(*a, **k)
         self._kept = []
 
-    def micro_step(self, idx, targets, micro):
-        n = self.accum_steps
-        loss = self.model.loss_batched(idx, targets)
-        self._raw_sum = loss.detach() if micro == 0 else self._raw_sum + loss.detach()
-        (loss if n == 1 else loss * (1.0 / n)).backward(retain_graph=True)
-        self._kept.append(loss)
-        self._next_micro = micro + 1
+    def _backward(self, objective):
+        objective.backward(retain_graph=True)
+        self._kept.append(objective)
 
     def optimizer_step(self):
         out = super().optimizer_step()
@@ -144,5 +121,5 @@ class LeakyGraph(AccumTrainer):
 
 leaky_graph = _adapter(LeakyGraph)
 
-# name -> adapter; verify.memory --trainer NAME measures one, and must exit 1 on it.
+# name -> adapter: the names `verify.memory --trainer NAME` accepts (it must exit 1 on each; planted.py).
 MEMORY_BROKEN = {"leaky_graph": leaky_graph}

@@ -16,14 +16,14 @@ import torch.distributed as dist
 from xtrain_core.distributed import DistAccumTrainer, TorchDDPTrainer
 
 from . import xtrain
+from .template import Planted, SyncSwitch
 
 
-class _OverSync(DistAccumTrainer):
+class _OverSync(Planted, DistAccumTrainer):
     """Correct boundary, plus an extra all-reduce + /W of the gradient buffer after micro-steps 0..N-2."""
 
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
-        if self.world > 1 and micro < self.accum_steps - 1:
+    def between(self, micro):
+        if self.world > 1:
             grads = self.flat[:self.numel]
             self._reduce(grads)
             grads.div_(self.world)
@@ -96,50 +96,40 @@ class ReduceSomeParams(DistAccumTrainer):
             p.grad.div_(self.world)
 
 
-class DDPSyncFlagAfterForward(TorchDDPTrainer):
+class DDPSyncFlagAfterForward(SyncSwitch, TorchDDPTrainer):
     """build-nanogpt PR #30: `require_backward_grad_sync = micro == last` set between forward and
     backward. DDP arms its reducer at FORWARD, from the flag's previous value: micro-step 0 syncs, the
     last one does not."""
 
-    def micro_step(self, idx, targets, micro):
-        self._enter(micro)
-        n = self.accum_steps
-        loss = self._objective(self._forward_mean, self._forward_sum, idx, targets, micro, alone=self.world == 1)
-        self.ddp.require_backward_grad_sync = micro == n - 1  # too late: the forward already decided
-        self._backward(loss)
-        self._next_micro = micro + 1
+    def switch(self, micro, at):
+        if at == "backward":  # too late: the forward already decided
+            self.ddp.require_backward_grad_sync = micro == self.accum_steps - 1
 
 
-class DDPNoSyncAroundBackwardOnly(TorchDDPTrainer):
+class DDPNoSyncAroundBackwardOnly(SyncSwitch, TorchDDPTrainer):
     """`with ddp.no_sync(): loss.backward()` with the forward outside: syncs every micro-step."""
 
-    def micro_step(self, idx, targets, micro):
-        self._enter(micro)
-        loss = self._objective(self._forward_mean, self._forward_sum, idx, targets, micro, alone=self.world == 1)
-        with self.ddp.no_sync() if micro < self.accum_steps - 1 else contextlib.nullcontext():
-            self._backward(loss)
-        self._next_micro = micro + 1
+    def backward_context(self, micro):
+        return self.ddp.no_sync() if micro < self.accum_steps - 1 else contextlib.nullcontext()
 
 
-class BroadcastParamsEveryMicro(DistAccumTrainer):
+class BroadcastParamsEveryMicro(Planted, DistAccumTrainer):
     """Re-broadcasts the parameters from rank 0 after every micro-step 0..N-2 ("keep ranks in sync, to
     be safe"). Numerically invisible (they are equal already) and a full model of traffic per micro-step;
     before the hole was closed a broadcast before the boundary was filed as "other" and passed."""
 
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
-        if self.world > 1 and micro < self.accum_steps - 1:
+    def between(self, micro):
+        if self.world > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.data, src=0, group=self.group)
 
 
-class IntViewChecksumEveryMicro(DistAccumTrainer):
+class IntViewChecksumEveryMicro(Planted, DistAccumTrainer):
     """All-reduces the gradient buffer's bytes viewed as int32 (a "checksum" of a copy, result discarded)
     after every micro-step 0..N-2. Numerically invisible; integer traffic used to be filed as metadata."""
 
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
-        if self.world > 1 and micro < self.accum_steps - 1:
+    def between(self, micro):
+        if self.world > 1:
             dist.all_reduce(self.flat[:self.numel].clone().view(torch.int32), group=self.group)
 
 
@@ -160,21 +150,7 @@ int_view_checksum_every_micro = _adapter(IntViewChecksumEveryMicro)
 ddp_sync_flag_after_forward = _adapter(DDPSyncFlagAfterForward, xtrain.torch_ddp)
 ddp_no_sync_around_backward_only = _adapter(DDPNoSyncAroundBackwardOnly, xtrain.torch_ddp)
 
-_BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
-# name -> (adapter, what the rejection message must contain: the micro-step and the collective)
-BROKEN_DIST = {
-    "all_reduce_every_micro_step": (all_reduce_every_micro, _BEFORE + r"\S+:all_reduce"),
-    "all_reduce_in_helper_thread": (all_reduce_in_helper_thread, _BEFORE + r".*all_reduce"),
-    "all_reduce_on_backend_object": (all_reduce_on_backend_object, _BEFORE + r".*all_reduce"),
-    "all_reduce_on_private_group": (all_reduce_on_private_group, _BEFORE + r".*all_reduce.* process group [1-9]"),
-    "no_all_reduce": (no_all_reduce, r"boundary \(micro-step \d+ of \d+, .*\): no gradient all-reduce"),
-    "divide_by_world_twice": (divide_by_world_twice, r"gradient \(step 0\) of .*: accumulation error .* the boundary's collectives \(step 0, micro-step \d+ of \d+ .*\): \S+:all_reduce"),
-    "reduce_some_params": (reduce_some_params, r"boundary \(micro-step \d+ of \d+, .*\): gradient collectives cover \d+ of \d+ gradient elements"),
-    "broadcast_params_every_micro": (broadcast_params_every_micro, _BEFORE + r"\S+:broadcast float32"),
-    "int_view_checksum_every_micro": (int_view_checksum_every_micro, _BEFORE + r"\S+:all_reduce int32"),
-    "ddp_sync_flag_after_forward": (ddp_sync_flag_after_forward, _BEFORE + r"\S+:all_reduce"),
-    "ddp_no_sync_around_backward_only": (ddp_no_sync_around_backward_only, _BEFORE + r"\S+:all_reduce"),
-}
+# Which gate must reject each, and what its message must say: planted.py.
 
 
 # -- FSDP2 ------------------------------------------------------------------------------------------------
@@ -182,39 +158,29 @@ BROKEN_DIST = {
 from xtrain_core.fsdp import FSDP2Trainer  # noqa: E402
 
 
-class FSDP2SyncAlways(FSDP2Trainer):
+class FSDP2SyncAlways(SyncSwitch, FSDP2Trainer):
     """set_requires_gradient_sync never turned off: every micro-step reduce-scatters every unit."""
 
-    def micro_step(self, idx, targets, micro):
-        self._enter(micro)
-        self.model.set_requires_gradient_sync(True)
-        m = self.model
-        self._backward(self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1))
-        self._next_micro = micro + 1
+    def switch(self, micro, at):
+        if at == "forward":
+            self.model.set_requires_gradient_sync(True)
 
 
-class FSDP2SwitchAfterForward(FSDP2Trainer):
+class FSDP2SwitchAfterForward(SyncSwitch, FSDP2Trainer):
     """The sync switch set between forward and backward (the build-nanogpt placement)."""
 
-    def micro_step(self, idx, targets, micro):
-        self._enter(micro)
-        m = self.model
-        objective = self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1)
-        self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
-        self._backward(objective)
-        self._next_micro = micro + 1
+    def switch(self, micro, at):
+        if at == "backward":
+            self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
 
 
-class FSDP2SwitchAfterBackward(FSDP2Trainer):
+class FSDP2SwitchAfterBackward(SyncSwitch, FSDP2Trainer):
     """The sync switch set AFTER the backward it was meant for: each micro-step runs with the previous
     one's setting (micro-step 0 with FSDP2's default, sync on; the boundary with sync off)."""
 
-    def micro_step(self, idx, targets, micro):
-        self._enter(micro)
-        m = self.model
-        self._backward(self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1))
-        self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
-        self._next_micro = micro + 1
+    def switch(self, micro, at):
+        if at == "after":
+            self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
 
 
 class FSDP2StepsEmptyWindows(FSDP2Trainer):

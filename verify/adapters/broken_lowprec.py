@@ -18,6 +18,7 @@ import torch
 from xtrain_core.trainer import AMP_DTYPES, AccumTrainer
 
 from . import xtrain
+from .template import Planted
 
 
 class LowPrecisionParams(AccumTrainer):
@@ -46,12 +47,11 @@ class LowPrecisionParams(AccumTrainer):
         return {k: g / self.static for k, g in super().partial_grads().items()}
 
 
-class LowPrecisionGrad(AccumTrainer):
+class LowPrecisionGrad(Planted, AccumTrainer):
     """fp32 parameters and autocast, as xtrain; but in bf16 / fp16 `.grad` is rounded to that dtype after
     every micro-step: the running sum lives in 8 / 11 significant bits (a bf16 / fp16 accumulation buffer)."""
 
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
+    def after(self, micro):
         if self.precision in AMP_DTYPES:
             with torch.no_grad():
                 for g in self._grads_list():
@@ -70,5 +70,3 @@ half_model = xtrain.variant(HalfModel, xtrain.single)
 bf16_params = xtrain.variant(Bf16Params, xtrain.single)
 
 low_precision_grad = xtrain.variant(LowPrecisionGrad, xtrain.single)
-
-LOWPREC_BROKEN = {"half_model": half_model, "bf16_params": bf16_params, "low_precision_grad": low_precision_grad}

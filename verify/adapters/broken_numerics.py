@@ -28,6 +28,7 @@ from xtrain_core.distributed import DistAccumTrainer
 from xtrain_core.trainer import AccumTrainer
 
 from . import xtrain
+from .template import Planted
 
 
 # -- token weighting ---------------------------------------------------------------------------------
@@ -59,14 +60,13 @@ class CountFromFirstMicro(AccumTrainer):
         super()._normalize(self.accum_steps * self._first if tokens else tokens, ranks)
 
 
-class PerRankMean(DistAccumTrainer):
+class PerRankMean(Planted, DistAccumTrainer):
     """Each rank normalizes by its OWN window's token count, the boundary averages the ranks (/W):
     right only when every rank holds as many valid tokens as every other."""
 
-    def micro_step(self, idx, targets, micro):
+    def before(self, idx, targets, micro):
         if micro == self.accum_steps - 1 and self.world > 1:
             self._local_tokens = int((self._den if micro else 0)) + int((targets != -100).sum())
-        super().micro_step(idx, targets, micro)
 
     def _objective(self, *a, **k):
         total = super()._objective(*a, **k)
@@ -89,27 +89,24 @@ class PerRankMean(DistAccumTrainer):
 
 # -- mixed precision ---------------------------------------------------------------------------------
 
-class UnscaleUpdateEveryMicro(AccumTrainer):
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
-        if self.scaler is not None and micro < self.accum_steps - 1:
+class UnscaleUpdateEveryMicro(Planted, AccumTrainer):
+    def between(self, micro):
+        if self.scaler is not None:
             self.scaler.unscale_(self.opt)  # "check for overflow" each micro-step ...
             self.scaler.update()  # ... which needs an update() before the next unscale_()
 
 
-class ManualUnscaleEveryMicro(AccumTrainer):
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
-        if self.scaler is not None and micro < self.accum_steps - 1:
+class ManualUnscaleEveryMicro(Planted, AccumTrainer):
+    def between(self, micro):
+        if self.scaler is not None:
             torch._foreach_div_(self._grads_list(), self.scaler.get_scale())
 
 
-class Bf16AccumulationBuffer(AccumTrainer):
+class Bf16AccumulationBuffer(Planted, AccumTrainer):
     """Each micro-step's gradient is added into a bf16 buffer (8 significant bits): once the running sum
     is large next to one micro-step's share, additions round away, so the error grows with N."""
 
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
+    def after(self, micro):
         if self.precision != "bf16":
             return
         if micro == 0:
@@ -121,12 +118,11 @@ class Bf16AccumulationBuffer(AccumTrainer):
             p.grad = None if micro < self.accum_steps - 1 else self._buf[p].float()
 
 
-class SanitizeNonFinite(AccumTrainer):
+class SanitizeNonFinite(Planted, AccumTrainer):
     """nan_to_num on the gradient after every micro-step ("robustness"): an inf in micro-step 0 vanishes
     and the window is stepped, where it must be skipped whole."""
 
-    def micro_step(self, idx, targets, micro):
-        super().micro_step(idx, targets, micro)
+    def after(self, micro):
         with torch.no_grad():
             for g in self._grads_list():
                 torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
@@ -135,20 +131,15 @@ class SanitizeNonFinite(AccumTrainer):
 # -- long windows ------------------------------------------------------------------------------------
 
 class DropMicro63(AccumTrainer):
-    def micro_step(self, idx, targets, micro):
-        if self.accum_steps >= 64 and micro == 63:
-            self._enter(micro)
-            self._objective(self.model.loss_batched, self.model.loss_sum, idx, targets, micro, alone=True)
-            self._next_micro = micro + 1  # counted, never backwarded
-            return
-        super().micro_step(idx, targets, micro)
+    def _backward(self, objective):
+        if not (self.accum_steps >= 64 and self._next_micro == 63):  # micro-step 63: counted, never backwarded
+            super()._backward(objective)
 
 
-class DoublingBuffer(AccumTrainer):
-    def micro_step(self, idx, targets, micro):
+class DoublingBuffer(Planted, AccumTrainer):
+    def before(self, idx, targets, micro):
         if micro > 0:
             torch._foreach_mul_(self._grads_list(), 2.0)
-        super().micro_step(idx, targets, micro)
 
 
 def _adapter(cls, base=xtrain.single):
@@ -168,9 +159,6 @@ manual_unscale_every_micro = _adapter(ManualUnscaleEveryMicro)
 bf16_accumulation_buffer = _adapter(Bf16AccumulationBuffer)
 drop_micro_63 = _adapter(DropMicro63)
 doubling_buffer = _adapter(DoublingBuffer)
-
-TOKEN_BROKEN = {"per_micro_mean": per_micro_mean, "count_divided_twice": count_divided_twice,
-                "count_from_first_micro": count_from_first_micro, "per_rank_mean": per_rank_mean}
 
 
 # -- a poisoned window, for the fp16 "skip the whole step" check (xtrain-specific: it reaches into .grad) --

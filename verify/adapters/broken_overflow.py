@@ -19,10 +19,11 @@ from xtrain_core.distributed import DistAccumTrainer
 from xtrain_core.trainer import AccumTrainer
 
 from . import xtrain
+from .template import Planted
 from .broken_numerics import SanitizeNonFinite, unscale_update_every_micro
 
 __all__ = ["skip_decided_on_one_rank", "skip_only_overflowing_micro", "scaler_update_every_micro",
-           "nan_to_num_before_check", "OVERFLOW_BROKEN"]
+           "nan_to_num_before_check"]
 
 
 class SkipDecidedOnOneRank(DistAccumTrainer):
@@ -34,12 +35,14 @@ class SkipDecidedOnOneRank(DistAccumTrainer):
             torch.nan_to_num_(self.flat, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-class SkipOnlyOverflowingMicro(AccumTrainer):
+class SkipOnlyOverflowingMicro(Planted, AccumTrainer):
     """Each micro-step's backward is checked on its own: one that overflowed is undone, the window goes on."""
 
-    def micro_step(self, idx, targets, micro):
-        before = [g.clone() for g in self._grads_list()] if micro else None
-        super().micro_step(idx, targets, micro)
+    def before(self, idx, targets, micro):
+        self._kept = [g.clone() for g in self._grads_list()] if micro else None
+
+    def after(self, micro):
+        before = self._kept
         with torch.no_grad():
             if not all(bool(torch.isfinite(g).all()) for g in self._grads_list()):
                 for p in self.model.parameters():
@@ -59,8 +62,3 @@ skip_decided_on_one_rank = _adapter(SkipDecidedOnOneRank, xtrain.data_parallel)
 skip_only_overflowing_micro = _adapter(SkipOnlyOverflowingMicro, xtrain.single)
 scaler_update_every_micro = unscale_update_every_micro  # the same planted bug, already an adapter there
 nan_to_num_before_check = _adapter(NanToNumBeforeCheck, xtrain.single)
-
-OVERFLOW_BROKEN = {"skip_decided_on_one_rank": skip_decided_on_one_rank,
-                   "skip_only_overflowing_micro": skip_only_overflowing_micro,
-                   "scaler_update_every_micro": scaler_update_every_micro,
-                   "nan_to_num_before_check": nan_to_num_before_check}

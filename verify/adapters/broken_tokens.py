@@ -20,7 +20,6 @@ import torch
 from xtrain_core.model import IGNORE
 from xtrain_core.trainer import AccumTrainer
 
-from ..verdict import Gate
 from . import xtrain
 
 
@@ -96,12 +95,3 @@ count_plus_one = _adapter(CountPlusOne)
 sequences = _adapter(Sequences)
 empty_div_by_zero = _adapter(EmptyDivByZero)
 empty_stepped = _adapter(EmptyStepped)
-
-# name -> (adapter, the gate that must reject it)
-TOKENS_BROKEN = {
-    "all_positions": (all_positions, Gate.TOKEN_MEAN),
-    "count_plus_one": (count_plus_one, Gate.TOKEN_MEAN),
-    "sequences": (sequences, Gate.TOKEN_MEAN),
-    "empty_div_by_zero": (empty_div_by_zero, Gate.EMPTY_WINDOW),
-    "empty_stepped": (empty_stepped, Gate.EMPTY_WINDOW),
-}

@@ -49,7 +49,7 @@ Why each is built the way it is:
 * grads() reports a parameter whose grad is None (an expert nobody used) as zeros; the reference does
   the same, and AdamW skips it in both.
 
-Planted bugs: (BROKEN) the no_sync context around backward only, in the find_unused and compiled modes
+Planted bugs (registered in planted.py): the no_sync context around backward only, in the find_unused and compiled modes
 (DDP arms its reducer at forward: both sync every micro-step), and find_unused checked against
 bucket_view's row (the int32 bitmap undeclared), bucket_view with head.bias left out of DDP (every count
 right, the payload 1 element short: the row's element bound); a router that loses what an expert accumulated before
@@ -70,7 +70,7 @@ from ..data import regression
 from ..gates.counts import CountRow
 from ..protocol import DDP_EXPECTED, Adapter, Expected
 
-__all__ = ["MODES", "BROKEN", "MLP", "Router", "first_backward_under_no_sync", "compiled_graphs"]
+__all__ = ["MODES", "MLP", "Router", "first_backward_under_no_sync", "compiled_graphs"]
 
 FEATURES, HIDDEN = 8, 32
 P_MLP = FEATURES * HIDDEN + HIDDEN + HIDDEN + 1  # 321 parameter elements
@@ -308,13 +308,7 @@ bucket_view_ignores_head_bias = _adapter(
 router_drops_stale_expert = _adapter(
     RouterDropsStaleExpert, find_unused_row, (), "broken: router drops an expert's accumulated gradient")
 
-# name -> (adapter, the row its message must name)
-BROKEN = {
-    "find_unused_sync_around_backward_only": (find_unused_sync_around_backward_only, "find_unused"),
-    "compiled_sync_around_backward_only": (compiled_sync_around_backward_only, "compiled"),
-    "find_unused_with_plain_row": (find_unused_with_plain_row, "bucket_view"),
-    "bucket_view_ignores_head_bias": (bucket_view_ignores_head_bias, "bucket_view"),
-}
+# Which gate must reject each, and what its message must say (the row): planted.py.
 
 
 # -- jobs the tests run on a rank pool -----------------------------------------------------------

@@ -22,9 +22,9 @@ GPU runner, the sweeps), `probes`, `invariants`, `prediction` (the adapter's pre
 `PeakQuery` -> `Prediction`, judged by the ratio), `anchor` (a reference measurement beside ours),
 `report` (assembly, md/png/text), `plot`, `timing`, `_zygote` (the CPU fork server), `cli` (the command
 line, extended by a trainer family's `Wing`): none knows a trainer. `__main__` runs the CLI with xtrain's
-wing (default trainer and short names, --model/--seq-len, the H200 anchor); xtrain's memory model is verify/adapters/xtrain_memory.py, the memory-modes study
-benchmarks/memory_modes.py. Importing this package imports neither torch nor matplotlib; the probe
-classes load on first use.
+wing (default trainer and short names, --model/--seq-len, the H200 anchor); xtrain's memory model is
+verify/adapters/xtrain_memory.py, the memory-modes study benchmarks/memory_modes.py. Importing this package
+imports neither torch nor matplotlib; the probe classes load on first use.
 """
 from __future__ import annotations
 

@@ -244,7 +244,8 @@ def build_plan(args, wing: Wing | None = None) -> Plan:
         adapter.locate()  # the CPU probe processes import it by this reference
     except AdapterError as e:
         raise UsageError(str(e)) from None
-    options, model = wing.options(adapter, args, device.type == "cuda", flag) if wing.options else (adapter.defaults, None)
+    options, model = (wing.options(adapter, args, device.type == "cuda", flag) if wing.options
+                      else (adapter.defaults, None))
     if device.type == "cpu":
         try:
             pickle.dumps(options)

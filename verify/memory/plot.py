@@ -1,5 +1,6 @@
 """The figures of verify.memory: peak vs N for one run (`peaks_figure`), and `to_png` (the memory-modes
-study's figure, benchmarks/memory_modes_report.py, uses the same layout). matplotlib is imported here only, so the reports render without it.
+study's figure, benchmarks/memory_modes_report.py, uses the same layout). matplotlib is imported here only,
+so the reports render without it.
 
 Layout rule for every panel: the legend never sits on the axes. One legend for the whole figure goes
 below the panels (labels wrapped to a width), so it can neither cover a point (N = 1 is where the peaks

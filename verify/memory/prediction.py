@@ -106,7 +106,7 @@ def add_predictions(report: dict, plan) -> None:
     mode, inputs, the quantity predicted, verdict (FAIL only for an absurd ratio, see ABSURD)."""
     from .invariants import tolerance
 
-    claim = "measured/predicted within the absurd bounds " + f"[{ABSURD[0]}, {ABSURD[1]}] (reported, not judged inside them)"
+    claim = f"measured/predicted within the absurd bounds [{ABSURD[0]}, {ABSURD[1]}] (reported, not judged inside them)"
     for c in report["configs"]:
         c.update(predicted_bytes=None, predicted_terms=None)
         for x in c["ranks"]:

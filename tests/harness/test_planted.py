@@ -1,0 +1,63 @@
+"""The one registry of planted bugs (verify/adapters/planted.py): every entry is rejected by its gate, on
+its case, with its message; every planted adapter of verify/adapters/ is in it (or a named control); and
+docs/design.md §4 carries its table as the registry draws it."""
+import re
+from pathlib import Path
+
+import pytest
+
+from verify.adapters import broken, broken_dist, broken_lowprec, broken_numerics, broken_overflow, broken_tokens
+from verify.adapters import ddp_modes, planted
+from verify.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence,
+                          check_overflow, check_token_mean)
+from verify.gates.distributed import max_world
+from verify.gates.windows import check_long_window, check_partial_sums, check_split_invariance
+from verify.protocol import Adapter
+from verify.verdict import Gate
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.BIT_EXACT: check_bit_exact, Gate.PARTIAL_SUMS: check_partial_sums,
+       Gate.SPLIT_INVARIANCE: lambda a, case, w: check_split_invariance(a, case, max_world=w),
+       Gate.LONG_WINDOW: check_long_window, Gate.TOKEN_MEAN: check_token_mean, Gate.EMPTY_WINDOW: check_empty_window,
+       Gate.OVERFLOW: check_overflow, Gate.BOUNDARY_ONLY: check_distributed, Gate.DP_EQUIVALENCE: check_distributed}
+# harmless by design, and checked to pass where they are tested; compiled_runs_eager fails the trainer's own
+# guard (DistJobError), not a gate
+CONTROLS = {id(a) for a in (broken.scaled_by_one, broken_dist.fsdp2_switch_after_forward,
+                            ddp_modes.compiled_runs_eager)}
+
+
+def _param(b):
+    marks = [pytest.mark.slow] if b.slow else []
+    if b.case.world > 1 or b.adapter.process_group:
+        marks.append(pytest.mark.distributed)
+    if b.case.world > max_world():
+        marks.append(pytest.mark.skip(reason=f"needs world ≥ {b.case.world} (XTRAIN_DIST_MAX_WORLD / GPUs)"))
+    return pytest.param(b, id=b.name, marks=marks)
+
+
+@pytest.mark.parametrize("bug", [_param(b) for b in planted.PLANTED if b.gate in RUN])
+def test_its_gate_rejects_it(bug):
+    with pytest.raises(GateFailure) as e:
+        RUN[bug.gate](bug.adapter, bug.case, *bug.args)
+    msg = str(e.value)
+    assert e.value.gate is bug.gate and msg.startswith(f"[{bug.gate}]"), msg
+    assert re.search(bug.pattern, msg), msg
+
+
+def test_every_gate_of_the_registry_is_driven():
+    assert {b.gate for b in planted.PLANTED} - set(RUN) == {"memory"}  # tests/test_memory.py runs the CLI on it
+    assert all(b.case is not None for b in planted.PLANTED if b.gate in RUN)
+
+
+def test_every_planted_adapter_is_registered():
+    registered = {id(b.adapter) for b in planted.PLANTED}
+    modules = (broken, broken_dist, broken_lowprec, broken_numerics, broken_overflow, broken_tokens, ddp_modes)
+    missing = [f"{m.__name__}.{k}" for m in modules for k, a in vars(m).items()
+               if isinstance(a, Adapter) and a.name.startswith("broken") and id(a) not in registered
+               and id(a) not in CONTROLS]
+    assert not missing, f"planted bugs outside verify/adapters/planted.py: {missing}"
+
+
+def test_the_design_doc_carries_the_registry_table():
+    doc = (ROOT / "docs" / "design.md").read_text()
+    assert planted.table() in doc, "docs/design.md §4: paste verify.adapters.planted.table() in place of the old table"
