@@ -7,7 +7,8 @@ schedule runs chunks = N/outer micro-batches per schedule.step, outer times, gra
 steps (scale_grads=False, each micro loss / N: examples/pipeline_schedule.py's recipe). outer = 1 is the
 schedule without outer accumulation. An MLP of --layers Linear+Tanh, half on each rank, float32.
 
-Per rank: the median step time (wall, after a barrier, over --steps measured optimizer steps) and the peak
+Per rank: the median step time (wall, after a barrier, over --steps measured optimizer steps), its CPU time
+(time.process_time: the work, which neighbours on a shared box disturb far less than the wall) and the peak
 memory a step adds (verify.memory's CPU probe: VmHWM reset right before the measured steps, minus the RSS
 then; parameters, optimizer state and the pre-drawn batches are in that baseline). Every configuration runs
 in fresh processes (a process's peak never goes down), with glibc's MALLOC_MMAP_THRESHOLD_ fixed as
@@ -59,15 +60,17 @@ def _rank(rank, cfg, path, q):
 
     for x, y in batches[:cfg["warmup"]]:
         step(x, y)
-    times, probe = [], RssProbe()
+    times, cpu, probe = [], [], RssProbe()
     probe.start()
     for x, y in batches[cfg["warmup"]:]:
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step(x, y)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     mem = probe.stop()
-    q.put(json.dumps(dict(rank=rank, step_s=statistics.median(times), times=times, **mem)))
+    q.put(json.dumps(dict(rank=rank, step_s=statistics.median(times), cpu_s=statistics.median(cpu), times=times,
+                          cpu_times=cpu, **mem)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -108,12 +111,13 @@ def _pos(text):
 
 
 def table(results) -> str:
-    rows = ["| schedule | chunks × outer | step time rank 0 / 1 (s) | peak added rank 0 / 1 (MiB) |",
-            "|---|---|---|---|"]
+    rows = ["| schedule | chunks × outer | step time rank 0 / 1 (s) | CPU time rank 0 / 1 (s) "
+            "| peak added rank 0 / 1 (MiB) |", "|---|---|---|---|---|"]
     for r in results:
         t = " / ".join(f"{x['step_s']:.3f}" for x in r["ranks"])
+        c = " / ".join(f"{x['cpu_s']:.3f}" for x in r["ranks"])
         m = " / ".join(f"{x['peak_bytes'] / 2**20:.1f}" for x in r["ranks"])
-        rows.append(f"| {r['schedule']} | {r['chunks']} × {r['outer']} | {t} | {m} |")
+        rows.append(f"| {r['schedule']} | {r['chunks']} × {r['outer']} | {t} | {c} | {m} |")
     return "\n".join(rows)
 
 
@@ -148,6 +152,7 @@ def main(argv=None) -> int:
     for i, cfg in enumerate(cfgs):
         # time: the best round (the box is shared: a slower round measured its neighbours); memory: the median
         ranks = [dict(rank=r, step_s=min(run[r]["step_s"] for run in runs[i]),
+                      cpu_s=min(run[r]["cpu_s"] for run in runs[i]),
                       peak_bytes=int(statistics.median(run[r]["peak_bytes"] for run in runs[i])),
                       rounds=[run[r] for run in runs[i]]) for r in range(2)]
         results.append(dict(cfg, effective_rows=a.n * a.rows, ranks=ranks))
