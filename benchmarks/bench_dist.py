@@ -111,10 +111,11 @@ def pools(args) -> dict:
     from tests.helpers.dist_jobs import whoami  # a no-op job (test plumbing, repo root on the path)
     from verify.gates import check_distributed
     from verify.pool import ENV_START, RankPool, get_pool
-    from verify.settings import Settings, env_of
+    from verify.settings import Settings
 
-    torch.set_num_threads(Settings.from_env().threads)
-    os.environ[env_of("backend")] = args.backend  # the reference's one-rank pool (get_pool(1)) too
+    settings = Settings.from_env(backend=args.backend)
+    torch.set_num_threads(settings.threads)
+    settings.export()  # the backend: the reference's one-rank pool (get_pool(1)) too
     xtrain = adapters.adapter
     rows = []
     worlds = sorted({int(w) for w in args.worlds.split(",")}) if args.worlds else range(1, args.max_world + 1)

@@ -53,6 +53,8 @@ __all__ = [
     "Pull", "PullError",
     # every knob of a run, from the environment (verify/settings.py)
     "Settings", "SettingError",
+    # mesh axes: dp × pp × tp (verify/mesh.py) and their gate
+    "Mesh", "check_mesh",
 ]
 
 _WHERE = {
@@ -70,6 +72,7 @@ _WHERE = {
     "run_selftest": ("selftest", "run_selftest"), "OPERATORS": ("selftest", "OPERATORS"),
     "Pull": "pull", "PullError": "pull",
     "Settings": "settings", "SettingError": "settings",
+    "Mesh": "mesh", "check_mesh": "gates.mesh",
 }
 
 

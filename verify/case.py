@@ -37,6 +37,22 @@ class Case:
     lengths: tuple | None = None
     """Padded data (adapters with an ignore_index): valid targets per row, K·E entries in row order; the
     rest of each row's targets become the ignore_index (right padding)."""
+    mesh: Any = None
+    """A verify.Mesh for the mesh gate (adapters with mesh_axes): world is then its dp (rows are sharded over
+    dp replicas only) and the ranks are mesh.size. None: plain data parallel over `world` ranks."""
+    pipeline_chunks: int = 1
+    """Micro-batches per pipeline schedule.step (Spec.pipeline_chunks); divides accum_steps."""
+
+    def __post_init__(self):
+        if self.mesh is not None and self.mesh.dp != self.world:
+            raise ValueError(f"Case.world must be the mesh's dp ({self.mesh}), got {self.world}")
+        if self.accum_steps % self.pipeline_chunks:
+            raise ValueError(f"Case.pipeline_chunks={self.pipeline_chunks} must divide accum_steps={self.accum_steps}")
+
+    @property
+    def ranks(self) -> int:
+        """Processes the case runs on: mesh.size, or world."""
+        return self.world if self.mesh is None else self.mesh.size
 
     @property
     def effective_batch(self) -> int:
@@ -45,14 +61,18 @@ class Case:
 
     def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None, adapter=None):
         """The Spec of one run of this case. Given the adapter, a `scheduler_per_rank` declaration makes
-        schedule_world this case's world, in the W-rank run and in every one-process reference of it alike."""
+        schedule_world this case's world, in the W-rank run and in every one-process reference of it alike.
+        The case's mesh and pipeline_chunks apply to its own run only: a run given its own accum_steps (a
+        reference, a block) is one process, Mesh() and one chunk."""
         from .protocol import Spec
 
         per_rank = adapter is not None and getattr(adapter, "scheduler_per_rank", False)
         return Spec(accum_steps=self.accum_steps if accum_steps is None else accum_steps, dtype=dtype,
                     device=device or self.device, seed=self.seed, options=self.options,
                     precision="fp32" if dtype == torch.float64 else self.precision,
-                    schedule_world=self.world if per_rank else 1)
+                    schedule_world=self.world if per_rank else 1,
+                    **({} if accum_steps is not None or self.mesh is None else
+                       dict(mesh=self.mesh, pipeline_chunks=self.pipeline_chunks)))
 
     def replace(self, **changes) -> "Case":
         return dataclasses.replace(self, **changes)
@@ -86,13 +106,17 @@ class Case:
         return dict(accum_steps=self.accum_steps, micro_batch=self.micro_batch, steps=self.steps, world=self.world,
                     effective_batch=self.effective_batch, seed=self.seed, data_seed=self.data_seed,
                     device=self.device, precision=self.precision,
-                    lengths=None if self.lengths is None else list(self.lengths), options=_plain(opts))
+                    lengths=None if self.lengths is None else list(self.lengths), options=_plain(opts),
+                    **({} if self.mesh is None else dict(mesh=dataclasses.asdict(self.mesh),
+                                                         pipeline_chunks=self.pipeline_chunks)))
 
     def __str__(self):
         w = f" W={self.world}" if self.world != 1 else ""
         p = f" {self.precision}" if self.precision != "fp32" else ""
         pad = "" if self.lengths is None else f" lengths={list(self.lengths)}"
         opts = "" if self.options is None else f" {_short(self.options)}"
+        if self.mesh is not None:
+            w = f" {self.mesh} chunks={self.pipeline_chunks}"
         return (f"N={self.accum_steps} B={self.micro_batch}{w} K={self.steps}{p} seed={self.seed} "
                 f"data_seed={self.data_seed}{opts}{pad}")
 
@@ -174,7 +198,10 @@ def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:
 
 
 def _cpu(d: dict) -> dict:
-    return {k: v.detach().to("cpu", copy=True) for k, v in d.items()}
+    """CPU copies; a DTensor (tensor parallel) is gathered whole first — a collective over its mesh, so this
+    runs only in the windows the counter reports without judging (grads, params)."""
+    return {k: (v.full_tensor() if callable(getattr(v, "full_tensor", None)) else v).detach().to("cpu", copy=True)
+            for k, v in d.items()}
 
 
 class _NoMarks:
@@ -215,7 +242,8 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
         if grads0 is None:
             grads0 = _cpu(g)
         windows.mark(("boundary", k))
-        loss = float(trainer.optimizer_step())
+        loss = trainer.optimizer_step()
+        loss = None if loss is None else float(loss)  # None: a rank that does not know it (a pipeline's first stage)
         windows.mark(("params", k))
         params.append(_cpu(trainer.params()))
         windows.mark(("after", k))

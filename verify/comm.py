@@ -34,6 +34,20 @@ _FLOATING = {"Float", "Double", "Half", "BFloat16", "ComplexFloat", "ComplexDoub
              "Float8_e5m2"}
 _TORCH_NAME = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
                "Long": "int64", "Int": "int32", "Bool": "bool", "Byte": "uint8", "Char": "int8"}
+# an operation's family -> how it shows in c10d's names, case and underscores dropped (longest match first:
+# "reducescatter" before a plain "reduce")
+_FAMILIES = (("reduce_scatter", "reducescatter"), ("all_gather", "allgather"), ("all_reduce", "allreduce"),
+             ("broadcast", "broadcast"), ("barrier", "barrier"), ("all_to_all", "alltoall"), ("send", "send"),
+             ("recv", "recv"))
+
+
+def family(op: str) -> str:
+    """The one op-name normaliser: c10d gives one operation different names on different paths and backends
+    (all_gather, _allgather_base, allgather_into_tensor_coalesced, ... are "all_gather"). An op of no known
+    family is its own, lower-cased."""
+    o = op.lower().replace("_", "")
+    return next((name for name, shown in _FAMILIES if shown in o), op.lower())
+
 
 def enable(ring: int | None = None, *, nccl: bool = False) -> int:
     """Turn the recorder on for process groups created from now on; returns the ring size.
@@ -89,9 +103,9 @@ class Collective:
         """'gradient' (a reduction, or any non-broadcast collective, of floating data), 'broadcast'
         (DDP's parameter/buffer sync), 'metadata' (integer-only: DDP's shape check, its one-time bucket
         rebuild), 'barrier'."""
-        if "barrier" in self.op:
+        if family(self.op) == "barrier":
             return "barrier"
-        if "broadcast" in self.op:
+        if family(self.op) == "broadcast":
             return "broadcast" if self.floating else "metadata"
         if not self.floating:
             return "metadata"
@@ -118,11 +132,44 @@ class RecorderError(RuntimeError):
     """The recorder cannot give a complete count (off, or its ring overflowed)."""
 
 
+# Point-to-point ops (a pipeline's activations and gradients): gloo's flight recorder (torch 2.11 / 2.13, seen)
+# records none of them, so record_p2p() hooks ProcessGroup.send / recv — below dist.send, isend and
+# batch_isend_irecv, on every backend — into a ring of the recorder's entry format, and the recorders' own
+# send / recv entries are dropped (one source for p2p, whatever the backend records itself).
+_P2P: dict = {}  # "ring": deque of entries, "next": the next record_id
+
+
+def record_p2p() -> None:
+    """Hook ProcessGroup.send / recv / recv_anysource (idempotent): each call becomes an entry ("p2p" source)."""
+    import collections
+
+    import torch
+
+    if _P2P:
+        return
+    _P2P.update(ring=collections.deque(maxlen=int(os.environ.get("TORCH_FR_BUFFER_SIZE") or DEFAULT_RING)), next=0)
+    PG = torch._C._distributed_c10d.ProcessGroup
+    names = {v: k for k, v in _TORCH_NAME.items()}
+    for op in ("send", "recv", "recv_anysource"):
+        orig = getattr(PG, op)
+
+        def hooked(self, tensors, *args, _orig=orig, _op=op, **kwargs):
+            rid, _P2P["next"] = _P2P["next"], _P2P["next"] + 1
+            _P2P["ring"].append(dict(
+                record_id=rid, profiling_name=f"{self.name()}:{_op.split('_')[0]}", pg_id=self.group_name,
+                process_group=(self.group_name, self.group_desc), input_sizes=[list(t.shape) for t in tensors],
+                input_dtypes=[names.get(str(t.dtype).removeprefix("torch."), str(t.dtype)) for t in tensors],
+                thread_id=str(threading.get_ident()), time_created_ns=time.time_ns()))
+            return _orig(self, tensors, *args, **kwargs)
+
+        setattr(PG, op, hooked)
+
+
 def _dumps() -> list[tuple[str, list[dict]]]:
     import torch
 
     c10d = torch._C._distributed_c10d
-    out = []
+    out = [("p2p", list(_P2P["ring"]))] if _P2P else []
     for source, name in (("fr", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace")):
         fn = getattr(c10d, name, None)
         if fn is None:
@@ -173,6 +220,8 @@ class Recorder:
                     f"{os.environ.get('TORCH_FR_BUFFER_SIZE', '?')} entries overflowed between two reads; "
                     f"raise TORCH_FR_BUFFER_SIZE or read more often")
             for e in new:
+                if _P2P and source != "p2p" and family(str(e.get("profiling_name", "")).partition(":")[2]) in ("send", "recv"):
+                    continue  # p2p comes from the hook alone (dropped after the overflow check: no false gap)
                 # the same entry may come from both dumps on some builds: keep it once
                 key = (e.get("record_id"), e.get("pg_id"), e.get("profiling_name"), e.get("time_created_ns"))
                 if key not in seen:

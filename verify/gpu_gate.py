@@ -22,7 +22,7 @@ import time
 
 from ._cli import Parser, UsageError, fail, positive_int, writable_dir
 
-from .settings import env_of
+from .settings import Settings, SettingError, env_of
 
 STEP_TIMEOUT = {"gates": 900, "gpu-tests": 600, "memory": 600, "nccl": 1200}
 
@@ -129,13 +129,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = os.path.abspath(args.out)
     try:
+        Settings.from_env()  # a bad knob fails here, in one line, not in every step's subprocess
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError("no CUDA GPU is visible to torch: this gate is for GPU runners (on a CPU box run "
                              "`HYPOTHESIS_PROFILE=ci python -m pytest -n auto`)")
         writable_dir("--out", args.out)
-    except UsageError as e:
+    except (UsageError, SettingError) as e:
         fail(str(e))
     from ._meta import atomic_write, header
 

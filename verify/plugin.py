@@ -26,6 +26,7 @@ from .settings import Settings, SettingError, check_report_dir, env_of
 
 OPT_TRAINER, OPT_REPORT, OPT_BACKEND, OPT_DEVICE = "--verify-trainer", "--verify-report", "--verify-backend", "--verify-device"
 _KEY = pytest.StashKey[dict]()
+_SETTINGS = pytest.StashKey[Settings]()
 MARKERS = ("verify_gate: a gate test of verify (its failures go into the run report)",
            "gpu: needs a CUDA device (skipped without one)",
            "distributed: spawns a process group",
@@ -45,7 +46,10 @@ def _profiles() -> None:
     settings.register_profile("ci", parent=ci, max_examples=100, deadline=None, phases=phases,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=150)
-    profile = Settings.from_env().hypothesis_profile
+    try:
+        profile = Settings.from_env().hypothesis_profile
+    except SettingError:  # a bad knob: pytest_configure says so in one line, before anything runs
+        return
     if profile in ("dev", "ci", "gpu"):
         settings.load_profile(profile)
 
@@ -89,7 +93,17 @@ def pytest_configure_verify_caches(config):  # a second pytest_configure (specna
     (failing examples, replayed first next time) and pytest's cache (--lf) go to cache_home(), where they
     still persist across runs, and so does pytest-benchmark's storage where that plugin is installed. Runs
     before pytest's cacheprovider reads cache_dir (tryfirst, registered later); a cache_dir,
-    --benchmark-storage or HYPOTHESIS_STORAGE_DIRECTORY the user set wins."""
+    --benchmark-storage or HYPOTHESIS_STORAGE_DIRECTORY the user set wins. First of all, every option and
+    knob is checked (Settings): a bad one is pytest's one-line usage error before anything is written."""
+    o = config.option
+    try:
+        s = Settings.from_env(device=getattr(o, "verify_device", None), backend=getattr(o, "verify_backend", None))
+        s.check_machine()
+        if getattr(o, "verify_report", None) is not None:
+            check_report_dir(o.verify_report, OPT_REPORT)
+    except SettingError as e:
+        raise pytest.UsageError(str(e)) from None
+    config.stash[_SETTINGS] = s
     if not _verify_run(config):
         return
     home = cache_home()
@@ -117,13 +131,7 @@ def pytest_configure(config):
     state = dict(trainer=getattr(o, "verify_trainer", None), report=getattr(o, "verify_report", None),
                  adapter=None, stats={}, failures=[], skipped={})
     config.stash[_KEY] = state
-    try:  # every option checked here, before anything runs or is written
-        s = Settings.from_env(device=getattr(o, "verify_device", None), backend=getattr(o, "verify_backend", None))
-        s.check_machine()
-        if state["report"] is not None:
-            check_report_dir(state["report"], OPT_REPORT)
-    except SettingError as e:
-        raise pytest.UsageError(str(e)) from None
+    s = config.stash[_SETTINGS]  # checked first thing (pytest_configure_verify_caches)
     # The library reads these (pools, strategies), in this process and in xdist workers and ranks it starts.
     s.export()
     s.setup_device()

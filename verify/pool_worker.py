@@ -72,7 +72,7 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump
     from . import comm
 
     comm.enable(nccl=backend == "nccl")  # before torch.distributed sets up its recorder
-    from ._meta import fp32_only
+    from .settings import cuda_setup
     import datetime
 
     import torch
@@ -84,16 +84,16 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       OMP_NUM_THREADS=str(threads))
     if backend == "nccl":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # allows deterministic cuBLAS where a job asks
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        fp32_only()
+        cuda_setup(deterministic=False)  # a job that asks for deterministic algorithms can have them
     else:
         device = torch.device("cpu")
     try:
         dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # first optimizer imports torch._dynamo (~1 s)
+        comm.record_p2p()  # pipelines' send / recv, which gloo's recorder leaves out
         recorder = comm.Recorder()
         recorder.check_recording(lambda: dist.all_reduce(torch.zeros(1, device=device)))
         ctx = RankContext(rank, world, backend, device, recorder, {})

@@ -45,6 +45,8 @@ its model, loss or optimizer:
   before the micro_step() that holds the overflowing rows (`rows`: a slice of that micro-batch), returning
   the micro-batch to hand it; it may scale the rows (verify.data.overflow_rows, the default for floating
   inputs) or arm the trainer (xtrain's token data cannot overflow: verify.adapters.xtrain.overflow_grad).
+* `mesh_axes`: mesh axes beyond plain data parallel, e.g. ("pp",), ("tp",), ("pp", "tp"), ("dp", "tp"):
+  the mesh gate runs it on mesh.size ranks with Spec.mesh / Spec.pipeline_chunks (verify/mesh.py).
 * `predicted_peak`: the adapter's own memory model for `python -m verify.memory`:
   `predicted_peak(query: verify.memory.PeakQuery) -> verify.memory.Prediction | str` (a str: why there is
   no prediction for this setting). Each configuration's measured peak is reported beside it, and a ratio
@@ -66,6 +68,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
+
+from .mesh import Mesh, check_spec, mesh_axes
 
 __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter", "AdapterError"]
 
@@ -96,12 +100,18 @@ class Spec:
     """For adapters that declare `scheduler_per_rank`: the world size W whose per-rank scheduler stepping
     this trainer must show (its LR scheduler advances W times per optimizer step). It is W in a W-rank run
     AND in the one-process reference that run is compared with; 1 for adapters that declare nothing."""
+    mesh: Mesh = Mesh()  # dp × pp × tp ranks (Adapter.mesh_axes, verify/mesh.py); Mesh() in every reference
+    pipeline_chunks: int = 1  # micro-batches per pipeline schedule.step (buffered micro_steps); divides accum_steps
+
+    def __post_init__(self):
+        check_spec(self)
 
 
 @dataclass(frozen=True)
 class Expected:
     """Collectives a trainer is expected to issue BEFORE the boundary (micro-steps 0..N-2): at most
-    `count` of op `op` carrying `dtype` data ('integer', 'floating' or 'any') in each matching window.
+    `count` of op `op` carrying `dtype` data ('integer', 'floating' or 'any') in each matching window. `op`
+    matches by family (verify.comm.family: "all_reduce" matches allreduce_coalesced, _allreduce_base, ...).
     `step` / `micro` = None match every optimizer step / micro-step."""
 
     op: str
@@ -187,11 +197,12 @@ class Adapter:
     and its state alone on them). False: the harness never draws such a window, and says so."""
     counts: Callable | None = None
     """case -> verify.gates.counts.CountRow: the exact collectives per micro-step and at the boundary of
-    this adapter's sync mode (FSDP all-gathers, reduce-scatters, ...). Without it: none before the boundary
-    (but `expected`), and every gradient element reduced once at it."""
+    this adapter's sync mode (FSDP all-gathers, ...); for a mesh case {axis: CountRow} (gates/mesh_counts.py).
+    Without it: none before the boundary (but `expected`), and every gradient element reduced once at it."""
     overflow: Callable | None = None
     """(trainer, inputs, targets, rows) -> (inputs, targets): makes the micro-batch's `rows` overflow fp16
     (the injected-overflow gate). None: verify.data.overflow_rows where the inputs are floating."""
+    mesh_axes: tuple[str, ...] = ()  # axes beyond plain data parallel ("dp", "pp", "tp"; verify/mesh.py)
     predicted_peak: Callable | None = None
     """verify.memory.PeakQuery -> verify.memory.Prediction | str: the predicted peak per configuration of
     `python -m verify.memory` (the adapter's memory model; xtrain's: verify/adapters/xtrain_memory.py)."""
@@ -217,6 +228,7 @@ class Adapter:
         if self.predicted_peak is not None and not callable(self.predicted_peak):
             raise AdapterError(f"predicted_peak= must be callable (verify.memory.PeakQuery -> Prediction | str), "
                                f"got {self.predicted_peak!r}")
+        object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
         if not isinstance(self.empty_windows, bool):
             raise AdapterError(f"empty_windows must be True or False, got {self.empty_windows!r}")
         if self.process_group and not self.data_parallel:
@@ -231,7 +243,7 @@ class Adapter:
         """Every declaration that changes what the gates expect, by name (the report lists them)."""
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
-                  "loss_precision", "process_group", "data_parallel", "empty_windows", "overflow"):
+                  "loss_precision", "process_group", "data_parallel", "empty_windows", "overflow", "mesh_axes"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
             if f == "empty_windows" and self.ignore_index is None:
@@ -335,17 +347,13 @@ def _qual(fn) -> str:
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
-            loss_precision: str | None = None, empty_windows: bool = True, overflow=None, predicted_peak=None):
+            loss_precision: str | None = None, empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=()):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
+    declared = dict(locals())  # every keyword above is an Adapter field of the same name
 
     def wrap(fn) -> Adapter:  # fn: a function or a trainer class, Spec -> trainer
-        return Adapter(factory=fn, data=data, plain=plain, options=options, defaults=defaults,
-                       data_parallel=data_parallel, process_group=process_group, expected=expected,
-                       name=name or f"{fn.__module__}.{fn.__qualname__}", precisions=precisions,
-                       ignore_index=ignore_index, counts=counts, scheduler_per_rank=scheduler_per_rank,
-                       loss_precision=loss_precision, empty_windows=empty_windows, overflow=overflow,
-                       predicted_peak=predicted_peak)
+        return Adapter(factory=fn, **{**declared, "name": name or f"{fn.__module__}.{fn.__qualname__}"})
 
     return wrap
 

@@ -33,6 +33,8 @@ BOUNDS = {
     Gate.TOKEN_MEAN: "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
                      f"target change nothing; rel ≤ {FLOAT64_TEXT} (floor: the twins')",
     Gate.EMPTY_WINDOW: "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
+    Gate.MESH_EQUIVALENCE: "each dp replica assembled (pp stages own each parameter once, tp ranks bit-equal): the "
+                           "equivalence policy vs the 1×1×1 big batch; replicas bit-equal",
     Gate.OVERFLOW: "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
                    "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
 }
@@ -99,6 +101,8 @@ def record(result) -> None:
                      worst_case_text=str(c))
     elif gate not in EXACT:
         _keep_worst(s, result.ratio, result.worst, result.case)
+    if getattr(result.case, "mesh", None) is not None:  # the mesh shapes a mesh gate ran
+        s["meshes"] = sorted(set(s.get("meshes", [])) | {str(result.case.mesh)})
 
 
 def skip(gate: Gate, reason: str) -> None:

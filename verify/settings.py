@@ -25,7 +25,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field, fields
 
-__all__ = ["Settings", "SettingError", "Knob", "KNOBS", "check_report_dir", "env_of", "knobs_table", "DEVICES", "BACKENDS", "POOL_STARTS"]
+__all__ = ["Settings", "SettingError", "Knob", "KNOBS", "check_report_dir", "env_of", "knobs_table", "cuda_setup", "fp32_only", "DEVICES", "BACKENDS", "POOL_STARTS"]
 
 DEVICES, BACKENDS, POOL_STARTS = ("cpu", "cuda"), ("gloo", "nccl"), ("forkserver", "spawn")
 
@@ -195,13 +195,19 @@ class Settings:
     def setup_device(self) -> None:
         """The CUDA set-up of a gate run (plugin and self-test): deterministic algorithms (the bit-exact gates
         need them; cuBLAS needs its workspace setting for that) and TF32 off. Nothing on the CPU."""
-        if self.device != "cuda":
-            return
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        import torch
+        if self.device == "cuda":
+            cuda_setup(deterministic=True)
 
+
+def cuda_setup(deterministic: bool) -> None:
+    """The one CUDA set-up (a gate run's process, a NCCL pool rank): cuBLAS's workspace setting, without which
+    it cannot be deterministic; deterministic algorithms where asked; TF32 off (fp32_only)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+
+    if deterministic:
         torch.use_deterministic_algorithms(True)
-        fp32_only()
+    fp32_only()
 
 
 def fp32_only() -> None:

@@ -4,6 +4,8 @@ case (N=1, B=1, K=1, world 1, the adapter's smallest options), so a failure is r
     cases(adapter)                      (N, B, K, seeds, the adapter's drawn options, precision, and —
                                         for adapters with an ignore_index — padding), world 1
     dist_cases(adapter, max_world=4)    the same plus a world size W; B is then per rank
+    mesh_cases(adapter, max_world=4)    a dp × pp × tp mesh over the adapter's mesh_axes (2..max_world ranks),
+                                        N = pipeline_chunks × outer steps; B per dp replica
     padding(...)                        valid targets per row: empty rows, micro-batches and ranks included
 
 An adapter's own options come from its `options` hook (a strategy, or a zero-argument callable giving one):
@@ -15,8 +17,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from .case import Case
+from .mesh import meshes
 
-__all__ = ["cases", "dist_cases", "padding", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+__all__ = ["cases", "dist_cases", "mesh_cases", "padding", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
 # must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
@@ -40,7 +43,7 @@ def budget(share: int, least: int, n: int | None = None) -> int:
 # on nearly every padded case, so a fifth of split invariance's share.
 GATE_BUDGETS = {"equivalence": (1, 1), "bit_exact": (1, 1), "split_invariance": (10, 3), "token_mean": (20, 3),
                 "empty_window": (20, 3), "long_windows": (30, 2), "data_parallel": (2, 8), "bytes_per_step": (30, 3),
-                "overflow": (10, 3)}
+                "overflow": (10, 3), "mesh": (10, 3), "mesh_split": (30, 2)}
 
 
 def gate_budget(gate: str, n: int | None = None) -> int:
@@ -131,3 +134,21 @@ def dist_cases(draw, adapter, *, min_world: int = 1, max_world: int = 4, **bound
     """`cases(adapter, **bounds)` at a world size W (shrinks toward min_world: a failure is reported at
     the smallest world that shows it); micro_batch is then B per rank."""
     return draw(cases(adapter, world=draw(st.integers(min_world, max_world)), **bounds))
+
+
+@st.composite
+def mesh_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4, max_chunks: int = 4, max_outer: int = 3,
+               max_micro_batch: int = 4, max_steps: int = 3, device: str | None = None) -> Case:
+    """A mesh of min_world..max_world ranks over the adapter's mesh_axes (dp only beside another axis), its
+    pipeline_chunks (1..max_chunks where pp > 1) and outer steps, N = chunks × outer, and cases()' other
+    draws (B per dp replica; no padding: the mesh gate judges mean losses). Shrinks toward the smallest
+    world, the shallowest pipeline, one chunk, one outer step."""
+    world = draw(st.integers(min(min_world, max_world), max_world))
+    mesh = draw(st.sampled_from(meshes(adapter.mesh_axes, world) or [None]))
+    if mesh is None:  # no factorisation of this world over the adapter's axes (cannot happen with pp or tp)
+        raise ValueError(f"{adapter.name}: no mesh of {world} ranks over {adapter.mesh_axes}")
+    chunks = draw(st.integers(1, max_chunks)) if mesh.pp > 1 else 1
+    outer = draw(st.integers(1, max_outer))
+    c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=max_micro_batch, max_steps=max_steps,
+                   device=device, world=mesh.dp, padded=False))
+    return c.replace(accum_steps=chunks * outer, mesh=mesh, pipeline_chunks=chunks)

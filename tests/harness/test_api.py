@@ -10,7 +10,7 @@ PUBLIC = {
     "cases", "dist_cases", "write_report", "Recorder", "Collective", "Windows", "CountRow", "measure_memory",
     "run_selftest", "OPERATORS", "Pull", "PullError",
     "check_token_mean", "check_empty_window", "check_overflow",
-    "Settings", "SettingError",
+    "Settings", "SettingError", "Mesh", "check_mesh",
 }
 
 

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from verify.adapters import broken, broken_dist, broken_lowprec, broken_numerics, broken_overflow, broken_tokens
+from verify.adapters import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens
 from verify.adapters import ddp_modes, planted
 from verify.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence,
                           check_overflow, check_token_mean)
 from verify.gates.distributed import max_world
+from verify.gates.mesh import check_mesh
 from verify.gates.windows import check_long_window, check_partial_sums, check_split_invariance
 from verify.protocol import Adapter
 from verify.verdict import Gate
@@ -19,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.BIT_EXACT: check_bit_exact, Gate.PARTIAL_SUMS: check_partial_sums,
        Gate.SPLIT_INVARIANCE: lambda a, case, w: check_split_invariance(a, case, max_world=w),
        Gate.LONG_WINDOW: check_long_window, Gate.TOKEN_MEAN: check_token_mean, Gate.EMPTY_WINDOW: check_empty_window,
-       Gate.OVERFLOW: check_overflow, Gate.BOUNDARY_ONLY: check_distributed, Gate.DP_EQUIVALENCE: check_distributed}
+       Gate.OVERFLOW: check_overflow, Gate.BOUNDARY_ONLY: check_distributed, Gate.DP_EQUIVALENCE: check_distributed,
+       Gate.MESH_EQUIVALENCE: check_mesh}
 # harmless by design, and checked to pass where they are tested; compiled_runs_eager fails the trainer's own
 # guard (DistJobError), not a gate
 CONTROLS = {id(a) for a in (broken.scaled_by_one, broken_dist.fsdp2_switch_after_forward,
@@ -28,20 +30,22 @@ CONTROLS = {id(a) for a in (broken.scaled_by_one, broken_dist.fsdp2_switch_after
 
 def _param(b):
     marks = [pytest.mark.slow] if b.slow else []
-    if b.case.world > 1 or b.adapter.process_group:
+    if b.case.ranks > 1 or b.adapter.process_group:
         marks.append(pytest.mark.distributed)
-    if b.case.world > max_world():
-        marks.append(pytest.mark.skip(reason=f"needs world ≥ {b.case.world} (XTRAIN_DIST_MAX_WORLD / GPUs)"))
+    if b.case.ranks > max_world():
+        marks.append(pytest.mark.skip(reason=f"needs world ≥ {b.case.ranks} (XTRAIN_DIST_MAX_WORLD / GPUs)"))
     return pytest.param(b, id=b.name, marks=marks)
 
 
 @pytest.mark.parametrize("bug", [_param(b) for b in planted.PLANTED if b.gate in RUN])
 def test_its_gate_rejects_it(bug):
     with pytest.raises(GateFailure) as e:
-        RUN[bug.gate](bug.adapter, bug.case, *bug.args)
+        (check_mesh if bug.case.mesh is not None else RUN[bug.gate])(bug.adapter, bug.case, *bug.args)  # one mesh gate
     msg = str(e.value)
     assert e.value.gate is bug.gate and msg.startswith(f"[{bug.gate}]"), msg
     assert re.search(bug.pattern, msg), msg
+    if e.value.error is not None and e.value.bound is not None:  # a numeric verdict: the error left its bound
+        assert not e.value.error < e.value.bound, msg  # (NaN: not within it either)
 
 
 def test_every_gate_of_the_registry_is_driven():
@@ -51,7 +55,8 @@ def test_every_gate_of_the_registry_is_driven():
 
 def test_every_planted_adapter_is_registered():
     registered = {id(b.adapter) for b in planted.PLANTED}
-    modules = (broken, broken_dist, broken_lowprec, broken_numerics, broken_overflow, broken_tokens, ddp_modes)
+    modules = (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens,
+               ddp_modes)
     missing = [f"{m.__name__}.{k}" for m in modules for k, a in vars(m).items()
                if isinstance(a, Adapter) and a.name.startswith("broken") and id(a) not in registered
                and id(a) not in CONTROLS]

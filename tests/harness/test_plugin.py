@@ -84,6 +84,7 @@ def test_a_broken_trainer_fails_with_its_verdict_first_and_whole(tmp_path, worke
     (f,) = rep["failures"]
     verdict = f["message"]
     assert f["test"].endswith("test_accumulation_equals_big_batch") and verdict.startswith("[equivalence] gradient (step 0) of")
+    assert f["gate"] == "equivalence"  # GateFailure.gate, across xdist too: nothing reads the gate from the text
     assert "accumulation error" in verdict and "; case N=" in verdict and "\n" not in verdict
     assert f["hint"].startswith("error ≈ 1 = N − 1") and "missing 1/N" in f["hint"]  # hypothesis shrinks to N=2
     # the short summary: the whole verdict after the test id (pytest would trim it to 80 columns here)

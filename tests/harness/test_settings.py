@@ -104,6 +104,24 @@ def test_the_guide_lists_exactly_the_knobs():
     assert [int(n) for n in re.findall(r"\d+", doc)] == [settings.get_profile(p).max_examples for p in ("dev", "ci", "gpu")]
 
 
+def test_the_docs_state_the_codes_defaults():
+    """The table's default column, and the guide's and design's prose where they give a knob's default."""
+    d = Settings()
+    for k in KNOBS:
+        if k.default.isdigit():
+            assert int(k.default) == getattr(d, k.field), k
+    text = "".join(open(os.path.join(ROOT, p), encoding="utf-8").read() for p in
+                   ("README.md", "docs/verify-your-trainer.md", "docs/design.md"))
+    text = " ".join(text.split())
+    said = re.findall(r"`XTRAIN_DIST_TIMEOUT`,? (?:default )?(\d+) s", text)
+    assert said and all(int(n) == d.timeout for n in said), said
+    said = re.findall(r"`XTRAIN_DIST_MIN_WORLD`\.\.`XTRAIN_DIST_MAX_WORLD`, (\d+)\.\.(\d+) by default", text)
+    assert said and all((int(a), int(b)) == (d.min_world, d.max_world) for a, b in said), said
+    from verify.selftest import DIST
+
+    assert re.findall(r"the self-test's cases go to world (\d+)", text) == [str(max(DIST))]
+
+
 def test_no_module_reads_a_knob_around_the_settings():
     names = [k.env for k in KNOBS]
     for folder in ("verify", "benchmarks"):
@@ -119,9 +137,9 @@ def test_no_module_reads_a_knob_around_the_settings():
 
 # -- every entry point checks its options before anything runs ------------------------------------------------
 
-def _pytest_verify(cwd, *args):
+def _pytest_verify(cwd, *args, env=None):
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=ENV, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env={**ENV, **(env or {})}, timeout=600)
 
 
 def _one_usage_line(r, line: str, code: int = 4):
@@ -144,6 +162,15 @@ def test_the_plugin_refuses_a_bad_option_in_one_line(tmp_path, args, line):
     r = _pytest_verify(tmp_path, *args)
     _one_usage_line(r, line)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.slow
+def test_a_bad_knob_stops_any_pytest_run_in_one_line(tmp_path):
+    """The plugin is loaded by every pytest run of the environment: a bad variable is its usage error (it
+    was a traceback at import before the plugin checked the settings first)."""
+    r = _pytest_verify(tmp_path, env={"XTRAIN_DIST_TIMEOUT": "soon"})
+    _one_usage_line(r, "ERROR: XTRAIN_DIST_TIMEOUT=soon: must be a number of seconds > 0")
+    assert list(tmp_path.iterdir()) == []
 
 
 NOT_A_TRAINER = '''

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from xtrain_core.config import ModelConfig, OptimConfig
 
 from ..case import Case
+from ..mesh import Mesh
 from ..protocol import Adapter
 from ..verdict import Gate
-from . import broken, broken_dist, broken_lowprec, broken_numerics, broken_overflow, broken_tokens, ddp_modes
+from . import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, ddp_modes
 from .xtrain_options import XtrainOptions
 
 
@@ -78,6 +79,8 @@ EMPTY_FSDP = Case(accum_steps=1, micro_batch=1, steps=2, world=2, lengths=(1, 1,
 # data seed 0: an expert used only in micro-step 0 (under no_sync) on some rank (test_ddp_modes.py's _case_with)
 ROUTED = Case(accum_steps=2, micro_batch=1, steps=1, world=2)
 OVERFLOW = Case(accum_steps=3, micro_batch=2, steps=2, precision="fp16", options=TINY)
+# two pipeline stages, 2 micro-batches per schedule step, 2 outer steps: where scale_grads' 1/chunks compounds
+PIPE = Case(accum_steps=4, micro_batch=2, steps=2, world=1, mesh=Mesh(pp=2), pipeline_chunks=2, seed=1, data_seed=2)
 
 _BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
 _FSDP_ROW = r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"
@@ -185,11 +188,11 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("drop_micro_63", "micro-step 63 never backwards (N ≥ 64)", broken_numerics.drop_micro_63,
                Gate.PARTIAL_SUMS,
                r"after micro-step 63 of 96 \(boundary not reached\)",
-               Case(accum_steps=96, micro_batch=1, steps=1, options=SMALL, seed=1, data_seed=2), slow=True),
+               Case(accum_steps=96, micro_batch=1, steps=1, options=TINY, seed=1, data_seed=2), slow=True),
     PlantedBug("doubling_buffer", "the accumulated gradient doubles before each micro-step",
                broken_numerics.doubling_buffer, Gate.PARTIAL_SUMS, r"after micro-step 1 of 70",
-               Case(accum_steps=70, micro_batch=1, steps=2, options=_opts(seq_len=4, max_grad_norm=0.01), seed=5,
-                    data_seed=6)),
+               Case(accum_steps=70, micro_batch=1, steps=2, seed=5, data_seed=6,
+                    options=_opts(vocab=16, heads=1, d=8, seq_len=4, max_grad_norm=0.01))),
     # -- low-precision accumulation (broken_lowprec.py) ---------------------------------------------------------
     PlantedBug("half_model", "fp16 model (`.half()`): `.grad` accumulates in fp16",
                broken_lowprec.half_model, Gate.LONG_WINDOW,
@@ -202,19 +205,22 @@ PLANTED: tuple[PlantedBug, ...] = (
                broken_lowprec.low_precision_grad, Gate.LONG_WINDOW,
                r"bf16, N=256: \[equivalence\] gradient \(step 0\) of '[\w.]+': accumulation error",
                Case(accum_steps=256, micro_batch=1, steps=1, options=LONG, seed=3, data_seed=4), slow=True),
-    # -- the overflow path (broken_overflow.py): args (micro-step, rank) of the injected overflow --------------
+    # -- the overflow path (broken_overflow.py): args (micro-step, rank) of the injected overflow; the message
+    # names the window and rank that went wrong, and where the overflow was injected
     PlantedBug("skip_decided_on_one_rank", "the overflow skip decided on rank 0 alone",
                broken_overflow.skip_decided_on_one_rank, Gate.OVERFLOW,
-               r"rank 1, window 0: parameter", OVERFLOW.replace(world=2), (1, 1)),
+               r"rank 1, window 0: parameter(?s:.*)overflows in micro-step 1 of 3 on rank 1 of 2",
+               OVERFLOW.replace(world=2), (1, 1)),
     PlantedBug("skip_only_overflowing_micro", "only the overflowing micro-step dropped",
                broken_overflow.skip_only_overflowing_micro, Gate.OVERFLOW,
-               r"rank 0, window 0: parameter", OVERFLOW, (1, 0)),
+               r"rank 0, window 0: parameter(?s:.*)overflows in micro-step 1 of 3 on rank 0 of 1", OVERFLOW, (1, 0)),
     PlantedBug("scaler_update_every_micro", "the loss scale updated every micro-step",
                broken_overflow.scaler_update_every_micro, Gate.OVERFLOW,
-               r"rank 0, window 0: loss scale 128 after the window, the big batch's 512", OVERFLOW, (0, 0)),
+               r"rank 0, window 0: loss scale 128 after the window, the big batch's 512(?s:.*)"
+               r"overflows in micro-step 0 of 3 on rank 0 of 1", OVERFLOW, (0, 0)),
     PlantedBug("nan_to_num_before_check", "inf / NaN zeroed before the scaler's check",
                broken_overflow.nan_to_num_before_check, Gate.OVERFLOW,
-               r"rank 0, window 0: parameter", OVERFLOW, (2, 0)),
+               r"rank 0, window 0: parameter(?s:.*)overflows in micro-step 2 of 3 on rank 0 of 1", OVERFLOW, (2, 0)),
     # -- the token mean and empty windows (broken_tokens.py) ---------------------------------------------------
     PlantedBug("all_positions", "÷ every target position, padding included",
                broken_tokens.all_positions, Gate.TOKEN_MEAN, r"additivity|padding", TOKEN_WINDOWS),
@@ -229,6 +235,29 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("empty_stepped", "an empty window stepped on its zero gradient",
                broken_tokens.empty_stepped, Gate.EMPTY_WINDOW,
                r"a window without a valid target .* max\|Δ\| = \d", TOKEN_WINDOWS),
+    # -- mesh axes (broken_mesh.py: a GPipe MLP on torch.distributed.pipelining) ------------------------------
+    PlantedBug("scale_grads_ema", "schedule scale_grads=True under outer accumulation (torchtitan #1733)",
+               broken_mesh.pipe_ema, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=2 tp=1, chunks=2, outer=2: gradient \(step 0\) of '\d\.\w+' \(stage [01]\)", PIPE),
+    PlantedBug("owned_twice", "a stage reports a parameter of the next stage as its own",
+               broken_mesh.pipe_owned_twice, Gate.MESH_EQUIVALENCE,
+               r"replica 0: gradient \(step 0\) of '4.weight' owned twice, by stage 0 and stage 1", PIPE),
+    PlantedBug("no_loss", "the last stage returns no step loss",
+               broken_mesh.pipe_no_loss, Gate.MESH_EQUIVALENCE,
+               r"replica 0: the last stage \(stage 1\) returned no loss", PIPE),
+    PlantedBug("pp_chatter", "an all-reduce over pp after every schedule step",
+               broken_mesh.pipe_pp_chatter, Gate.BOUNDARY_ONLY,
+               r"axis pp .*: step 0, outer step 0 of 2 \(before the boundary\): count table row 'GPipe stage \d of 2' "
+               r"expects recv×\d+, send×\d+, observed all_reduce×1", PIPE),
+    PlantedBug("world_barrier", "a barrier on the world group every micro-step", broken_mesh.pipe_world_barrier,
+               Gate.BOUNDARY_ONLY, r"outer step 0 of 2: 1 collective\(s\) on no mesh axis: gloo:barrier",
+               PIPE.replace(accum_steps=2, pipeline_chunks=1, world=2, mesh=Mesh(dp=2, pp=2))),
+    PlantedBug("tp_extra_reduce", "the micro loss all-reduced over tp too", broken_mesh.tp_extra_reduce,
+               Gate.BOUNDARY_ONLY, r"axis tp .*count table row 'Colwise/Rowwise MLP' expects all_reduce×1, "
+               r"observed all_reduce×2", PIPE.replace(pipeline_chunks=1, mesh=Mesh(tp=2))),
+    PlantedBug("eager_dp", "the dp all-reduce on every micro-step", broken_mesh.tp_eager_dp, Gate.BOUNDARY_ONLY,
+               r"axis dp .*count table row 'dp: boundary-only' expects none, observed all_reduce×\d",
+               PIPE.replace(pipeline_chunks=1, world=2, mesh=Mesh(dp=2))),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

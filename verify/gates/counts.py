@@ -1,4 +1,4 @@
-"""Expected collective counts by type: one declarative row per sync mode, checked per micro-step and per step.
+"""The boundary rule: what a trainer's collectives may be, per micro-step and per step, as one declarative row.
 
 A row says, for one optimizer step of a trainer in one sync mode, how many collectives of each family it
 issues on each micro-step before the boundary and at the boundary (micro-step N-1 + optimizer_step()),
@@ -13,22 +13,24 @@ Families merge the names c10d gives one operation on different paths and backend
 _allgather_base, allgather_into_tensor_coalesced, ... are "all_gather"). Where a backend implements an
 operation with another collective (gloo has no reduce-scatter: FSDP2 all-reduces there), the adapter's
 row names what that backend does. A deviation fails with the row and the collectives observed.
+
+A trainer that declares no row (Adapter(counts=...)) is judged by the default row, built from its gradient
+size (CountRow.default): nothing before the boundary, and at the boundary gradient-like collectives of any
+kind and number that carry every gradient element once (P ≤ E ≤ parameter elements + SCALARS). Collectives
+the adapter declares `expected` are excused from either row first (`excused`).
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["CountRow", "family", "families", "check_row"]
+from ..comm import family
 
+__all__ = ["CountRow", "family", "families", "check_row", "check_step", "excused", "SCALARS", "DEFAULT_MODE"]
 
-def family(op: str) -> str:
-    o = op.lower().replace("_", "")
-    for name in ("reducescatter", "allgather", "allreduce", "broadcast", "barrier", "alltoall", "send", "recv"):
-        if name in o:
-            return {"reducescatter": "reduce_scatter", "allgather": "all_gather", "allreduce": "all_reduce",
-                    "alltoall": "all_to_all"}.get(name, name)
-    return op
+SCALARS = 8  # side-channel floats allowed to ride with the gradients (xtrain: Σ raw·B_local and N·B_local)
+DEFAULT_MODE = "the default rule"  # CountRow.default's mode
+REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 
 def families(cs) -> Counter:
@@ -42,15 +44,32 @@ class CountRow:
 
     mode: str
     before: dict = field(default_factory=dict)  # family -> count on EACH micro-step 0..N-2
-    boundary: dict = field(default_factory=dict)  # family -> count at the boundary
-    elements: tuple | None = None  # (lo, hi) floating elements reduced at the boundary; None: the default rule
+    boundary: dict | None = field(default_factory=dict)  # family -> count at the boundary; None: any (the
+    # default row judges what the boundary's collectives carry, not their kind or number)
+    elements: tuple | None = None  # (lo, hi) floating elements the `carriers` reduce at the boundary; None: not checked
     first_micro: dict = field(default_factory=dict)  # extra on micro-step 0 of step 0 (e.g. a graph-recording pass)
     skipped: dict = field(default_factory=dict)  # family -> count the boundary leaves out on a step the trainer
     # skips whole (a window without a valid token: no clip, no update), e.g. clipping's norm all-reduce
+    carriers: tuple | None = REDUCTIONS  # families whose floating elements are the gradient's; None: every
+    # gradient-like collective (comm.Collective.kind). A sharded trainer's all-gathers are parameters, not gradients
+
+    @classmethod
+    def default(cls, grad_elements: int, param_elements: int) -> "CountRow":
+        """The row of a trainer that declares none: no collective before the boundary; at the boundary, the
+        reference's `grad_elements` gradient elements reduced once, plus at most SCALARS side-channel
+        scalars over the trainer's `param_elements` parameter elements."""
+        return cls(DEFAULT_MODE, before={}, boundary=None, elements=(grad_elements, param_elements + SCALARS),
+                   carriers=None)
 
     def describe(self) -> str:
         f = lambda d: ", ".join(f"{k}×{_fmt(v)}" for k, v in sorted(d.items())) or "none"  # noqa: E731
-        return f"'{self.mode}': before the boundary {f(self.before)}; at the boundary {f(self.boundary)}"
+        return f"'{self.mode}': before the boundary {f(self.before)}; at the boundary {f(self.boundary or {})}"
+
+    def carried(self, cs) -> list:
+        """The collectives whose floating elements count as the gradient's."""
+        if self.carriers is None:
+            return [c for c in cs if c.kind == "gradient"]
+        return [c for c in cs if c.floating and family(c.op) in self.carriers]
 
 
 def _fmt(v) -> str:
@@ -65,6 +84,25 @@ def _ok(v, n: int) -> bool:
         lo, hi = v
         return n >= lo and (hi is None or n <= hi)
     return n == v
+
+
+def excused(cs: list, expected, k: int, m: int, world: int) -> tuple[list, list]:
+    """Split the collectives of micro-step m of step k in a run of `world` ranks into (declared-expected
+    (Expected, Collective) pairs, the rest). An Expected matches a collective of its op's family and dtype
+    class, at most `count` per window; one with a `world` excuses traffic only in runs of that world size."""
+    budget = {i: e.count for i, e in enumerate(expected) if (e.world is None or e.world == world)
+              and (e.step is None or e.step == k) and (e.micro is None or e.micro == m)}
+    ok, rest = [], []
+    for c in cs:
+        for i, e in enumerate(expected):
+            if (budget.get(i, 0) > 0 and family(e.op) == family(c.op)
+                    and e.dtype in ("any", "floating" if c.floating else "integer")):
+                budget[i] -= 1
+                ok.append((e, c))
+                break
+        else:
+            rest.append(c)
+    return ok, rest
 
 
 def check_row(row: CountRow, observed: list, want: dict, where: str, describe, extra: dict | None = None,
@@ -85,3 +123,56 @@ def check_row(row: CountRow, observed: list, want: dict, where: str, describe, e
     off = [c for c in observed if family(c.op) in bad] + [c for c in observed if family(c.op) not in bad]
     listed = "; ".join(describe(c) for c in off[:4]) + (f" (+{len(off) - 4} more)" if len(off) > 4 else "")
     return (f"{where}: count table row {row.mode!r} expects {exp}, observed {got}" + (f": {listed}" if listed else ""))
+
+
+def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expected, describe,
+               skipped: bool = False) -> tuple[list, str | None]:
+    """One optimizer step of one rank's run against `row`: `micro` the collectives of each micro-step
+    0..N-2, `boundary` those of micro-step N-1 and optimizer_step(). Returns (the (micro-step, Expected,
+    Collective) the declaration excused, the first failure's text or None). `skipped`: a step without a valid
+    token, which the trainer skips whole (the row's `skipped` collectives left out)."""
+    N, default, used = len(micro) + 1, row.mode == DEFAULT_MODE, []
+    for m, cs in enumerate(micro):
+        ok, rest = excused(cs, expected, k, m, W)
+        used += [(m, e, c) for e, c in ok]
+        if default and rest:
+            listed = "; ".join(describe(c) for c in rest[:3]) + (f" (+{len(rest) - 3} more)" if len(rest) > 3 else "")
+            return used, (f"step {k}, micro-step {m} of {N}: {len(rest)} collective(s) before the boundary: {listed} — "
+                          f"{'micro-step 0' if N == 2 else f'micro-steps 0..{N - 2}'} must not communicate (a "
+                          f"collective the trainer needs there must be declared: Adapter(expected=...))")
+        where = f"step {k}, micro-step {m} of {N} (before the boundary)"
+        msg = None if default else check_row(row, rest, row.before, where, describe,
+                                             row.first_micro if (k, m) == (0, 0) else None)
+        if msg:
+            return used, msg
+    if row.boundary is not None:
+        ok, rest = excused(boundary, expected, k, N - 1, W)
+        used += [(N - 1, e, c) for e, c in ok]
+        at = f"step {k}, boundary (micro-step {N - 1} of {N}, optimizer_step()" + (
+            ", a window without a valid token: no update)" if skipped else ")")
+        msg = check_row(row, rest, row.boundary, at, describe, row.first_micro if (k, N) == (0, 1) else None,
+                        row.skipped if skipped else None)
+        if msg:
+            return used, msg
+    return used, None if row.elements is None else _elements(row, row.carried(boundary), k, N, W, describe)
+
+
+def _elements(row: CountRow, carried: list, k: int, N: int, W: int, describe) -> str | None:
+    """The floating elements the boundary's carriers reduce, against the row's (lo, hi)."""
+    (lo, hi), E = row.elements, sum(c.numel for c in carried)
+    if row.mode != DEFAULT_MODE:
+        if lo <= E and (hi is None or E <= hi):
+            return None
+        return (f"step {k}, boundary: the reductions carry {E} floating elements, count table row {row.mode!r} "
+                f"expects {lo}..{'' if hi is None else hi} (the gradient once, plus side channels)")
+    at = f"step {k}, boundary (micro-step {N - 1} of {N}, grads(), optimizer_step())"
+    listed = "; ".join(describe(c) for c in carried[:4]) or "none"
+    if E == 0:  # alone, a rank has nobody to reduce with: the single-process path
+        return None if W == 1 else (f"{at}: no gradient all-reduce — expected the {lo} gradient elements reduced "
+                                    f"once across {W} ranks, saw no floating-point reduction")
+    if E < lo:
+        return f"{at}: gradient collectives cover {E} of {lo} gradient elements (some parameters not reduced): {listed}"
+    if E > hi:
+        return (f"{at}: {E} elements reduced for {lo} gradient elements (+ ≤ {SCALARS} scalars): gradients reduced "
+                f"more than once: {listed}")
+    return None

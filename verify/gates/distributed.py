@@ -5,12 +5,13 @@ shards the data, marks a window before every call, and counts every collective w
 recorder (verify/comm.py). Its single-process big batch, the reference, is the SAME adapter at
 accum_steps=1 and world 1, run on a one-rank pool beside it. The parent then judges:
 
-boundary-only   micro-steps 0..N-2 issue no collective at all (any op, any dtype), except what the
-                adapter declares `expected` (by op, dtype class and count). At the boundary (micro-step
-                N-1, grads(), optimizer_step()) the floating-point elements reduced cover every gradient
-                element once, plus at most SCALARS side-channel scalars (the step loss), so the bytes per
-                optimizer step do not depend on N. No reduction outside the trainer's calls. Collectives
-                at construction and inside params() are reported, not judged.
+boundary-only   the boundary rule (counts.py): the adapter's count table row, or else the default row,
+                built from the gradient size: micro-steps 0..N-2 issue no collective at all (any op, any
+                dtype), except what the adapter declares `expected` (by op family, dtype class and count).
+                At the boundary (micro-step N-1, grads(), optimizer_step()) the floating-point elements
+                reduced cover every gradient element once, plus at most SCALARS side-channel scalars (the
+                step loss), so the bytes per optimizer step do not depend on N. No reduction outside the
+                trainer's calls. Collectives at construction and inside params() are reported, not judged.
 equivalence     every rank vs the reference, with the one policy of tolerance.py: fp32 step-0 boundary
                 gradients and loss, fp32 losses of every step, float64 losses and parameters of every
                 step; and the parameters bitwise identical across ranks after every step.
@@ -29,13 +30,13 @@ from ..comm import Collective, Windows
 from ..pool import get_pool
 from ..settings import Settings
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
+from .counts import SCALARS, CountRow, check_step
 from .diagnose import determinism
 from .tolerance import Judge, condition, measured_floor, twin_floor
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
 
-SCALARS = 8  # side-channel floats allowed to ride with the gradients (xtrain: Σ raw·B_local and N·B_local)
 DTYPES = (torch.float32, torch.float64)
 F32, F64 = str(torch.float32), str(torch.float64)
 
@@ -67,17 +68,19 @@ class RankOutcome:
     refs: dict = field(default_factory=dict)  # "big32" / "ref64" -> Trace (the one-rank reference)
 
 
-def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES) -> RankOutcome:
-    """On every rank: the trainer in each dtype, windows marked, collectives read."""
+def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENCE) -> RankOutcome:
+    """On every rank: the trainer in each dtype, windows marked, collectives read. On a mesh the rows are
+    the rank's dp replica's (every pp stage and tp rank of a replica gets the same)."""
     batches = case.batches(adapter)
+    rank, world = (case.mesh.coords(ctx.rank)[0], case.mesh.dp) if case.mesh is not None else (ctx.rank, ctx.world)
     out = RankOutcome(ctx.rank, {})
     for dtype in dtypes:
         ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)
         win = Windows()
         win.mark(("init",))
         trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter))
-        trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=ctx.rank,
-                      world=ctx.world, windows=win, gate=Gate.DP_EQUIVALENCE)
+        trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=rank,
+                      world=world, windows=win, gate=gate)
         del trainer
         comms = win.attribute(ctx.recorder.read())
         out.runs[str(dtype)] = RankRun(trace, comms, ctx.recorder.main_thread,
@@ -102,19 +105,19 @@ def kappa_job(ctx, adapter, case: Case, ref_grads: dict) -> dict:
     return condition(block_grads(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref_grads)
 
 
-def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> list[RankOutcome]:
-    """The world-W run and the one-rank reference, side by side on two pools."""
-    pool = pool or get_pool(case.world)
-    if pool.world != case.world:
-        raise ValueError(f"case needs world {case.world}, pool has {pool.world}")
-    if case.world == 1:
-        outcomes = pool.run(rank_job, adapter, case)
+def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None, gate=Gate.DP_EQUIVALENCE) -> list[RankOutcome]:
+    """The world-W (or mesh.size) run and the one-rank reference, side by side on two pools."""
+    pool = pool or get_pool(case.ranks)
+    if pool.world != case.ranks:
+        raise ValueError(f"case needs world {case.ranks}, pool has {pool.world}")
+    if case.ranks == 1:
+        outcomes = pool.run(rank_job, adapter, case, gate=gate)
         refs = pool.run(reference_job, adapter, case)[0]
     else:
         ref_pool = ref_pool or get_pool(1)
         ref_pool.submit(reference_job, adapter, case)
         try:
-            outcomes = pool.run(rank_job, adapter, case)
+            outcomes = pool.run(rank_job, adapter, case, gate=gate)
         finally:
             refs = ref_pool.result()[0]
     for o in outcomes:
@@ -123,14 +126,6 @@ def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> list[Ra
 
 
 # -- the counter's verdict -------------------------------------------------------------------------
-
-def _norm(op: str) -> str:
-    return op.replace("_", "").lower()
-
-
-def _dtype_class(c: Collective) -> str:
-    return "floating" if c.floating else "integer"
-
 
 def _reduces(c: Collective) -> bool:
     """Floating data that is not a broadcast or barrier: gradient-like traffic."""
@@ -195,27 +190,10 @@ def _split(run: RankRun, case: Case):
     return steps, init, stray
 
 
-def _unexpected(cs: list, expected, k: int, m: int, world: int) -> tuple[list, list]:
-    """Split the collectives of micro-step m of step k in a run of `world` ranks into (declared-expected,
-    unexpected). An entry with a `world` excuses traffic only in runs of that world size."""
-    budget = {i: e.count for i, e in enumerate(expected) if (e.world is None or e.world == world)
-              and (e.step is None or e.step == k) and (e.micro is None or e.micro == m)}
-    ok, bad = [], []
-    for c in cs:
-        for i, e in enumerate(expected):
-            if budget.get(i, 0) > 0 and _norm(e.op) in _norm(c.op) and e.dtype in ("any", _dtype_class(c)):
-                budget[i] -= 1
-                ok.append((e, c))
-                break
-        else:
-            bad.append(c)
-    return ok, bad
-
-
 def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(), row=None) -> CommReport:
-    """Raises GateFailure naming the rank, step, micro-step and collective on the first violation. `row`
-    (a counts.CountRow): the exact collectives of the trainer's sync mode, checked instead of "none before
-    the boundary" (the elements rule too, where the row gives one)."""
+    """Raises GateFailure naming the rank, step, micro-step and collective on the first violation of the
+    boundary rule (counts.check_step): `row` (a counts.CountRow), the exact collectives of the trainer's sync
+    mode, or else the default row built from the gradient size (CountRow.default)."""
     gate, N, W = Gate.BOUNDARY_ONLY, case.accum_steps, case.world
     ref = outcomes[0].refs["ref64"]
     P = sum(g.numel() for g in ref.grads0.values())
@@ -225,75 +203,22 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
             steps, init, stray = _split(run, case)
             report.steps[(o.rank, dt)], report.init[(o.rank, dt)] = steps, init
             who = f"rank {o.rank} ({dt.replace('torch.', '')} run)"
-            desc = lambda c: c.describe(run.main_thread)  # noqa: E731
 
             def fail(msg):
                 raise GateFailure(f"[{gate}] {who}, {msg}; case {case}", gate=gate, case=case)
 
             for where, c in stray[:1]:
-                fail(f"gradient-like collective {where}: {desc(c)}")
-            empty = case.empty_steps()
+                fail(f"gradient-like collective {where}: {c.describe(run.main_thread)}")
+            if row is not None and W == 1:
+                continue  # alone there is nothing to count against a data-parallel row (world 1 = the plain path)
+            rule, empty = row or CountRow.default(P, run.n_params), case.empty_steps()
             for k, s in enumerate(steps):
-                if row is not None:
-                    _check_row(row, s, k, N, W, expected, report, o.rank, dt, desc, fail, skipped=k in empty)
-                    continue
-                for m, cs in enumerate(s.micro):
-                    ok, bad = _unexpected(cs, expected, k, m, W)
-                    report.expected_used += [(o.rank, dt, k, m, e.why or e.op, c) for e, c in ok]
-                    if bad:
-                        listed = "; ".join(desc(c) for c in bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
-                        fail(f"step {k}, micro-step {m} of {N}: {len(bad)} collective(s) before the boundary: {listed}"
-                             f" — {'micro-step 0' if N == 2 else f'micro-steps 0..{N - 2}'} must not communicate (a collective the trainer needs there "
-                             f"must be declared: Adapter(expected=...))")
-                E, upper = s.boundary_elements, run.n_params + SCALARS
-                listed = "; ".join(desc(c) for c in s.reduced[:4]) or "none"
-                at = f"step {k}, boundary (micro-step {N - 1} of {N}, grads(), optimizer_step())"
-                if E == 0 and W == 1:
-                    continue  # one rank has nobody to reduce with: the single-process path
-                if E == 0:
-                    fail(f"{at}: no gradient all-reduce — expected the {P} gradient elements reduced once across "
-                         f"{W} ranks, saw no floating-point reduction")
-                if E < P:
-                    fail(f"{at}: gradient collectives cover {E} of {P} gradient elements (some parameters not "
-                         f"reduced): {listed}")
-                if E > upper:
-                    fail(f"{at}: {E} elements reduced for {P} gradient elements (+ ≤ {SCALARS} scalars): "
-                         f"gradients reduced more than once: {listed}")
+                used, msg = check_step(rule, s.micro, s.boundary, k, W, expected,
+                                       lambda c: c.describe(run.main_thread), skipped=k in empty)
+                report.expected_used += [(o.rank, dt, k, m, e.why or e.op, c) for m, e, c in used]
+                if msg:
+                    fail(msg)
     return report
-
-
-def _check_row(row, s: StepComm, k: int, N: int, W: int, expected, report, rank, dt, desc, fail,
-               skipped: bool = False) -> None:
-    """One step of one rank against its count table row: every micro-step before the boundary, the
-    boundary (less the row's `skipped` collectives on a step without a valid token), and the elements the
-    boundary's reductions carry."""
-    from .counts import check_row
-
-    if W == 1:
-        return  # alone there is nothing to count against a data-parallel row (world 1 = the plain path)
-    for m, cs in enumerate(s.micro):
-        ok, rest = _unexpected(cs, expected, k, m, W)
-        report.expected_used += [(rank, dt, k, m, e.why or e.op, c) for e, c in ok]
-        msg = check_row(row, rest, row.before, f"step {k}, micro-step {m} of {N} (before the boundary)", desc,
-                        row.first_micro if (k, m) == (0, 0) else None)
-        if msg:
-            fail(msg)
-    ok, rest = _unexpected(s.boundary, expected, k, N - 1, W)
-    report.expected_used += [(rank, dt, k, N - 1, e.why or e.op, c) for e, c in ok]
-    at = f"step {k}, boundary (micro-step {N - 1} of {N}, optimizer_step()" + (
-        ", a window without a valid token: no update)" if skipped else ")")
-    msg = check_row(row, rest, row.boundary, at,
-                    desc, row.first_micro if (k, N) == (0, 1) else None, row.skipped if skipped else None)
-    if msg:
-        fail(msg)
-    if row.elements is not None:
-        from .counts import family
-
-        lo, hi = row.elements  # the reductions only: a sharded trainer's all-gathers are parameters, not gradients
-        E = sum(c.numel for c in s.boundary if c.floating and family(c.op) in ("all_reduce", "reduce_scatter"))
-        if not (lo <= E and (hi is None or E <= hi)):
-            fail(f"step {k}, boundary: the reductions carry {E} floating elements, count table row {row.mode!r} "
-                 f"expects {lo}..{'' if hi is None else hi} (the gradient once, plus side channels)")
 
 
 def boundary_summary(report: CommReport | None, rank: int, dtype: str, step: int) -> str:

@@ -51,7 +51,8 @@ def _options(adapter, args, cuda: bool, flag: str):
         raise UsageError(f"--seq-len {seq} exceeds --model {name}'s limit of {model.seq_len}; "
                          f"pass --seq-len ≤ {model.seq_len}")
     return (XtrainOptions(model=model, seq_len=seq, optim=OptimConfig()),
-            dict(name=name, config=model.__dict__.copy(), seq_len=seq, n_params=model.n_params))
+            dict(name=name, config=model.__dict__.copy(), seq_len=seq, n_params=model.n_params,
+                 text=f"L={model.n_layer} h={model.n_head} d={model.d_model} V={model.vocab_size}"))
 
 
 def _anchor(options, *, E: int, world: int, cuda: bool):

@@ -58,8 +58,8 @@ class Wing:
     """flags(parser): adds the wing's own flags"""
     options: Callable | None = None
     """options(adapter, args, cuda, flag) -> (Spec.options, model or None): the options its flags build, and
-    what the report says of the model (dict: name, config, seq_len, n_params); UsageError for a flag that
-    does not apply"""
+    what the report says of the model (dict: name, config, text, seq_len, n_params); UsageError for a flag
+    that does not apply"""
     anchor: Callable | None = None
     """anchor(options, E=, world=, cuda=) -> (default anchor path or None, applies: bool, note)"""
     anchor_help: str = ""
@@ -264,7 +264,8 @@ def build_plan(args, wing: Wing | None = None) -> Plan:
         writable_dir("--out", args.out)
     model = model or {}
     plan = Plan(E=E, world=world, rank=rank, device=device, adapter=adapter, trainer=args.trainer, options=options,
-                model_name=model.get("name"), model=model.get("config"), seq_len=model.get("seq_len"),
+                model_name=model.get("name"), model=model.get("config"), model_text=model.get("text"),
+                seq_len=model.get("seq_len"),
                 n_params=model.get("n_params"), sources=wing.sources,
                 steps=args.steps or (3 if device.type == "cuda" else 1), warmup=args.warmup or (2 if world > 1 else 1),
                 threads=args.threads or torch.get_num_threads(), out=out, anchor=anchor, anchor_note=note)

@@ -58,6 +58,7 @@ class Plan:
     """The model's name, a dict of its config, its sequence length and parameter count, where the CLI
     knows them (for the report; None: the model is the adapter's business)"""
     model: dict | None = None
+    model_text: str | None = None
     seq_len: int | None = None
     n_params: int | None = None
     sources: tuple[str, ...] = ("verify",)

@@ -87,9 +87,8 @@ def _what(report) -> str:
     s = report["settings"]
     params = f"{s['n_params']:,} params" if s.get("n_params") is not None else "params unknown"
     if s.get("model_name"):
-        m = s["model"]
-        return (f"model {s['model_name']} (L={m['n_layer']} h={m['n_head']} d={m['d_model']} V={m['vocab_size']}, "
-                f"{params}), S={s['seq_len']}")
+        text = s.get("model_text") or " ".join(f"{k}={v}" for k, v in (s.get("model") or {}).items())
+        return f"model {s['model_name']} ({text}, {params}), S={s['seq_len']}"
     return f"adapter {s.get('adapter_name') or s['trainer']} ({params}; options {s.get('options_text')})"
 
 
@@ -294,7 +293,7 @@ def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nv
         settings=dict(effective_batch=plan.E, world_size=plan.world, effective_batch_per_rank=plan.E_local,
                       device=str(plan.device), trainer=plan.trainer, adapter=ref, adapter_name=plan.adapter.name,
                       options=_plain(plan.options), options_text=_short(plan.options), model_name=plan.model_name,
-                      model=plan.model, n_params=n_params,
+                      model=plan.model, model_text=plan.model_text, n_params=n_params,
                       seq_len=plan.seq_len, warmup_steps=plan.warmup, measured_steps=plan.steps, dtype="float32",
                       threads=plan.threads if not plan.cuda else None, tf32=False if plan.cuda else None,
                       sweep_A=f"N | {plan.E_local}, B = {plan.E_local}/N (per rank)",

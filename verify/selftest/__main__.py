@@ -15,18 +15,22 @@ from .._cli import Parser, Progress, fail, positive_int
 
 
 def parse_args(argv=None):
+    from ..settings import Settings, env_of
+
+    d = Settings()  # the defaults, for the help
     p = Parser(prog="verify.selftest", description=__doc__.split("\n\n")[1])
     p.add_argument("--verify-trainer", metavar="MODULE:FACTORY", default="verify.adapters.xtrain:adapter",
                    help="the adapter to test (default: xtrain's trainer)")
     p.add_argument("--verify-report", metavar="DIR", default="reports",
                    help="directory of verify-report.json/.md (default ./reports)")
     p.add_argument("--verify-backend", metavar="gloo|nccl", default=None,
-                   help="process-group backend for the data-parallel cases (default $XTRAIN_DIST_BACKEND, else nccl "
-                        "on cuda and gloo on the cpu)")
-    p.add_argument("--verify-device", metavar="cpu|cuda", default=None, help="device (default $XTRAIN_TEST_DEVICE or cpu)")
+                   help=f"process-group backend for the data-parallel cases (default ${env_of('backend')}, else nccl "
+                        f"on cuda and gloo on the cpu)")
+    p.add_argument("--verify-device", metavar="cpu|cuda", default=None,
+                   help=f"device (default ${env_of('device')} or {d.device})")
     p.add_argument("--max-world", type=positive_int, default=None,
-                   help="largest world of the data-parallel cases (default: every world the gates draw, "
-                        "XTRAIN_DIST_MIN_WORLD..XTRAIN_DIST_MAX_WORLD, 1..4)")
+                   help=f"largest world of the data-parallel cases (default: every world the gates draw, "
+                        f"{env_of('min_world')}..{env_of('max_world')}, {d.min_world}..{d.max_world})")
     return p.parse_args(argv)
 
 

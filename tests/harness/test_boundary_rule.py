@@ -1,0 +1,78 @@
+"""One boundary rule (verify/gates/counts.py): a trainer without a count table row is judged by the default
+row, built from its gradient size, through the same check as a declared row; one op-name normaliser
+(verify.comm.family) for rows, declarations and the counter. Fake collectives, no process group."""
+import ast
+import itertools
+import pathlib
+import re
+
+from verify.comm import Collective, family
+from verify.gates.counts import SCALARS, CountRow, check_step, excused
+from verify.protocol import Expected
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+_ids = itertools.count()
+
+
+def _c(op: str, n: int = 1, dtype: str = "Float") -> Collective:
+    return Collective(next(_ids), "fr", "gloo", op, ((n,),), (dtype,), "0 ''", "1", 0)
+
+
+def _step(row, micro, boundary, W=2, expected=()):
+    return check_step(row, micro, boundary, 0, W, expected, lambda c: f"{c.op}[{c.numel}]")
+
+
+def test_c10d_names_of_one_operation_are_one_family():
+    assert {family(op) for op in ("all_reduce", "allreduce_coalesced", "_allreduce_base", "ALLREDUCE")} == {"all_reduce"}
+    assert {family(op) for op in ("all_gather", "_allgather_base", "allgather_into_tensor_coalesced")} == {"all_gather"}
+    assert family("_reduce_scatter_base") == "reduce_scatter" and family("reduce") == "reduce"
+
+
+def test_the_default_row_is_built_from_the_gradient_size():
+    row = CountRow.default(100, 120)
+    assert (row.before, row.boundary, row.elements) == ({}, None, (100, 120 + SCALARS))
+    assert _step(row, [[], []], [_c("allreduce_coalesced", 101)]) == ([], None)  # the gradient once + a scalar
+
+
+def test_the_default_row_keeps_its_messages():
+    row = CountRow.default(100, 100)
+    _, msg = _step(row, [[_c("all_reduce", 100)], []], [])
+    assert msg.startswith("step 0, micro-step 0 of 3: 1 collective(s) before the boundary: all_reduce[100] — "
+                          "micro-steps 0..1 must not communicate")
+    assert "no gradient all-reduce" in _step(row, [[]], [])[1] and _step(row, [[]], [], W=1) == ([], None)
+    assert "cover 60 of 100 gradient elements" in _step(row, [[]], [_c("all_reduce", 60)])[1]
+    assert "gradients reduced more than once" in _step(row, [[]], [_c("all_reduce", 100)] * 2)[1]
+    assert _step(row, [[]], [_c("broadcast", 999), _c("all_reduce", 100, "Long")])[1].startswith(
+        "step 0, boundary (micro-step 1 of 2, grads(), optimizer_step()): no gradient")  # neither carries gradients
+
+
+def test_a_declaration_excuses_its_family_only():
+    counted = (Expected("all_reduce", dtype="integer", why="token count"),)
+    used, msg = _step(CountRow.default(10, 10), [[_c("_allreduce_base", 1, "Long")]], [_c("all_reduce", 10)],
+                      expected=counted)
+    assert msg is None and [(m, e.why) for m, e, _ in used] == [(0, "token count")]
+    ok, rest = excused([_c("reduce", 1, "Long"), _c("all_reduce", 1, "Float")], counted, 0, 0, 2)
+    assert ok == [] and len(rest) == 2  # another family; the right family but floating
+
+
+def test_a_declared_row_goes_through_the_same_check():
+    fsdp = CountRow("fsdp", before={"all_gather": 2}, boundary={"all_gather": 2, "reduce_scatter": 1}, elements=(8, 9))
+    gathers = [_c("_allgather_base", 50), _c("all_gather_into_tensor", 50)]
+    assert _step(fsdp, [gathers], gathers + [_c("reduce_scatter", 8)]) == ([], None)  # gathers carry no gradient
+    assert "count table row 'fsdp' expects all_gather×2, observed all_gather×1" in _step(fsdp, [gathers[:1]], [])[1]
+    assert "the reductions carry 16 floating elements" in _step(fsdp, [gathers], gathers + [_c("reduce_scatter", 16)])[1]
+
+
+def _folds_op_names(tree) -> list[int]:
+    """Lines that fold an op name by hand: `<...op>.lower()` / `.replace(...)` / `.upper()`."""
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("lower", "upper", "replace", "casefold")
+            and re.search(r"(^|\.)op$", ast.unparse(n.func.value).split("(")[0])]
+
+
+def test_one_op_normaliser():
+    """Only verify/comm.py folds op names (case, underscores): everything else calls comm.family."""
+    bad = [f"{p.relative_to(ROOT)}:{line}" for p in sorted((ROOT / "verify").rglob("*.py")) if p.name != "comm.py"
+           for line in _folds_op_names(ast.parse(p.read_text(encoding="utf-8")))]
+    assert not bad, bad
+    assert sorted(_folds_op_names(ast.parse("def _norm(op):\n    return op.replace('_', '').lower()\nc.op.lower()"))) == [2, 3]

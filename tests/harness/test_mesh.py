@@ -1,0 +1,242 @@
+"""The mesh in the protocol (issue 18 item 1): verify.Mesh's layout, Spec / Adapter validation, the assembly of
+what the ranks own (exactly once over pp stages, tp ranks bit-identical), and the mesh gate on a pipelined MLP
+(verify/adapters/broken_mesh.py): the correct trainer passes, each planted bug is rejected naming the axis."""
+import pytest
+import torch
+
+import verify
+from verify.adapters import broken_mesh
+from verify.case import Case
+from verify.gates.distributed import max_world
+from verify.gates.mesh import check_mesh
+from verify.mesh import Mesh, MeshError, assemble
+from verify.protocol import AdapterError, Spec
+from verify.verdict import Gate, GateFailure, GateSkipped
+
+
+def test_mesh_layout_is_init_device_meshs():
+    m = Mesh(dp=2, pp=3, tp=2)
+    assert m.size == 12 and str(m) == "mesh dp=2 pp=3 tp=2" and m.axes() == ("dp", "pp", "tp")
+    # tp innermost: rank = (dp_i·pp + pp_i)·tp + tp_i, the row-major order of init_device_mesh's (dp, pp, tp)
+    import itertools
+
+    order = list(itertools.product(range(2), range(3), range(2)))
+    assert [m.coords(r) for r in range(12)] == order and [m.rank(*c) for c in order] == list(range(12))
+    assert Mesh().size == 1 and Mesh().axes() == ()
+    for bad in (dict(dp=0), dict(pp=-1), dict(tp=1.5), dict(tp=True)):
+        with pytest.raises(ValueError, match="Mesh."):
+            Mesh(**bad)
+    with pytest.raises(ValueError, match="rank 12 is outside"):
+        m.coords(12)
+
+
+def test_spec_and_adapter_validate_the_mesh_fields():
+    assert Spec(accum_steps=6, pipeline_chunks=3, mesh=Mesh(pp=2)).mesh.pp == 2
+    with pytest.raises(ValueError, match="pipeline_chunks must be an integer ≥ 1 dividing accum_steps=4, got 3"):
+        Spec(accum_steps=4, pipeline_chunks=3)
+    with pytest.raises(ValueError, match="Spec.mesh must be a verify.Mesh"):
+        Spec(accum_steps=1, mesh=(1, 2, 1))
+    a = verify.adapter(data=broken_mesh.DATA, mesh_axes=["tp", "pp"])(broken_mesh.Pipe)
+    assert a.mesh_axes == ("pp", "tp") and a.declarations()["mesh_axes"] == ["pp", "tp"]
+    assert "mesh_axes" not in verify.adapter(data=broken_mesh.DATA)(broken_mesh.Pipe).declarations()
+    for bad in (("xp",), ("pp", "pp"), ("dp",)):
+        with pytest.raises(AdapterError, match="mesh_axes must name distinct axes"):
+            verify.adapter(data=broken_mesh.DATA, mesh_axes=bad)(broken_mesh.Pipe)
+    with pytest.raises(ValueError, match="Case.world must be the mesh's dp"):
+        Case(accum_steps=2, micro_batch=1, steps=1, mesh=Mesh(dp=2, pp=2))
+    c = Case(accum_steps=4, micro_batch=1, steps=1, world=2, mesh=Mesh(dp=2, pp=2), pipeline_chunks=2)
+    assert c.ranks == 4 and c.effective_batch == 8 and "mesh dp=2 pp=2 tp=1 chunks=2" in str(c)
+    assert c.spec().mesh == Mesh(dp=2, pp=2) and c.spec().pipeline_chunks == 2
+    ref = c.spec(accum_steps=1, dtype=torch.float64)  # a reference: one process, one chunk
+    assert ref.mesh == Mesh() and ref.pipeline_chunks == 1
+
+
+def _t(*v):
+    return torch.tensor(v, dtype=torch.float64)
+
+
+def test_assembly_is_the_union_over_stages_once_and_tp_ranks_agree():
+    m = Mesh(dp=2, pp=2, tp=2)
+    stage = [{"a": _t(1.0), "b": _t(2.0)}, {"c": _t(3.0)}]
+    owned = [dict(stage[m.coords(r)[1]]) for r in range(8)]
+    got = assemble(owned, m, "gradient")
+    assert len(got) == 2 and all(set(g) == {"a", "b", "c"} for g in got)
+    twice = [dict(o) for o in owned]
+    twice[m.rank(1, 1, 0)]["a"] = twice[m.rank(1, 1, 1)]["a"] = _t(1.0)
+    with pytest.raises(MeshError, match="replica 1: gradient of 'a' owned twice, by stage 0 and stage 1"):
+        assemble(twice, m, "gradient")
+    apart = [dict(o) for o in owned]
+    apart[m.rank(0, 1, 1)]["c"] = _t(3.0 + 1e-12)  # one ulp-ish off: bit for bit is the rule
+    with pytest.raises(MeshError, match="replica 0, stage 1: tp ranks 0 and 1 disagree on the full gradient of 'c'"):
+        assemble(apart, m, "gradient")
+    names = [dict(o) for o in owned]
+    del names[m.rank(0, 0, 1)]["b"]
+    with pytest.raises(MeshError, match="tp ranks 0 and 1 own different gradient names"):
+        assemble(names, m, "gradient")
+
+
+def test_a_mesh_gate_skips_adapters_without_mesh_axes():
+    from verify.adapters import xtrain
+
+    with pytest.raises(GateSkipped, match="declares no mesh axes"):
+        check_mesh(xtrain.adapter, Case(accum_steps=2, micro_batch=1, steps=1, world=1, mesh=Mesh(pp=2)))
+    with pytest.raises(ValueError, match=r"uses axes \['tp'\]"):
+        check_mesh(broken_mesh.pipe, Case(accum_steps=2, micro_batch=1, steps=1, world=1, mesh=Mesh(tp=2)))
+
+
+needs_2 = pytest.mark.skipif(max_world() < 2, reason="needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD)")
+needs_4 = pytest.mark.skipif(max_world() < 4, reason="needs world ≥ 4 (XTRAIN_DIST_MAX_WORLD)")
+
+
+def _case(mesh, N, chunks, B=2, K=2):
+    return Case(accum_steps=N, micro_batch=B, steps=K, world=mesh.dp, mesh=mesh, pipeline_chunks=chunks)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh, N, chunks", [
+    pytest.param(Mesh(pp=2), 4, 2, marks=needs_2), pytest.param(Mesh(pp=2), 3, 1, marks=needs_2),
+    pytest.param(Mesh(dp=2, pp=2), 2, 2, marks=needs_4), pytest.param(Mesh(pp=4), 4, 4, marks=needs_4)], ids=str)
+def test_a_correct_pipeline_passes(mesh, N, chunks):
+    r = check_mesh(broken_mesh.pipe, _case(mesh, N, chunks))
+    assert r.gate is Gate.MESH_EQUIVALENCE and 0 < r.ratio < 1
+
+
+@pytest.mark.distributed
+@needs_2
+def test_scale_grads_under_outer_accumulation_is_rejected_naming_the_stage():
+    """torchtitan #1733: scale_grads=True divides ALL .grad by the chunks after every schedule.step, so outer
+    steps 0..S-2 are divided again and again. One outer step is exactly right — the bug needs outer ≥ 2."""
+    assert check_mesh(broken_mesh.pipe_ema, _case(Mesh(pp=2), 2, 2)).ratio < 1  # outer = 1: right
+    with pytest.raises(GateFailure) as e:
+        check_mesh(broken_mesh.pipe_ema, _case(Mesh(pp=2), 4, 2))
+    msg = str(e.value)
+    assert e.value.gate is Gate.MESH_EQUIVALENCE
+    assert msg.startswith("[mesh equivalence] mesh dp=1 pp=2 tp=1, chunks=2, outer=2: gradient (step 0) of '"), msg
+    assert "(stage 0)" in msg or "(stage 1)" in msg, msg
+
+
+@pytest.mark.distributed
+@needs_2
+@pytest.mark.parametrize("adapter, says", [
+    (broken_mesh.pipe_owned_twice, "replica 0: gradient (step 0) of '4.weight' owned twice, by stage 0 and stage 1"),
+    (broken_mesh.pipe_no_loss, "replica 0: the last stage (stage 1) returned no loss")], ids=["owned_twice", "no_loss"])
+def test_assembly_failures_name_the_replica_and_stage(adapter, says):
+    with pytest.raises(GateFailure) as e:
+        check_mesh(adapter, _case(Mesh(pp=2), 2, 1))
+    assert e.value.gate is Gate.MESH_EQUIVALENCE and says in str(e.value), str(e.value)
+
+
+def test_meshes_are_every_factorisation_over_the_declared_axes():
+    from verify.mesh import meshes
+
+    assert {(m.dp, m.pp, m.tp) for m in meshes(("dp", "pp"), 4)} == {(1, 4, 1), (2, 2, 1), (4, 1, 1)}
+    assert {(m.dp, m.pp, m.tp) for m in meshes(("pp", "tp"), 4)} == {(1, 4, 1), (1, 2, 2), (1, 1, 4)}
+    assert [str(m) for m in meshes(("tp",), 3)] == ["mesh dp=1 pp=1 tp=3"]
+    assert len(meshes(("dp", "pp", "tp"), 8)) == 10 and all(m.size == 8 for m in meshes(("dp", "pp", "tp"), 8))
+    assert [len(m.axes()) for m in meshes(("dp", "pp", "tp"), 8)][:4] == [1, 1, 1, 2]  # the simplest meshes first
+
+
+def test_mesh_cases_draw_valid_meshes_within_the_world():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from verify.strategies import mesh_cases
+
+    tp_only = verify.adapter(data=broken_mesh.DATA, mesh_axes=("tp",))(broken_mesh.Pipe)
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(st.data())
+    def draw(data):
+        a = data.draw(st.sampled_from([broken_mesh.pipe, tp_only]))
+        c = data.draw(mesh_cases(a, max_world=4))
+        m = c.mesh
+        assert 2 <= m.size <= 4 and set(m.axes()) <= set(a.mesh_axes) and c.world == m.dp
+        assert c.accum_steps % c.pipeline_chunks == 0 and (c.pipeline_chunks == 1 or m.pp > 1)
+        assert c.lengths is None and c.spec().mesh == m and c.spec().pipeline_chunks == c.pipeline_chunks
+
+    draw()
+
+
+@pytest.mark.distributed
+@needs_4
+def test_split_invariance_over_mesh_shapes():
+    """One window of 4·2·2 rows on every mesh of 4 ranks over (dp, pp): each gives the big batch's step; the
+    moving average of scale_grads fails on the first pipelined mesh, named."""
+    from verify.gates.mesh import check_mesh_splits
+
+    base = Case(accum_steps=4, micro_batch=4, steps=1, pipeline_chunks=2, seed=1, data_seed=2)
+    r = check_mesh_splits(broken_mesh.pipe, base, 4)
+    assert r.gate is Gate.SPLIT_INVARIANCE and r.extra["splits"] == 3 and r.ratio < 1
+    with pytest.raises(GateFailure) as e:
+        check_mesh_splits(broken_mesh.pipe_ema, base, 4)
+    assert e.value.gate is Gate.SPLIT_INVARIANCE
+    assert str(e.value).startswith("[split invariance] mesh dp=1 pp=4 tp=1 of a window of 16 rows: [mesh equivalence] "
+                                   "mesh dp=1 pp=4 tp=1, chunks=2, outer=2: "), str(e.value)
+
+
+# -- counts per axis (verify/gates/mesh_counts.py) ----------------------------------------------------------
+
+def _c(op, pg, t=0):
+    from verify.comm import Collective
+
+    return Collective(record_id=t, source="fr", backend="gloo", op=op, sizes=((1,),), dtypes=("Float",), pg=pg,
+                      thread="?", time_ns=t)
+
+
+def test_a_collective_is_on_the_axis_of_its_group():
+    from verify.gates.mesh_counts import axis_of
+
+    m = Mesh(dp=2, pp=2)
+    assert [axis_of(_c("all_reduce", f"{i} 'mesh_{a}'"), m) for i, a in enumerate(("dp", "pp", "tp"))] == ["dp", "pp", "tp"]
+    # init_device_mesh reuses the default group for an axis that spans the world; otherwise it is no axis
+    assert axis_of(_c("barrier", "0 'default_pg'"), m) is None and axis_of(_c("send", "0 'default_pg'"), Mesh(pp=4)) == "pp"
+    assert axis_of(_c("all_reduce", "7 'my_private_group'"), Mesh(tp=2)) is None
+
+
+def test_outer_steps_group_a_schedules_micro_steps():
+    from verify.gates.mesh_counts import outer_units
+
+    micro = [[_c("send", "", m)] for m in range(5)]  # N = 6 micro-steps, chunks 2: outer steps {0,1} {2,3} {4,5}
+    units, last = outer_units(micro, [_c("all_reduce", "", 9)], 2)
+    assert [[c.time_ns for c in u] for u in units] == [[0, 1], [2, 3]] and [c.time_ns for c in last] == [4, 9]
+
+
+@pytest.mark.distributed
+@needs_2
+def test_p2p_is_counted_once_on_gloo():
+    """gloo's flight recorder records no send / recv: the hook on ProcessGroup.send / recv does, once."""
+    from verify.pool import get_pool
+
+    got = get_pool(2).run(_p2p_job)
+    assert got == [["send", "send"], ["recv", "recv"]], got
+
+
+def _p2p_job(ctx):
+    import torch.distributed as dist
+
+    ctx.recorder.read()
+    t = torch.ones(2)
+    if ctx.rank == 0:
+        dist.send(t, 1)
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1)])[0].wait()
+    else:
+        dist.recv(t, 0)
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 0)])[0].wait()
+    return [c.op for c in ctx.recorder.read()]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh, N", [pytest.param(Mesh(tp=2), 3, marks=needs_2),
+                                     pytest.param(Mesh(dp=2, tp=2), 2, marks=needs_4)], ids=str)
+def test_a_correct_tensor_parallel_trainer_passes_with_its_counts(mesh, N):
+    r = check_mesh(broken_mesh.tp, _case(mesh, N, 1))
+    assert r.ratio < 1 and r.extra["counts"]["judged"] == ["dp", "tp"] and not r.extra["counts"]["unjudged"]
+    assert r.extra["counts"]["seen"][(0, "tp")] == {"all_reduce": 2 * 2 * N}  # fp32 + float64 runs × K=2 × N
+
+
+@pytest.mark.distributed
+@needs_2
+def test_an_axis_without_a_row_is_reported_unjudged_and_rows_are_keyed_by_axis():
+    assert check_mesh(broken_mesh.pipe_uncounted, _case(Mesh(pp=2), 2, 2)).extra["counts"]["unjudged"] == ["pp"]
+    with pytest.raises(ValueError, match="keyed by axis"):
+        check_mesh(broken_mesh.pipe_bad_counts, _case(Mesh(pp=2), 2, 2))
