@@ -7,7 +7,7 @@ import pytest
 from tests.helpers import count_adapters as ca
 from verify.adapters import xtrain
 from verify.case import Case
-from verify.gates import GateFailure, check_distributed, check_same_bytes
+from verify.gates import check_distributed, check_same_bytes
 from verify.gates.distributed import max_world
 from xtrain_core.config import ModelConfig, OptimConfig
 
@@ -27,19 +27,13 @@ def test_declared_count_traffic_passes_boundary_only_equivalence_and_bytes(adapt
     check_distributed(adapter, PADDED.replace(world=1, lengths=PADDED.lengths[:6]))  # world 1: a one-rank group
 
 
-@needs_2
-def test_undeclared_count_traffic_fails_boundary_only():
-    with pytest.raises(GateFailure, match=r"micro-step 0 of 3: 1 collective\(s\) before the boundary: \S+:all_?reduce "
-                                          r"int64 \[1\]") as e:
-        check_distributed(ca.undeclared, PADDED)
-    assert e.value.case == PADDED or "case N=3 B=1 W=2" in str(e.value)
+# Undeclared, the same traffic fails boundary-only; declared for world 1 only, it fails at world 2: the planted
+# bugs count_reduced_undeclared and declared_at_world_1_only on PADDED (verify/adapters/planted.py, driven by tests/harness/test_planted.py).
 
 
 @needs_2
-def test_an_expected_entry_for_world_1_excuses_nothing_at_world_2():
+def test_an_expected_entry_for_world_1_excuses_it_at_world_1():
     check_distributed(ca.declared_at_world_1_only, PADDED.replace(world=1, lengths=PADDED.lengths[:6]))
-    with pytest.raises(GateFailure, match=r"micro-step 0 of 3: 1 collective\(s\) before the boundary"):
-        check_distributed(ca.declared_at_world_1_only, PADDED)
 
 
 @needs_2
@@ -55,14 +49,10 @@ def test_bytes_per_step_reruns_the_same_window_at_n1():
 
 @needs_2
 def test_boundary_traffic_that_grows_with_n_fails_bytes_per_step():
-    """N logging all-reduces at the boundary pass boundary-only (side-channel scalars) but not this gate,
-    which fails with a GateFailure naming both runs."""
+    """N logging all-reduces at the boundary pass boundary-only (side-channel scalars) but not bytes per step,
+    which fails naming both runs (the planted bug logs_each_micro_loss (verify/adapters/planted.py, driven by tests/harness/test_planted.py))."""
     case = PADDED.replace(steps=1, lengths=PADDED.lengths[:6])
     check_distributed(ca.logs_each_micro_loss, case)
-    with pytest.raises(GateFailure, match=r"\[bytes per step\] rank 0 \(float32 run\), step 0: the boundary moves "
-                                          r"\d+ B in 4 gradient collective\(s\) at N=3, \d+ B in 2 at N=1") as e:
-        check_same_bytes(ca.logs_each_micro_loss, case)
-    assert e.value.gate == "bytes per step" and e.value.case == case
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 from verify.adapters import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens
 from verify.adapters import ddp_modes, planted
 from verify.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence,
-                          check_overflow, check_token_mean)
+                          check_overflow, check_same_bytes, check_token_mean)
 from verify.gates.distributed import max_world
 from verify.gates.mesh import check_mesh
 from verify.gates.windows import check_long_window, check_partial_sums, check_split_invariance
@@ -21,7 +21,7 @@ RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.BIT_EXACT: check_bit_exact, Gat
        Gate.SPLIT_INVARIANCE: lambda a, case, w: check_split_invariance(a, case, max_world=w),
        Gate.LONG_WINDOW: check_long_window, Gate.TOKEN_MEAN: check_token_mean, Gate.EMPTY_WINDOW: check_empty_window,
        Gate.OVERFLOW: check_overflow, Gate.BOUNDARY_ONLY: check_distributed, Gate.DP_EQUIVALENCE: check_distributed,
-       Gate.MESH_EQUIVALENCE: check_mesh}
+       Gate.MESH_EQUIVALENCE: check_mesh, Gate.BYTES_PER_STEP: check_same_bytes}
 # harmless by design, and checked to pass where they are tested; compiled_runs_eager fails the trainer's own
 # guard (DistJobError), not a gate
 CONTROLS = {id(a) for a in (broken.scaled_by_one, broken_dist.fsdp2_switch_after_forward,
@@ -30,7 +30,7 @@ CONTROLS = {id(a) for a in (broken.scaled_by_one, broken_dist.fsdp2_switch_after
 
 def _param(b):
     marks = [pytest.mark.slow] if b.slow else []
-    if b.case.ranks > 1 or b.adapter.process_group:
+    if b.case.ranks > 1 or (isinstance(b.adapter, Adapter) and b.adapter.process_group):
         marks.append(pytest.mark.distributed)
     if b.case.ranks > max_world():
         marks.append(pytest.mark.skip(reason=f"needs world ≥ {b.case.ranks} (XTRAIN_DIST_MAX_WORLD / GPUs)"))
@@ -39,8 +39,11 @@ def _param(b):
 
 @pytest.mark.parametrize("bug", [_param(b) for b in planted.PLANTED if b.gate in RUN])
 def test_its_gate_rejects_it(bug):
+    if bug.needs:
+        pytest.importorskip(bug.needs)
+    adapter = bug.load()  # tests/helpers/ ones by reference
     with pytest.raises(GateFailure) as e:
-        (check_mesh if bug.case.mesh is not None else RUN[bug.gate])(bug.adapter, bug.case, *bug.args)  # one mesh gate
+        (check_mesh if bug.case.mesh is not None else RUN[bug.gate])(adapter, bug.case, *bug.args)  # one mesh gate
     msg = str(e.value)
     assert e.value.gate is bug.gate and msg.startswith(f"[{bug.gate}]"), msg
     assert re.search(bug.pattern, msg), msg

@@ -20,7 +20,7 @@ from xtrain_core.config import ModelConfig, OptimConfig
 
 from ..case import Case
 from ..mesh import Mesh
-from ..protocol import Adapter
+from ..protocol import Adapter, load_adapter
 from ..verdict import Gate
 from . import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, ddp_modes
 from .xtrain_options import XtrainOptions
@@ -31,7 +31,8 @@ class PlantedBug:
     name: str
     what: str
     """The bug in a few words (the docs' table)."""
-    adapter: Adapter
+    adapter: Adapter | str
+    """The adapter, or its 'MODULE:NAME' reference (tests/helpers/: importable from a checkout only)."""
     gate: Gate | str
     pattern: str
     """A regular expression the rejection message must contain (re.search)."""
@@ -41,14 +42,23 @@ class PlantedBug:
     args: tuple = ()
     """The gate's further arguments: overflow (micro-step, rank); split invariance (max_world,)."""
     slow: bool = False
+    needs: str = ""
+    """A module the adapter needs (an optional framework); without it the bug is not run."""
 
     def __post_init__(self):
         if not self.pattern:
             raise ValueError(f"PlantedBug {self.name}: pattern is empty; name what the rejection must say")
 
+    def load(self) -> Adapter:
+        if isinstance(self.adapter, Adapter):
+            return self.adapter
+        return load_adapter(self.adapter, option=f"planted bug {self.name}:")
+
     @property
     def trainer(self) -> str:
-        """The trainer class, as `module.Class` (the docs' table names it)."""
+        """The trainer class, as `module.Class`, or the adapter's reference (the docs' table names it)."""
+        if isinstance(self.adapter, str):
+            return self.adapter
         make = self.adapter.factory
         return f"{make.__module__.rsplit('.', 1)[-1]}.{make.__name__.removeprefix('make_')}"
 
@@ -79,6 +89,8 @@ EMPTY_FSDP = Case(accum_steps=1, micro_batch=1, steps=2, world=2, lengths=(1, 1,
 # data seed 0: an expert used only in micro-step 0 (under no_sync) on some rank (test_ddp_modes.py's _case_with)
 ROUTED = Case(accum_steps=2, micro_batch=1, steps=1, world=2)
 OVERFLOW = Case(accum_steps=3, micro_batch=2, steps=2, precision="fp16", options=TINY)
+# tests/helpers/count_adapters.py's windows: uneven valid counts per micro-step and rank
+COUNTED = Case(accum_steps=3, micro_batch=1, steps=2, world=2, lengths=(0, 0, 2, 5, 1, 0) + (0, 3, 0, 4, 0, 1))
 # two pipeline stages, 2 micro-batches per schedule step, 2 outer steps: where scale_grads' 1/chunks compounds
 PIPE = Case(accum_steps=4, micro_batch=2, steps=2, world=1, mesh=Mesh(pp=2), pipeline_chunks=2, seed=1, data_seed=2)
 
@@ -258,6 +270,42 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("eager_dp", "the dp all-reduce on every micro-step", broken_mesh.tp_eager_dp, Gate.BOUNDARY_ONLY,
                r"axis dp .*count table row 'dp: boundary-only' expects none, observed all_reduce×\d",
                PIPE.replace(pipeline_chunks=1, world=2, mesh=Mesh(dp=2))),
+    # -- the project's tests' own trainers (tests/helpers/, by reference): small MLPs and framework recipes ---
+    PlantedBug("off_by_1e5", "accumulation 1e-5 off, loss_precision declared",
+               "tests.helpers.calib_adapters:off_by_1e5", Gate.EQUIVALENCE, _EQ,
+               Case(accum_steps=3, micro_batch=2, steps=1)),
+    PlantedBug("per_rank_undeclared", "Accelerate's scheduler stepped per rank, undeclared",
+               "tests.helpers.calib_adapters:per_rank_undeclared", Gate.DP_EQUIVALENCE,
+               r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
+               Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)),
+    PlantedBug("per_rank_unemulated", "the same, declared, its reference ignoring Spec.schedule_world",
+               "tests.helpers.calib_adapters:per_rank_unemulated", Gate.DP_EQUIVALENCE,
+               r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
+               Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)),
+    PlantedBug("count_reduced_undeclared", "the token count all-reduced every micro-step, undeclared",
+               "tests.helpers.count_adapters:undeclared", Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of 3: 1 collective\(s\) before the boundary: \S+:all_?reduce int64 \[1\]", COUNTED),
+    PlantedBug("declared_at_world_1_only", "the same, declared for world 1 only",
+               "tests.helpers.count_adapters:declared_at_world_1_only", Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of 3: 1 collective\(s\) before the boundary", COUNTED),
+    PlantedBug("logs_each_micro_loss", "N scalar all-reduces at the boundary",
+               "tests.helpers.count_adapters:logs_each_micro_loss", Gate.BYTES_PER_STEP,
+               r"rank 0 \(float32 run\), step 0: the boundary moves \d+ B in 4 gradient collective\(s\) at N=3, \d+ B "
+               r"in 2 at N=1", COUNTED.replace(steps=1, lengths=COUNTED.lengths[:6])),
+    PlantedBug("local_clean", "ranks ≥ 1 zero their own inf before the all-reduce",
+               "tests.helpers.overflow_adapters:local_clean", Gate.OVERFLOW,
+               r"rank 0, window 0: parameter '0.weight' changed",
+               Case(accum_steps=3, micro_batch=2, steps=2, world=2, precision="fp16"), (1, 1)),
+    PlantedBug("pull_times_n", "a framework-owned loop without the 1/N, clipping on",
+               "tests.helpers.pull_loops:times_n", Gate.EQUIVALENCE, r"(loss|gradient).*accumulation error 3",
+               Case(accum_steps=4, micro_batch=2, steps=1)),
+    PlantedBug("hf_per_micro_batch_mean", "HF Trainer before 4.46: each micro-batch's token mean ÷ N",
+               "tests.helpers.framework_bugs:hf_per_micro_batch_mean", Gate.EQUIVALENCE, r"(loss|gradient)",
+               Case(accum_steps=2, micro_batch=1, steps=1, lengths=(8, 2)), needs="transformers"),
+    PlantedBug("lightning_over_n_twice", "Lightning: the loss ÷ accumulate_grad_batches by hand too",
+               "tests.helpers.framework_bugs:lightning_over_n_twice", Gate.EQUIVALENCE,
+               r"(loss|gradient).*accumulation error 6\.6", Case(accum_steps=3, micro_batch=2, steps=2),
+               needs="lightning"),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}
