@@ -19,6 +19,7 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_T
 DEV = settings.get_profile("dev").max_examples  # the examples a gate draws in the runs below
 EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync", "hf_trainer",
             "lightning_trainer"]
+MESH = ["tensor_parallel", "fsdp2_tp"]  # mesh recipes (issue 18): ≤ 40 lines, the mesh gates at worlds 2-4
 _missing = lambda mod: __import__("importlib").util.find_spec(mod) is None  # noqa: E731
 needs_accelerate = pytest.mark.skipif(_missing("accelerate"), reason="accelerate is not installed (the [examples] extra)")
 needs_lightning = pytest.mark.skipif(_missing("lightning"), reason="lightning is not installed (the [examples] extra)")
@@ -54,9 +55,10 @@ def test_each_adapter_is_at_most_30_lines(name):
     assert n <= 30, f"examples/{name}.py has {n} lines of code"
 
 
-def test_the_pipeline_recipe_is_at_most_40_lines():
-    n = code_lines(os.path.join(ROOT, "examples", "pipeline_schedule.py"))
-    assert n <= 40, f"examples/pipeline_schedule.py has {n} lines of code"
+@pytest.mark.parametrize("name", MESH + ["pipeline_schedule"])
+def test_each_mesh_recipe_is_at_most_40_lines(name):
+    n = code_lines(os.path.join(ROOT, "examples", f"{name}.py"))
+    assert n <= 40, f"examples/{name}.py has {n} lines of code"
 
 
 def plugin(tmp_path, name, worlds, *args):
@@ -113,6 +115,17 @@ def test_pipeline_recipe_passes_every_gate(tmp_path):
     2 and 3 pipeline stages with their chunks and outer steps drawn; the one-process gates on its plain model."""
     r, gates = plugin(tmp_path, "pipeline_schedule", (2, 3))
     assert gates["mesh equivalence"]["examples"] >= gate_budget("mesh", DEV) and gates["equivalence"]["examples"] >= DEV
+    assert any(m.startswith("mesh dp=1 pp=") for m in gates["mesh equivalence"]["meshes"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", MESH)
+def test_mesh_recipes_pass_every_gate(tmp_path, name):
+    """DTensor TP (loss parallel) and FSDP2 + TP on dp × tp meshes of 2 ranks through the plugin: the single-process
+    gates on the plain model (Mesh(): no group), the mesh gate and split invariance over mesh shapes."""
+    r, gates = plugin(tmp_path, name, (2, 2))
+    assert gates["equivalence"]["examples"] >= DEV and gates["mesh equivalence"]["examples"] > 0
+    assert "mesh dp=1 pp=1 tp=2" in gates["mesh equivalence"]["meshes"] and gates["mesh equivalence"]["worst_ratio"] < 1
 
 
 def selftest(tmp_path, ref, timeout=600):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from verify.adapters import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens
-from verify.adapters import ddp_modes, planted
+from verify.adapters import broken_tp, ddp_modes, planted
 from verify.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence,
                           check_overflow, check_same_bytes, check_token_mean)
 from verify.gates.distributed import max_world
@@ -58,7 +58,7 @@ def test_every_gate_of_the_registry_is_driven():
 
 def test_every_planted_adapter_is_registered():
     registered = {id(b.adapter) for b in planted.PLANTED}
-    modules = (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens,
+    modules = (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, broken_tp,
                ddp_modes)
     missing = [f"{m.__name__}.{k}" for m in modules for k, a in vars(m).items()
                if isinstance(a, Adapter) and a.name.startswith("broken") and id(a) not in registered

@@ -22,7 +22,8 @@ from ..case import Case
 from ..mesh import Mesh
 from ..protocol import Adapter, load_adapter
 from ..verdict import Gate
-from . import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, ddp_modes
+from . import (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, broken_tp,
+               ddp_modes)
 from .xtrain_options import XtrainOptions
 
 
@@ -93,6 +94,9 @@ OVERFLOW = Case(accum_steps=3, micro_batch=2, steps=2, precision="fp16", options
 COUNTED = Case(accum_steps=3, micro_batch=1, steps=2, world=2, lengths=(0, 0, 2, 5, 1, 0) + (0, 3, 0, 4, 0, 1))
 # two pipeline stages, 2 micro-batches per schedule step, 2 outer steps: where scale_grads' 1/chunks compounds
 PIPE = Case(accum_steps=4, micro_batch=2, steps=2, world=1, mesh=Mesh(pp=2), pipeline_chunks=2, seed=1, data_seed=2)
+# two tp ranks, N=3 (so loss × tp, error 1 = tp − 1, is not N − 1), B=4; data seed 1: every micro-batch holds
+# targets of both class shards (shard_local_count divides by no zero: a finite, rank-dependent loss)
+TP = Case(accum_steps=3, micro_batch=4, steps=2, world=1, mesh=Mesh(tp=2), seed=1, data_seed=1)
 
 _BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
 _FSDP_ROW = r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"
@@ -316,6 +320,19 @@ PLANTED: tuple[PlantedBug, ...] = (
                "tests.helpers.framework_bugs:lightning_over_n_twice", Gate.EQUIVALENCE,
                r"(loss|gradient).*accumulation error 6\.6", Case(accum_steps=3, micro_batch=2, steps=2),
                needs="lightning"),
+    # -- tensor parallel (broken_tp.py: examples/tensor_parallel.py's trainer, one normaliser changed) ----------
+    PlantedBug("shard_local_count", "loss ÷ the targets in this tp rank's class shard (Megatron #7513 class)",
+               broken_tp.shard_local_count, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=2, chunks=1, outer=3: replica 0, stage 0: tp ranks 0 and 1 (return different "
+               r"losses|disagree)", TP),
+    PlantedBug("loss_times_tp", "the loss × the tp size (transformers #39648)",
+               broken_tp.loss_times_tp, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=2, chunks=1, outer=3: gradient \(step 0\) of '\d\.\w+': accumulation error 1\.0", TP),
+    # the default group spans the tp axis here (dp=1): the boundary's extra reductions are tp's (at dp > 1: no axis's)
+    PlantedBug("boundary_over_world", "the boundary all-reduce over every rank, tp included (torchtitan #3412 class)",
+               broken_tp.boundary_over_world, Gate.BOUNDARY_ONLY,
+               r"mesh dp=1 pp=1 tp=2, .*axis tp .*step 0, boundary .*count table row 'Colwise/Rowwise \+ loss parallel' "
+               r"expects all_reduce×5, observed all_reduce×11", TP),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}
