@@ -1,7 +1,7 @@
 """A tiny pipelined MLP and its planted bugs, for the mesh gate (torch.distributed.pipelining, gloo / CPU).
 Registered in verify/adapters/planted.py; plain torch, no xtrain_core: the mesh gate's own proof.
 
-    pipe            Mesh(dp, pp, 1): stages of a 4-layer MLP, ScheduleGPipe with scale_grads=False and each
+    pipe            Mesh(dp, pp, 1): stages of an 8-layer MLP, ScheduleGPipe with scale_grads=False and each
                     micro-batch's mean loss divided by N, the dp all-reduce at micro-step N-1: correct
     pipe_ema        the same with the schedule's default scale_grads=True and the loss divided by the OUTER
                     steps: every schedule.step divides ALL .grad by its chunks, so a window of ≥ 2 outer steps
@@ -34,7 +34,8 @@ import verify
 from verify.gates.counts import CountRow
 from verify.mesh import device_mesh
 
-FEATURES, HIDDEN, BLOCKS = 4, 8, 4  # blocks: Linear+Tanh ×3, then Linear(HIDDEN, 1)
+FEATURES, HIDDEN, BLOCKS = 4, 8, 8  # blocks: Linear+Tanh ×7, then Linear(HIDDEN, 1): every pp ≤ 8 has a block per stage
+TP_HIDDEN = 840  # lcm(1..8): Colwise / Rowwise shard it evenly at every tp a world of up to 8 ranks can draw
 
 
 def _full(spec) -> torch.nn.Sequential:
@@ -198,8 +199,8 @@ class Tp:
 
     def __init__(self, spec):
         torch.manual_seed(spec.seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(),
-                                         torch.nn.Linear(HIDDEN, 1)).to(spec.device, spec.dtype)
+        self.model = torch.nn.Sequential(torch.nn.Linear(FEATURES, TP_HIDDEN), torch.nn.Tanh(),
+                                         torch.nn.Linear(TP_HIDDEN, 1)).to(spec.device, spec.dtype)
         self.N, self.m, self.loss, self.dp_group, self.tp_group = spec.accum_steps, spec.mesh, 0.0, None, None
         if spec.mesh.size > 1:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

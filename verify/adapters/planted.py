@@ -257,7 +257,7 @@ PLANTED: tuple[PlantedBug, ...] = (
                r"mesh dp=1 pp=2 tp=1, chunks=2, outer=2: gradient \(step 0\) of '\d\.\w+' \(stage [01]\)", PIPE),
     PlantedBug("owned_twice", "a stage reports a parameter of the next stage as its own",
                broken_mesh.pipe_owned_twice, Gate.MESH_EQUIVALENCE,
-               r"replica 0: gradient \(step 0\) of '4.weight' owned twice, by stage 0 and stage 1", PIPE),
+               r"replica 0: gradient \(step 0\) of '8.weight' owned twice, by stage 0 and stage 1", PIPE),
     PlantedBug("no_loss", "the last stage returns no step loss",
                broken_mesh.pipe_no_loss, Gate.MESH_EQUIVALENCE,
                r"replica 0: the last stage \(stage 1\) returned no loss", PIPE),
