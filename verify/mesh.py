@@ -145,14 +145,6 @@ def assemble(owned: list[dict], mesh: Mesh, what: str) -> list[dict]:
     return out
 
 
-def owner(mesh: Mesh, owned: list[dict], name: str) -> str:
-    """'stage s' for the pipeline stage whose ranks own `name` (first replica), for messages."""
-    for s in range(mesh.pp):
-        if name in owned[mesh.rank(0, s, 0)]:
-            return f"stage {s}"
-    return "no stage"
-
-
 def missing(replica: dict, names, mesh: Mesh, d: int, what: str) -> None:
     """The names of the 1×1×1 reference that no stage of replica d owns: MeshError."""
     gone = [n for n in names if n not in replica]

@@ -101,8 +101,10 @@ def record(result) -> None:
                      worst_case_text=str(c))
     elif gate not in EXACT:
         _keep_worst(s, result.ratio, result.worst, result.case)
-    if getattr(result.case, "mesh", None) is not None:  # the mesh shapes a mesh gate ran
+    if getattr(result.case, "mesh", None) is not None:  # the mesh shapes a mesh gate ran, the axes left uncounted
         s["meshes"] = sorted(set(s.get("meshes", [])) | {str(result.case.mesh)})
+        counted = result.extra.get("counts") or {}
+        s["axes_not_counted"] = sorted(set(s.get("axes_not_counted", [])) | set(counted.get("unjudged", [])))
 
 
 def skip(gate: Gate, reason: str) -> None:

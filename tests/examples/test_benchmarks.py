@@ -158,3 +158,13 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     runs["4.45.2"] = dict(exit_code=0, report=passing)  # the old release passing would be a finding, not a success
     assert fw.main(["--out", str(out), "--cache", str(tmp_path / "cache")]) == 1
     assert "not as expected" in (out / "frameworks.md").read_text()
+
+
+def test_pipeline_accum_cpu(tmp_path):
+    out = _run(["-m", "benchmarks.pipeline_accum", "--width", "16", "--rows", "2", "--n", "2", "--outer", "1,2",
+                "--steps", "1", "--schedules", "gpipe"], tmp_path, timeout=300)
+    doc = _report(tmp_path / "pipeline-accum.json")
+    assert [(r["chunks"], r["outer"], r["effective_rows"]) for r in doc["results"]] == [(2, 1, 4), (1, 2, 4)]
+    assert all([x["rank"] for x in r["ranks"]] == [0, 1] and all(x["step_s"] > 0 for x in r["ranks"])
+               for r in doc["results"])
+    assert "| gpipe | 2 × 1 |" in out and "| gpipe | 1 × 2 |" in out

@@ -118,7 +118,7 @@ def test_scale_grads_under_outer_accumulation_is_rejected_naming_the_stage():
 @pytest.mark.distributed
 @needs_2
 @pytest.mark.parametrize("adapter, says", [
-    (broken_mesh.pipe_owned_twice, "replica 0: gradient (step 0) of '4.weight' owned twice, by stage 0 and stage 1"),
+    (broken_mesh.pipe_owned_twice, "replica 0: gradient (step 0) of '8.weight' owned twice, by stage 0 and stage 1"),
     (broken_mesh.pipe_no_loss, "replica 0: the last stage (stage 1) returned no loss")], ids=["owned_twice", "no_loss"])
 def test_assembly_failures_name_the_replica_and_stage(adapter, says):
     with pytest.raises(GateFailure) as e:

@@ -1,7 +1,7 @@
 """A tiny pipelined MLP and its planted bugs, for the mesh gate (torch.distributed.pipelining, gloo / CPU).
 Registered in verify/adapters/planted.py; plain torch, no xtrain_core: the mesh gate's own proof.
 
-    pipe            Mesh(dp, pp, 1): stages of a 4-layer MLP, ScheduleGPipe with scale_grads=False and each
+    pipe            Mesh(dp, pp, 1): stages of an 8-layer MLP, ScheduleGPipe with scale_grads=False and each
                     micro-batch's mean loss divided by N, the dp all-reduce at micro-step N-1: correct
     pipe_ema        the same with the schedule's default scale_grads=True and the loss divided by the OUTER
                     steps: every schedule.step divides ALL .grad by its chunks, so a window of ≥ 2 outer steps
@@ -11,6 +11,13 @@ Registered in verify/adapters/planted.py; plain torch, no xtrain_core: the mesh 
     pipe_pp_chatter   every schedule step also all-reduces its micro losses over the pp group: a collective
                     the pp row does not name
     pipe_world_barrier  a barrier on the default (world) group every micro-step: on no mesh axis
+    pipe_rescales_received  every stage but the last divides the gradient its output receives by N again, on
+                    top of the loss's 1/N: stage s of pp gets 1/N^(pp-s) (DeepSpeed #8152 / #8154)
+    pipe_grads_wiped  the stages drop their gradients (param.grad = None) before every schedule step, as a
+                    stage re-initialisation does: only the window's last schedule step trains, and the loss
+                    looks right (NeMo Automodel #3530)
+    pipe_divides_again  the last stage's loss divides by N; every earlier stage divides its boundary
+                    gradient by N once more
     tp              Mesh(dp, 1, tp): Colwise / Rowwise parallel MLP (DTensor), the dp all-reduce of the local
                     shards at micro-step N-1: correct
     tp_extra_reduce   the micro loss all-reduced over tp as well ("for logging"): one reduction over tp
@@ -27,7 +34,8 @@ import verify
 from verify.gates.counts import CountRow
 from verify.mesh import device_mesh
 
-FEATURES, HIDDEN, BLOCKS = 4, 8, 4  # blocks: Linear+Tanh ×3, then Linear(HIDDEN, 1)
+FEATURES, HIDDEN, BLOCKS = 4, 8, 8  # blocks: Linear+Tanh ×7, then Linear(HIDDEN, 1): every pp ≤ 8 has a block per stage
+TP_HIDDEN = 840  # lcm(1..8): Colwise / Rowwise shard it evenly at every tp a world of up to 8 ranks can draw
 
 
 def _full(spec) -> torch.nn.Sequential:
@@ -141,6 +149,29 @@ class PipeBarrier(Pipe):
     barrier = True
 
 
+class PipeRescalesReceived(Pipe):
+    def __init__(self, spec):
+        super().__init__(spec)
+        if self.stage_i < self.pp - 1:  # DeepSpeed's per-stage output hook: the received gradient ÷ N again
+            self.model.register_forward_hook(lambda module, args, out: out.register_hook(lambda g: g / self.N) and None)
+
+
+class PipeGradsWiped(Pipe):
+    def micro_step(self, x, y, micro):
+        if (micro + 1) % self.chunks == 0:  # the stage re-initialised before its schedule step: param.grad = None
+            for p in self.model.parameters():
+                p.grad = None
+        super().micro_step(x, y, micro)
+
+
+class PipeDividesAgain(Pipe):
+    def micro_step(self, x, y, micro):
+        super().micro_step(x, y, micro)
+        if micro == self.N - 1 and self.stage_i < self.pp - 1:  # the boundary: ÷ N on an already ÷ N gradient
+            for p in self.model.parameters():
+                p.grad /= self.N
+
+
 # torch 2.13's PipelineStage infers shapes in its first schedule step: 3 more sends and 3 more receives per
 # neighbouring stage (seen on gloo, every mesh and chunk count tried); then each micro-batch sends its
 # activation forward and its gradient back: per neighbour, one send and one receive per micro-batch.
@@ -168,8 +199,8 @@ class Tp:
 
     def __init__(self, spec):
         torch.manual_seed(spec.seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(),
-                                         torch.nn.Linear(HIDDEN, 1)).to(spec.device, spec.dtype)
+        self.model = torch.nn.Sequential(torch.nn.Linear(FEATURES, TP_HIDDEN), torch.nn.Tanh(),
+                                         torch.nn.Linear(TP_HIDDEN, 1)).to(spec.device, spec.dtype)
         self.N, self.m, self.loss, self.dp_group, self.tp_group = spec.accum_steps, spec.mesh, 0.0, None, None
         if spec.mesh.size > 1:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -237,6 +268,12 @@ pipe_pp_chatter = verify.adapter(data=DATA, mesh_axes=_AXES, counts=pipe_counts,
                                  name="broken_mesh.pp_chatter")(PipeChatter)
 pipe_world_barrier = verify.adapter(data=DATA, mesh_axes=_AXES, counts=pipe_counts,
                                     name="broken_mesh.world_barrier")(PipeBarrier)
+pipe_rescales_received = verify.adapter(data=DATA, mesh_axes=_AXES, counts=pipe_counts,
+                                       name="broken_mesh.rescales_received")(PipeRescalesReceived)
+pipe_grads_wiped = verify.adapter(data=DATA, mesh_axes=_AXES, counts=pipe_counts,
+                                 name="broken_mesh.grads_wiped")(PipeGradsWiped)
+pipe_divides_again = verify.adapter(data=DATA, mesh_axes=_AXES, counts=pipe_counts,
+                                   name="broken_mesh.divides_again")(PipeDividesAgain)
 tp = verify.adapter(data=DATA, mesh_axes=("dp", "tp"), counts=tp_counts, name="mesh_tp")(Tp)  # correct: must pass
 tp_extra_reduce = verify.adapter(data=DATA, mesh_axes=("dp", "tp"), counts=tp_counts,
                                  name="broken_mesh.tp_extra_reduce")(TpExtraReduce)
