@@ -10,6 +10,7 @@ W ranks, `error` the failing check's relative error against the big batch:
     error ≈ W − 1, 1 − 1/W    the same two across ranks: no /W, or /W applied twice
     error ≈ tp − 1            on a mesh, tp× the big batch: the tp ranks of a replica hold the same rows, so
                               nothing may sum or scale over them (a loss × the tp size, a reduction over tp)
+    pp > 1, chunks, outer ≥ 2 on a mesh: a schedule's scale_grads=True (its default) across outer steps
     1e-3 ≤ error ≤ 0.1        not a factor, small: something acts per micro-batch that belongs to the window
                               (gradient clipping per micro-step, BatchNorm statistics, a per-micro-batch mean)
 
@@ -58,6 +59,12 @@ def hint(failure) -> str | None:
     if tp > 1 and _near(err, tp - 1):
         return (f"error ≈ {tp - 1} = tp − 1: the result is {tp}× the big batch's — the tp ranks of a replica hold the "
                 f"same rows, so nothing may sum or scale over them (a loss × the tp size, a reduction over the tp group)")
+    m, c = getattr(case, "mesh", None), getattr(case, "pipeline_chunks", 1)
+    if m is not None and m.pp > 1 and c > 1 and N // c > 1:
+        return ("a pipeline with several schedule steps per window: torch's schedules default to scale_grads=True, "
+                f"dividing EVERY .grad by n_microbatches ({c}) after each step() — the earlier outer steps' gradient "
+                "again and again, a moving average (torchtitan #1733); pass scale_grads=False and divide each "
+                "micro-batch's loss by N")
     if SMALL[0] <= err <= SMALL[1]:
         return (f"a small error ({err:.1e}), not a factor: something acts per micro-batch that should act on the "
                 f"whole window — gradient clipping inside each micro-step, BatchNorm's per-micro-batch statistics "

@@ -21,6 +21,12 @@ def test_each_class_of_failure_gets_its_hint():
     tp2 = GateFailure("[x] y", gate=Gate.MESH_EQUIVALENCE, error=1.0,
                       case=Case(accum_steps=3, micro_batch=1, steps=1, mesh=Mesh(tp=2)))
     assert "error ≈ 1 = tp − 1" in hint(tp2) and "a loss × the tp size" in hint(tp2)  # broken_tp.loss_times_tp
+    ema = GateFailure("[x] y", gate=Gate.MESH_EQUIVALENCE, error=0.16,  # broken_mesh.scale_grads_ema's error
+                      case=Case(accum_steps=4, micro_batch=1, steps=1, mesh=Mesh(pp=2), pipeline_chunks=2))
+    assert "scale_grads=True" in hint(ema)
+    one_outer = GateFailure("[x] y", gate=Gate.MESH_EQUIVALENCE, error=0.16,  # one schedule step: exact, no lead
+                            case=Case(accum_steps=2, micro_batch=1, steps=1, mesh=Mesh(pp=2), pipeline_chunks=2))
+    assert "scale_grads" not in (hint(one_outer) or "")
 
 
 def test_no_hint_where_no_class_fits():
