@@ -61,5 +61,5 @@ class Trainer:
         return dict(self.own)
 
 
-factory = verify.adapter(data=verify.data.regression(features=WIDTH), mesh_axes=("pp",),
+factory = verify.adapter(data=verify.data.regression(features=WIDTH), mesh_axes=("pp",), defaults=ScheduleGPipe,
                          options=st.sampled_from([ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B]))(Trainer)

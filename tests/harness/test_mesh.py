@@ -75,6 +75,14 @@ def test_assembly_is_the_union_over_stages_once_and_tp_ranks_agree():
         assemble(names, m, "gradient")
 
 
+def test_a_name_no_stage_owns_fails():
+    from verify.mesh import missing
+
+    missing({"a": _t(1.0)}, ["a"], Mesh(pp=2), 0, "gradient")  # all there: nothing to say
+    with pytest.raises(MeshError, match=r"replica 1: parameter after step 0 of \['b'\] owned by no stage"):
+        missing({"a": _t(1.0)}, ["a", "b"], Mesh(dp=2, pp=2), 1, "parameter after step 0")
+
+
 def test_a_mesh_gate_skips_adapters_without_mesh_axes():
     from verify.adapters import xtrain
 
