@@ -176,8 +176,13 @@ def settings_of(config) -> dict:
 
     s = Settings.from_env()
     profile = s.hypothesis_profile or config.getoption("hypothesis_profile", None) or "default"
-    return dict(hypothesis_profile=profile, device=s.device, backend=s.backend,
-                worlds=[min_world(), max_world()], threads=s.threads)
+    out = dict(hypothesis_profile=profile, device=s.device, backend=s.backend,
+               worlds=[min_world(), max_world()], threads=s.threads)
+    from .pool import launched
+
+    if launched() is not None:  # under `python -m verify.run`: the launch itself (verify/pool_launched.py)
+        out["launch"] = launched().launch
+    return out
 
 
 @pytest.fixture(scope="session")

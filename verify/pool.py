@@ -284,8 +284,25 @@ _POOLS: dict[tuple[int, str], RankPool] = {}
 _LOCK = threading.Lock()
 
 
+_LAUNCHED = None  # the launched world's pool (verify/pool_launched.py), under `python -m verify.run`
+
+
+def set_launched(pool) -> None:
+    """Under a launcher: get_pool(its world) returns `pool` (None: back to spawned pools only)."""
+    global _LAUNCHED
+    _LAUNCHED = pool
+
+
+def launched():
+    """The launched world's pool, or None when the gates run on spawned pools."""
+    return _LAUNCHED
+
+
 def get_pool(world: int, backend: str | None = None) -> RankPool:
-    """This process's pool for (world, backend), spawned on first use and replaced if it broke."""
+    """This process's pool for (world, backend), spawned on first use and replaced if it broke. Under a
+    launcher the launched world's pool for its world (a broken one is not replaced: its jobs say why)."""
+    if _LAUNCHED is not None and world == _LAUNCHED.world and (backend or _LAUNCHED.backend) == _LAUNCHED.backend:
+        return _LAUNCHED
     key = (world, backend or default_backend())
     with _LOCK:
         pool = _POOLS.get(key)
@@ -308,6 +325,14 @@ def close_all() -> None:
 
 atexit.register(close_all)
 _SIGTERM_INSTALLED = False
+
+
+def keep_sigterm() -> None:
+    """Leave SIGTERM to its owner: a launched rank (verify.run) keeps faulthandler's C-level handler, which
+    prints the stacks when torchrun stops the run (a Python handler would wait for the main thread to leave
+    a collective). Its pools still die with it (PR_SET_PDEATHSIG, EOF on their pipes)."""
+    global _SIGTERM_INSTALLED
+    _SIGTERM_INSTALLED = True
 
 
 def _install_sigterm() -> None:

@@ -8,6 +8,7 @@ so only the collective counter can catch them — three of them on the paths Com
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -133,6 +134,20 @@ class IntViewChecksumEveryMicro(Planted, DistAccumTrainer):
             dist.all_reduce(self.flat[:self.numel].clone().view(torch.int32), group=self.group)
 
 
+class DiesMidStep(Planted, DistAccumTrainer):
+    """Rank 1 ends its process (os._exit(17), no reply, no clean-up) at its second micro-step in that process:
+    mid-step when N ≥ 2, at step 1 otherwise. In a launched world (verify.run) torchrun's failure handling
+    must end every agent, with stacks and a non-zero exit (tests/examples/test_launcher.py)."""
+
+    micro_steps_here = 0  # across the trainers one process builds (a pool rank or a launched rank)
+
+    def before(self, idx, targets, micro):
+        if self.world > 1 and dist.get_rank() == 1:
+            DiesMidStep.micro_steps_here += 1
+            if DiesMidStep.micro_steps_here == 2:
+                os._exit(17)
+
+
 def _adapter(cls, base=xtrain.data_parallel):
     return xtrain.variant(cls, base)
 
@@ -147,6 +162,7 @@ divide_by_world_twice = _adapter(DivideByWorldTwice)
 reduce_some_params = _adapter(ReduceSomeParams)
 broadcast_params_every_micro = _adapter(BroadcastParamsEveryMicro)
 int_view_checksum_every_micro = _adapter(IntViewChecksumEveryMicro)
+dies_mid_step = _adapter(DiesMidStep)
 ddp_sync_flag_after_forward = _adapter(DDPSyncFlagAfterForward, xtrain.torch_ddp)
 ddp_no_sync_around_backward_only = _adapter(DDPNoSyncAroundBackwardOnly, xtrain.torch_ddp)
 

@@ -27,7 +27,7 @@ import torch
 
 from ..case import Case, Trace, block_grads, drive, twin
 from ..comm import Collective, Windows
-from ..pool import get_pool
+from ..pool import get_pool, launched
 from ..settings import Settings
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .counts import SCALARS, CountRow, check_step
@@ -42,13 +42,17 @@ F32, F64 = str(torch.float32), str(torch.float64)
 
 
 def max_world() -> int:
-    """World sizes the suite draws up to: XTRAIN_DIST_MAX_WORLD (default 4), capped by GPUs under NCCL."""
-    return Settings.from_env().world_cap()
+    """World sizes the suite draws up to: XTRAIN_DIST_MAX_WORLD (default 4), capped by GPUs under NCCL; under
+    a launcher (verify.run) the launched world, whatever the box's GPUs."""
+    world = getattr(launched(), "world", None)
+    return world or Settings.from_env().world_cap()
 
 
 def min_world() -> int:
-    """The smallest world the suite draws: XTRAIN_DIST_MIN_WORLD (default 1), e.g. 8 to run only world 8."""
-    return min(Settings.from_env().min_world, max_world())
+    """The smallest world the suite draws: XTRAIN_DIST_MIN_WORLD (default 1), e.g. 8 to run only world 8. Under
+    a launcher the launched world too: its sub-worlds would be pools spawned on rank 0's node, not launched."""
+    world = getattr(launched(), "world", None)
+    return world or min(Settings.from_env().min_world, max_world())
 
 
 # -- what runs on the ranks ----------------------------------------------------------------------------

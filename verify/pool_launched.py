@@ -1,0 +1,233 @@
+"""A launched world as a rank pool: the gates inside a world torchrun (or `srun torchrun`) started.
+
+`python -m verify.run` (verify/run.py) under torchrun: every rank joins the launched process group (env://),
+rank 0 becomes the controller (it runs the gate tests in-process) and every other rank serves jobs here.
+`LaunchedPool` has RankPool's interface (run / submit / result / alive / close), so the gates reach it
+through `verify.pool.get_pool(world)` unchanged:
+
+* Control plane: the c10d store torchrun already provides (its TCPStore, under a prefix of ours). A job is
+  pickled under `job/<seq>`; each rank's reply ("ok", result) or ("err", traceback) under `res/<seq>/<rank>`.
+  No collective carries the control plane, so the flight recorder counts only the trainer's traffic.
+* Rank 0 runs its share of every job in-process, after publishing it; the others poll the store.
+* Hypothesis runs on the controller only: it draws, judges and shrinks, and the ranks execute the examples
+  it sends, in order. That is how "every rank draws the same examples, seeded from rank 0" holds, and a
+  verdict is decided once, where every rank's result already is.
+* Failures: a rank's exception comes back as its traceback (DistJobError, as in a pool). A job that errs
+  on some ranks only, or times out, may leave ranks inside a collective: the world is marked broken and
+  later jobs fail at once. Hangs: the process group's timeout is XTRAIN_DIST_TIMEOUT, and each job runs
+  under faulthandler's dump_traceback_later(2 × timeout + 30 s, exit=True): a rank stuck past it prints
+  every thread's stack and exits 1. A rank that dies is torchrun's to handle: its agent stops the node's
+  other ranks (SIGTERM, on which verify.run prints the stacks), the store goes with it, and every rank
+  polling that store exits 1 — no rank is left waiting.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import time
+import traceback
+
+from .pool_worker import RankContext
+from .settings import Settings
+
+PREFIX = "xtrain-verify/"
+# torchrun's variables: the launch, as the report describes it
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+               "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_env(environ=None) -> dict | None:
+    """torchrun's variables when this process is a launched rank (RANK, WORLD_SIZE and LOCAL_WORLD_SIZE
+    set), else None."""
+    environ = os.environ if environ is None else environ
+    if not all(environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")):
+        return None
+    return {k: environ[k] for k in LAUNCH_VARS if k in environ}
+
+
+def _agent_option(name: str) -> str | None:
+    """An option of the torchrun agent that started this rank (its parent), read from /proc (Linux)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
+    except OSError:
+        return None
+    for i, a in enumerate(argv):
+        for spelling in (f"--{name}", f"--{name.replace('-', '_')}"):
+            if a == spelling and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(spelling + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def describe(env: dict, backend: str) -> dict:
+    """The launch as the report shows it: nodes, ranks per node, backend, rendezvous kind."""
+    world, per_node = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+    nodes = int(env.get("GROUP_WORLD_SIZE") or -(-world // per_node))
+    rdzv = _agent_option("rdzv-backend") or ("static" if "TORCHELASTIC_RUN_ID" in env else "unknown")
+    out = dict(launcher="srun torchrun" if os.environ.get("SLURM_JOB_ID") else "torchrun", nodes=nodes,
+               ranks_per_node=per_node, world=world, backend=backend, rendezvous=rdzv,
+               endpoint=_agent_option("rdzv-endpoint") or f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}")
+    if os.environ.get("SLURM_JOB_ID"):
+        out["slurm_job"] = os.environ["SLURM_JOB_ID"]
+    return out
+
+
+def node_of(rank: int, per_node: int) -> int:
+    """torchrun numbers ranks node by node: rank r lives on node r // LOCAL_WORLD_SIZE."""
+    return rank // per_node
+
+
+def hang_limit(timeout: float) -> float:
+    """Seconds a rank may spend in one job before faulthandler dumps its stacks and ends it: past the process
+    group's own timeout (which raises first, in a collective), so only a rank stuck outside c10d hits it."""
+    return 2 * timeout + 30.0
+
+
+def start(backend: str) -> tuple[RankContext, object]:
+    """Join the launched world (call after comm.enable(), before anything else loads torch.distributed):
+    init_process_group from torchrun's env, the flight recorder checked, the store of the control plane."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from . import comm
+
+    s = Settings.from_env()
+    torch.set_num_threads(s.threads)
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=s.timeout), device_id=None)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # first optimizer imports torch._dynamo (~1 s)
+    comm.record_p2p()
+    recorder = comm.Recorder()
+    recorder.check_recording(lambda: dist.all_reduce(torch.zeros(1, device=device)))
+    store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+    return RankContext(rank, world, backend, device, recorder, {}), store
+
+
+def _wait(store, key: str, deadline: float | None) -> bool:
+    """Poll for `key` (check(), backing off to 50 ms): True when set, False past the deadline. A store that
+    is gone (its host rank or agent died) raises, which ends the rank."""
+    pause = 0.001
+    while not store.check([key]):
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+    return True
+
+
+def _execute(ctx, job, timeout: float) -> bytes:
+    fn, args, kwargs = job
+    faulthandler.dump_traceback_later(hang_limit(timeout), exit=True)
+    try:
+        return pickle.dumps(("ok", fn(ctx, *args, **kwargs)))
+    except BaseException:
+        return pickle.dumps(("err", traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def serve(ctx, store) -> None:
+    """A rank other than 0: run each job the controller publishes, in order, until told to stop. Waiting for
+    the next job has no deadline: the controller may spend minutes on gates of one process; a controller
+    that dies takes the store (or its agent) with it, and the wait raises."""
+    timeout = Settings.from_env().timeout
+    seq = 0
+    while True:
+        _wait(store, f"job/{seq}", None)
+        job = pickle.loads(store.get(f"job/{seq}"))
+        if job is None:
+            break
+        store.set(f"res/{seq}/{ctx.rank}", _execute(ctx, job, timeout))
+        seq += 1
+    _shutdown()
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # a broken world: exit all the same
+        pass
+
+
+class LaunchedPool:
+    """RankPool's interface over the launched world, on the controller (rank 0)."""
+
+    def __init__(self, ctx, store, env: dict):
+        self.ctx, self.store, self.env = ctx, store, env
+        self.world, self.backend = ctx.world, ctx.backend
+        self.launch = describe(env, ctx.backend)
+        self.broken: str | None = None
+        self._seq = 0
+        self._pending = None
+
+    @property
+    def alive(self) -> bool:
+        return self.broken is None
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        self.submit(fn, *args, **kwargs)
+        return self.result(timeout)
+
+    def submit(self, fn, *args, **kwargs) -> None:
+        from .pool import DistJobError
+
+        if self.broken is not None:
+            raise DistJobError(f"the launched world of {self.world} ranks is not usable: {self.broken}")
+        if self._pending is not None:
+            raise RuntimeError(f"the launched world already runs {self._pending[1]}")
+        job = (fn, args, kwargs)
+        self.store.set(f"job/{self._seq}", pickle.dumps(job))
+        self._pending = (job, getattr(fn, "__qualname__", repr(fn)))
+
+    def result(self, timeout: float | None = None) -> list:
+        from .pool import DistJobError, DistTimeout
+
+        if self._pending is None:
+            raise RuntimeError("result() without a submitted job")
+        (job, what), self._pending = self._pending, None
+        timeout = timeout or Settings.from_env().timeout
+        seq, self._seq = self._seq, self._seq + 1
+        replies = {0: pickle.loads(_execute(self.ctx, job, timeout))}
+        deadline = time.monotonic() + (min(10.0, timeout) if replies[0][0] == "err" else timeout)
+        for r in range(1, self.world):
+            if _wait(self.store, f"res/{seq}/{r}", deadline):
+                replies[r] = pickle.loads(self.store.get(f"res/{seq}/{r}"))
+                self.store.delete_key(f"res/{seq}/{r}")
+        if len(replies) == self.world:
+            self.store.delete_key(f"job/{seq}")  # every rank has read it
+        errors = {r: v for r, (k, v) in sorted(replies.items()) if k == "err"}
+        stuck = [r for r in range(self.world) if r not in replies]
+        if not errors and not stuck:
+            return [replies[r][1] for r in range(self.world)]
+        parts = [f"--- rank {r} raised:\n{tb.rstrip()}" for r, tb in errors.items()]
+        parts += [f"--- rank {r} did not answer within {timeout:.0f} s (it prints its own stacks when its job "
+                  f"passes {hang_limit(timeout):.0f} s)" for r in stuck]
+        if stuck or len(errors) < self.world:  # some ranks may be inside a collective the others left
+            self.broken = f"{what} failed on rank(s) {sorted(errors) + stuck} only"
+        where = f"{self.launch['nodes']} node(s) × {self.launch['ranks_per_node']} ({self.backend}, launched)"
+        if errors:
+            raise DistJobError(f"{what} failed on rank(s) {sorted(errors)} of world {self.world} on {where}\n"
+                               + "\n".join(parts))
+        raise DistTimeout(f"{what} timed out after {timeout:.0f} s in the world of {self.world} on {where}; "
+                          f"rank(s) {stuck} hung\n" + "\n".join(parts))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Tell every rank to stop; each barriers and destroys its group, as pool ranks do."""
+        if self.broken is None:
+            self.store.set(f"job/{self._seq}", pickle.dumps(None))
+            _shutdown()
+            self.broken = "closed"
+
+    def kill(self) -> None:
+        self.broken = self.broken or "killed"

@@ -1,0 +1,93 @@
+"""python -m verify.run [--verify-trainer MODULE:FACTORY] [--verify-report DIR] [pytest args]
+
+The gates inside the world a launcher started, instead of rank pools spawned on one host:
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m verify.run --verify-trainer mypkg.train:factory --verify-report reports
+
+Every rank joins the launched process group (gloo, or --verify-backend nccl with rank r on cuda:LOCAL_RANK).
+Rank 0 runs pytest in-process on verify's gate tests (no xdist; the plugin, the report, the verdicts as
+ever); the data-parallel gates draw the launched world and run their jobs on every launched rank through
+the store torchrun provides (verify/pool_launched.py); the float64 single-process reference and the
+one-process gates run on rank 0's node, in a one-rank pool rank 0 spawns. Every other rank serves jobs.
+Rank 0 writes the one report, the launch described in it (nodes, ranks per node, backend, rendezvous).
+
+A rank that dies or hangs: torchrun's agent stops the others (SIGTERM: each prints its stacks first), and
+the run exits non-zero. Alone, with no launcher, it runs the gates at world 1 and says how to launch more.
+Exit status: pytest's on rank 0 (0 all gates passed, 1 a gate failed, 4 a usage error); 0 on the others.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+
+HOW = ("verify.run: no launcher (RANK/WORLD_SIZE/LOCAL_WORLD_SIZE unset): the gates run at world 1. For more "
+       "ranks: torchrun --nnodes M --nproc-per-node G [--rdzv-backend c10d --rdzv-endpoint HOST:PORT] "
+       "-m verify.run --verify-trainer MODULE:FACTORY (docs/verify-your-trainer.md, \"On your cluster\")")
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def pytest_args(argv: list[str]) -> list[str]:
+    """verify's gate tests in this process: `--pyargs verify` unless the arguments name tests of verify
+    themselves (e.g. verify.test_gates_dist::test_...); never xdist (the launched world is the parallelism)."""
+    named = any(a.split("::")[0].split(".")[0] == "verify" for a in argv if not a.startswith("-"))
+    return ["-p", "no:xdist", "--pyargs"] + ([] if named else ["verify"]) + argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from . import pool_launched
+
+    env = pool_launched.launched_env()
+    if env is None:
+        print(HOW, file=sys.stderr)
+        os.environ["XTRAIN_DIST_MIN_WORLD"] = os.environ["XTRAIN_DIST_MAX_WORLD"] = "1"
+        import pytest
+
+        return int(pytest.main(pytest_args(argv)))
+    # torchrun stops a failed run's ranks with SIGTERM: print where each was first (chain: then die of it)
+    faulthandler.enable()
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    from .settings import Settings, SettingError
+
+    try:
+        backend = Settings.from_env(backend=_option(argv, "--verify-backend"),
+                                    device=_option(argv, "--verify-device")).backend
+    except SettingError as e:
+        print(f"verify.run: error: {e}", file=sys.stderr)
+        return 4
+    from . import comm
+
+    comm.enable(nccl=backend == "nccl")  # before torch.distributed creates the group
+    ctx, store = pool_launched.start(backend)
+    if ctx.rank != 0:
+        pool_launched.serve(ctx, store)
+        return 0
+    from . import pool
+
+    pool.keep_sigterm()
+    world = pool_launched.LaunchedPool(ctx, store, env)
+    pool.set_launched(world)
+    import pytest
+
+    try:
+        code = int(pytest.main(pytest_args(argv)))
+    finally:
+        pool.close_all()  # the one-rank pools of the references
+        world.close()
+        pool.set_launched(None)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
