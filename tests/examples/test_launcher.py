@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 GATE = "verify.test_gates_dist::test_data_parallel_boundary_only_and_equivalent"
 LINKS = ("boundary_bytes_intra_node", "boundary_bytes_inter_node")  # the one difference: the nodes the groups span
 TIMEOUT = 60  # XTRAIN_DIST_TIMEOUT of the runs: a lost rank must end them well within the test's limit
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed]
 
 
 def _env(mark: str) -> dict:
@@ -97,6 +97,7 @@ def _verdicts(doc: dict) -> dict:
     return dict(gates=gates, failures=[f["message"] for f in doc.get("failures", [])])
 
 
+@pytest.mark.slow  # two torchrun agents of 4 ranks: ~35-60 s on a 2-core box
 def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
     codes, outs, seconds, mark = launch("verify.adapters.xtrain:adapter", tmp_path / "launched")
     assert codes == [0, 0], outs
@@ -121,6 +122,7 @@ def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
     print(f"launched run: {seconds:.1f} s")
 
 
+@pytest.mark.slow  # two torchrun agents of 4 ranks: ~35-60 s on a 2-core box
 def test_a_planted_bug_fails_with_the_pools_message(tmp_path):
     bug = next(b for b in planted.PLANTED if b.name == "all_reduce_every_micro_step")
     ref_ = "verify.adapters.broken_dist:all_reduce_every_micro"
@@ -134,6 +136,7 @@ def test_a_planted_bug_fails_with_the_pools_message(tmp_path):
     assert not _marked(mark)
 
 
+@pytest.mark.slow  # two torchrun agents of 4 ranks: ~35-60 s on a 2-core box
 def test_a_rank_killed_mid_step_ends_every_agent(tmp_path):
     bug = next(b for b in planted.PLANTED if b.gate == "launcher")
     codes, outs, seconds, mark = launch("verify.adapters.broken_dist:dies_mid_step", tmp_path / "r", limit=4 * TIMEOUT)
@@ -145,3 +148,13 @@ def test_a_rank_killed_mid_step_ends_every_agent(tmp_path):
     time.sleep(1.0)  # the agents have returned; give the kernel a moment to reap what they stopped
     assert not _marked(mark), "processes of the run still alive"
     print(f"killed run: every agent ended {seconds:.1f} s after the start")
+
+
+def test_alone_it_runs_world_1_and_says_how_to_launch_more():
+    """No launcher in the environment: world 1, and the one line on how to launch more (collect-only here)."""
+    env = {k: v for k, v in _env("alone").items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    r = subprocess.run([sys.executable, "-m", "verify.run", "--co", "-q", "-p", "no:cacheprovider", GATE], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the gates run at world 1" in r.stderr and "torchrun --nnodes" in r.stderr, r.stderr
+    assert "test_data_parallel_boundary_only_and_equivalent" in r.stdout, r.stdout
