@@ -1,14 +1,15 @@
 """A launched world as a rank pool: the gates inside a world torchrun (or `srun torchrun`) started.
 
-`python -m verify.run` (verify/run.py) under torchrun: every rank joins the launched process group (env://),
-rank 0 becomes the controller (it runs the gate tests in-process) and every other rank serves jobs here.
+`python -m verify.run` (verify/run.py) under torchrun: every rank joins the launched process group (env://)
+and serves jobs here; rank 0 also starts the controller, a child process outside the process group that
+runs the gate tests (in-process gates would otherwise see a world of W where they expect one process).
 `LaunchedPool` has RankPool's interface (run / submit / result / alive / close), so the gates reach it
 through `verify.pool.get_pool(world)` unchanged:
 
 * Control plane: the c10d store torchrun already provides (its TCPStore, under a prefix of ours). A job is
   pickled under `job/<seq>`; each rank's reply ("ok", result) or ("err", traceback) under `res/<seq>/<rank>`.
   No collective carries the control plane, so the flight recorder counts only the trainer's traffic.
-* Rank 0 runs its share of every job in-process, after publishing it; the others poll the store.
+* Every rank polls the store for the next job, rank 0 included; the controller is a store client only.
 * Hypothesis runs on the controller only: it draws, judges and shrinks, and the ranks execute the examples
   it sends, in order. That is how "every rank draws the same examples, seeded from rank 0" holds, and a
   verdict is decided once, where every rank's result already is.
@@ -107,16 +108,27 @@ def start(backend: str) -> tuple[RankContext, object]:
     comm.record_p2p()
     recorder = comm.Recorder()
     recorder.check_recording(lambda: dist.all_reduce(torch.zeros(1, device=device)))
-    store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
-    return RankContext(rank, world, backend, device, recorder, {}), store
+    return RankContext(rank, world, backend, device, recorder, {}), connect(s.timeout)
 
 
-def _wait(store, key: str, deadline: float | None) -> bool:
-    """Poll for `key` (check(), backing off to 50 ms): True when set, False past the deadline. A store that
-    is gone (its host rank or agent died) raises, which ends the rank."""
+def connect(timeout: float):
+    """The control plane: a client of the store torchrun's MASTER_ADDR:MASTER_PORT names (the agent's, or rank
+    0's), under our prefix. The controller, outside the process group, connects the same way."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore(PREFIX, store)
+
+
+def _wait(store, key: str, deadline: float | None, alive=None) -> bool:
+    """Poll for `key` (check(), backing off to 50 ms): True when set, False past the deadline or once
+    `alive()` is false. A store that is gone (its host rank or agent died) raises, which ends the rank."""
     pause = 0.001
     while not store.check([key]):
-        if deadline is not None and time.monotonic() > deadline:
+        if (deadline is not None and time.monotonic() > deadline) or (alive is not None and not alive()):
             return False
         time.sleep(pause)
         pause = min(0.05, pause * 2)
@@ -134,20 +146,23 @@ def _execute(ctx, job, timeout: float) -> bytes:
         faulthandler.cancel_dump_traceback_later()
 
 
-def serve(ctx, store) -> None:
-    """A rank other than 0: run each job the controller publishes, in order, until told to stop. Waiting for
-    the next job has no deadline: the controller may spend minutes on gates of one process; a controller
-    that dies takes the store (or its agent) with it, and the wait raises."""
+def serve(ctx, store, alive=None) -> bool:
+    """Every rank: run each job the controller publishes, in order, until told to stop (True), or, on rank 0,
+    until its controller child is gone without saying so (`alive`; False). Waiting for the next job has no
+    deadline: the controller may spend minutes on gates of one process; a store that goes away (its agent or
+    host died) raises and ends the rank."""
     timeout = Settings.from_env().timeout
     seq = 0
     while True:
-        _wait(store, f"job/{seq}", None)
+        if not _wait(store, f"job/{seq}", None, alive):
+            return False
         job = pickle.loads(store.get(f"job/{seq}"))
         if job is None:
             break
         store.set(f"res/{seq}/{ctx.rank}", _execute(ctx, job, timeout))
         seq += 1
     _shutdown()
+    return True
 
 
 def _shutdown() -> None:
@@ -161,12 +176,12 @@ def _shutdown() -> None:
 
 
 class LaunchedPool:
-    """RankPool's interface over the launched world, on the controller (rank 0)."""
+    """RankPool's interface over the launched world, in the controller; `launch` is describe()'s dict, from
+    rank 0 (the controller's parent is rank 0, not the agent)."""
 
-    def __init__(self, ctx, store, env: dict):
-        self.ctx, self.store, self.env = ctx, store, env
-        self.world, self.backend = ctx.world, ctx.backend
-        self.launch = describe(env, ctx.backend)
+    def __init__(self, store, launch: dict):
+        self.store, self.launch = store, launch
+        self.world, self.backend = launch["world"], launch["backend"]
         self.broken: str | None = None
         self._seq = 0
         self._pending = None
@@ -198,9 +213,10 @@ class LaunchedPool:
         (job, what), self._pending = self._pending, None
         timeout = timeout or Settings.from_env().timeout
         seq, self._seq = self._seq, self._seq + 1
-        replies = {0: pickle.loads(_execute(self.ctx, job, timeout))}
-        deadline = time.monotonic() + (min(10.0, timeout) if replies[0][0] == "err" else timeout)
-        for r in range(1, self.world):
+        replies, deadline = {}, time.monotonic() + timeout
+        for r in range(self.world):
+            if replies and any(k == "err" for k, _ in replies.values()):  # one failed: a short grace for the rest
+                deadline = min(deadline, time.monotonic() + 10.0)
             if _wait(self.store, f"res/{seq}/{r}", deadline):
                 replies[r] = pickle.loads(self.store.get(f"res/{seq}/{r}"))
                 self.store.delete_key(f"res/{seq}/{r}")
@@ -226,7 +242,6 @@ class LaunchedPool:
         """Tell every rank to stop; each barriers and destroys its group, as pool ranks do."""
         if self.broken is None:
             self.store.set(f"job/{self._seq}", pickle.dumps(None))
-            _shutdown()
             self.broken = "closed"
 
     def kill(self) -> None:

@@ -5,12 +5,13 @@ The gates inside the world a launcher started, instead of rank pools spawned on 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m verify.run --verify-trainer mypkg.train:factory --verify-report reports
 
-Every rank joins the launched process group (gloo, or --verify-backend nccl with rank r on cuda:LOCAL_RANK).
-Rank 0 runs pytest in-process on verify's gate tests (no xdist; the plugin, the report, the verdicts as
-ever); the data-parallel gates draw the launched world and run their jobs on every launched rank through
-the store torchrun provides (verify/pool_launched.py); the float64 single-process reference and the
-one-process gates run on rank 0's node, in a one-rank pool rank 0 spawns. Every other rank serves jobs.
-Rank 0 writes the one report, the launch described in it (nodes, ranks per node, backend, rendezvous).
+Every rank joins the launched process group (gloo, or --verify-backend nccl with rank r on cuda:LOCAL_RANK)
+and serves jobs. Rank 0 also starts the controller, a child outside the process group, which runs pytest
+on verify's gate tests (no xdist; the plugin, the report, the verdicts as ever): the data-parallel gates
+draw the launched world and run their jobs on every launched rank through the store torchrun provides
+(verify/pool_launched.py); the float64 single-process reference and the one-process gates run on rank 0's
+node, as in any pytest run. The controller writes the one report, the launch described in it (nodes,
+ranks per node, backend, rendezvous), and its exit status is rank 0's.
 
 A rank that dies or hangs: torchrun's agent stops the others (SIGTERM: each prints its stacks first), and
 the run exits non-zero. Alone, with no launcher, it runs the gates at world 1 and says how to launch more.
@@ -19,8 +20,10 @@ Exit status: pytest's on rank 0 (0 all gates passed, 1 a gate failed, 4 a usage 
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import signal
+import subprocess
 import sys
 
 HOW = ("verify.run: no launcher (RANK/WORLD_SIZE/LOCAL_WORLD_SIZE unset): the gates run at world 1. For more "
@@ -44,8 +47,47 @@ def pytest_args(argv: list[str]) -> list[str]:
     return ["-p", "no:xdist", "--pyargs"] + ([] if named else ["verify"]) + argv
 
 
+CONTROLLER = "XTRAIN_RUN_CONTROLLER"  # set in the controller's environment: the launch, as JSON
+
+
+def _die_with_parent() -> None:
+    """The controller ends with rank 0: SIGTERM when its parent dies (faulthandler prints its stacks first)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def controller(argv: list[str], launch: dict) -> int:
+    """Rank 0's child, outside the process group: pytest on the gate tests, the launched world as the pool of
+    its world, the one report."""
+    _die_with_parent()
+    from . import pool, pool_launched
+    from .settings import Settings
+
+    pool.keep_sigterm()
+    world = pool_launched.LaunchedPool(pool_launched.connect(Settings.from_env().timeout), launch)
+    pool.set_launched(world)
+    import pytest
+
+    try:
+        return int(pytest.main(pytest_args(argv)))
+    finally:
+        pool.close_all()  # the one-rank pools of the references
+        world.close()
+        pool.set_launched(None)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # torchrun stops a failed run's ranks with SIGTERM: print where each was first (chain: then die of it)
+    faulthandler.enable()
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    if os.environ.get(CONTROLLER):
+        return controller(argv, json.loads(os.environ[CONTROLLER]))
     from . import pool_launched
 
     env = pool_launched.launched_env()
@@ -55,9 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         import pytest
 
         return int(pytest.main(pytest_args(argv)))
-    # torchrun stops a failed run's ranks with SIGTERM: print where each was first (chain: then die of it)
-    faulthandler.enable()
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     from .settings import Settings, SettingError
 
     try:
@@ -73,20 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     if ctx.rank != 0:
         pool_launched.serve(ctx, store)
         return 0
-    from . import pool
-
-    pool.keep_sigterm()
-    world = pool_launched.LaunchedPool(ctx, store, env)
-    pool.set_launched(world)
-    import pytest
-
-    try:
-        code = int(pytest.main(pytest_args(argv)))
-    finally:
-        pool.close_all()  # the one-rank pools of the references
-        world.close()
-        pool.set_launched(None)
-    return code
+    # The controller: a fresh process with no process group (the gates of one process build their trainers in
+    # it, and a trainer that sees an initialized world of W would join it) and no launched rank's variables.
+    child_env = {k: v for k, v in os.environ.items() if k not in pool_launched.LAUNCH_VARS[:6]}
+    child_env[CONTROLLER] = json.dumps(pool_launched.describe(env, backend))
+    child = subprocess.Popen([sys.executable, "-m", "verify.run", *argv], env=child_env)
+    if not pool_launched.serve(ctx, store, alive=lambda: child.poll() is None):
+        print(f"verify.run: the controller ended ({child.returncode}) without stopping the ranks", file=sys.stderr)
+        return child.returncode or 1
+    return child.wait()
 
 
 if __name__ == "__main__":
