@@ -46,7 +46,8 @@ class Trainer:
         self.batch.append((x, y))
         if (micro + 1) % self.chunks == 0:  # one schedule step over the buffered chunks (Mesh(): one chunk)
             (xs, ys), self.batch = (torch.cat(t) for t in zip(*self.batch)), []
-            self.loss = self.loss + sum(loss.detach() for loss in self.step(xs, ys, []))  # Σ raw / N: the mean
+            # Σ raw / N: the window's mean loss (0 off the last stage)
+            self.loss = self.loss + sum((loss.detach() for loss in self.step(xs, ys, [])), xs.new_zeros(()))
 
     def grads(self):
         return {k: p.grad for k, p in self.own.items()}

@@ -73,6 +73,7 @@ class Collective:
     pg: str  # process group: "id 'name'"
     thread: str  # recording thread id (= Python's threading ident); "?" where the recorder has none
     time_ns: int
+    group: str = ""  # the group's c10d name (group_links' key); "" where the recorder has none
 
     @property
     def numel(self) -> int:
@@ -194,7 +195,24 @@ def _parse(source: str, e: dict) -> Collective:
         record_id=int(e["record_id"]), source=source, backend=backend, op=op.lower(),
         sizes=tuple(tuple(s) for s in e.get("input_sizes", ())), dtypes=tuple(e.get("input_dtypes", ())),
         pg=f"{e.get('pg_id', '?')} {pg_name!r}", thread=str(e.get("thread_id", "?")),
-        time_ns=int(e.get("time_created_ns", 0)))
+        time_ns=int(e.get("time_created_ns", 0)), group=str(pg[0]) if isinstance(pg, (tuple, list)) and pg else "")
+
+
+INTRA, INTER = "intra-node", "inter-node"
+
+
+def group_links(per_node: int | None = None) -> dict[str, str]:
+    """Each process group of this process, by c10d name -> INTRA or INTER: INTER when its ranks live on more than
+    one node. torchrun numbers ranks node by node, so node = rank // LOCAL_WORLD_SIZE (per_node); a pool's ranks
+    are one host's (their LOCAL_WORLD_SIZE is the world), so every group of a pool is INTRA."""
+    import torch.distributed as dist
+
+    per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
+    out = {}
+    for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
+        nodes = {r // per_node for r in dist.get_process_group_ranks(pg)}
+        out[str(name)] = INTER if len(nodes) > 1 else INTRA
+    return out
 
 
 class Recorder:

@@ -79,8 +79,10 @@ def record(result) -> None:
         # target) has no gradient bytes to divide by
         if w > 1 and ex["gradient_bytes"]:
             per_step = [by / ex["gradient_bytes"] for by in ex["boundary_bytes"]]
+            by_link = {f"boundary_bytes_{link.replace('-', '_')}": [s[link] for s in ex["boundary_bytes_by_link"]]
+                       for link in ("intra-node", "inter-node")} if ex.get("boundary_bytes_by_link") else {}
             for key, vals in (("boundary_bytes_over_gradient_bytes", per_step),
-                              ("boundary_collectives_per_step", ex["boundary_collectives"])):
+                              ("boundary_collectives_per_step", ex["boundary_collectives"]), *by_link.items()):
                 lo, hi = b.get(key, [min(vals), max(vals)])
                 b[key] = [min(lo, min(vals)), max(hi, max(vals))]
             if b["worst_case"] is None or w * result.case.accum_steps > b["worst_case"]["world"] * b["worst_case"]["accum_steps"]:
@@ -129,7 +131,7 @@ def merge(into: dict, blob: str) -> None:
             t.update({k: s.get(k) for k in ("worst_ratio", "worst_check", "worst_case", "worst_case_text")})
         if "worlds" in s:
             t["worlds"] = sorted(set(t.get("worlds", [])) | set(s["worlds"]))
-        for key in ("boundary_bytes_over_gradient_bytes", "boundary_collectives_per_step"):
+        for key in ("boundary_bytes_over_gradient_bytes", "boundary_collectives_per_step", *LINK_KEYS):
             if key in s:
                 lo, hi = t.get(key, s[key])
                 t[key] = [min(lo, s[key][0]), max(hi, s[key][1])]
@@ -178,6 +180,17 @@ def write(folder: str, *, trainer: str, settings: dict, gates: dict | None = Non
     return [jp, mp]
 
 
+LINK_KEYS = ("boundary_bytes_intra_node", "boundary_bytes_inter_node")
+
+
+def _links(g: dict) -> str:
+    """The boundary's bytes per step by link (intra-node / inter-node: the groups' nodes, verify.comm.group_links)."""
+    if not any(k in g for k in LINK_KEYS):
+        return ""
+    parts = [f"{k.split('_')[-2]}-node {g[k][0]}–{g[k][1]} B" for k in LINK_KEYS if k in g]
+    return "boundary bytes per step by link: " + ", ".join(parts) + "; "
+
+
 def _ratio(x) -> str:
     return "—" if x is None else f"{x:.3g}"
 
@@ -210,7 +223,7 @@ def render_md(doc: dict) -> str:
                 extra = (f"worlds {g.get('worlds')}; at world > 1: bytes per step ÷ gradient bytes "
                          f"{'—' if lo_hi is None else f'{lo_hi[0]:.4f}–{lo_hi[1]:.4f}'}, boundary collectives per "
                          f"step {g.get('boundary_collectives_per_step')}; declared collectives before the boundary "
-                         f"{g.get('expected_before_boundary', 0)}; largest case: ")
+                         f"{g.get('expected_before_boundary', 0)}; {_links(g)}largest case: ")
             short = g.get("worst_case_text") or "—"
             ratio = "—" if base in (*EXACT, Gate.BOUNDARY_ONLY) else _ratio(g["worst_ratio"])
             floor = g.get("float64_floor")

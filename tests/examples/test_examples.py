@@ -55,7 +55,7 @@ def test_each_adapter_is_at_most_30_lines(name):
     assert n <= 30, f"examples/{name}.py has {n} lines of code"
 
 
-@pytest.mark.parametrize("name", MESH + ["pipeline_schedule"])
+@pytest.mark.parametrize("name", MESH + ["pipeline_schedule", "pipeline_dp"])
 def test_each_mesh_recipe_is_at_most_40_lines(name):
     n = code_lines(os.path.join(ROOT, "examples", f"{name}.py"))
     assert n <= 40, f"examples/{name}.py has {n} lines of code"
@@ -116,6 +116,14 @@ def test_pipeline_recipe_passes_every_gate(tmp_path):
     r, gates = plugin(tmp_path, "pipeline_schedule", (2, 3))
     assert gates["mesh equivalence"]["examples"] >= gate_budget("mesh", DEV) and gates["equivalence"]["examples"] >= DEV
     assert any(m.startswith("mesh dp=1 pp=") for m in gates["mesh equivalence"]["meshes"])
+
+
+@pytest.mark.distributed
+def test_pipeline_dp_recipe_passes_every_gate(tmp_path):
+    """dp × pp (examples/pipeline_dp.py): replicas of the pipeline recipe averaging at the boundary only, on the
+    meshes of 4 ranks (dp 4, pp 4, dp 2 × pp 2)."""
+    r, gates = plugin(tmp_path, "pipeline_dp", (4, 4))
+    assert gates["mesh equivalence"]["examples"] >= gate_budget("mesh", DEV) and gates["mesh equivalence"]["worst_ratio"] < 1
 
 
 @pytest.mark.distributed

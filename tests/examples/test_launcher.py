@@ -26,6 +26,7 @@ from verify.adapters import planted
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GATE = "verify.test_gates_dist::test_data_parallel_boundary_only_and_equivalent"
+LINKS = ("boundary_bytes_intra_node", "boundary_bytes_inter_node")  # the one difference: the nodes the groups span
 TIMEOUT = 60  # XTRAIN_DIST_TIMEOUT of the runs: a lost rank must end them well within the test's limit
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -91,7 +92,7 @@ def _report(folder: pathlib.Path) -> dict:
 def _verdicts(doc: dict) -> dict:
     """What must agree between the launched and the pooled run: per gate the examples, worlds and counts
     (every field but timing), and the failures' messages."""
-    gates = {name: {k: v for k, v in g.items() if "time" not in k and "second" not in k}
+    gates = {name: {k: v for k, v in g.items() if "time" not in k and "second" not in k and k not in LINKS}
              for name, g in doc["gates"].items()}
     return dict(gates=gates, failures=[f["message"] for f in doc.get("failures", [])])
 
@@ -107,7 +108,15 @@ def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
     assert doc["settings"]["worlds"] == [4, 4]
     ref = pooled("verify.adapters.xtrain:adapter", tmp_path / "pooled")
     assert ref.returncode == 0, ref.stdout + ref.stderr
-    assert _verdicts(doc) == _verdicts(_report(tmp_path / "pooled"))
+    pool_doc = _report(tmp_path / "pooled")
+    assert _verdicts(doc) == _verdicts(pool_doc)
+    # counts split by link: the launched world's group spans both nodes, a pool's ranks are one host's
+    for name, g in doc["gates"].items():
+        if name.startswith("boundary-only"):
+            intra, inter = (g[k] for k in LINKS)
+            assert intra == [0, 0] and inter[0] > 0, g
+            p = pool_doc["gates"][name]
+            assert p["boundary_bytes_inter_node"] == [0, 0] and p["boundary_bytes_intra_node"] == inter, (g, p)
     assert not _marked(mark)
     print(f"launched run: {seconds:.1f} s")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..case import Case, Trace, block_grads, drive, twin
-from ..comm import Collective, Windows
+from ..comm import INTER, INTRA, Collective, Windows, group_links
 from ..pool import get_pool, launched
 from ..settings import Settings
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
@@ -63,6 +63,7 @@ class RankRun:
     comms: dict  # window label -> [Collective]; ("init",), ("micro", k, m), ("boundary", k), ("params", k), ("after", k)
     main_thread: str
     n_params: int  # elements of params() after the run (all of them, used or not)
+    links: dict = field(default_factory=dict)  # process group (c10d name) -> comm.INTRA / comm.INTER
 
 
 @dataclass
@@ -88,7 +89,8 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENC
         del trainer
         comms = win.attribute(ctx.recorder.read())
         out.runs[str(dtype)] = RankRun(trace, comms, ctx.recorder.main_thread,
-                                       sum(p.numel() for p in trace.params[-1].values()) if trace.params else 0)
+                                       sum(p.numel() for p in trace.params[-1].values()) if trace.params else 0,
+                                       group_links())
     return out
 
 
@@ -155,6 +157,14 @@ class StepComm:
     @property
     def boundary_bytes(self) -> int:
         return sum(c.nbytes for c in self.reduced)
+
+    def bytes_by_link(self, links: dict) -> dict:
+        """The boundary's gradient bytes split by the link its group spans (a group of unknown nodes counts as
+        inter-node: the costlier link, never under-reported)."""
+        out = {INTRA: 0, INTER: 0}
+        for c in self.reduced:
+            out[links.get(c.group, INTER)] += c.nbytes
+        return out
 
 
 @dataclass
@@ -297,6 +307,7 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     return GateResult(Gate.DP_EQUIVALENCE, case, worst, ratio, comm=report, floor64=floor,
                       boundary_bytes=[s.boundary_bytes for s in steps],
                       boundary_collectives=[len(s.reduced) for s in steps],
+                      boundary_bytes_by_link=[s.bytes_by_link(outcomes[0].runs[F32].links) for s in steps],
                       gradient_bytes=4 * report.grad_elements)
 
 
