@@ -37,8 +37,8 @@ class Trainer:
             # torch refuses 1F1B with fewer micro-batches than stages, where its order is GPipe's
             cls = ScheduleGPipe if spec.options is Schedule1F1B and self.chunks < pp else spec.options or ScheduleGPipe
             sched = cls(stages if n > pp else stages[0], self.chunks, loss_fn=self.loss_fn, scale_grads=False)
-            self.last = stages[-1].is_last  # stage 0's rank feeds the inputs, the last stage's the targets (torch 2.11 refuses more)
-            self.step = lambda x, y, out: (sched.step(*[x][:own[0] == 0], **dict(target=y, losses=out) if self.last else {}), out)[1]
+            # stage 0's rank feeds the inputs, the last stage's the targets (torch 2.11 refuses inputs elsewhere)
+            self.step, self.last = lambda x, y, out: (sched.step(*[x][:own[0] == 0], **dict(target=y, losses=out) if self.last else {}), out)[1], stages[-1].is_last
         self.own = {k: p for m in self.stages for k, p in m.named_parameters()}  # slices keep the model's names
         self.opt = torch.optim.SGD(self.own.values(), lr=0.05, momentum=0.9)
 
