@@ -149,6 +149,7 @@ def selftest(tmp_path, ref, timeout=600):
     # run on the mesh cases (the mesh gate): pipeline_micro_batch_dropped on pp=2 (chunks 2); on tp=2 and dp=2 × tp=2
     # also dp_reduction_skipped and reduced_over_wrong_group (dp ≥ 2: the default worlds reach 4)
     ("examples.pipeline_schedule:factory", "9/9"),
+    ("examples.pipeline_dp:factory", "11/11"),  # dp=2 × pp=2: reduced_over_wrong_group reduces over the whole world
     ("examples.ddp_no_sync:factory", "10/10"),
     pytest.param("examples.accelerate_accumulate:factory", "10/10", marks=needs_accelerate),
     pytest.param("examples.fabric_no_backward_sync:factory", "10/10", marks=needs_lightning),
