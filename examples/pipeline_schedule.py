@@ -12,7 +12,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import verify
 
-WIDTH, LAYERS = 8, 8  # Linear layers (each but the last with a Tanh): pp × stages per rank ≤ 8
+WIDTH, LAYERS = 8, 16  # Linear layers (each but the last with a Tanh): pp × stages per rank ≤ 16 (interleaved pp 8)
 
 
 class Trainer:
