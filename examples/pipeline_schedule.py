@@ -12,7 +12,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import verify
 
-WIDTH, LAYERS = 8, 8  # Linear layers (each but the last with a Tanh): pp × stages per rank ≤ 8
+WIDTH, LAYERS = 8, 16  # Linear layers (each but the last with a Tanh): pp × stages per rank ≤ 16 (interleaved pp 8)
 
 
 class Trainer:
@@ -37,8 +37,8 @@ class Trainer:
             # torch refuses 1F1B with fewer micro-batches than stages, where its order is GPipe's
             cls = ScheduleGPipe if spec.options is Schedule1F1B and self.chunks < pp else spec.options or ScheduleGPipe
             sched = cls(stages if n > pp else stages[0], self.chunks, loss_fn=self.loss_fn, scale_grads=False)
-            # every rank passes inputs and targets: stage 0 uses the inputs, the last stage the targets (and loss)
-            self.step, self.last = lambda x, y, out: (sched.step(x, target=y, losses=out), out)[1], stages[-1].is_last
+            # stage 0's rank feeds the inputs, the last stage's the targets (torch 2.11 refuses inputs elsewhere)
+            self.step, self.last = lambda x, y, out: (sched.step(*[x][:own[0] == 0], **dict(target=y, losses=out) if self.last else {}), out)[1], stages[-1].is_last
         self.own = {k: p for m in self.stages for k, p in m.named_parameters()}  # slices keep the model's names
         self.opt = torch.optim.SGD(self.own.values(), lr=0.05, momentum=0.9)
 

@@ -145,16 +145,18 @@ def selftest(tmp_path, ref, timeout=600):
 @pytest.mark.parametrize("ref,score", [
     ("verify.adapters.xtrain:adapter", "12/12"),  # + overflow_decided_on_one_rank (fp16), low_precision_accumulation (bf16)
     ("examples.mlp_regressor:factory", "8/8"),  # single-process: the two data-parallel operators do not apply
-    ("examples.pipeline_schedule:factory", "8/8"),  # its plain model at Mesh(): the self-test has no mesh cases yet
+    # mesh recipes: the eight operators wrap the plain model at Mesh() (single-process gates); the mesh operators
+    # run on the mesh cases (the mesh gate): pipeline_micro_batch_dropped on pp=2 (chunks 2); on tp=2 and dp=2 × tp=2
+    # also dp_reduction_skipped and reduced_over_wrong_group (dp ≥ 2: the default worlds reach 4)
+    ("examples.pipeline_schedule:factory", "9/9"),
+    ("examples.pipeline_dp:factory", "11/11"),  # dp=2 × pp=2: reduced_over_wrong_group reduces over the whole world
     ("examples.ddp_no_sync:factory", "10/10"),
     pytest.param("examples.accelerate_accumulate:factory", "10/10", marks=needs_accelerate),
     pytest.param("examples.fabric_no_backward_sync:factory", "10/10", marks=needs_lightning),
     pytest.param("examples.hf_trainer:factory", "15/15", marks=needs_transformers),  # + the 5 token operators
     pytest.param("examples.lightning_trainer:factory", "10/10", marks=needs_lightning),
-    # mesh recipes: the operators wrap the plain model at Mesh() (single-process gates); the mesh gate is not
-    # among the self-test's gates yet, so the data-parallel operators do not apply
-    ("examples.tensor_parallel:factory", "8/8"),
-    ("examples.fsdp2_tp:factory", "8/8"),
+    ("examples.tensor_parallel:factory", "11/11"),
+    ("examples.fsdp2_tp:factory", "11/11"),
 ])
 def test_selftest_kills_every_operator(tmp_path, ref, score):
     r = selftest(tmp_path, ref, timeout=900)
@@ -163,6 +165,9 @@ def test_selftest_kills_every_operator(tmp_path, ref, score):
     assert "(unwrapped trainer)" in r.stdout and "SURVIVED" not in r.stdout
     st = json.loads((tmp_path / "verify-report.json").read_text())["selftest"]
     assert st["ok"] and st["score"] == score and "| drop_micro_step |" in st["table_md"]
+    if "examples.pipeline" in ref or "examples.tensor" in ref or "examples.fsdp2" in ref:  # the mesh cases ran
+        assert "| pipeline_micro_batch_dropped |" in st["table_md"] and "killed" in st["operators"][
+            "pipeline_micro_batch_dropped"]["verdict"] and " on mesh dp=1 " in st["verdict"]
     assert "## Self-test" in (tmp_path / "verify-report.md").read_text()
 
 

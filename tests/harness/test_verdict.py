@@ -63,6 +63,8 @@ def test_the_selftest_columns_are_gates_and_read_the_field_not_the_text():
     assert _column(Gate.DP_EQUIVALENCE, counter) is Gate.BOUNDARY_ONLY
     assert _column(Gate.DP_EQUIVALENCE, numbers) is Gate.DP_EQUIVALENCE  # a diagnosis of the numbers' verdict
     assert _column(Gate.EQUIVALENCE, numbers) is Gate.EQUIVALENCE
+    assert _column(Gate.MESH_EQUIVALENCE, counter) is Gate.BOUNDARY_ONLY  # the mesh gate's counter, per axis
+    assert _column(Gate.MESH_EQUIVALENCE, numbers) is Gate.MESH_EQUIVALENCE
 
 
 SELFTESTED = xtrain.single.replace(defaults=TINY, precisions=("fp32",), ref="tests.harness.test_verdict:SELFTESTED")

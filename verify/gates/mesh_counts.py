@@ -39,8 +39,10 @@ def axis_of(c: Collective, mesh: Mesh) -> str | None:
     desc = c.pg.partition(" ")[2].strip("'\"")
     if desc.startswith("mesh_") and desc[5:] in AXES:
         return desc[5:]
+    # the whole world's axis: torch 2.13's DeviceMesh reuses the default group ("default_pg"), torch 2.11's builds
+    # a group over every rank described "mesh_default" (seen on an H200 box, gloo, tp=2 of 2 ranks)
     whole = [a for a in AXES if getattr(mesh, a) == mesh.size > 1]
-    return whole[0] if desc == "default_pg" and whole else None
+    return whole[0] if desc in ("default_pg", "mesh_default") and whole else None
 
 
 def outer_units(micro: list, boundary: list, chunks: int) -> tuple[list, list]:

@@ -14,6 +14,11 @@ then run on the wrapped trainer over a fixed set of cases built from the adapter
                      overflow, the overflow gate too, on the same cases under fp16 (window 0 overflowing in
                      micro-step 0 on the last rank)
 
+    mesh             adapters with mesh_axes, meshes of at most the largest world: pp=2 (chunks 2, outer 2: N=4),
+                     tp=2 (N=3), and dp=2 × tp=2 (N=3; else dp=2 × pp=2, chunks 2) when 4 ranks fit, else dp=2;
+                     the mesh gate (verify.gates.mesh.check_mesh) against the adapter's own 1×1×1 big batch. Only
+                     the mesh operators (Operator.mesh) run there, and only there
+
 For an adapter with an ignore_index every case but the long window is padded (fixed valid-target counts per row: uneven
 micro-batches and ranks, empty rows, every window holding some valid target), so the token operators
 can show.
@@ -40,8 +45,9 @@ __all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES"]
 # the table's columns: the gates the self-test runs (split invariance, partial sums, empty windows and bytes per
 # step are the plugin's: the self-test's fixed cases do not draw their windows)
 GATES = (Gate.EQUIVALENCE, Gate.BIT_EXACT, Gate.TOKEN_MEAN, Gate.LONG_WINDOW, Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE,
-         Gate.OVERFLOW)
+         Gate.OVERFLOW, Gate.MESH_EQUIVALENCE)
 DP = (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE)  # the two verdicts of one data-parallel run (check_distributed)
+MESHED = (Gate.BOUNDARY_ONLY, Gate.MESH_EQUIVALENCE)  # the mesh gate's two verdicts: its counter per axis, its numbers
 DIST = {1: (3, 2), 2: (3, 2), 3: (2, 1), 4: (2, 1)}  # world -> (N, B) of its data-parallel case
 PAD = (1.0, 0.0, 0.25, 1.0, 0.5, 0.0, 1.0)  # valid share of a row, cycled: uneven micro-batches and ranks
 
@@ -77,23 +83,45 @@ def selftest_cases(adapter, *, worlds=(1, 2, 3), device: str = "cpu"):
     return single, [_padded(adapter, c) for c in dist]
 
 
+def mesh_cases(adapter, top: int, device: str = "cpu") -> list:
+    """The fixed mesh cases of an adapter with mesh_axes, on at most `top` ranks (module docstring)."""
+    from ..case import Case
+    from ..mesh import Mesh
+
+    axes, out = adapter.mesh_axes or (), []
+    if "pp" in axes:
+        out.append((Mesh(pp=2), 2, 4))  # (mesh, chunks, N): two schedule steps of two micro-batches
+    if "tp" in axes:
+        out.append((Mesh(tp=2), 1, 3))
+    if "dp" in axes:
+        wide = (Mesh(dp=2, tp=2), 1, 3) if "tp" in axes else (Mesh(dp=2, pp=2), 2, 4) if "pp" in axes else None
+        out.append(wide if wide and top >= 4 else (Mesh(dp=2), 1, 3))
+    return [Case(accum_steps=n, micro_batch=2, steps=2, world=m.dp, mesh=m, pipeline_chunks=ch, seed=30 + i,
+                 data_seed=40 + i, device=device, options=adapter.defaults)
+            for i, (m, ch, n) in enumerate(out) if m.size <= top]
+
+
 def _column(check: Gate, failure: GateFailure) -> Gate:
     """The column a failure of `check` goes to, read from its `gate` field: a data-parallel run fails either the
     counter (boundary-only) or, for anything else it raises (the numbers, a determinism diagnosis of them, a
     trainer writing into its batch), data-parallel equivalence; every other check's failure is its own."""
-    if check is Gate.DP_EQUIVALENCE:
-        return Gate.BOUNDARY_ONLY if failure.gate is Gate.BOUNDARY_ONLY else Gate.DP_EQUIVALENCE
+    if check in (Gate.DP_EQUIVALENCE, Gate.MESH_EQUIVALENCE):  # the mesh gate's counter too: per axis
+        return Gate.BOUNDARY_ONLY if failure.gate is Gate.BOUNDARY_ONLY else check
     return check
 
 
 def _run_gates(adapter, case, plain: bool, dist: bool) -> dict:
-    """Gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case (dist: the
-    data-parallel gates, at any world, 1 included; else the single-process ones)."""
+    """Gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case (a mesh case: the
+    mesh gate; dist: the data-parallel gates, at any world, 1 included; else the single-process ones)."""
     from ..gates import check_bit_exact, check_distributed, check_equivalence, check_token_mean
     from ..gates.windows import check_long_window
 
     out = {}
-    if case.accum_steps >= LONG_N:
+    if case.mesh is not None:
+        from ..gates.mesh import check_mesh
+
+        checks = [(Gate.MESH_EQUIVALENCE, check_mesh)]
+    elif case.accum_steps >= LONG_N:
         checks = [(Gate.LONG_WINDOW, check_long_window)]
     elif not dist:
         checks = [(Gate.EQUIVALENCE, check_equivalence)] + ([(Gate.BIT_EXACT, check_bit_exact)]
@@ -106,7 +134,7 @@ def _run_gates(adapter, case, plain: bool, dist: bool) -> dict:
         if overflow_hook(adapter)[0] is not None:
             checks.append((Gate.OVERFLOW, lambda a, c: check_overflow(a, c.replace(precision="fp16"), 0, c.world - 1)))
     for name, check in checks:
-        columns = DP if name is Gate.DP_EQUIVALENCE else (name,)
+        columns = DP if name is Gate.DP_EQUIVALENCE else MESHED if name is Gate.MESH_EQUIVALENCE else (name,)
         try:
             check(adapter, case)
             out.update(dict.fromkeys(columns, "pass"))
@@ -114,8 +142,8 @@ def _run_gates(adapter, case, plain: bool, dist: bool) -> dict:
             gate = _column(name, e)
             out[gate] = "kill: " + str(e).splitlines()[0]
             if gate is Gate.BOUNDARY_ONLY:  # the counter judges first: the numbers were not looked at
-                out.setdefault(Gate.DP_EQUIVALENCE, "not reached")
-            elif name is Gate.DP_EQUIVALENCE:
+                out.setdefault(columns[1], "not reached")
+            elif len(columns) == 2:
                 out.setdefault(Gate.BOUNDARY_ONLY, "pass")
         except Exception as e:  # noqa: BLE001  (the wrapped trainer crashed: the bug did not pass silently)
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
@@ -131,7 +159,8 @@ class SelftestResult:
     rows: dict = field(default_factory=dict)  # operator -> {gate: 'killed'|'survived'|'n/a', 'verdict': ...}
     seconds: float = 0.0
     worlds: list = field(default_factory=list)  # the worlds of the data-parallel cases
-    n_single: int = 0  # cases[:n_single] run the single-process gates, the rest the data-parallel ones
+    n_single: int = 0  # cases[:n_single] run the single-process gates, the rest the data-parallel or mesh ones
+    meshes: list = field(default_factory=list)  # the meshes of the mesh cases ("mesh dp=1 pp=2 tp=1")
 
     @property
     def baseline_ok(self) -> bool:
@@ -168,15 +197,19 @@ class SelftestResult:
     @property
     def at_worlds(self) -> str:
         """Where the unwrapped trainer was run: ' at worlds 1, 2' (data-parallel), '' (one process)."""
-        return f" at world{'s' if len(self.worlds) > 1 else ''} {', '.join(map(str, self.worlds))}" if self.worlds else ""
+        at = f" at world{'s' if len(self.worlds) > 1 else ''} {', '.join(map(str, self.worlds))}" if self.worlds else ""
+        return at + (f"{' and' if at else ''} on {', '.join(self.meshes)}" if self.meshes else "")
 
     @property
     def failing(self) -> str:
         """Where the unwrapped trainer fails: 'in one process', 'at world 1', ... joined by ' and '."""
         bad = lambda r: any(v not in ("pass", "not reached") for v in r.values())  # noqa: E731
         where = ["in one process"] if any(bad(self.baseline[i]) for i in range(self.n_single)) else []
-        ws = sorted({self.cases[i].world for i in range(self.n_single, len(self.cases)) if bad(self.baseline[i])})
-        return " and ".join(where + ([f"at world{'s' if len(ws) > 1 else ''} {', '.join(map(str, ws))}"] if ws else []))
+        rest = [(c, bad(self.baseline[i])) for i, c in enumerate(self.cases) if i >= self.n_single]
+        ws = sorted({c.world for c, b in rest if b and c.mesh is None})
+        ms = [str(c.mesh) for c, b in rest if b and c.mesh is not None]
+        return " and ".join(where + ([f"at world{'s' if len(ws) > 1 else ''} {', '.join(map(str, ws))}"] if ws else [])
+                            + ([f"on {', '.join(ms)}"] if ms else []))
 
     def as_dict(self) -> dict:
         survived = sorted(set(self.applicable) - set(self.killed))
@@ -216,12 +249,14 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
     t0 = time.perf_counter()
     worlds = worlds_of(max_world) if adapter.data_parallel else []
     single, dist = selftest_cases(adapter, worlds=worlds, device=device)
-    cases = single + dist
+    meshed = mesh_cases(adapter, max(worlds_of(max_world) or [1]), device) if adapter.mesh_axes else []
+    cases = single + dist + meshed
     plain = adapter.plain is not None
     from ..gates.overflow import overflow_hook
 
     overflow_ok = overflow_hook(adapter)[0] is not None
-    res = SelftestResult(adapter.locate(), cases, {}, worlds=[c.world for c in dist], n_single=len(single))
+    res = SelftestResult(adapter.locate(), cases, {}, worlds=[c.world for c in dist], n_single=len(single),
+                         meshes=[str(c.mesh) for c in meshed])
     total, done = len(cases) * (1 + len(ops)), 0
     for i, case in enumerate(cases):
         res.baseline[i] = _run_gates(adapter, case, plain, i >= len(single))
@@ -230,7 +265,7 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
             progress(done, total, "unwrapped trainer")
     for op in ops:
         mutant = op.apply(adapter)
-        where = [(i, c) for i, c in enumerate(cases) if op.exists(c) and (c.world > 1 or not op.dist_only)
+        where = [(i, c) for i, c in enumerate(cases) if (c.mesh is not None) == op.mesh and op.exists(c) and (c.world > 1 or not op.dist_only)
                  and (c.accum_steps >= LONG_N) == op.long and (not op.fp16 or overflow_ok)]
         row = {g: "n/a" for g in GATES}
         for i, case in where:

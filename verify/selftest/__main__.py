@@ -89,16 +89,18 @@ def main(argv=None) -> int:
         from ..pool import close_all
 
         close_all()
-    listed = [str(c).split(" seed")[0] + (" W=1" if i >= res.n_single and c.world == 1 else "")
+    listed = [str(c).split(" seed")[0] + (" W=1" if i >= res.n_single and c.world == 1 and c.mesh is None else "")
               for i, c in enumerate(res.cases)]
     print(f"self-test of {res.trainer}: {len(res.cases)} cases ({', '.join(listed)})"
-          + (f"; data-parallel at worlds {res.worlds}" if res.worlds else ""))
+          + (f"; data-parallel at worlds {res.worlds}" if res.worlds else "")
+          + (f"; on {', '.join(res.meshes)}" if res.meshes else ""))
     print(res.table())
     d = res.as_dict()
     print(f"mutation score {res.score} in {res.seconds:.0f} s: {d['verdict']}")
     from .. import report
 
-    paths = report.write(out, trainer=res.trainer, settings=dict(device=device, selftest_worlds=res.worlds),
+    paths = report.write(out, trainer=res.trainer, settings=dict(device=device, selftest_worlds=res.worlds,
+                                                                     **({"selftest_meshes": res.meshes} if res.meshes else {})),
                          selftest=d, device=device, declarations=adapter.declarations())
     print("wrote " + ", ".join(paths))
     return 0 if res.ok else 1

@@ -27,6 +27,12 @@ fp16 (adapters with a way to overflow, verify/gates/overflow.py; run on the data
     overflow_decided_on_one_rank  ranks ≥ 1 never see an overflow: where the boundary gradient is
                                non-finite their inner trainer skips, and the wrapper steps them anyway
 
+mesh (adapters with mesh_axes; run on the self-test's mesh cases only, where they are the only operators;
+verify/selftest/mesh_ops.py says how, and what they cannot reach):
+    pipeline_micro_batch_dropped  micro-batch 1 fed in place of micro-batch 0 (N micro-steps kept)
+    dp_reduction_skipped       torch.distributed's reductions on the dp group do nothing (dp ≥ 2)
+    reduced_over_wrong_group   they run on the tp group instead, else the whole world (dp ≥ 2, another axis)
+
 The token operators know the window's valid counts from the batches and the adapter's ignore_index (the
 ranks' counts through one all_reduce inside grads(), where the harness's reading is not judged); the ones
 that act at N = 1 too divide consistently under every split, so only the token-mean gate can see them.
@@ -36,10 +42,13 @@ not accumulation); the self-test requires every operator to be killed on the cas
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .mesh_ops import feed_micro_1_for_0, interposed
 
 __all__ = ["Operator", "OPERATORS"]
 
@@ -56,7 +65,7 @@ class Mutant:
     def __init__(self, op: "Operator", factory, spec, ignore_index=None):
         from dataclasses import replace
 
-        self.op, self.N, self.ignore, self.precision = op, spec.accum_steps, ignore_index, spec.precision
+        self.op, self.N, self.ignore, self.precision, self.spec = op, spec.accum_steps, ignore_index, spec.precision, spec
         self.inner = factory(replace(spec, accum_steps=op.inner_accum(spec.accum_steps)))
         # per_micro_mean: a second trainer, one micro-batch per window, to read each micro-batch's own mean
         self.aux = factory(replace(spec, accum_steps=1)) if op.aux else None
@@ -75,10 +84,12 @@ class Mutant:
         valid = int((y != self.ignore).sum()) if self.ignore is not None else y.numel()
         self.counts = [self.counts[0] + valid, self.counts[1] + y.numel(), self.counts[2] + y.shape[0],
                        self.counts[3] + (valid if micro == 0 else 0)]
-        self.op.micro(self, x, y, micro)
+        with self._around():
+            self.op.micro(self, x, y, micro)
 
     def grads(self):
-        g = self.inner.grads()
+        with self._around():
+            g = self.inner.grads()
         self._boundary(g)
         return g
 
@@ -86,12 +97,17 @@ class Mutant:
         if self.op.scale is not None and not self._scaled:
             self._boundary(self.inner.grads())
         self._scaled = False
-        loss = self.op.loss(self, self.inner.optimizer_step())
+        with self._around():
+            loss = self.op.loss(self, self.inner.optimizer_step())
         self._reset()
         return loss
 
     def params(self):
-        return self.inner.params()
+        with self._around():
+            return self.inner.params()
+
+    def _around(self):
+        return self.op.around(self) if self.op.around is not None else contextlib.nullcontext()
 
     def _boundary(self, grads: dict) -> None:
         if not self._scaled and self.op.scale is not None:
@@ -139,6 +155,9 @@ class Operator:
     fp16: bool = False
     """The bug lives on the overflow path: it exists only for an adapter the overflow gate can run on (fp16
     and a way to overflow: verify.gates.overflow.overflow_hook)."""
+
+    mesh: bool = False  # runs on the self-test's mesh cases (verify.gates.mesh), and only there
+    around: Callable | None = None  # (wrapper) -> context manager entered around every call into the trainer
 
     def __reduce__(self):
         # by name: the table's lambdas do not pickle, and a pool rank finds the same operator in OPERATORS
@@ -367,4 +386,11 @@ OPERATORS = {op.name: op for op in [
     Operator("overflow_decided_on_one_rank", "ranks ≥ 1 never see an overflow: they step an overflowing window",
              lambda c: c.world >= 2, scale=lambda w: 1.0, replace_grads=_seen_non_finite, loss=_step_anyway,
              dist_only=True, at_n1=True, fp16=True),
+    # -- mesh: the self-test's mesh cases (adapters with mesh_axes) ------------------------------------------
+    Operator("pipeline_micro_batch_dropped", "micro-batch 0 never reaches the trainer; micro-batch 1 runs in its place",
+             N2, micro=feed_micro_1_for_0, mesh=True),
+    Operator("dp_reduction_skipped", "torch.distributed's reductions on the dp group do nothing",
+             lambda c: c.mesh.dp >= 2, around=lambda w: interposed(w, swap=False), mesh=True),
+    Operator("reduced_over_wrong_group", "the dp group's reductions run on the tp group (no tp: the whole world)",
+             lambda c: c.mesh.dp >= 2 and c.mesh.size > c.mesh.dp, around=lambda w: interposed(w, swap=True), mesh=True),
 ]}
