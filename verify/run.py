@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     env = pool_launched.launched_env()
     if env is None:
         print(HOW, file=sys.stderr)
-        os.environ["XTRAIN_DIST_MIN_WORLD"] = os.environ["XTRAIN_DIST_MAX_WORLD"] = "1"
+        from .settings import KNOBS
+
+        env = {k.field: k.env for k in KNOBS}  # alone: world 1 only (the knobs' names have one home)
+        os.environ[env["min_world"]] = os.environ[env["max_world"]] = "1"
         import pytest
 
         return int(pytest.main(pytest_args(argv)))
