@@ -119,14 +119,19 @@ class Pipe:
         loss, self.loss = self.loss, 0.0
         if self.stage_i != self.pp - 1 or self.lose_loss:
             return None
-        if self.dp_group is not None:
-            t = torch.tensor([loss], dtype=torch.float64)
-            dist.all_reduce(t, group=self.dp_group)
-            loss = float(t) / self.dp
-        return loss
+        return _dp_mean(loss, self.dp_group)
 
     def params(self):
         return {n: p.detach() for n, p in self.own.items()}
+
+
+def _dp_mean(loss: float, group) -> float:
+    """The step loss averaged over the dp replicas (one all-reduce at the boundary; alone: as is)."""
+    if group is None:
+        return loss
+    t = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t) / dist.get_world_size(group)
 
 
 class PipeEma(Pipe):
@@ -231,11 +236,7 @@ class Tp:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         loss, self.loss = self.loss, 0.0
-        if self.dp_group is not None:
-            t = torch.tensor([loss], dtype=torch.float64)
-            dist.all_reduce(t, group=self.dp_group)
-            loss = float(t) / self.m.dp
-        return loss
+        return _dp_mean(loss, self.dp_group)
 
     def params(self):
         return {n: p.detach() for n, p in self.model.named_parameters()}
