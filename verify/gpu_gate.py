@@ -198,7 +198,7 @@ def serve_launch(args, out: str, root: str | None, env: dict) -> int:
 
     store = pool_launched.connect(Settings.from_env().timeout)
     pool_launched._wait(store, GO, None)  # a store that is gone (rank 0's node failed) raises: this rank ends
-    name, cmd, step_env = plan(0, out, args, root, pool_launched.describe(env, args.backend))[-1]
+    _, cmd, step_env = plan(0, out, args, root, pool_launched.describe(env, args.backend))[-1]
     return subprocess.run(cmd, cwd=root or os.getcwd(), env={**os.environ, **step_env},
                           preexec_fn=_die_with_parent if sys.platform == "linux" else None).returncode
 
@@ -237,9 +237,12 @@ def main(argv=None) -> int:
     launch = pool_launched.describe(env, args.backend) if env is not None else None
     print(f"verify.gpu_gate: {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), reports in {out}"
           + (f"; launched: {_launch_text(launch)}" if launch else ""), file=sys.stderr)
-    store = pool_launched.connect(Settings.from_env().timeout) if launch else None
-    go = lambda name: store.set(GO, "1") if name == "launched" else None  # noqa: E731  (the other ranks join now)
-    steps = run_steps(plan(gpus, out, args, root, launch), out, root, go if launch else None)
+
+    def go(name: str) -> None:  # the other ranks join now (the store is reached then: no connection idles for an hour)
+        if name == "launched":
+            pool_launched.connect(Settings.from_env().timeout).set(GO, "1")
+
+    steps = run_steps(plan(gpus, out, args, root, launch), out, root, go)
     doc = dict(header("gpu-gate", "cuda"), out=out, gpus=gpus, profile=args.profile, steps=steps,
                passed=all(s["returncode"] == 0 for s in steps), **({"launch": launch} if launch else {}))
     atomic_write(os.path.join(out, "gpu-gate.json"), json.dumps(doc, indent=1))
