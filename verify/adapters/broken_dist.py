@@ -156,7 +156,8 @@ def _adapter(cls, base=xtrain.data_parallel):
 all_reduce_every_micro = _adapter(AllReduceEveryMicro)
 all_reduce_in_helper_thread = _adapter(AllReduceInHelperThread)
 all_reduce_on_backend_object = _adapter(AllReduceOnBackendObject)
-all_reduce_on_private_group = _adapter(AllReduceOnPrivateGroup)
+# it makes a group of its own, and new_group is collective over the whole world: no launched sub-worlds for it
+all_reduce_on_private_group = _adapter(AllReduceOnPrivateGroup, xtrain.data_parallel.replace(subgroups=False))
 no_all_reduce = _adapter(NoAllReduce)
 divide_by_world_twice = _adapter(DivideByWorldTwice)
 reduce_some_params = _adapter(ReduceSomeParams)
