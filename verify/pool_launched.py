@@ -160,7 +160,7 @@ def _sub_job(ctx, W: int, fn, args, kwargs):
 
     groups = ctx.state.setdefault("subgroups", {})
     if W not in groups:  # new_group is collective over the default group: every rank, in the same job order
-        groups[W] = dist.new_group(list(range(W)))
+        groups[W] = dist.new_group(list(range(W)), group_desc=f"sub-world of {W}")  # named in the counts' messages
     if ctx.rank >= W:
         return None
     sub = RankContext(ctx.rank, W, ctx.backend, ctx.device, ctx.recorder, ctx.state.setdefault(("sub", W), {}),
