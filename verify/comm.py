@@ -199,12 +199,14 @@ def _parse(source: str, e: dict) -> Collective:
 
 
 INTRA, INTER = "intra-node", "inter-node"
+LINKS = (INTRA, INTER)
 
 
 def group_links(per_node: int | None = None) -> dict[str, str]:
     """Each process group of this process, by c10d name -> INTRA or INTER: INTER when its ranks live on more than
-    one node. torchrun numbers ranks node by node, so node = rank // LOCAL_WORLD_SIZE (per_node); a pool's ranks
-    are one host's (their LOCAL_WORLD_SIZE is the world), so every group of a pool is INTRA."""
+    one node. torchrun numbers ranks node by node, so node = rank // LOCAL_WORLD_SIZE (per_node). A pool's ranks
+    are one host's: their LOCAL_WORLD_SIZE is the world (every group INTRA), or XTRAIN_RANKS_PER_NODE where
+    that knob emulates nodes (verify/pool_worker.py)."""
     import torch.distributed as dist
 
     per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
@@ -213,6 +215,12 @@ def group_links(per_node: int | None = None) -> dict[str, str]:
         nodes = {r // per_node for r in dist.get_process_group_ranks(pg)}
         out[str(name)] = INTER if len(nodes) > 1 else INTRA
     return out
+
+
+def link_of(c: Collective, links: dict) -> str:
+    """The link collective `c` crosses, by its group (group_links' map). A group of unknown nodes counts as
+    inter-node: the costlier link, never under-reported."""
+    return links.get(c.group, INTER)
 
 
 class Recorder:

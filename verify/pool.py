@@ -84,10 +84,12 @@ class RankPool:
     """`world` spawned ranks in one process group (gloo on CPU, or NCCL with rank r on cuda:r)."""
 
     def __init__(self, world: int, backend: str | None = None, *, threads: int | None = None,
-                 start_timeout: float | None = None):
+                 start_timeout: float | None = None, per_node: int | None = None):
         import multiprocessing as mp
 
         self.world, self.backend = world, backend or default_backend()
+        # ranks per (emulated) node: each rank's LOCAL_WORLD_SIZE, whence comm.group_links' nodes
+        self.per_node = per_node or Settings.from_env().per_node(world)
         self.threads = threads or Settings.from_env().threads
         reclaim_stale()
         # The owner's pid is in the name: a later pool can tell whether this folder's owner still lives.
@@ -105,7 +107,7 @@ class RankPool:
                 dump = os.path.join(self.dir, f"stacks-rank{r}.txt")
                 p = ctx.Process(target=worker_main, name=f"xtrain-rank{r}-of-{world}", daemon=True,
                                 args=(r, world, self.backend, os.path.join(self.dir, "store"), there, dump,
-                                      self.threads, os.getpid(), max(600.0, 2 * job_timeout())))
+                                      self.threads, os.getpid(), max(600.0, 2 * job_timeout()), self.per_node))
                 p.start()
                 there.close()
                 self.procs.append(p)
@@ -280,7 +282,7 @@ def reclaim_stale() -> list[str]:
     return out
 
 
-_POOLS: dict[tuple[int, str], RankPool] = {}
+_POOLS: dict[tuple[int, str, int], RankPool] = {}
 _LOCK = threading.Lock()
 
 
@@ -299,21 +301,21 @@ def launched():
 
 
 def get_pool(world: int, backend: str | None = None, *, subgroups: bool = False) -> RankPool:
-    """This process's pool for (world, backend), spawned on first use and replaced if it broke. Under a
-    launcher the launched world's pool for its world (a broken one is not replaced: its jobs say why), and for
-    2 ≤ world below it, when `subgroups` (the adapter declares it honours Spec.group), the launched ranks
-    0..world-1 on a subgroup (LaunchedPool.sub); otherwise a pool spawned here, as without a launcher."""
+    """This process's pool for (world, backend, ranks per node: XTRAIN_RANKS_PER_NODE), spawned on first use and
+    replaced if it broke. Under a launcher the launched world's pool for its world (a broken one is not
+    replaced: its jobs say why), and for 2 ≤ world below it, when `subgroups` (the adapter declares it honours
+    Spec.group), the launched ranks 0..world-1 on a subgroup (LaunchedPool.sub); else a pool spawned here."""
     L = _LAUNCHED
     if L is not None and (backend or L.backend) == L.backend and (world == L.world or subgroups and 2 <= world < L.world):
         return L if world == L.world else L.sub(world)
-    key = (world, backend or default_backend())
+    key = (world, backend or default_backend(), Settings.from_env().per_node(world))
     with _LOCK:
         pool = _POOLS.get(key)
         if pool is None or not pool.alive:
             if pool is not None:
                 pool.kill()
             _install_sigterm()
-            pool = _POOLS[key] = RankPool(world, key[1])
+            pool = _POOLS[key] = RankPool(world, key[1], per_node=key[2])
         return pool
 
 

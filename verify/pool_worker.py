@@ -63,7 +63,7 @@ def _release_forkserver_pipe() -> None:
 
 
 def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump_path: str, threads: int,
-            owner_pid: int, pg_timeout: float) -> None:
+            owner_pid: int, pg_timeout: float, per_node: int | None = None) -> None:
     _release_forkserver_pipe()
     _die_with_parent(owner_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -82,9 +82,11 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump
 
     torch.set_num_threads(threads)
     # Look like a torchrun rank to libraries that read the environment (Accelerate decides on data
-    # parallelism from it); the group itself comes from the FileStore below.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS=str(threads))
+    # parallelism from it); the group itself comes from the FileStore below. Nodes of `per_node` ranks
+    # (XTRAIN_RANKS_PER_NODE emulates them; default: the whole pool) number ranks as torchrun does, node by node.
+    per_node = per_node or world
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
+                      LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS=str(threads))
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)

@@ -62,6 +62,9 @@ KNOBS = (
          "in `$XDG_CACHE_HOME/xtrain-verify`"),
     Knob("gpu_lock", "XTRAIN_GPU_LOCK", "`<tmp>/xtrain-gpu-<uid>.lock`",
          "the lock file that keeps a memory test off a GPU other tests use"),
+    Knob("ranks_per_node", "XTRAIN_RANKS_PER_NODE", "unset: a pool is one node",
+         "emulate nodes of R ranks in spawned pools (rank r on node r // R, LOCAL_WORLD_SIZE=R): the per-link "
+         "count rows on one host; a launched world has its launcher's nodes"),
     Knob("git_commit", "XTRAIN_GIT_COMMIT", "git rev-parse HEAD", "the commit a report names (a copied tree has no .git)"),
 )
 _BY_FIELD = {k.field: k for k in KNOBS}
@@ -99,6 +102,7 @@ class Settings:
     cache_home: str = ""  # "" = ~/.cache
     gpu_lock: str = ""  # "" = <tmp>/xtrain-gpu-<uid>.lock
     git_commit: str = ""  # "" = ask git
+    ranks_per_node: int = 0  # 0 = unset: a spawned pool is one node
     sources: dict = field(default_factory=dict, compare=False, repr=False)
     """field -> where its value came from ("--verify-backend", "XTRAIN_DIST_BACKEND"): what an error names."""
 
@@ -114,6 +118,8 @@ class Settings:
         for name in ("threads", "min_world", "max_world"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer ≥ 1")
+        need(self.ranks_per_node == 0 and "ranks_per_node" not in self.sources or
+             isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 1, "ranks_per_node", "must be an integer ≥ 1")
         need(self.min_world <= self.max_world, "min_world",
              f"exceeds {self.where('max_world')}; set {_BY_FIELD['max_world'].env} ≥ {self.min_world} too")
         need(isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0, "timeout",
@@ -181,6 +187,11 @@ class Settings:
         import torch
 
         return min(self.max_world, torch.cuda.device_count())
+
+    def per_node(self, world: int) -> int:
+        """Ranks per node of a spawned pool of `world` ranks: ranks_per_node where set (emulated nodes), capped
+        by the world; else the whole pool, one host."""
+        return min(self.ranks_per_node or world, world)
 
     def export(self, environ=None) -> None:
         """Write the knobs set by command-line options into their variables in `environ` (default os.environ):

@@ -6,6 +6,7 @@ import itertools
 import pathlib
 import re
 
+import pytest
 from verify.comm import Collective, family
 from verify.gates.counts import SCALARS, CountRow, check_step, excused
 from verify.protocol import Expected
@@ -14,12 +15,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 _ids = itertools.count()
 
 
-def _c(op: str, n: int = 1, dtype: str = "Float") -> Collective:
-    return Collective(next(_ids), "fr", "gloo", op, ((n,),), (dtype,), "0 ''", "1", 0)
+def _c(op: str, n: int = 1, dtype: str = "Float", group: str = "0") -> Collective:
+    return Collective(next(_ids), "fr", "gloo", op, ((n,),), (dtype,), f"{group} ''", "1", 0, group)
 
 
-def _step(row, micro, boundary, W=2, expected=()):
-    return check_step(row, micro, boundary, 0, W, expected, lambda c: f"{c.op}[{c.numel}]")
+def _step(row, micro, boundary, W=2, expected=(), links=None):
+    return check_step(row, micro, boundary, 0, W, expected, lambda c: f"{c.op}[{c.numel}]", links=links)
 
 
 def test_c10d_names_of_one_operation_are_one_family():
@@ -61,6 +62,37 @@ def test_a_declared_row_goes_through_the_same_check():
     assert _step(fsdp, [gathers], gathers + [_c("reduce_scatter", 8)]) == ([], None)  # gathers carry no gradient
     assert "count table row 'fsdp' expects all_gather×2, observed all_gather×1" in _step(fsdp, [gathers[:1]], [])[1]
     assert "the reductions carry 16 floating elements" in _step(fsdp, [gathers], gathers + [_c("reduce_scatter", 16)])[1]
+
+
+# HSDP: group "1" within the node, group "2" across nodes (comm.group_links' map)
+LINKS = {"1": "intra-node", "2": "inter-node"}
+HSDP = CountRow("hsdp", before={"all_reduce@intra-node": 1},
+                boundary={"all_reduce@intra-node": 1, "all_reduce@inter-node": 1})
+
+
+def test_a_row_counts_a_family_per_link_where_its_keys_name_one():
+    intra, inter = _c("all_reduce", 9, group="1"), _c("allreduce_coalesced", 9, group="2")
+    assert _step(HSDP, [[intra]] * 2, [intra, inter], links=LINKS) == ([], None)
+    _, msg = _step(HSDP, [[intra, inter], [intra]], [intra, inter], links=LINKS)
+    assert msg == ("step 0, micro-step 0 of 3 (before the boundary): count table row 'hsdp' expects "
+                   "all_reduce@intra-node×1, observed all_reduce@inter-node×1, all_reduce@intra-node×1: "
+                   "allreduce_coalesced[9] (inter-node); all_reduce[9] (intra-node)")
+    _, msg = _step(HSDP, [[intra]], [intra, intra], links=LINKS)  # the cross-node reduction went within the node
+    assert "expects all_reduce@inter-node×1, all_reduce@intra-node×1, observed all_reduce@intra-node×2" in msg
+    assert "observed all_reduce@inter-node×1" in _step(HSDP, [[_c("all_reduce", group="9")]], [], links=LINKS)[1]  # an
+    # unknown group counts as inter-node (comm.link_of); a family the row names without a link counts every link:
+    plain = CountRow("plain", boundary={"all_reduce": 2})
+    assert _step(plain, [[]], [intra, inter], links=LINKS) == ([], None) == _step(plain, [[]], [intra, inter])
+
+
+def test_a_row_names_its_links_right_and_the_check_gets_them():
+    with pytest.raises(ValueError, match=r"before key 'all_reduce@nvlink' names link 'nvlink'; use "
+                                         r"all_reduce@intra-node or all_reduce@inter-node"):
+        CountRow("x", before={"all_reduce@nvlink": 1})
+    with pytest.raises(ValueError, match=r"boundary key 'all_reduce' has no link while another key names one"):
+        CountRow("x", before={"all_reduce@intra-node": 1}, boundary={"all_reduce": 2})
+    with pytest.raises(ValueError, match=r"counts all_reduce per link, and no group -> link map was given"):
+        _step(HSDP, [[_c("all_reduce")]], [])
 
 
 def _folds_op_names(tree) -> list[int]:

@@ -101,3 +101,103 @@ def test_the_tools_default_outputs_are_ignored_so_a_run_never_dirties_the_refere
         assert r.returncode == 0, f"{path} would be tracked: a user's run would dirty the repo"
     r = subprocess.run(["git", "check-ignore", "-q", "reports/cpu/memory-E32.json"], cwd=ROOT)
     assert r.returncode == 1  # the committed references are not ignored
+
+
+# -- under torchrun: rank 0 runs its node's steps, then every rank joins the launched world (verify.run) ----------
+
+LAUNCH = dict(launcher="torchrun", nodes=2, ranks_per_node=4, world=8, backend="nccl", rendezvous="c10d",
+              endpoint="node0:29500")
+
+
+def test_the_plan_under_torchrun_ends_with_the_launched_world(tmp_path):
+    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=True)
+    steps = gpu_gate.plan(4, str(tmp_path), args, ROOT, LAUNCH)
+    assert _names(steps) == ["gates", "gpu-tests", "nccl", "launched"]  # the box's pools first, up to its 4 GPUs
+    name, cmd, env = steps[-1]
+    assert cmd[1:3] == ["-m", "verify.run"] and env["HYPOTHESIS_PROFILE"] == "gpu"
+    assert " -m distributed --verify-backend nccl --verify-device cuda " in " ".join(cmd)
+    assert "XTRAIN_DIST_MAX_WORLD" not in env  # the launched world is the world
+    gloo = gpu_gate.plan(1, str(tmp_path), args, ROOT, {**LAUNCH, "backend": "gloo"})
+    assert _names(gloo) == ["gates", "gpu-tests", "launched"]
+    assert "--verify-backend gloo --verify-device cpu" in " ".join(gloo[-1][1])  # gloo ranks run on the CPU
+
+
+def test_a_users_trainer_goes_to_every_gate_step_and_xtrains_own_steps_drop_out(tmp_path):
+    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=False, trainer="mypkg.train:factory")
+    steps = gpu_gate.plan(2, str(tmp_path), args, ROOT, LAUNCH)
+    assert _names(steps) == ["gates", "nccl", "launched"]
+    for _, cmd, _ in steps:
+        assert "--verify-trainer mypkg.train:factory" in " ".join(cmd) and "tests/core/test_fsdp.py" not in cmd
+    assert "--pyargs" in steps[0][1]  # verify's gate tests, from the user's directory
+
+
+def test_a_bad_trainer_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_gate, "_cuda_available", lambda: True)
+    with pytest.raises(SystemExit) as e:
+        gpu_gate.main(["--out", str(tmp_path / "out"), "--trainer", "no_such_module:factory"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("verify.gpu_gate: error: --trainer no_such_module:factory: cannot import 'no_such_module'")
+
+
+class _Store:
+    """torchrun's store, as pool_launched.connect() returns it: what the gate uses of it."""
+
+    def __init__(self):
+        self.keys, self.log = {}, []
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+    def set(self, key, value):
+        self.log.append(("set", key))
+        self.keys[key] = value
+
+
+def _launched(monkeypatch, rank: int):
+    from verify import pool_launched
+
+    for k, v in dict(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                     MASTER_ADDR="localhost", MASTER_PORT="1").items():
+        monkeypatch.setenv(k, v)
+    store = _Store()
+    monkeypatch.setattr(pool_launched, "connect", lambda timeout: store)
+    monkeypatch.setattr(gpu_gate, "_cuda_available", lambda: True)
+
+    def run(cmd, **kw):  # every step's subprocess: logged where it happens, between the store's events
+        store.log.append(("run", cmd[cmd.index("-m") + 1] if "-m" in cmd else cmd[0]))
+        launched = "verify.run" in cmd
+        assert all((k in kw["env"]) == launched for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")), cmd  # a
+        # node's own steps are not launched ranks
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(gpu_gate.subprocess, "run", run)
+    return store
+
+
+def test_a_launched_rank_waits_for_rank_0_then_joins_the_launched_world(tmp_path, monkeypatch):
+    import threading
+
+    store = _launched(monkeypatch, rank=1)
+    threading.Timer(0.2, store.set, (gpu_gate.GO, "1")).start()  # rank 0 done with its node's steps
+    assert gpu_gate.main(["--out", str(tmp_path / "out"), "--backend", "gloo"]) == 0
+    assert store.log == [("set", gpu_gate.GO), ("run", "verify.run")]  # nothing before rank 0's go
+    assert not (tmp_path / "out").exists()  # rank 0 writes the report
+
+
+def test_rank_0_runs_its_steps_then_the_launched_world_and_records_the_launch(tmp_path, monkeypatch):
+    import json
+
+    from verify import _meta
+
+    store = _launched(monkeypatch, rank=0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    monkeypatch.setattr(_meta, "header", lambda kind, device=None: dict(kind=kind, machine_info={}, utc="now"))
+    out = tmp_path / "out"
+    assert gpu_gate.main(["--out", str(out), "--backend", "gloo", "--no-memory"]) == 0
+    assert store.log == [("run", "pytest"), ("run", "pytest"), ("set", gpu_gate.GO), ("run", "verify.run")]
+    doc = json.loads((out / "gpu-gate.json").read_text())
+    assert [s["step"] for s in doc["steps"]] == ["gates", "gpu-tests", "launched"] and doc["passed"]
+    assert (doc["launch"]["world"], doc["launch"]["ranks_per_node"], doc["launch"]["backend"]) == (2, 2, "gloo")
+    assert "launched: torchrun, 1 node(s) × 2 = world 2, gloo, rendezvous" in (out / "summary.md").read_text()

@@ -14,6 +14,7 @@ from verify.gates.distributed import max_world
 from verify.gates.mesh import check_mesh
 from verify.gates.windows import check_long_window, check_partial_sums, check_split_invariance
 from verify.protocol import Adapter
+from verify.settings import env_of
 from verify.verdict import Gate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,9 +39,11 @@ def _param(b):
 
 
 @pytest.mark.parametrize("bug", [_param(b) for b in planted.PLANTED if b.gate in RUN])
-def test_its_gate_rejects_it(bug):
+def test_its_gate_rejects_it(bug, monkeypatch):
     if bug.needs:
         pytest.importorskip(bug.needs)
+    for name, value in bug.knobs:  # read where the gate runs (pools are keyed by them)
+        monkeypatch.setenv(env_of(name), str(value))
     adapter = bug.load()  # tests/helpers/ ones by reference
     with pytest.raises(GateFailure) as e:
         (check_mesh if bug.case.mesh is not None else RUN[bug.gate])(adapter, bug.case, *bug.args)  # one mesh gate

@@ -25,6 +25,8 @@ def test_defaults_and_the_environment():
     s = Settings.from_env({"XTRAIN_TEST_THREADS": "3", "XTRAIN_DIST_MAX_WORLD": "8", "XTRAIN_DIST_TIMEOUT": "2.5",
                            "XTRAIN_DIST_BACKEND": "", "XTRAIN_GIT_COMMIT": "abc"})
     assert (s.threads, s.max_world, s.timeout, s.backend, s.git_commit) == (3, 8, 2.5, "gloo", "abc")
+    s = Settings.from_env({"XTRAIN_RANKS_PER_NODE": "2"})  # emulated nodes of 2 ranks; a smaller pool is one node
+    assert (Settings().per_node(4), s.per_node(4), s.per_node(1)) == (4, 2, 1)
 
 
 def test_the_backend_follows_the_device_and_an_option_wins_over_its_variable():
@@ -46,6 +48,8 @@ def test_export_writes_only_what_options_set():
 @pytest.mark.parametrize("env,overrides,line", [
     ({"XTRAIN_TEST_THREADS": "two"}, {}, "XTRAIN_TEST_THREADS=two: must be an integer ≥ 1"),
     ({"XTRAIN_TEST_THREADS": "0"}, {}, "XTRAIN_TEST_THREADS=0: must be an integer ≥ 1"),
+    ({"XTRAIN_RANKS_PER_NODE": "0"}, {}, "XTRAIN_RANKS_PER_NODE=0: must be an integer ≥ 1"),
+    ({"XTRAIN_RANKS_PER_NODE": "two"}, {}, "XTRAIN_RANKS_PER_NODE=two: must be an integer ≥ 1"),
     ({"XTRAIN_DIST_BACKEND": "mpi"}, {}, "XTRAIN_DIST_BACKEND=mpi: must be gloo or nccl"),
     ({}, {"backend": "mpi"}, "--verify-backend mpi: must be gloo or nccl"),
     ({}, {"device": "tpu"}, "--verify-device tpu: must be cpu or cuda"),

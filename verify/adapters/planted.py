@@ -1,7 +1,7 @@
 """The one registry of planted bugs: every deliberately broken trainer of broken*.py and ddp_modes.py, the
 gate that must reject it, what its message must say, and a case where the bug exists.
 
-    PlantedBug(name, what, adapter, gate, pattern, case, args=(), slow=False)
+    PlantedBug(name, what, adapter, gate, pattern, case, args=(), slow=False, knobs=())
 
 `gate` is the Gate whose GateFailure must reject the bug (`GateFailure.gate`), "memory" for
 verify.memory's peak-memory verdict, or "launcher" for a failure torchrun must end (verify.run; driven by
@@ -46,6 +46,8 @@ class PlantedBug:
     slow: bool = False
     needs: str = ""
     """A module the adapter needs (an optional framework); without it the bug is not run."""
+    knobs: tuple = ()
+    """(Settings field, value) pairs the case runs under (verify/settings.py's KNOBS), e.g. emulated nodes."""
 
     def __post_init__(self):
         if not self.pattern:
@@ -310,6 +312,13 @@ PLANTED: tuple[PlantedBug, ...] = (
                "tests.helpers.count_adapters:logs_each_micro_loss", Gate.BYTES_PER_STEP,
                r"rank 0 \(float32 run\), step 0: the boundary moves \d+ B in 4 gradient collective\(s\) at N=3, \d+ B "
                r"in 2 at N=1", COUNTED.replace(steps=1, lengths=COUNTED.lengths[:6])),
+    # world 4 as 2 emulated nodes × 2 ranks: the inter-node reduction belongs at the boundary only
+    PlantedBug("hsdp_eager_inter_node", "HSDP: the cross-node all-reduce on every micro-step too",
+               "tests.helpers.hsdp_adapters:eager_inter", Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of 3 \(before the boundary\): count table row 'HSDP: inter-node at the boundary only' "
+               r"expects all_reduce@intra-node×1, observed all_reduce@inter-node×1, all_reduce@intra-node×1: "
+               r"\S+:all_reduce float32 .*\(inter-node\)",
+               Case(accum_steps=3, micro_batch=1, steps=1, world=4), knobs=(("ranks_per_node", 2),)),
     PlantedBug("local_clean", "ranks ≥ 1 zero their own inf before the all-reduce",
                "tests.helpers.overflow_adapters:local_clean", Gate.OVERFLOW,
                r"rank 0, window 0: parameter '0.weight' changed",

@@ -14,6 +14,12 @@ _allgather_base, allgather_into_tensor_coalesced, ... are "all_gather"). Where a
 operation with another collective (gloo has no reduce-scatter: FSDP2 all-reduces there), the adapter's
 row names what that backend does. A deviation fails with the row and the collectives observed.
 
+A family key may name a link: "all_reduce@intra-node" / "all_reduce@inter-node" (comm.LINKS; a group's link:
+comm.group_links, node = rank // LOCAL_WORLD_SIZE). Where a row qualifies a family, that family's collectives
+are counted per link, so HSDP's "reduce within the node every micro-step, across nodes only at the boundary"
+is a row: before {"all_reduce@intra-node": 1}, boundary {"all_reduce@intra-node": 1, "all_reduce@inter-node": 1}.
+A family the row names without a link counts every link together, as it always did.
+
 A trainer that declares no row (Adapter(counts=...)) is judged by the default row, built from its gradient
 size (CountRow.default): nothing before the boundary, and at the boundary gradient-like collectives of any
 kind and number that carry every gradient element once (P ≤ E ≤ parameter elements + SCALARS). Collectives
@@ -24,7 +30,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..comm import family
+from ..comm import LINKS, family, link_of
 
 __all__ = ["CountRow", "family", "families", "check_row", "check_step", "excused", "SCALARS", "DEFAULT_MODE"]
 
@@ -52,6 +58,34 @@ class CountRow:
     # skips whole (a window without a valid token: no clip, no update), e.g. clipping's norm all-reduce
     carriers: tuple | None = REDUCTIONS  # families whose floating elements are the gradient's; None: every
     # gradient-like collective (comm.Collective.kind). A sharded trainer's all-gathers are parameters, not gradients
+
+    def __post_init__(self):
+        keys = [(name, k) for name in ("before", "boundary", "first_micro", "skipped")
+                for k in (getattr(self, name) or {})]
+        for name, k in keys:
+            fam, _, link = k.partition("@")
+            if "@" in k and link not in LINKS:
+                raise ValueError(f"CountRow {self.mode!r}: {name} key {k!r} names link {link!r}; use "
+                                 f"{' or '.join(f'{fam}@{x}' for x in LINKS)}")
+        for name, k in keys:
+            if "@" not in k and k in self.qualified:
+                raise ValueError(f"CountRow {self.mode!r}: {name} key {k!r} has no link while another key names "
+                                 f"one for {k}; name the link in every {k} key ({k}@{LINKS[0]}, {k}@{LINKS[1]})")
+
+    @property
+    def qualified(self) -> frozenset:
+        """The families the row counts per link (a key of any of its windows names a link)."""
+        return frozenset(k.partition("@")[0] for d in (self.before, self.boundary or {}, self.first_micro,
+                                                       self.skipped) for k in d if "@" in k)
+
+    def key(self, c, links: dict | None) -> str:
+        """Collective `c`'s key in this row: its family, with its link where the row qualifies the family."""
+        fam = family(c.op)
+        if fam not in self.qualified:
+            return fam
+        if links is None:
+            raise ValueError(f"CountRow {self.mode!r} counts {fam} per link, and no group -> link map was given")
+        return f"{fam}@{link_of(c, links)}"
 
     @classmethod
     def default(cls, grad_elements: int, param_elements: int) -> "CountRow":
@@ -106,10 +140,12 @@ def excused(cs: list, expected, k: int, m: int, world: int) -> tuple[list, list]
 
 
 def check_row(row: CountRow, observed: list, want: dict, where: str, describe, extra: dict | None = None,
-              less: dict | None = None) -> str | None:
+              less: dict | None = None, links: dict | None = None) -> str | None:
     """None if `observed` (collectives of one window) has exactly the families of `want` (plus `extra`, minus
-    `less`), else the failure text naming the row and every collective seen."""
-    seen = families(observed)
+    `less`), else the failure text naming the row and every collective seen. `links`: process group (c10d
+    name) -> comm.INTRA / INTER, where the row counts a family per link (the text then names the link)."""
+    keyed = [(row.key(c, links), c) for c in observed]
+    seen = Counter(k for k, _ in keyed)
     need = dict(want)
     for k, v in (extra or {}).items():
         need[k] = need.get(k, 0) + v if isinstance(need.get(k, 0), int) and isinstance(v, int) else v
@@ -120,17 +156,19 @@ def check_row(row: CountRow, observed: list, want: dict, where: str, describe, e
         return None
     got = ", ".join(f"{k}×{n}" for k, n in sorted(seen.items())) or "none"
     exp = ", ".join(f"{k}×{_fmt(v)}" for k, v in sorted(need.items())) or "none"
-    off = [c for c in observed if family(c.op) in bad] + [c for c in observed if family(c.op) not in bad]
-    listed = "; ".join(describe(c) for c in off[:4]) + (f" (+{len(off) - 4} more)" if len(off) > 4 else "")
+    off = [(k, c) for k, c in keyed if k in bad] + [(k, c) for k, c in keyed if k not in bad]
+    show = lambda k, c: describe(c) + (f" ({k.partition('@')[2]})" if "@" in k else "")  # noqa: E731
+    listed = "; ".join(show(k, c) for k, c in off[:4]) + (f" (+{len(off) - 4} more)" if len(off) > 4 else "")
     return (f"{where}: count table row {row.mode!r} expects {exp}, observed {got}" + (f": {listed}" if listed else ""))
 
 
 def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expected, describe,
-               skipped: bool = False) -> tuple[list, str | None]:
+               skipped: bool = False, links: dict | None = None) -> tuple[list, str | None]:
     """One optimizer step of one rank's run against `row`: `micro` the collectives of each micro-step
     0..N-2, `boundary` those of micro-step N-1 and optimizer_step(). Returns (the (micro-step, Expected,
     Collective) the declaration excused, the first failure's text or None). `skipped`: a step without a valid
-    token, which the trainer skips whole (the row's `skipped` collectives left out)."""
+    token, which the trainer skips whole (the row's `skipped` collectives left out). `links`: the rank's process
+    groups -> link (comm.group_links), for a row that counts per link."""
     N, default, used = len(micro) + 1, row.mode == DEFAULT_MODE, []
     for m, cs in enumerate(micro):
         ok, rest = excused(cs, expected, k, m, W)
@@ -142,7 +180,7 @@ def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expec
                           f"collective the trainer needs there must be declared: Adapter(expected=...))")
         where = f"step {k}, micro-step {m} of {N} (before the boundary)"
         msg = None if default else check_row(row, rest, row.before, where, describe,
-                                             row.first_micro if (k, m) == (0, 0) else None)
+                                             row.first_micro if (k, m) == (0, 0) else None, links=links)
         if msg:
             return used, msg
     if row.boundary is not None:
@@ -151,7 +189,7 @@ def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expec
         at = f"step {k}, boundary (micro-step {N - 1} of {N}, optimizer_step()" + (
             ", a window without a valid token: no update)" if skipped else ")")
         msg = check_row(row, rest, row.boundary, at, describe, row.first_micro if (k, N) == (0, 1) else None,
-                        row.skipped if skipped else None)
+                        row.skipped if skipped else None, links)
         if msg:
             return used, msg
     return used, None if row.elements is None else _elements(row, row.carried(boundary), k, N, W, describe)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..case import Case, Trace, block_grads, drive, twin
-from ..comm import INTER, INTRA, Collective, Windows, group_links
+from ..comm import INTER, INTRA, Collective, Windows, group_links, link_of
 from ..pool import get_pool, launched
 from ..settings import Settings
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
@@ -163,11 +163,10 @@ class StepComm:
         return sum(c.nbytes for c in self.reduced)
 
     def bytes_by_link(self, links: dict) -> dict:
-        """The boundary's gradient bytes split by the link its group spans (a group of unknown nodes counts as
-        inter-node: the costlier link, never under-reported)."""
+        """The boundary's gradient bytes split by the link its group spans (comm.link_of)."""
         out = {INTRA: 0, INTER: 0}
         for c in self.reduced:
-            out[links.get(c.group, INTER)] += c.nbytes
+            out[link_of(c, links)] += c.nbytes
         return out
 
 
@@ -232,7 +231,7 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
             rule, empty = row or CountRow.default(P, run.n_params), case.empty_steps()
             for k, s in enumerate(steps):
                 used, msg = check_step(rule, s.micro, s.boundary, k, W, expected,
-                                       lambda c: c.describe(run.main_thread), skipped=k in empty)
+                                       lambda c: c.describe(run.main_thread), skipped=k in empty, links=run.links)
                 report.expected_used += [(o.rank, dt, k, m, e.why or e.op, c) for m, e, c in used]
                 if msg:
                     fail(msg)
