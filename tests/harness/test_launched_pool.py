@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -15,7 +16,9 @@ import torch.distributed as dist
 
 from tests.helpers import dist_jobs
 from verify import pool, pool_launched
+from verify.adapters import planted
 from verify.comm import INTER, INTRA
+from verify.gates.distributed import rank_job
 from verify.pool import DistJobError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,6 +36,7 @@ def _ranks(port: int) -> list[subprocess.Popen]:
 
 
 def test_sub_worlds_run_on_subgroups_and_a_trainer_ignoring_spec_group_fails_naming_it():
+    """Worlds 3 and 2 on the same three ranks; then the registry's ignores_spec_group in the sub-world of 2."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     ranks = _ranks(store.port)
@@ -48,13 +52,14 @@ def test_sub_worlds_run_on_subgroups_and_a_trainer_ignoring_spec_group_fails_nam
         assert sub.run(dist_jobs.group_sum) == [(r, 2, 2, 3.0, INTRA) for r in range(2)]
         assert sub.run(dist_jobs.group_sum) == [(r, 2, 2, 3.0, INTRA) for r in range(2)]  # the group is kept
         assert launched.worlds == {2, WORLD}
+        bug = next(b for b in planted.PLANTED if b.name == "ignores_spec_group")  # declares subgroups, drops spec.group
         t0 = time.monotonic()
         with pytest.raises(DistJobError) as e:  # the idle rank 2 never joins: c10d's timeout, then the diagnosis
-            sub.run(dist_jobs.default_group_sum)
+            sub.run(rank_job, bug.load(), bug.case)
         assert time.monotonic() - t0 < TIMEOUT + 15
         msg = str(e.value)
-        assert "of world 2 on ranks 0..1 (a subgroup) of the 3" in msg, msg
-        assert "DefaultGroupCollective" in msg and "instead of Spec.group" in msg, msg
+        assert "rank_job failed on rank(s) [0, 1] of world 2 on ranks 0..1 (a subgroup) of the 3" in msg, msg
+        assert "DefaultGroupCollective" in msg and re.search(bug.pattern, msg), msg
         assert not launched.alive and "not usable" in _raises(lambda: sub.run(dist_jobs.group_sum))
     finally:
         pool.set_launched(None)

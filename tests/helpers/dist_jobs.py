@@ -113,9 +113,3 @@ def group_sum(ctx) -> tuple:
     name = str((ctx.group or dist.group.WORLD).group_name)
     return ctx.rank, ctx.world, dist.get_world_size(ctx.group), float(t.item()), group_links()[name]
 
-
-def default_group_sum(ctx) -> float:
-    """A trainer that ignores Spec.group: it reduces over the default group, whatever world it was given."""
-    t = torch.ones(1, device=ctx.device)
-    dist.all_reduce(t)
-    return float(t.item())
