@@ -128,14 +128,17 @@ def connect(timeout: float):
 
 
 def _wait(store, key: str, deadline: float | None, alive=None) -> bool:
-    """Poll for `key` (check(), backing off to 50 ms): True when set, False past the deadline or once
-    `alive()` is false. A store that is gone (its host rank or agent died) raises, which ends the rank."""
-    pause = 0.001
+    """Poll for `key`: True when set, False past the deadline or once `alive()` is false. A store that is
+    gone (its host rank or agent died) raises, which ends the rank. Every 2 ms for the first second (a job
+    and its reply follow each other closely: coarser polls cost a shrinking run 3x its pool time), then
+    every 50 ms (the controller's one-process work can take minutes). A check() is ~10 µs; store.wait()
+    would block, but each of its time-outs, needed to watch `alive`, logs a c10d warning."""
+    start = time.monotonic()
     while not store.check([key]):
-        if (deadline is not None and time.monotonic() > deadline) or (alive is not None and not alive()):
+        now = time.monotonic()
+        if (deadline is not None and now > deadline) or (alive is not None and not alive()):
             return False
-        time.sleep(pause)
-        pause = min(0.05, pause * 2)
+        time.sleep(0.002 if now - start < 1.0 else 0.05)
     return True
 
 
