@@ -59,18 +59,19 @@ class Case:
         """Rows per optimizer step over all ranks: N·B·W (the one meaning of "effective batch")."""
         return self.accum_steps * self.micro_batch * self.world
 
-    def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None, adapter=None):
+    def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None, adapter=None,
+             group=None):
         """The Spec of one run of this case. Given the adapter, a `scheduler_per_rank` declaration makes
         schedule_world this case's world, in the W-rank run and in every one-process reference of it alike.
         The case's mesh and pipeline_chunks apply to its own run only: a run given its own accum_steps (a
-        reference, a block) is one process, Mesh() and one chunk."""
+        reference, a block) is one process, Mesh() and one chunk. `group`: the rank's RankContext.group."""
         from .protocol import Spec
 
         per_rank = adapter is not None and getattr(adapter, "scheduler_per_rank", False)
         return Spec(accum_steps=self.accum_steps if accum_steps is None else accum_steps, dtype=dtype,
                     device=device or self.device, seed=self.seed, options=self.options,
                     precision="fp32" if dtype == torch.float64 else self.precision,
-                    schedule_world=self.world if per_rank else 1,
+                    schedule_world=self.world if per_rank else 1, group=group,
                     **({} if accum_steps is not None or self.mesh is None else
                        dict(mesh=self.mesh, pipeline_chunks=self.pipeline_chunks)))
 

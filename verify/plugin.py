@@ -177,11 +177,11 @@ def settings_of(config) -> dict:
     s = Settings.from_env()
     profile = s.hypothesis_profile or config.getoption("hypothesis_profile", None) or "default"
     out = dict(hypothesis_profile=profile, device=s.device, backend=s.backend,
-               worlds=[min_world(), max_world()], threads=s.threads)
+               worlds=[min_world(config.stash[_KEY]["adapter"]), max_world()], threads=s.threads)
     from .pool import launched
 
-    if launched() is not None:  # under `python -m verify.run`: the launch itself (verify/pool_launched.py)
-        out["launch"] = launched().launch
+    if launched() is not None:  # under `python -m verify.run`: the launch itself, and the worlds run on its ranks
+        out["launch"] = {**launched().launch, "launched_worlds": sorted(launched().worlds)}
     return out
 
 

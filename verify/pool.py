@@ -300,12 +300,14 @@ def launched():
     return _LAUNCHED
 
 
-def get_pool(world: int, backend: str | None = None) -> RankPool:
+def get_pool(world: int, backend: str | None = None, *, subgroups: bool = False) -> RankPool:
     """This process's pool for (world, backend, ranks per node: XTRAIN_RANKS_PER_NODE), spawned on first use and
     replaced if it broke. Under a launcher the launched world's pool for its world (a broken one is not
-    replaced: its jobs say why)."""
-    if _LAUNCHED is not None and world == _LAUNCHED.world and (backend or _LAUNCHED.backend) == _LAUNCHED.backend:
-        return _LAUNCHED
+    replaced: its jobs say why), and for 2 ≤ world below it, when `subgroups` (the adapter declares it honours
+    Spec.group), the launched ranks 0..world-1 on a subgroup (LaunchedPool.sub); else a pool spawned here."""
+    L = _LAUNCHED
+    if L is not None and (backend or L.backend) == L.backend and (world == L.world or subgroups and 2 <= world < L.world):
+        return L if world == L.world else L.sub(world)
     key = (world, backend or default_backend(), Settings.from_env().per_node(world))
     with _LOCK:
         pool = _POOLS.get(key)

@@ -20,6 +20,10 @@ through `verify.pool.get_pool(world)` unchanged:
   every thread's stack and exits 1. A rank that dies is torchrun's to handle: its agent stops the node's
   other ranks (SIGTERM, on which verify.run prints the stacks), the store goes with it, and every rank
   polling that store exits 1 — no rank is left waiting.
+* Sub-worlds: `sub(W)` (2 ≤ W < world; get_pool(W) hands it out for adapters that declare subgroups) runs each
+  job on ranks 0..W-1 with a RankContext of world W whose `group` is the subgroup of those ranks (made on the
+  first such job by every rank, as dist.new_group requires); ranks ≥ W answer None at once. So one launch
+  covers the worlds below its own, and a collective of a sub-world crosses the nodes its ranks live on.
 """
 from __future__ import annotations
 
@@ -124,14 +128,17 @@ def connect(timeout: float):
 
 
 def _wait(store, key: str, deadline: float | None, alive=None) -> bool:
-    """Poll for `key` (check(), backing off to 50 ms): True when set, False past the deadline or once
-    `alive()` is false. A store that is gone (its host rank or agent died) raises, which ends the rank."""
-    pause = 0.001
+    """Poll for `key`: True when set, False past the deadline or once `alive()` is false. A store that is
+    gone (its host rank or agent died) raises, which ends the rank. Every 2 ms for the first second (a job
+    and its reply follow each other closely: coarser polls cost a shrinking run 3x its pool time), then
+    every 50 ms (the controller's one-process work can take minutes). A check() is ~10 µs; store.wait()
+    would block, but each of its time-outs, needed to watch `alive`, logs a c10d warning."""
+    start = time.monotonic()
     while not store.check([key]):
-        if (deadline is not None and time.monotonic() > deadline) or (alive is not None and not alive()):
+        now = time.monotonic()
+        if (deadline is not None and now > deadline) or (alive is not None and not alive()):
             return False
-        time.sleep(pause)
-        pause = min(0.05, pause * 2)
+        time.sleep(0.002 if now - start < 1.0 else 0.05)
     return True
 
 
@@ -144,6 +151,44 @@ def _execute(ctx, job, timeout: float) -> bytes:
         return pickle.dumps(("err", traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+class DefaultGroupCollective(RuntimeError):
+    """A sub-world's trainer issued a collective on the default group, which the idle ranks never join."""
+
+
+def _sub_job(ctx, W: int, fn, args, kwargs):
+    """On every launched rank: `fn` on ranks 0..W-1 as a world of W over their subgroup; None on the others."""
+    import torch.distributed as dist
+
+    groups = ctx.state.setdefault("subgroups", {})
+    if W not in groups:  # new_group is collective over the default group: every rank, in the same job order
+        groups[W] = dist.new_group(list(range(W)), group_desc=f"sub-world of {W}")  # named in the counts' messages
+    if ctx.rank >= W:
+        return None
+    sub = RankContext(ctx.rank, W, ctx.backend, ctx.device, ctx.recorder, ctx.state.setdefault(("sub", W), {}),
+                      groups[W])
+    try:
+        return fn(sub, *args, **kwargs)
+    except Exception as e:
+        whole = _on_default_group(ctx.recorder)
+        if whole:  # the idle ranks never join a collective of the whole world: it timed out (or failed) here
+            raise DefaultGroupCollective(
+                f"in a sub-world of {W} of the launched {ctx.world} ranks the trainer issued {whole} on the default "
+                f"group (all {ctx.world} ranks) instead of Spec.group: an adapter that declares subgroups=True must "
+                f"reduce over spec.group when it is given (and make no process group of its own)") from e
+        raise
+
+
+def _on_default_group(recorder) -> str:
+    """The collectives the recorder saw on the default group since its last read, described ("" if none)."""
+    import torch.distributed as dist
+
+    try:
+        name = str(dist.group.WORLD.group_name)
+        return ", ".join(sorted({c.op for c in recorder.read() if c.group == name}))
+    except Exception:  # noqa: BLE001  (an overflowed ring, a destroyed group: no diagnosis, the error stands)
+        return ""
 
 
 def serve(ctx, store, alive=None) -> bool:
@@ -185,6 +230,14 @@ class LaunchedPool:
         self.broken: str | None = None
         self._seq = 0
         self._pending = None
+        self._subs: dict = {}
+        self.worlds: set = set()  # the worlds whose jobs ran on the launched ranks (the report says which)
+
+    def sub(self, world: int) -> "SubWorld":
+        """The view of ranks 0..world-1 as a world of their own, on a subgroup (2 ≤ world < this world)."""
+        if not 2 <= world < self.world:
+            raise ValueError(f"a sub-world of the launched {self.world} ranks has 2..{self.world - 1} ranks, got {world}")
+        return self._subs.setdefault(world, SubWorld(self, world))
 
     @property
     def alive(self) -> bool:
@@ -195,23 +248,31 @@ class LaunchedPool:
         return self.result(timeout)
 
     def submit(self, fn, *args, **kwargs) -> None:
+        self._publish((fn, args, kwargs), self.world, fn)
+
+    def _publish(self, job: tuple, world: int, fn) -> None:
+        """Publish `job` (fn, args, kwargs) to every launched rank, to be judged as a job of `world` ranks (a
+        SubWorld's: fn runs inside _sub_job), named after `fn`."""
         from .pool import DistJobError
 
         if self.broken is not None:
             raise DistJobError(f"the launched world of {self.world} ranks is not usable: {self.broken}")
         if self._pending is not None:
             raise RuntimeError(f"the launched world already runs {self._pending[1]}")
-        job = (fn, args, kwargs)
         self.store.set(f"job/{self._seq}", pickle.dumps(job))
-        self._pending = (job, getattr(fn, "__qualname__", repr(fn)))
+        self._pending = (world, getattr(fn, "__qualname__", repr(fn)))
+        self.worlds.add(world)
 
     def result(self, timeout: float | None = None) -> list:
+        return self._collect(timeout or Settings.from_env().timeout)
+
+    def _collect(self, timeout: float) -> list:
+        """Every launched rank's reply to the pending job, by rank; a job of a sub-world of W keeps ranks < W's."""
         from .pool import DistJobError, DistTimeout
 
         if self._pending is None:
             raise RuntimeError("result() without a submitted job")
-        (job, what), self._pending = self._pending, None
-        timeout = timeout or Settings.from_env().timeout
+        (W, what), self._pending = self._pending, None
         seq, self._seq = self._seq, self._seq + 1
         replies, deadline = {}, time.monotonic() + timeout
         for r in range(self.world):
@@ -225,17 +286,20 @@ class LaunchedPool:
         errors = {r: v for r, (k, v) in sorted(replies.items()) if k == "err"}
         stuck = [r for r in range(self.world) if r not in replies]
         if not errors and not stuck:
-            return [replies[r][1] for r in range(self.world)]
+            return [replies[r][1] for r in range(W)]
         parts = [f"--- rank {r} raised:\n{tb.rstrip()}" for r, tb in errors.items()]
         parts += [f"--- rank {r} did not answer within {timeout:.0f} s (it prints its own stacks when its job "
                   f"passes {hang_limit(timeout):.0f} s)" for r in stuck]
-        if stuck or len(errors) < self.world:  # some ranks may be inside a collective the others left
+        # some ranks may be inside a collective the others left, or a sub-world's inside one of the whole world
+        if stuck or len(errors) < W or any(DefaultGroupCollective.__name__ in tb for tb in errors.values()):
             self.broken = f"{what} failed on rank(s) {sorted(errors) + stuck} only"
         where = f"{self.launch['nodes']} node(s) × {self.launch['ranks_per_node']} ({self.backend}, launched)"
+        if W < self.world:
+            where = f"ranks 0..{W - 1} (a subgroup) of the {self.world} on {where}"
         if errors:
-            raise DistJobError(f"{what} failed on rank(s) {sorted(errors)} of world {self.world} on {where}\n"
+            raise DistJobError(f"{what} failed on rank(s) {sorted(errors)} of world {W} on {where}\n"
                                + "\n".join(parts))
-        raise DistTimeout(f"{what} timed out after {timeout:.0f} s in the world of {self.world} on {where}; "
+        raise DistTimeout(f"{what} timed out after {timeout:.0f} s in the world of {W} on {where}; "
                           f"rank(s) {stuck} hung\n" + "\n".join(parts))
 
     def close(self, timeout: float = 10.0) -> None:
@@ -246,3 +310,33 @@ class LaunchedPool:
 
     def kill(self) -> None:
         self.broken = self.broken or "killed"
+
+
+class SubWorld:
+    """RankPool's interface over ranks 0..world-1 of a launched world (LaunchedPool.sub): its jobs go to every
+    launched rank (the idle ones answer None), through the launched world's one job sequence."""
+
+    def __init__(self, launched: LaunchedPool, world: int):
+        self.launched, self.world, self.backend = launched, world, launched.backend
+
+    @property
+    def alive(self) -> bool:
+        return self.launched.alive
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        self.submit(fn, *args, **kwargs)
+        return self.result(timeout)
+
+    def submit(self, fn, *args, **kwargs) -> None:
+        self.launched._publish((_sub_job, (self.world, fn, args, kwargs), {}), self.world, fn)
+
+    def result(self, timeout: float | None = None) -> list:
+        """Past the process group's own timeout: a collective the idle ranks never join (a trainer that ignores
+        Spec.group) raises on its ranks first, with the diagnosis of _sub_job, before the controller gives up."""
+        return self.launched._collect((timeout or Settings.from_env().timeout) + 15.0)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Nothing of its own to stop: the launched world's close() ends every rank."""
+
+    def kill(self) -> None:
+        self.launched.kill()

@@ -26,6 +26,8 @@ class RankContext:
     device: object  # torch.device
     recorder: object  # verify.comm.Recorder for this process
     state: dict  # per-worker scratch space that survives across jobs (e.g. a cached private group)
+    group: object = None  # the group a job's trainer reduces over (Spec.group): a launched world's subgroup, or
+    # None (the default group: a pool's whole world)
 
 
 # -- the worker ---------------------------------------------------------------

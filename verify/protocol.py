@@ -25,7 +25,9 @@ its model, loss or optimizer:
   nothing is drawn (the self-test, the memory probe).
 * `data_parallel`: the trainer reduces gradients over torch.distributed's default group when one
   exists; the distributed gates run it on 1..W ranks. `process_group`: it needs a group even alone
-  (DDP, Accelerate), so its single-process gates run on a one-rank group.
+  (DDP, Accelerate), so its single-process gates run on a one-rank group. `subgroups`: it reduces over
+  `spec.group` when that is not None (and makes no group of its own: new_group is collective over the
+  whole world), so a launched world (verify.run) also runs the worlds below its own, on its subgroups.
 * `expected`: collectives the trainer legitimately issues on micro-steps 0..N-2 (by op, dtype class
   and count). Anything else there fails the boundary-only gate.
 * `precisions`: the autocast precisions the trainer supports ("fp32", "bf16", "fp16"); the gates draw
@@ -69,6 +71,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
+from .expected import DDP_EXPECTED, DDP_WORLD1_EXPECTED, Expected
 from .mesh import Mesh, check_spec, mesh_axes
 
 __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter", "AdapterError"]
@@ -102,49 +105,15 @@ class Spec:
     AND in the one-process reference that run is compared with; 1 for adapters that declare nothing."""
     mesh: Mesh = Mesh()  # dp × pp × tp ranks (Adapter.mesh_axes, verify/mesh.py); Mesh() in every reference
     pipeline_chunks: int = 1  # micro-batches per pipeline schedule.step (buffered micro_steps); divides accum_steps
+    group: Any = field(default=None, compare=False, repr=False)
+    """The process group to reduce over; None: the default group. Given on the rank, only to adapters that
+    declare `subgroups`, in a launched world's sub-world; never pickled (a group lives in one process)."""
 
     def __post_init__(self):
         check_spec(self)
 
-
-@dataclass(frozen=True)
-class Expected:
-    """Collectives a trainer is expected to issue BEFORE the boundary (micro-steps 0..N-2): at most
-    `count` of op `op` carrying `dtype` data ('integer', 'floating' or 'any') in each matching window. `op`
-    matches by family (verify.comm.family: "all_reduce" matches allreduce_coalesced, _allreduce_base, ...).
-    `step` / `micro` = None match every optimizer step / micro-step."""
-
-    op: str
-    count: int = 1
-    dtype: str = "any"
-    step: int | None = None
-    micro: int | None = None
-    why: str = ""
-    world: int | None = None
-    """Only in runs of this world size (None: every world), e.g. a one-rank group's own reductions."""
-
-    def __post_init__(self):
-        if self.dtype not in ("integer", "floating", "any"):
-            raise ValueError(f"Expected.dtype must be 'integer', 'floating' or 'any', got {self.dtype!r}")
-        if not isinstance(self.count, int) or self.count < 1:
-            raise ValueError(f"Expected.count must be an integer ≥ 1, got {self.count!r}")
-
-
-# torch DDP rebuilds its buckets once, in the first forward after the first synchronised backward (micro-step
-# 0 of step 1): rank 0 broadcasts the new bucket layout as integer tensors. Seen: 2 broadcasts, gloo and NCCL.
-DDP_EXPECTED = (Expected("broadcast", count=2, dtype="integer", step=1, micro=0,
-                         why="torch DDP's one-time bucket rebuild (bucket layout broadcast from rank 0)"),)
-
-# Accelerate (and what is built on it: HF Trainer) wraps the model in DDP even in a ONE-rank group, but enters
-# no_sync() only when num_processes > 1: alone, DDP all-reduces every micro-step (one per gradient bucket: the
-# first ≤ 1 MiB, the rest ≤ 25 MiB), and its bucket rebuild follows micro-step 0's synchronised backward, at
-# micro-step 1 of step 0. Real behaviour at world 1 only: these entries excuse nothing at world ≥ 2.
-DDP_WORLD1_EXPECTED = (
-    Expected("all_reduce", count=8, dtype="floating", world=1,
-             why="DDP in a one-rank group without no_sync() (Accelerate at one process): all-reduce per bucket"),
-    Expected("broadcast", count=2, dtype="integer", step=0, micro=1, world=1,
-             why="torch DDP's bucket rebuild, after micro-step 0's synchronised backward (one-rank group)"),
-)
+    def __getstate__(self):
+        return {**self.__dict__, "group": None}
 
 
 class AdapterError(ValueError):
@@ -203,6 +172,7 @@ class Adapter:
     """(trainer, inputs, targets, rows) -> (inputs, targets): makes the micro-batch's `rows` overflow fp16
     (the injected-overflow gate). None: verify.data.overflow_rows where the inputs are floating."""
     mesh_axes: tuple[str, ...] = ()  # axes beyond plain data parallel ("dp", "pp", "tp"; verify/mesh.py)
+    subgroups: bool = False  # honours Spec.group: a launched world runs its sub-worlds on subgroups
     predicted_peak: Callable | None = None
     """verify.memory.PeakQuery -> verify.memory.Prediction | str: the predicted peak per configuration of
     `python -m verify.memory` (the adapter's memory model; xtrain's: verify/adapters/xtrain_memory.py)."""
@@ -229,8 +199,9 @@ class Adapter:
             raise AdapterError(f"predicted_peak= must be callable (verify.memory.PeakQuery -> Prediction | str), "
                                f"got {self.predicted_peak!r}")
         object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
-        if not isinstance(self.empty_windows, bool):
-            raise AdapterError(f"empty_windows must be True or False, got {self.empty_windows!r}")
+        for f in ("empty_windows", "subgroups"):
+            if not isinstance(getattr(self, f), bool):
+                raise AdapterError(f"{f} must be True or False, got {getattr(self, f)!r}")
         if self.process_group and not self.data_parallel:
             object.__setattr__(self, "data_parallel", True)
         if not self.name:
@@ -243,11 +214,12 @@ class Adapter:
         """Every declaration that changes what the gates expect, by name (the report lists them)."""
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
-                  "loss_precision", "process_group", "data_parallel", "empty_windows", "overflow", "mesh_axes"):
+                  "loss_precision", "process_group", "data_parallel", "subgroups", "empty_windows", "overflow",
+                  "mesh_axes"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
-            if f == "empty_windows" and self.ignore_index is None:
-                continue  # means nothing without padding
+            if (f == "empty_windows" and self.ignore_index is None) or (f == "subgroups" and not self.data_parallel):
+                continue  # means nothing without padding / without data parallelism
             if v != default and v is not None and v != ():
                 out[f] = (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
                           else list(v) if isinstance(v, tuple) else v)
@@ -347,7 +319,8 @@ def _qual(fn) -> str:
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
-            loss_precision: str | None = None, empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=()):
+            loss_precision: str | None = None, empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
+            subgroups: bool = False):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
     declared = dict(locals())  # every keyword above is an Adapter field of the same name

@@ -8,8 +8,8 @@ The gates inside the world a launcher started, instead of rank pools spawned on 
 Every rank joins the launched process group (gloo, or --verify-backend nccl with rank r on cuda:LOCAL_RANK)
 and serves jobs. Rank 0 also starts the controller, a child outside the process group, which runs pytest
 on verify's gate tests (no xdist; the plugin, the report, the verdicts as ever): the data-parallel gates
-draw the launched world and run their jobs on every launched rank through the store torchrun provides
-(verify/pool_launched.py); the float64 single-process reference and the one-process gates run on rank 0's
+draw the launched world, and the worlds below it on subgroups for adapters that declare subgroups, and run
+their jobs on the launched ranks through the store torchrun provides (verify/pool_launched.py); the float64 single-process reference and the one-process gates run on rank 0's
 node, as in any pytest run. The controller writes the one report, the launch described in it (nodes,
 ranks per node, backend, rendezvous), and its exit status is rank 0's.
 

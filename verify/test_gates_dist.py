@@ -35,7 +35,7 @@ def test_data_parallel_boundary_only_and_equivalent(verify_adapter):
     @settings(max_examples=gate_budget("data_parallel"), deadline=None)
     @given(data=st.data())
     def gates(data):
-        case = data.draw(dist_cases(verify_adapter, min_world=min_world(), max_world=max_world()), label="case")
+        case = data.draw(dist_cases(verify_adapter, min_world=min_world(verify_adapter), max_world=max_world()), label="case")
         event(f"world {case.world}")
         report.record(check_distributed(verify_adapter, case))
 
@@ -52,7 +52,7 @@ def test_bytes_per_step_independent_of_N(verify_adapter):
     @settings(max_examples=gate_budget("bytes_per_step"), deadline=None)
     @given(data=st.data())
     def same_bytes(data):
-        case = data.draw(dist_cases(verify_adapter, min_world=max(2, min_world()), max_world=max_world(),
+        case = data.draw(dist_cases(verify_adapter, min_world=max(2, min_world(verify_adapter)), max_world=max_world(),
                                     min_accum=2), label="case")
         report.record(check_same_bytes(verify_adapter, case))
 
@@ -73,7 +73,7 @@ def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapte
     @settings(max_examples=gate_budget("overflow"), deadline=None)
     @given(data=st.data())
     def overflow(data):
-        case = data.draw(dist_cases(verify_adapter, min_world=min(min_world(), top), max_world=top, max_accum=4,
+        case = data.draw(dist_cases(verify_adapter, min_world=min(min_world(verify_adapter), top), max_world=top, max_accum=4,
                                     min_steps=2, max_steps=2), label="case").replace(precision="fp16")
         assume(0 not in case.empty_steps())  # an empty window has nothing to overflow
         micro = data.draw(st.integers(0, case.accum_steps - 1), label="overflowing micro-step")

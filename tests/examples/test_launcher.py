@@ -2,7 +2,9 @@
 rendezvous on localhost, 2 ranks each, gloo) run `python -m verify.run`, and the suite checks that
 
 * the gates pass with ONE report (rank 0's), the launch described in it, and give the same verdicts and
-  counts as the pool-based gates on the same seed;
+  counts as the pool-based gates on the same seed; worlds 1..4 are drawn, as in the pool-based run: the
+  sub-worlds 2 and 3 on subgroups of the launched ranks (xtrain's adapter declares subgroups), world 1 and
+  the references in one-rank pools on rank 0's node;
 * a planted bug fails with the same message as under the pool-based plugin;
 * a rank killed mid-step (the registry's `dies_mid_step`) ends every agent within the timeout: exit ≠ 0,
   stacks printed, no process of the run left (every process it started carries a marker in its environment).
@@ -78,8 +80,8 @@ def launch(trainer: str, report: pathlib.Path, limit: float = 420) -> tuple[list
 
 
 def pooled(trainer: str, report: pathlib.Path) -> subprocess.CompletedProcess:
-    """The same gate test under the pool-based plugin, at the launched world (4) on the same seed."""
-    env = {**_env("pooled"), "XTRAIN_DIST_MIN_WORLD": "4", "XTRAIN_DIST_MAX_WORLD": "4"}
+    """The same gate test under the pool-based plugin, worlds 1..4 (the launched run's) on the same seed."""
+    env = {**_env("pooled"), "XTRAIN_DIST_MIN_WORLD": "1", "XTRAIN_DIST_MAX_WORLD": "4"}
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--pyargs",
                            GATE, "--verify-trainer", trainer, "--verify-report", str(report), "--hypothesis-seed=1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
@@ -89,12 +91,16 @@ def _report(folder: pathlib.Path) -> dict:
     return json.loads((folder / "verify-report.json").read_text())
 
 
+def _no_pg(message: str) -> str:
+    return re.sub(r"process group \S+ '[^']*'", "process group", message)
+
+
 def _verdicts(doc: dict) -> dict:
     """What must agree between the launched and the pooled run: per gate the examples, worlds and counts
     (every field but timing), and the failures' messages."""
     gates = {name: {k: v for k, v in g.items() if "time" not in k and "second" not in k and k not in LINKS}
              for name, g in doc["gates"].items()}
-    return dict(gates=gates, failures=[f["message"] for f in doc.get("failures", [])])
+    return dict(gates=gates, failures=[_no_pg(f["message"]) for f in doc.get("failures", [])])
 
 
 @pytest.mark.slow  # two torchrun agents of 4 ranks: ~35-60 s on a 2-core box
@@ -103,21 +109,25 @@ def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
     assert codes == [0, 0], outs
     assert sorted(p.name for p in (tmp_path / "launched").iterdir()) == ["verify-report.json", "verify-report.md"]
     doc = _report(tmp_path / "launched")
-    assert doc["settings"]["launch"] == dict(
-        launcher="torchrun", nodes=2, ranks_per_node=2, world=4, backend="gloo", rendezvous="c10d",
-        endpoint=doc["settings"]["launch"]["endpoint"]), doc["settings"]
-    assert doc["settings"]["worlds"] == [4, 4]
+    how = doc["settings"]["launch"]
+    assert how == dict(launcher="torchrun", nodes=2, ranks_per_node=2, world=4, backend="gloo", rendezvous="c10d",
+                       endpoint=how["endpoint"], launched_worlds=how["launched_worlds"]), doc["settings"]
+    assert doc["settings"]["worlds"] == [1, 4]
+    drawn = sorted({w for g in doc["gates"].values() for w in g.get("worlds", [])})
+    assert how["launched_worlds"] == [w for w in drawn if w > 1], (how, drawn)  # world 1: a one-rank pool
+    assert min(how["launched_worlds"]) < 4, how  # seed 1 draws a sub-world: it ran on the launched ranks
     ref = pooled("verify.adapters.xtrain:adapter", tmp_path / "pooled")
     assert ref.returncode == 0, ref.stdout + ref.stderr
     pool_doc = _report(tmp_path / "pooled")
     assert _verdicts(doc) == _verdicts(pool_doc)
-    # counts split by link: the launched world's group spans both nodes, a pool's ranks are one host's
+    # counts split by link: a group of ranks 0..W-1 spans both nodes from W = 3 on (world 2 is node 0's ranks);
+    # a pool's ranks are one host's. Each example's bytes go to one link, so the largest is the pool's largest.
     for name, g in doc["gates"].items():
-        if name.startswith("boundary-only"):
+        if name.startswith("boundary-only") and max(g["worlds"]) > 1:
             intra, inter = (g[k] for k in LINKS)
-            assert intra == [0, 0] and inter[0] > 0, g
             p = pool_doc["gates"][name]
-            assert p["boundary_bytes_inter_node"] == [0, 0] and p["boundary_bytes_intra_node"] == inter, (g, p)
+            assert inter[1] > 0 and (intra[1] > 0) == (2 in g["worlds"]), g
+            assert p["boundary_bytes_inter_node"] == [0, 0] and p["boundary_bytes_intra_node"][1] == max(intra[1], inter[1]), (g, p)
     assert not _marked(mark)
     print(f"launched run: {seconds:.1f} s")
 
@@ -132,7 +142,8 @@ def test_a_planted_bug_fails_with_the_pools_message(tmp_path):
     assert got and re.search(bug.pattern, got[0]["message"]), got
     ref = pooled(ref_, tmp_path / "pooled")
     assert ref.returncode == 1, ref.stdout + ref.stderr
-    assert [f["message"] for f in got] == [f["message"] for f in _report(tmp_path / "pooled")["failures"]]
+    # the same message, but for the process group it names: a sub-world's subgroup launched, a pool's default group
+    assert [_no_pg(f["message"]) for f in got] == [_no_pg(f["message"]) for f in _report(tmp_path / "pooled")["failures"]]
     assert not _marked(mark)
 
 

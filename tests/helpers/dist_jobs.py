@@ -102,3 +102,14 @@ def exit_on_rank(ctx, bad: int, code: int) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(code)
     return ctx.rank
+
+
+def group_sum(ctx) -> tuple:
+    """(rank, world, size of ctx.group, Σ rank+1 over ctx.group, that group's link): a sub-world's view."""
+    from verify.comm import group_links
+
+    t = torch.tensor([ctx.rank + 1.0], device=ctx.device)
+    dist.all_reduce(t, group=ctx.group)
+    name = str((ctx.group or dist.group.WORLD).group_name)
+    return ctx.rank, ctx.world, dist.get_world_size(ctx.group), float(t.item()), group_links()[name]
+

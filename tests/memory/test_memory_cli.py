@@ -210,6 +210,9 @@ def test_world_2_cpu_reports_per_rank_peaks(tmp_path):
         # xtrain's adapter picks its data-parallel trainer when a group of world > 1 exists
         assert all(x["trainer_class"] == "DistAccumTrainer" for x in c["ranks"])
         assert c["peak_bytes"] == max(x["peak_bytes"] for x in c["ranks"])
+        # xtrain's flat-buffer memory model (the "xtrain" mode of benchmarks.memory_modes), per rank
+        assert all(0.85 < x["pred_ratio"] < 1.15 for x in c["ranks"]), c["ranks"]
+    assert rep["verdict"] == "PASS" and [v["status"] for v in rep["invariants"]] == ["PASS"] * 4, rep["invariants"]
     assert " / " in r.stdout  # per-rank cells in the table
 
 

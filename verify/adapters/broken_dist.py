@@ -148,6 +148,15 @@ class DiesMidStep(Planted, DistAccumTrainer):
                 os._exit(17)
 
 
+class IgnoresSpecGroup(DistAccumTrainer):
+    """Declares subgroups (its base does) but drops spec.group: it reduces over the default group whatever the
+    harness gives it. Only a launched sub-world shows it (verify.run): the ranks ≥ W never join that collective;
+    the harness names the cause once c10d's timeout fires (tests/harness/test_launched_pool.py)."""
+
+    def __init__(self, *a, group=None, **k):
+        super().__init__(*a, **k)
+
+
 def _adapter(cls, base=xtrain.data_parallel):
     return xtrain.variant(cls, base)
 
@@ -156,13 +165,15 @@ def _adapter(cls, base=xtrain.data_parallel):
 all_reduce_every_micro = _adapter(AllReduceEveryMicro)
 all_reduce_in_helper_thread = _adapter(AllReduceInHelperThread)
 all_reduce_on_backend_object = _adapter(AllReduceOnBackendObject)
-all_reduce_on_private_group = _adapter(AllReduceOnPrivateGroup)
+# it makes a group of its own, and new_group is collective over the whole world: no launched sub-worlds for it
+all_reduce_on_private_group = _adapter(AllReduceOnPrivateGroup, xtrain.data_parallel.replace(subgroups=False))
 no_all_reduce = _adapter(NoAllReduce)
 divide_by_world_twice = _adapter(DivideByWorldTwice)
 reduce_some_params = _adapter(ReduceSomeParams)
 broadcast_params_every_micro = _adapter(BroadcastParamsEveryMicro)
 int_view_checksum_every_micro = _adapter(IntViewChecksumEveryMicro)
 dies_mid_step = _adapter(DiesMidStep)
+ignores_spec_group = _adapter(IgnoresSpecGroup)
 ddp_sync_flag_after_forward = _adapter(DDPSyncFlagAfterForward, xtrain.torch_ddp)
 ddp_no_sync_around_backward_only = _adapter(DDPNoSyncAroundBackwardOnly, xtrain.torch_ddp)
 

@@ -31,7 +31,7 @@ class SkipDecidedOnOneRank(DistAccumTrainer):
 
     def _finish_boundary(self):
         super()._finish_boundary()
-        if self.group is None and torch.distributed.get_rank() != 0:
+        if torch.distributed.get_rank(self.group) != 0:  # rank 0 of its group (a launched sub-world's too)
             torch.nan_to_num_(self.flat, nan=0.0, posinf=0.0, neginf=0.0)
 
 

@@ -4,8 +4,8 @@ gate that must reject it, what its message must say, and a case where the bug ex
     PlantedBug(name, what, adapter, gate, pattern, case, args=(), slow=False, knobs=())
 
 `gate` is the Gate whose GateFailure must reject the bug (`GateFailure.gate`), "memory" for
-verify.memory's peak-memory verdict, or "launcher" for a failure torchrun must end (verify.run; driven by
-tests/examples/test_launcher.py). tests/harness/test_planted.py drives every entry through its gate (the one
+verify.memory's peak-memory verdict, or "launcher" for a failure only a launched world shows (verify.run; driven by
+tests/examples/test_launcher.py, and test_launched_pool.py for a sub-world's). tests/harness/test_planted.py drives every entry through its gate (the one
 parametrized test), and checks docs/design.md's table of planted bugs against this registry; the
 drawn-case tests of each gate (tests/harness/test_gates_*.py, test_tokens.py, ...) take their bugs from
 here too (`of_gate`). A planted bug is one hook on xtrain's trainer (template.py).
@@ -171,6 +171,10 @@ PLANTED: tuple[PlantedBug, ...] = (
     # a rank that dies mid-step under `python -m verify.run`: torchrun's failure message names its exit code
     PlantedBug("dies_mid_step", "rank 1 ends its process at its second micro-step (os._exit(17))",
                broken_dist.dies_mid_step, "launcher", r"exitcode\s*:\s*17", DIST),
+    # declares subgroups, reduces over the default group: in a launched sub-world (tests/harness/test_launched_pool.py)
+    PlantedBug("ignores_spec_group", "declares subgroups=True, reduces over the default group",
+               broken_dist.ignores_spec_group, "launcher",
+               r"issued [\w, ]*all_?reduce[\w, ]* on the default group \(all \d+ ranks\) instead of Spec\.group", DIST),
     # -- torch DDP's options (ddp_modes.py): the message names the count table row -------------------------
     PlantedBug("find_unused_sync_around_backward_only", "find_unused DDP, no_sync() around the backward only",
                ddp_modes.find_unused_sync_around_backward_only,

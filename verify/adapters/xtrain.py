@@ -78,8 +78,8 @@ def numerics(spec: Spec) -> dict:
     return dict(loss_norm=options_of(spec).loss_norm, precision=spec.precision, init_scale=INIT_SCALE)
 
 
-def _grouped() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _grouped(spec: Spec) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(spec.group) > 1
 
 
 # -- factories -------------------------------------------------------------------------------------------
@@ -93,18 +93,20 @@ def single_factory(spec: Spec):
 def dist_factory(spec: Spec):
     from xtrain_core.distributed import DistAccumTrainer
 
-    return DistAccumTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps, **numerics(spec))
+    return DistAccumTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps, group=spec.group,
+                            **numerics(spec))
 
 
 def factory(spec: Spec):
-    """AccumTrainer alone; DistAccumTrainer in a process group of world > 1."""
-    return dist_factory(spec) if _grouped() else single_factory(spec)
+    """AccumTrainer alone; DistAccumTrainer in a process group of world > 1 (spec.group's, or the default's)."""
+    return dist_factory(spec) if _grouped(spec) else single_factory(spec)
 
 
 def torch_ddp_factory(spec: Spec):
     from xtrain_core.distributed import TorchDDPTrainer
 
-    return TorchDDPTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps, **numerics(spec))
+    return TorchDDPTrainer(model_for(spec), options_of(spec).optim, spec.accum_steps, group=spec.group,
+                           **numerics(spec))
 
 
 def fsdp2_factory(spec: Spec, reshard_after_forward: bool = True):
@@ -215,10 +217,12 @@ class PlainTrainer:
 def variant(cls, base: Adapter) -> Adapter:
     """`base` with its trainer replaced by `cls(model, optim, accum_steps, **numerics)` (xtrain's trainer
     signature): how the planted bugs of broken*.py become adapters. The factory claims `cls`'s module,
-    where the adapter must be a module-level name (pools import it from there)."""
+    where the adapter must be a module-level name (pools import it from there). A base that declares subgroups
+    hands spec.group on (only data-parallel runs in a launched sub-world get one: xtrain's group= there)."""
 
     def make(spec: Spec):
-        return cls(model_for(spec), options_of(spec).optim, spec.accum_steps, **numerics(spec))
+        group = {} if spec.group is None else dict(group=spec.group)
+        return cls(model_for(spec), options_of(spec).optim, spec.accum_steps, **group, **numerics(spec))
 
     make.__module__, make.__name__ = cls.__module__, f"make_{cls.__name__}"
     make.__qualname__ = make.__name__
@@ -228,14 +232,16 @@ def variant(cls, base: Adapter) -> Adapter:
 _COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions(), precisions=("fp32", "bf16", "fp16"),
                overflow=overflow_grad)
 
+# subgroups: DistAccumTrainer and TorchDDPTrainer take group=; FSDP2Trainer shards over the default group only
 adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", predicted_peak=peak(None),
-                  **_COMMON)
-tokens_adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, ignore_index=IGNORE,
+                  subgroups=True, **_COMMON)
+tokens_adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, ignore_index=IGNORE, subgroups=True,
                          name="xtrain, loss_norm=tokens", predicted_peak=peak(None),
                          **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
-torch_ddp = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED,
+torch_ddp = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED, subgroups=True,
                     name="xtrain model under torch DDP no_sync()", predicted_peak=peak("torch_ddp"), **_COMMON)
 torch_ddp_tokens = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED, ignore_index=IGNORE,
+                           subgroups=True,
                            name="xtrain model under torch DDP no_sync(), loss_norm=tokens", predicted_peak=peak("torch_ddp"),
                            **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
 fsdp2 = Adapter(factory=fsdp2_factory, process_group=True, counts=fsdp2_row, name="xtrain model under FSDP2",
@@ -250,7 +256,7 @@ fsdp2_tokens = Adapter(factory=fsdp2_factory, process_group=True, counts=fsdp2_r
                           "precisions": ("fp32", "bf16")})
 single = Adapter(factory=single_factory, plain=PlainTrainer, name="xtrain AccumTrainer", predicted_peak=peak("single"),
                  **_COMMON)
-data_parallel = Adapter(factory=dist_factory, data_parallel=True, name="xtrain DistAccumTrainer",
+data_parallel = Adapter(factory=dist_factory, data_parallel=True, subgroups=True, name="xtrain DistAccumTrainer",
                         predicted_peak=peak("xtrain"), **_COMMON)
 
 

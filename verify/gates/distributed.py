@@ -48,11 +48,15 @@ def max_world() -> int:
     return world or Settings.from_env().world_cap()
 
 
-def min_world() -> int:
+def min_world(adapter=None) -> int:
     """The smallest world the suite draws: XTRAIN_DIST_MIN_WORLD (default 1), e.g. 8 to run only world 8. Under
-    a launcher the launched world too: its sub-worlds would be pools spawned on rank 0's node, not launched."""
+    a launcher the launched world too, unless `adapter` declares subgroups (it reduces over Spec.group): then
+    the worlds below run on subgroups of the launched ranks (LaunchedPool.sub), world 1 in a one-rank pool on
+    rank 0's node as the references do. Without the declaration they would be pools spawned there, not launched."""
     world = getattr(launched(), "world", None)
-    return world or min(Settings.from_env().min_world, max_world())
+    if world and not getattr(adapter, "subgroups", False):
+        return world
+    return min(Settings.from_env().min_world, max_world())
 
 
 # -- what runs on the ranks ----------------------------------------------------------------------------
@@ -83,7 +87,7 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENC
         ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)
         win = Windows()
         win.mark(("init",))
-        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter))
+        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter, group=ctx.group))
         trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=rank,
                       world=world, windows=win, gate=gate)
         del trainer
@@ -113,7 +117,7 @@ def kappa_job(ctx, adapter, case: Case, ref_grads: dict) -> dict:
 
 def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None, gate=Gate.DP_EQUIVALENCE) -> list[RankOutcome]:
     """The world-W (or mesh.size) run and the one-rank reference, side by side on two pools."""
-    pool = pool or get_pool(case.ranks)
+    pool = pool or get_pool(case.ranks, subgroups=adapter.subgroups)
     if pool.world != case.ranks:
         raise ValueError(f"case needs world {case.ranks}, pool has {pool.world}")
     if case.ranks == 1:

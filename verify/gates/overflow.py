@@ -83,7 +83,7 @@ def overflow_job(ctx, adapter, case: Case, micro: int, rank: int, reference: boo
         N, at, world, me = 1, (0, slice(row, row + B)), 1, 0
     else:
         N, at, world, me = case.accum_steps, ((micro, slice(None)) if ctx.rank == rank else None), W, ctx.rank
-    trainer = adapter(case.spec(accum_steps=N, device=str(ctx.device), adapter=adapter))
+    trainer = adapter(case.spec(accum_steps=N, device=str(ctx.device), adapter=adapter, group=ctx.group))
     return _run(trainer, batches, N, me, world, ctx.device, hook, at)
 
 
@@ -108,11 +108,11 @@ def check_overflow(adapter, case: Case, micro: int, rank: int, *, pool=None, ref
     if 0 in case.empty_steps():  # no valid target: nothing is backwarded, an armed hook would fire in window 1
         raise ValueError(f"the overflow gate needs a window 0 with a valid target; got {case}")
     if case.world == 1 and not adapter.process_group and pool is None:  # one process: here, on case.device
-        here = SimpleNamespace(rank=0, world=1, device=torch.device(case.device))
+        here = SimpleNamespace(rank=0, world=1, device=torch.device(case.device), group=None)
         ref = overflow_job(here, adapter, case, micro, rank, True)
         runs = [overflow_job(here, adapter, case, micro, rank)]
     else:
-        pool = pool or get_pool(case.world)
+        pool = pool or get_pool(case.world, subgroups=adapter.subgroups)
         ref_pool = pool if case.world == 1 else (ref_pool or get_pool(1))
         ref = ref_pool.run(overflow_job, adapter, case, micro, rank, True)[0]
         runs = pool.run(overflow_job, adapter, case, micro, rank)
