@@ -51,13 +51,18 @@ def launched_env(environ=None) -> dict | None:
     return {k: environ[k] for k in LAUNCH_VARS if k in environ}
 
 
-def _agent_option(name: str) -> str | None:
-    """An option of the torchrun agent that started this rank (its parent), read from /proc (Linux)."""
+def _agent_argv() -> list[str]:
+    """The command line of the torchrun agent that started this rank (its parent), read from /proc (Linux)."""
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")]
     except OSError:
-        return None
+        return []
+
+
+def _agent_option(name: str) -> str | None:
+    """An option of the torchrun agent that started this rank, or None."""
+    argv = _agent_argv()
     for i, a in enumerate(argv):
         for spelling in (f"--{name}", f"--{name.replace('-', '_')}"):
             if a == spelling and i + 1 < len(argv):
@@ -71,7 +76,10 @@ def describe(env: dict, backend: str) -> dict:
     """The launch as the report shows it: nodes, ranks per node, backend, rendezvous kind."""
     world, per_node = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
     nodes = int(env.get("GROUP_WORLD_SIZE") or -(-world // per_node))
-    rdzv = _agent_option("rdzv-backend") or ("static" if "TORCHELASTIC_RUN_ID" in env else "unknown")
+    # --standalone is c10d on a local endpoint torchrun picks (it sets no --rdzv-backend on the command line)
+    standalone = "--standalone" in _agent_argv()
+    rdzv = _agent_option("rdzv-backend") or ("c10d" if standalone else "static" if "TORCHELASTIC_RUN_ID" in env
+                                              else "unknown")
     out = dict(launcher="srun torchrun" if os.environ.get("SLURM_JOB_ID") else "torchrun", nodes=nodes,
                ranks_per_node=per_node, world=world, backend=backend, rendezvous=rdzv,
                endpoint=_agent_option("rdzv-endpoint") or f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}")

@@ -40,10 +40,17 @@ def _option(argv: list[str], name: str) -> str | None:
     return None
 
 
+def _factory(arg: str) -> bool:
+    """MODULE:FACTORY (an option's value, e.g. --verify-trainer verify.adapters.xtrain:adapter), not a test id
+    (which separates with '::')."""
+    return ":" in arg and "::" not in arg
+
+
 def pytest_args(argv: list[str]) -> list[str]:
     """verify's gate tests in this process: `--pyargs verify` unless the arguments name tests of verify
     themselves (e.g. verify.test_gates_dist::test_...); never xdist (the launched world is the parallelism)."""
-    named = any(a.split("::")[0].split(".")[0] == "verify" for a in argv if not a.startswith("-"))
+    named = any(a.split("::")[0].split(".")[0].split("/")[0] == "verify" and not _factory(a)
+                for a in argv if not a.startswith("-"))
     return ["-p", "no:xdist", "--pyargs"] + ([] if named else ["verify"]) + argv
 
 
