@@ -199,23 +199,24 @@ def _on_default_group(recorder) -> str:
         return ""
 
 
-def serve(ctx, store, alive=None) -> bool:
-    """Every rank: run each job the controller publishes, in order, until told to stop (True), or, on rank 0,
-    until its controller child is gone without saying so (`alive`; False). Waiting for the next job has no
-    deadline: the controller may spend minutes on gates of one process; a store that goes away (its agent or
-    host died) raises and ends the rank."""
+def serve(ctx, store, alive=None) -> int | None:
+    """Every rank: run each job the controller publishes, in order, until told to stop (returns the run's exit
+    status, which close() published), or, on rank 0, until its controller child is gone without saying so
+    (`alive`; None). Waiting for the next job has no deadline: the controller may spend minutes on gates of one
+    process; a store that goes away (its agent or host died) raises and ends the rank."""
     timeout = Settings.from_env().timeout
     seq = 0
     while True:
         if not _wait(store, f"job/{seq}", None, alive):
-            return False
+            return None
         job = pickle.loads(store.get(f"job/{seq}"))
         if job is None:
             break
         store.set(f"res/{seq}/{ctx.rank}", _execute(ctx, job, timeout))
         seq += 1
+    status = int(store.get("status")) if store.check(["status"]) else 0
     _shutdown()
-    return True
+    return status
 
 
 def _shutdown() -> None:
@@ -310,9 +311,13 @@ class LaunchedPool:
         raise DistTimeout(f"{what} timed out after {timeout:.0f} s in the world of {W} on {where}; "
                           f"rank(s) {stuck} hung\n" + "\n".join(parts))
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Tell every rank to stop; each barriers and destroys its group, as pool ranks do."""
+    def close(self, timeout: float = 10.0, status: int = 0) -> None:
+        """Tell every rank to stop, and to exit with `status` (the run's): each barriers and destroys its group,
+        as pool ranks do. Every rank exits as rank 0 does because torchrun's agents otherwise wait: an agent
+        whose ranks succeeded waits up to 300 s at its exit barrier for one whose ranks failed, which never
+        comes (seen: a failed gate's two-agent run took 330 s instead of 23 s when the other agent held the store)."""
         if self.broken is None:
+            self.store.set("status", str(status))
             self.store.set(f"job/{self._seq}", pickle.dumps(None))
             self.broken = "closed"
 

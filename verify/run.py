@@ -15,7 +15,8 @@ ranks per node, backend, rendezvous), and its exit status is rank 0's.
 
 A rank that dies or hangs: torchrun's agent stops the others (SIGTERM: each prints its stacks first), and
 the run exits non-zero. Alone, with no launcher, it runs the gates at world 1 and says how to launch more.
-Exit status: pytest's on rank 0 (0 all gates passed, 1 a gate failed, 4 a usage error); 0 on the others.
+Exit status: pytest's on every rank (0 all gates passed, 1 a gate failed, 4 a usage error): the controller
+publishes it as it stops the ranks (torchrun's agents each wait for the others only when their ranks succeeded).
 """
 from __future__ import annotations
 
@@ -80,11 +81,13 @@ def controller(argv: list[str], launch: dict) -> int:
     pool.set_launched(world)
     import pytest
 
+    status = 1  # pytest raised: a failed run
     try:
-        return int(pytest.main(pytest_args(argv)))
+        status = int(pytest.main(pytest_args(argv)))
+        return status
     finally:
         pool.close_all()  # the one-rank pools of the references
-        world.close()
+        world.close(status=status)  # every launched rank exits with it
         pool.set_launched(None)
 
 
@@ -120,14 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     comm.enable(nccl=backend == "nccl")  # before torch.distributed creates the group
     ctx, store = pool_launched.start(backend)
     if ctx.rank != 0:
-        pool_launched.serve(ctx, store)
-        return 0
+        return pool_launched.serve(ctx, store) or 0
     # The controller: a fresh process with no process group (the gates of one process build their trainers in
     # it, and a trainer that sees an initialized world of W would join it) and no launched rank's variables.
     child_env = {k: v for k, v in os.environ.items() if k not in pool_launched.LAUNCH_VARS[:6]}
     child_env[CONTROLLER] = json.dumps(pool_launched.describe(env, backend))
     child = subprocess.Popen([sys.executable, "-m", "verify.run", *argv], env=child_env)
-    if not pool_launched.serve(ctx, store, alive=lambda: child.poll() is None):
+    if pool_launched.serve(ctx, store, alive=lambda: child.poll() is None) is None:
         print(f"verify.run: the controller ended ({child.returncode}) without stopping the ranks", file=sys.stderr)
         return child.returncode or 1
     return child.wait()
