@@ -19,7 +19,8 @@ Under torchrun (`torchrun --nnodes M --nproc-per-node G ... -m verify.gpu_gate -
 above the box's GPUs: rank 0 runs the steps above on its node while the other ranks wait on torchrun's store,
 touching no GPU; then every rank starts `python -m verify.run` (verify/run.py) in the launched world:
 
-  launched  the data-parallel gates at the launched world (M·G ranks, rank r on cuda:LOCAL_RANK), --backend
+  launched  the data-parallel gates at the launched world (M·G ranks, rank r on cuda:LOCAL_RANK; the worlds below
+            it on its subgroups for adapters that declare subgroups, xtrain's included), --backend
             nccl (default), or gloo for a dry run of the launch itself on CPU ranks
 
 and gpu-gate.json records the launch (nodes, ranks per node, backend, rendezvous). Rank 0's exit status is

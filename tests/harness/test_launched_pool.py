@@ -74,3 +74,13 @@ def _raises(fn) -> str:
     except DistJobError as e:
         return str(e)
     return ""
+
+
+def test_spec_group_is_never_pickled_nor_compared_and_subgroups_is_validated():
+    from verify.protocol import Adapter, AdapterError, Spec
+    import pickle
+
+    spec = Spec(accum_steps=2, group=object())  # a process group lives in one process
+    assert pickle.loads(pickle.dumps(spec)).group is None and spec == Spec(accum_steps=2)
+    with pytest.raises(AdapterError, match="subgroups must be True or False"):
+        Adapter(factory=lambda s: None, data=lambda r, s: None, subgroups="yes")
