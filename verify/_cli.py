@@ -9,7 +9,7 @@ import sys
 import time
 
 __all__ = ["UsageError", "Parser", "PROG", "fail", "int_at_least", "positive_int", "nonneg_int", "Progress",
-           "writable_dir", "resolve_device"]
+           "writable_dir", "resolve_device", "plugin_args"]
 
 
 class UsageError(Exception):
@@ -109,3 +109,16 @@ def resolve_device(name: str):
             raise UsageError(f"--device {name}: only {n} GPU(s) visible (cuda:0..cuda:{n - 1}); pass one of those")
         return dev
     raise UsageError(f"--device must be cpu, cuda or cuda:K, got {name!r}")
+
+
+PLUGIN = "_xtrain_pytest.entry"  # the pytest11 entry point's module (pyproject.toml)
+
+
+def plugin_args(argv=()) -> list[str]:
+    """`-p _xtrain_pytest.entry` for a pytest run of the gates when the pytest11 entry point is not registered (a
+    bare tree on PYTHONPATH, e.g. a checkout copied to a GPU box without `pip install`) and `argv` does not load it
+    already; an installed xtrain loads it by itself, and loading it twice would be an error."""
+    from importlib.metadata import entry_points
+
+    registered = any(ep.value == PLUGIN for ep in entry_points(group="pytest11"))
+    return [] if registered or PLUGIN in argv else ["-p", PLUGIN]

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from ._cli import Parser, UsageError, fail, positive_int, writable_dir
+from ._cli import Parser, UsageError, fail, plugin_args, positive_int, writable_dir
 
 from .settings import Settings, SettingError, env_of
 
@@ -61,21 +61,11 @@ def _checkout() -> str | None:
     return root if os.path.isdir(os.path.join(root, "tests")) and os.path.isfile(os.path.join(root, "pyproject.toml")) else None
 
 
-def _plugin_args() -> list[str]:
-    """`-p _xtrain_pytest.entry` when the pytest11 entry point is not registered (a bare tree on PYTHONPATH,
-    e.g. a checkout copied to a GPU box without `pip install`); an installed xtrain loads it by itself, and
-    loading it twice would be an error."""
-    from importlib.metadata import entry_points
-
-    registered = any(ep.value == "_xtrain_pytest.entry" for ep in entry_points(group="pytest11"))
-    return [] if registered else ["-p", "_xtrain_pytest.entry"]
-
-
 def plan(gpus: int, out: str, args, root: str | None, launch: dict | None = None) -> list[tuple[str, list[str], dict]]:
     """The steps, in order: (name, command, environment). `launch` (pool_launched.describe's dict, under torchrun)
     adds the launched step last: the command every rank runs, verify.run in the launched world."""
     py = sys.executable
-    pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", *_plugin_args(), "-q", "-rs"]
+    pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", *plugin_args(), "-q", "-rs"]
     trainer = getattr(args, "trainer", None)
     root = None if trainer else root  # a user's trainer: the installed plan, from the user's directory
     pytest += ["--verify-trainer", trainer] if trainer else []

@@ -52,7 +52,9 @@ def pytest_args(argv: list[str]) -> list[str]:
     themselves (e.g. verify.test_gates_dist::test_...); never xdist (the launched world is the parallelism)."""
     named = any(a.split("::")[0].split(".")[0].split("/")[0] == "verify" and not _factory(a)
                 for a in argv if not a.startswith("-"))
-    return ["-p", "no:xdist", "--pyargs"] + ([] if named else ["verify"]) + argv
+    from ._cli import plugin_args
+
+    return ["-p", "no:xdist", *plugin_args(argv), "--pyargs"] + ([] if named else ["verify"]) + argv
 
 
 CONTROLLER = "XTRAIN_RUN_CONTROLLER"  # set in the controller's environment: the launch, as JSON

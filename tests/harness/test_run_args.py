@@ -16,8 +16,9 @@ from verify.run import pytest_args
 ])
 def test_the_gates_are_collected_unless_tests_of_verify_are_named(argv, collects_verify):
     args = pytest_args(argv)
-    assert args[:3] == ["-p", "no:xdist", "--pyargs"] and args[-len(argv):] == argv
-    assert (args[3] == "verify") == collects_verify, args
+    at = args.index("--pyargs")
+    assert args[:2] == ["-p", "no:xdist"] and args[-len(argv):] == argv
+    assert (args[at + 1] == "verify") == collects_verify, args
 
 
 @pytest.mark.parametrize("agent,rdzv", [
@@ -32,3 +33,16 @@ def test_the_rendezvous_is_read_from_the_agents_command_line(monkeypatch, agent,
     env = dict(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x", MASTER_ADDR="h", MASTER_PORT="1")
     d = pool_launched.describe(env, "gloo")
     assert (d["rendezvous"], d["nodes"], d["ranks_per_node"], d["world"]) == (rdzv, 2, 2, 4), d
+
+
+def test_a_bare_checkout_loads_the_plugin_once(monkeypatch):
+    """Without the pytest11 entry point (a checkout on PYTHONPATH, no pip install: the H200 run that found this
+    refused --verify-trainer as unknown), verify.run names the plugin; installed, or already named by the caller
+    (gpu_gate's launched step), it does not name it again."""
+    import importlib.metadata as md
+
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [])
+    assert pytest_args(["--verify-trainer", "m:f"])[:5] == ["-p", "no:xdist", "-p", "_xtrain_pytest.entry", "--pyargs"]
+    assert pytest_args(["-p", "_xtrain_pytest.entry", "-q"]).count("_xtrain_pytest.entry") == 1
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [type("EP", (), {"value": "_xtrain_pytest.entry"})()])
+    assert "_xtrain_pytest.entry" not in pytest_args(["--verify-trainer", "m:f"])
