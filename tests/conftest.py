@@ -15,3 +15,10 @@ def _gpu_sharing(request):
         return
     with gpu_lock(exclusive=request.node.get_closest_marker("memory") is not None):
         yield
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Longest first: the tests marked `slow` (end to end: subprocesses, torchrun agents, self-tests; 10-60 s each)
+    start before the rest, so under xdist the short ones fill the workers' last minutes instead of one worker
+    finishing a minute-long test alone (longest-processing-time-first). Stable: otherwise collection order."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -79,12 +79,23 @@ def launch(trainer: str, report: pathlib.Path, limit: float = 420) -> tuple[list
     return [a.returncode for a in agents], outs, time.monotonic() - t0, mark
 
 
-def pooled(trainer: str, report: pathlib.Path) -> subprocess.CompletedProcess:
-    """The same gate test under the pool-based plugin, worlds 1..4 (the launched run's) on the same seed."""
+def pooled(trainer: str, report: pathlib.Path) -> subprocess.Popen:
+    """The same gate test under the pool-based plugin, worlds 1..4 (the launched run's) on the same seed, started
+    beside the launch (torchrun's rendezvous and exit barrier leave the cores idle for ~15 s): `finish()` it."""
     env = {**_env("pooled"), "XTRAIN_DIST_MIN_WORLD": "1", "XTRAIN_DIST_MAX_WORLD": "4"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--pyargs",
-                           GATE, "--verify-trainer", trainer, "--verify-report", str(report), "--hypothesis-seed=1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+                             "--pyargs", GATE, "--verify-trainer", trainer, "--verify-report", str(report),
+                             "--hypothesis-seed=1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(p: subprocess.Popen, timeout: float = 420) -> subprocess.CompletedProcess:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def _report(folder: pathlib.Path) -> dict:
@@ -105,7 +116,9 @@ def _verdicts(doc: dict) -> dict:
 
 @pytest.mark.slow  # two torchrun agents of 4 ranks: ~35-60 s on a 2-core box
 def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
+    reference = pooled("verify.adapters.xtrain:adapter", tmp_path / "pooled")
     codes, outs, seconds, mark = launch("verify.adapters.xtrain:adapter", tmp_path / "launched")
+    ref = finish(reference)
     assert codes == [0, 0], outs
     assert sorted(p.name for p in (tmp_path / "launched").iterdir()) == ["verify-report.json", "verify-report.md"]
     doc = _report(tmp_path / "launched")
@@ -116,7 +129,6 @@ def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
     drawn = sorted({w for g in doc["gates"].values() for w in g.get("worlds", [])})
     assert how["launched_worlds"] == [w for w in drawn if w > 1], (how, drawn)  # world 1: a one-rank pool
     assert min(how["launched_worlds"]) < 4, how  # seed 1 draws a sub-world: it ran on the launched ranks
-    ref = pooled("verify.adapters.xtrain:adapter", tmp_path / "pooled")
     assert ref.returncode == 0, ref.stdout + ref.stderr
     pool_doc = _report(tmp_path / "pooled")
     assert _verdicts(doc) == _verdicts(pool_doc)
@@ -136,12 +148,13 @@ def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
 def test_a_planted_bug_fails_with_the_pools_message(tmp_path):
     bug = next(b for b in planted.PLANTED if b.name == "all_reduce_every_micro_step")
     ref_ = "verify.adapters.broken_dist:all_reduce_every_micro"
+    reference = pooled(ref_, tmp_path / "pooled")
     codes, outs, seconds, mark = launch(ref_, tmp_path / "launched")
+    ref = finish(reference)
     assert codes == [1, 1], outs  # rank 0's pytest: a gate failed, and every rank exits with its status ...
     assert seconds < 300, seconds  # ... so no agent waits out torchrun's 300 s exit barrier for the other
     got = _report(tmp_path / "launched")["failures"]
     assert got and re.search(bug.pattern, got[0]["message"]), got
-    ref = pooled(ref_, tmp_path / "pooled")
     assert ref.returncode == 1, ref.stdout + ref.stderr
     # the same message, but for the process group it names: a sub-world's subgroup launched, a pool's default group
     assert [_no_pg(f["message"]) for f in got] == [_no_pg(f["message"]) for f in _report(tmp_path / "pooled")["failures"]]
