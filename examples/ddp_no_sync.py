@@ -18,7 +18,9 @@ class Trainer:
     def __init__(self, spec):
         torch.manual_seed(spec.seed)
         net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-        self.ddp = DDP(net.to(spec.device, spec.dtype), device_ids=None if spec.device == "cpu" else [spec.device])
+        self.group = spec.group  # None, or under `python -m verify.run` a sub-world's group (subgroups=True below)
+        self.ddp = DDP(net.to(spec.device, spec.dtype), device_ids=None if spec.device == "cpu" else [spec.device],
+                       process_group=self.group)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-2)
         self.n, self.loss = spec.accum_steps, 0.0
 
@@ -35,8 +37,8 @@ class Trainer:
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.loss = self.loss / (self.n * dist.get_world_size()), 0.0
-        dist.all_reduce(loss)  # the global batch's mean loss (every rank holds equal micro-batches)
+        loss, self.loss = self.loss / (self.n * dist.get_world_size(self.group)), 0.0
+        dist.all_reduce(loss, group=self.group)  # the global batch's mean loss (every rank holds equal micro-batches)
         return loss
 
     def params(self):
@@ -45,5 +47,6 @@ class Trainer:
 
 # process_group: DDP needs one even alone, so its single-process gates run on a one-rank group.
 # DDP_EXPECTED: DDP's one-time bucket rebuild broadcasts at micro-step 0 of step 1, declared.
+# subgroups: every collective goes over spec.group, so a launched world also runs its sub-worlds.
 factory = verify.adapter(data=verify.data.regression(features=8), process_group=True,
-                         expected=verify.DDP_EXPECTED)(Trainer)
+                         expected=verify.DDP_EXPECTED, subgroups=True)(Trainer)

@@ -12,12 +12,13 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.helpers import dist_jobs
 from verify import pool, pool_launched
 from verify.adapters import planted
-from verify.comm import INTER, INTRA
+from verify.comm import INTER, INTRA, family
 from verify.gates.distributed import rank_job
 from verify.pool import DistJobError
 
@@ -52,6 +53,15 @@ def test_sub_worlds_run_on_subgroups_and_a_trainer_ignoring_spec_group_fails_nam
         assert sub.run(dist_jobs.group_sum) == [(r, 2, 2, 3.0, INTRA) for r in range(2)]
         assert sub.run(dist_jobs.group_sum) == [(r, 2, 2, 3.0, INTRA) for r in range(2)]  # the group is kept
         assert launched.worlds == {2, WORLD}
+        # a user's recipe that declares subgroups (torch DDP over spec.group) runs its window in the sub-world: the
+        # one boundary all-reduce on the subgroup, nothing before it
+        from examples.ddp_no_sync import factory as ddp
+        from verify.case import Case
+
+        case = Case(accum_steps=2, micro_batch=1, steps=1, world=2, options=ddp.defaults)
+        runs = [o.runs["torch.float32"] for o in sub.run(rank_job, ddp, case, dtypes=(torch.float32,))]
+        assert [c for r in runs for c in r.comms.get(("micro", 0, 0), [])] == [], runs[0].comms
+        assert "all_reduce" in {family(c.op) for r in runs for c in r.comms[("boundary", 0)]}, runs[0].comms
         bug = next(b for b in planted.PLANTED if b.name == "ignores_spec_group")  # declares subgroups, drops spec.group
         t0 = time.monotonic()
         with pytest.raises(DistJobError) as e:  # the idle rank 2 never joins: c10d's timeout, then the diagnosis

@@ -120,7 +120,9 @@ def test_dev_profile_draws_at_least_3_examples_per_gate_with_padded_split_window
     (GATE_MIN_EXAMPLES), and split invariance gets windows with a split (N ≥ 2) and some padding."""
     from verify.strategies import GATE_MIN_EXAMPLES
 
-    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-n", "2",
+    # serial: the examples drawn do not depend on xdist (its report merging is the test above's), and two workers
+    # would each start their own rank pools
+    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-p", "no:xdist",
                         "--verify-trainer", "verify.adapters.xtrain:tokens_adapter"], capture_output=True, text=True,
                        cwd=tmp_path, timeout=900, env={**ENV, "XTRAIN_DIST_MAX_WORLD": "2"})
     assert r.returncode == 0, r.stdout[-3000:]
