@@ -18,9 +18,8 @@ class Trainer:
     def __init__(self, spec):
         torch.manual_seed(spec.seed)
         net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-        self.group = spec.group  # None, or under `python -m verify.run` a sub-world's group (subgroups=True below)
-        self.ddp = DDP(net.to(spec.device, spec.dtype), device_ids=None if spec.device == "cpu" else [spec.device],
-                       process_group=self.group)
+        # spec.group: None (the default group), or under `python -m verify.run` a sub-world's (subgroups=True below)
+        self.ddp = DDP(net.to(spec.device, spec.dtype), process_group=spec.group)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-2)
         self.n, self.loss = spec.accum_steps, 0.0
 
@@ -37,8 +36,9 @@ class Trainer:
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.loss = self.loss / (self.n * dist.get_world_size(self.group)), 0.0
-        dist.all_reduce(loss, group=self.group)  # the global batch's mean loss (every rank holds equal micro-batches)
+        # the global batch's mean loss (every rank holds equal micro-batches), over DDP's group
+        loss, self.loss = self.loss / (self.n * dist.get_world_size(self.ddp.process_group)), 0.0
+        dist.all_reduce(loss, group=self.ddp.process_group)
         return loss
 
     def params(self):

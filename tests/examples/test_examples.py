@@ -175,6 +175,9 @@ def test_selftest_kills_every_operator(tmp_path, ref, score):
     st = json.loads((tmp_path / "verify-report.json").read_text())["selftest"]
     assert st["ok"] and st["score"] == score and "| drop_micro_step |" in st["table_md"]
     assert not capped or st["worlds"] == [1, 2], st["worlds"]  # the cap holds (the data-parallel ops still ran)
+    if ref == "verify.adapters.xtrain:adapter":  # the long window (N = 256, bf16) alone kills low-precision accumulation
+        low = st["operators"]["low_precision_accumulation"]
+        assert low["long window"] == "rejects" and low["equivalence"] == "n/a" and low["verdict"] == "killed", low
     if "examples.pipeline" in ref or "examples.tensor" in ref or "examples.fsdp2" in ref:  # the mesh cases ran
         assert "| pipeline_micro_batch_dropped |" in st["table_md"] and "killed" in st["operators"][
             "pipeline_micro_batch_dropped"]["verdict"] and " on mesh dp=1 " in st["verdict"]
