@@ -100,13 +100,15 @@ def test_accelerate_passes_at_world_1(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in ["hf_trainer", "lightning_trainer"]])
-def test_framework_recipes_pass_every_gate_at_worlds_1_and_2(tmp_path, name):
+def test_framework_recipes_pass_every_gate_at_world_1(tmp_path, name):
     """The framework owns the loop (verify.Pull): HF Trainer.train() and Lightning fit(), from an empty
-    directory, at worlds 1 and 2 (DDP under the harness's process group)."""
-    r, gates = plugin(tmp_path, name, (1, 2))
-    assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == [1, 2]
+    directory, at world 1 (DDP under the harness's one-rank process group). At world 2 the unwrapped recipe
+    passes every gate under its self-test below (ranks importing a framework cost ~10 s of CPU per world)."""
+    r, gates = plugin(tmp_path, name, (1, 1))
+    assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == [1]
     # declared traffic seen: HF (accelerate) at world 1 reduces every micro-step; Lightning broadcasts per batch
-    assert gates["boundary-only"]["expected_before_boundary"] > 0
+    # only among ≥ 2 ranks (its self-test's world-2 case)
+    assert (gates["boundary-only"]["expected_before_boundary"] > 0) == (name == "hf_trainer"), gates["boundary-only"]
 
 
 @pytest.mark.distributed
