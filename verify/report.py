@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 
+from .comm import LINKS
 from .gates.tolerance import FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT
 from .verdict import Gate
 
@@ -79,8 +80,8 @@ def record(result) -> None:
         # target) has no gradient bytes to divide by
         if w > 1 and ex["gradient_bytes"]:
             per_step = [by / ex["gradient_bytes"] for by in ex["boundary_bytes"]]
-            by_link = {f"boundary_bytes_{link.replace('-', '_')}": [s[link] for s in ex["boundary_bytes_by_link"]]
-                       for link in ("intra-node", "inter-node")} if ex.get("boundary_bytes_by_link") else {}
+            by_link = {link_key(link): [s[link] for s in ex["boundary_bytes_by_link"]]
+                       for link in LINKS} if ex.get("boundary_bytes_by_link") else {}
             for key, vals in (("boundary_bytes_over_gradient_bytes", per_step),
                               ("boundary_collectives_per_step", ex["boundary_collectives"]), *by_link.items()):
                 lo, hi = b.get(key, [min(vals), max(vals)])
@@ -180,14 +181,19 @@ def write(folder: str, *, trainer: str, settings: dict, gates: dict | None = Non
     return [jp, mp]
 
 
-LINK_KEYS = ("boundary_bytes_intra_node", "boundary_bytes_inter_node")
+def link_key(link: str) -> str:
+    """A gate's report key for the boundary's bytes over one link (comm.LINKS): boundary_bytes_intra_node, ..."""
+    return f"boundary_bytes_{link.replace('-', '_')}"
+
+
+LINK_KEYS = tuple(link_key(link) for link in LINKS)
 
 
 def _links(g: dict) -> str:
     """The boundary's bytes per step by link (intra-node / inter-node: the groups' nodes, verify.comm.group_links)."""
     if not any(k in g for k in LINK_KEYS):
         return ""
-    parts = [f"{k.split('_')[-2]}-node {g[k][0]}–{g[k][1]} B" for k in LINK_KEYS if k in g]
+    parts = [f"{link} {g[k][0]}–{g[k][1]} B" for link, k in zip(LINKS, LINK_KEYS) if k in g]
     return "boundary bytes per step by link: " + ", ".join(parts) + "; "
 
 
