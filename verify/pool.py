@@ -51,6 +51,16 @@ ENV_TIMEOUT, ENV_START = env_of("timeout"), env_of("pool_start")
 PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel"]
 
 
+def _preload() -> list[str]:
+    """PRELOAD, plus on the cpu the trainer modules verify.protocol.load_adapter imported: a rank then does not
+    import its framework again (Lightning or transformers cost each rank 1.5-2.5 s of CPU). Not on cuda: a module
+    that touches CUDA when imported would break every child forked after it. Read when this process starts its
+    forkserver, i.e. at its first gloo pool."""
+    from .protocol import loaded_modules
+
+    return PRELOAD + (loaded_modules() if Settings.from_env().device == "cpu" else [])
+
+
 def start_method(backend: str = "gloo") -> str:
     """gloo: forkserver (torch preloaded) where available, else spawn. NCCL: spawn — a server that has
     imported torch might have touched the CUDA runtime, which a forked child cannot use. Override with
@@ -97,7 +107,7 @@ class RankPool:
         self.start_method = start_method(self.backend)
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
-            ctx.set_forkserver_preload(PRELOAD)
+            ctx.set_forkserver_preload(_preload())
         self.procs, self.conns, self.dumps = [], [], []
         self.broken = False
         self._pending: str | None = None  # the job in flight (one at a time)

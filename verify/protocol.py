@@ -334,6 +334,14 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
 DEFAULT_REF = "verify.adapters.xtrain:adapter"
 
 
+_LOADED: list[str] = []  # the modules load_adapter imported, in order
+
+
+def loaded_modules() -> list[str]:
+    """The trainer modules load_adapter has imported in this process."""
+    return list(_LOADED)
+
+
 def load_adapter(ref: str, *, option: str = "--verify-trainer") -> Adapter:
     """'MODULE:NAME' -> the Adapter it names. The invoking directory is importable (as with `python -m`).
     AdapterError (one line, naming `option`) for a missing module or name, or a wrong kind of object."""
@@ -349,6 +357,8 @@ def load_adapter(ref: str, *, option: str = "--verify-trainer") -> Adapter:
                            f"contains it or install it") from None
     except Exception as e:  # noqa: BLE001  (the user's module raised while importing)
         raise AdapterError(f"{option} {ref}: importing {mod_name!r} raised {type(e).__name__}: {e}") from None
+    if mod_name not in _LOADED:
+        _LOADED.append(mod_name)  # the gloo pools' forkserver imports it too (verify.pool)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise AdapterError(f"{option} {ref}: module {mod_name!r} has no attribute {attr!r}")

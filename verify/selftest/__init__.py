@@ -24,7 +24,8 @@ micro-batches and ranks, empty rows, every window holding some valid target), so
 can show.
 
 A gate's cell says whether it rejects the mutant on some case where the bug exists ("not reached": an
-earlier gate of the same run rejected it first). An operator is killed when some gate rejects it on a case where its bug exists; it survives when every
+earlier gate of the same run rejected it first). Once a gate rejects a mutant it is not run on that mutant again:
+its cell cannot change (a case whose every gate has rejected the mutant is skipped whole). An operator is killed when some gate rejects it on a case where its bug exists; it survives when every
 gate passes on every such case. The unwrapped trainer must pass every gate on every case. Score =
 killed / operators whose bug can exist for this adapter (data-parallel-only operators do not apply to
 a single-process trainer, token operators to a trainer without an ignore_index). "The unwrapped trainer
@@ -110,13 +111,12 @@ def _column(check: Gate, failure: GateFailure) -> Gate:
     return check
 
 
-def _run_gates(adapter, case, plain: bool, dist: bool) -> dict:
-    """Gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case (a mesh case: the
-    mesh gate; dist: the data-parallel gates, at any world, 1 included; else the single-process ones)."""
+def _checks(adapter, case, plain: bool, dist: bool) -> list:
+    """[(gate, check, columns)] that one case runs (a mesh case: the mesh gate; dist: the data-parallel gates, at
+    any world, 1 included; else the single-process ones); `columns`: the table cells that one check fills."""
     from ..gates import check_bit_exact, check_distributed, check_equivalence, check_token_mean
     from ..gates.windows import check_long_window
 
-    out = {}
     if case.mesh is not None:
         from ..gates.mesh import check_mesh
 
@@ -133,8 +133,17 @@ def _run_gates(adapter, case, plain: bool, dist: bool) -> dict:
 
         if overflow_hook(adapter)[0] is not None:
             checks.append((Gate.OVERFLOW, lambda a, c: check_overflow(a, c.replace(precision="fp16"), 0, c.world - 1)))
-    for name, check in checks:
-        columns = DP if name is Gate.DP_EQUIVALENCE else MESHED if name is Gate.MESH_EQUIVALENCE else (name,)
+    return [(name, check, DP if name is Gate.DP_EQUIVALENCE else MESHED if name is Gate.MESH_EQUIVALENCE else (name,))
+            for name, check in checks]
+
+
+def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset()) -> dict:
+    """Gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case (`_checks`). A check
+    whose every column is in `settled` (already 'rejects' for this mutant: its cells cannot change) is not run."""
+    out = {}
+    checks = [(name, check, columns) for name, check, columns in _checks(adapter, case, plain, dist)
+              if not set(columns) <= set(settled)]
+    for name, check, columns in checks:
         try:
             check(adapter, case)
             out.update(dict.fromkeys(columns, "pass"))
@@ -269,7 +278,8 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
                  and (c.accum_steps >= LONG_N) == op.long and (not op.fp16 or overflow_ok)]
         row = {g: "n/a" for g in GATES}
         for i, case in where:
-            for gate, v in _run_gates(mutant, case, plain, i >= len(single)).items():
+            settled = {g for g, v in row.items() if v == "rejects"}
+            for gate, v in _run_gates(mutant, case, plain, i >= len(single), settled).items():
                 if v.startswith(("kill", "error")):
                     row[gate] = "rejects"
                 elif v == "pass" and row[gate] in ("n/a", "not reached"):
