@@ -147,6 +147,7 @@ def selftest(tmp_path, ref, *args, timeout=600):
 # W ≥ 2, none needs more), their gates pass at worlds 1-2 here and the plugin's gates draw W up to 4 on xtrain; the
 # ranks' start-up at worlds 3-4 on 2 cores cost ~4 min of CI (worlds 1..4: `python -m verify.selftest` by default).
 # The mesh recipes keep 4 ranks: dp=2 × tp=2 (or × pp=2) is where dp_reduction_skipped and the wrong group show.
+EVERY_CASE = ("examples.mlp_regressor:factory", "examples.ddp_no_sync:factory")  # --every-case on two cheap ones
 CAPPED = ("verify.adapters.xtrain", "examples.ddp_no_sync", "examples.accelerate_accumulate",
           "examples.fabric_no_backward_sync", "examples.hf_trainer", "examples.lightning_trainer")
 
@@ -170,7 +171,9 @@ CAPPED = ("verify.adapters.xtrain", "examples.ddp_no_sync", "examples.accelerate
 ])
 def test_selftest_kills_every_operator(tmp_path, ref, score):
     capped = ref.split(":")[0] in CAPPED
-    r = selftest(tmp_path, ref, *(["--max-world", "2"] if capped else []), timeout=900)
+    every = ref in EVERY_CASE  # the whole operator × gate matrix; the others stop each mutant at its first kill
+    r = selftest(tmp_path, ref, *(["--max-world", "2"] if capped else []), *(["--every-case"] if every else []),
+                 timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert f"mutation score {score} " in r.stdout and "every operator killed, the unwrapped trainer passes" in r.stdout
     assert "(unwrapped trainer)" in r.stdout and "SURVIVED" not in r.stdout
@@ -184,6 +187,11 @@ def test_selftest_kills_every_operator(tmp_path, ref, score):
         assert "| pipeline_micro_batch_dropped |" in st["table_md"] and "killed" in st["operators"][
             "pipeline_micro_batch_dropped"]["verdict"] and " on mesh dp=1 " in st["verdict"]
     assert "## Self-test" in (tmp_path / "verify-report.md").read_text()
+    cells = [v for op in st["operators"].values() for g, v in op.items() if g != "verdict"]
+    assert "not run" not in cells if every else ref != "verify.adapters.xtrain:adapter" or "not run" in cells, \
+        st["table_md"]  # xtrain's N=3 case kills drop_micro_step: N=4 and the data-parallel cases are not run
+    if ref == "examples.ddp_no_sync:factory":  # every case: a gate blind to a bug says so (DDP's counter: the numbers)
+        assert st["operators"]["grads_times_N"]["boundary-only"] == "passes", st["table_md"]
 
 
 def test_selftest_fails_when_an_operator_survives(tmp_path):

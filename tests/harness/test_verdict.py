@@ -82,6 +82,21 @@ def test_the_selftest_table_and_report_keys_are_gate_names():
     assert set(report.BOUNDS) <= set(Gate) and set(report.ORDER) <= {g.value for g in Gate}
 
 
+def test_a_mutant_stops_at_its_first_kill_unless_every_case_is_asked():
+    """stale_micro_batch shows at N=1 on bit-exact while equivalence passes there, and on equivalence from N=3 on:
+    by default the N=3 and N=4 cases are not run, so equivalence says "not run", not "passes"."""
+    from verify.selftest import NOT_RUN, run_selftest
+
+    first = run_selftest(SELFTESTED, operators=["stale_micro_batch"])
+    row = first.rows["stale_micro_batch"]
+    assert (row[Gate.BIT_EXACT], row[Gate.EQUIVALENCE], row["verdict"]) == ("rejects", NOT_RUN, "killed"), first.table()
+    assert first.ok and "not run" in first.table() and first.baseline == run_selftest(SELFTESTED, operators=[]).baseline
+    every = run_selftest(SELFTESTED, operators=["stale_micro_batch"], every_case=True)
+    row = every.rows["stale_micro_batch"]
+    assert (row[Gate.BIT_EXACT], row[Gate.EQUIVALENCE], row["verdict"]) == ("rejects", "rejects", "killed"), every.table()
+    assert NOT_RUN not in every.table()
+
+
 def test_report_keys_are_gate_names(monkeypatch):
     """One data-parallel run is tallied under both of its gates' names; a case whose reference has no gradient
     (every window without a valid target) has no bytes ratio, and no ZeroDivisionError either."""

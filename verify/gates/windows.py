@@ -20,7 +20,7 @@ import torch
 from ..case import Case, _cpu, _to, block_grads, split, twin
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .diagnose import determinism
-from .single import check_equivalence
+from .single import _equivalence, check_equivalence, run_alone
 from .tolerance import KAPPA_EXACT_ABOVE, bound64, condition, measured_floor, rel_err, twin_floor
 
 __all__ = ["splits", "check_split_invariance", "check_partial_sums", "check_long_window", "LOW_PRECISIONS", "LONG_N"]
@@ -73,11 +73,19 @@ def check_long_window(adapter, case: Case) -> list[GateResult]:
     The partial-sum gate stays float64: its question (does each micro-step land exactly once) has no
     precision, and a low-precision partial sum after n micro-steps carries the error of a window of n, which
     this check at the longest N already bounds."""
-    out = []
+    if not any(p in adapter.precisions for p in LOW_PRECISIONS):
+        return []
+    return run_alone(_long_window, adapter, case)
+
+
+def _long_window(adapter, case: Case, device: str) -> list[GateResult]:
+    """check_long_window's work, in one process (a pool rank for an adapter that needs a group): the precisions
+    share the window's float64 runs (the trainer at N and at 1, the twin), which have no autocast."""
+    out, runs64 = [], {}
     for p in (p for p in LOW_PRECISIONS if p in adapter.precisions):
         c = case.replace(precision=p)
         try:
-            out.append(check_equivalence(adapter, c))
+            out.append(_equivalence(adapter, c, device, runs64))
         except GateFailure as e:
             raise GateFailure(f"[{Gate.LONG_WINDOW}] {p}, N={c.accum_steps}: {e}", gate=_outer(e, Gate.LONG_WINDOW),
                               case=c, error=e.error, bound=e.bound, hint=e.hint) from None

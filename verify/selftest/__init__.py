@@ -24,8 +24,11 @@ micro-batches and ranks, empty rows, every window holding some valid target), so
 can show.
 
 A gate's cell says whether it rejects the mutant on some case where the bug exists ("not reached": an
-earlier gate of the same run rejected it first). Once a gate rejects a mutant it is not run on that mutant again:
-its cell cannot change (a case whose every gate has rejected the mutant is skipped whole). An operator is killed when some gate rejects it on a case where its bug exists; it survives when every
+earlier gate of the same run rejected it first). A mutant is run case by case, in the order above, until a gate
+rejects it: the gates left after that say "not run" (a gate that passed on the cases before says "not run" too: it
+was not judged on every case), since a mutation score needs one kill per operator, as mutation testers count it. `--every-case` (every_case=True) fills the whole matrix instead: every gate on every
+case where the bug exists, except that a gate which has already rejected the mutant is not run on it again
+(its cell cannot change). An operator is killed when some gate rejects it on a case where its bug exists; it survives when every
 gate passes on every such case. The unwrapped trainer must pass every gate on every case. Score =
 killed / operators whose bug can exist for this adapter (data-parallel-only operators do not apply to
 a single-process trainer, token operators to a trainer without an ignore_index). "The unwrapped trainer
@@ -41,7 +44,7 @@ from ..gates.windows import LONG_N, LOW_PRECISIONS
 from ..verdict import Gate, GateFailure
 from .operators import OPERATORS, Operator
 
-__all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES"]
+__all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES", "NOT_RUN"]
 
 # the table's columns: the gates the self-test runs (split invariance, partial sums, empty windows and bytes per
 # step are the plugin's: the self-test's fixed cases do not draw their windows)
@@ -49,6 +52,7 @@ GATES = (Gate.EQUIVALENCE, Gate.BIT_EXACT, Gate.TOKEN_MEAN, Gate.LONG_WINDOW, Ga
          Gate.OVERFLOW, Gate.MESH_EQUIVALENCE)
 DP = (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE)  # the two verdicts of one data-parallel run (check_distributed)
 MESHED = (Gate.BOUNDARY_ONLY, Gate.MESH_EQUIVALENCE)  # the mesh gate's two verdicts: its counter per axis, its numbers
+NOT_RUN = "not run"  # the mutant was already killed by an earlier case (run_selftest(every_case=True) runs it)
 DIST = {1: (3, 2), 2: (3, 2), 3: (2, 1), 4: (2, 1)}  # world -> (N, B) of its data-parallel case
 PAD = (1.0, 0.0, 0.25, 1.0, 0.5, 0.0, 1.0)  # valid share of a row, cycled: uneven micro-batches and ranks
 
@@ -137,13 +141,14 @@ def _checks(adapter, case, plain: bool, dist: bool) -> list:
             for name, check in checks]
 
 
-def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset()) -> dict:
+def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset(), first_kill: bool = False) -> dict:
     """Gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case (`_checks`). A check
-    whose every column is in `settled` (already 'rejects' for this mutant: its cells cannot change) is not run."""
+    whose every column is in `settled` (already 'rejects' for this mutant: its cells cannot change) is not run;
+    with first_kill none runs after the first that rejects."""
     out = {}
     checks = [(name, check, columns) for name, check, columns in _checks(adapter, case, plain, dist)
               if not set(columns) <= set(settled)]
-    for name, check, columns in checks:
+    for n, (name, check, columns) in enumerate(checks):
         try:
             check(adapter, case)
             out.update(dict.fromkeys(columns, "pass"))
@@ -157,6 +162,10 @@ def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset()) -> d
         except Exception as e:  # noqa: BLE001  (the wrapped trainer crashed: the bug did not pass silently)
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
             out.update(dict.fromkeys(columns, "error: " + tb[:300]))
+        if first_kill and any(v.startswith(("kill", "error")) for v in out.values()):
+            for _, _, rest in checks[n + 1:]:
+                out.update({g: NOT_RUN for g in rest if g not in out})
+            break
     return out
 
 
@@ -251,9 +260,11 @@ def worlds_of(max_world: int | None = None) -> list[int]:
 
 
 def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", progress=None,
-                 operators=None) -> SelftestResult:
+                 operators=None, every_case: bool = False) -> SelftestResult:
     """Run the gates on the unwrapped adapter and on every operator's mutant (or those named in
-    `operators`); see the module docstring. max_world caps the worlds the gates draw (default: all)."""
+    `operators`); see the module docstring. max_world caps the worlds the gates draw (default: all).
+    A mutant stops at the first gate that rejects it (its cells on the cases after: "not run"); every_case runs
+    each gate on every case where the bug exists (the whole operator × gate matrix)."""
     ops = [OPERATORS[name] for name in operators] if operators is not None else list(OPERATORS.values())
     t0 = time.perf_counter()
     worlds = worlds_of(max_world) if adapter.data_parallel else []
@@ -277,11 +288,18 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
         where = [(i, c) for i, c in enumerate(cases) if (c.mesh is not None) == op.mesh and op.exists(c) and (c.world > 1 or not op.dist_only)
                  and (c.accum_steps >= LONG_N) == op.long and (not op.fp16 or overflow_ok)]
         row = {g: "n/a" for g in GATES}
-        for i, case in where:
+        for j, (i, case) in enumerate(where):
+            if not every_case and "rejects" in row.values():  # killed: the later cases' gates are not run
+                for k, c in where[j:]:
+                    for _, _, columns in _checks(mutant, c, plain, k >= len(single)):
+                        row.update({g: NOT_RUN for g in columns if row[g] != "rejects"})
+                break
             settled = {g for g, v in row.items() if v == "rejects"}
-            for gate, v in _run_gates(mutant, case, plain, i >= len(single), settled).items():
+            for gate, v in _run_gates(mutant, case, plain, i >= len(single), settled, not every_case).items():
                 if v.startswith(("kill", "error")):
                     row[gate] = "rejects"
+                elif v == NOT_RUN:  # an earlier gate of this case killed it: a "passes" so far is not the whole story
+                    row[gate] = NOT_RUN if row[gate] != "rejects" else row[gate]
                 elif v == "pass" and row[gate] in ("n/a", "not reached"):
                     row[gate] = "passes"
                 elif row[gate] == "n/a":

@@ -1,8 +1,9 @@
 """python -m verify.selftest [--verify-trainer MODULE:FACTORY] [--verify-report DIR]
                           [--verify-backend gloo|nccl] [--verify-device cpu|cuda] [--max-world W]
+                          [--every-case]
 
-Plants each fault operator (verify.selftest.operators) in your trainer, runs the gates on every mutant,
-prints operator × gate with verdicts and the mutation score, and adds the table to
+Plants each fault operator (verify.selftest.operators) in your trainer, runs the gates on every mutant
+until one rejects it (--every-case: on every case), prints operator × gate with verdicts and the mutation score, and adds the table to
 DIR/verify-report.{json,md}. Exit status: 0 every operator killed and the unwrapped trainer passes,
 1 an operator survived where its bug can exist or the unwrapped trainer fails a gate, 2 bad input.
 """
@@ -31,6 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--max-world", type=positive_int, default=None,
                    help=f"largest world of the data-parallel cases (default: every world the gates draw, "
                         f"{env_of('min_world')}..{env_of('max_world')}, {d.min_world}..{d.max_world})")
+    p.add_argument("--every-case", action="store_true",
+                   help="run every gate on every case where an operator's bug exists (the whole operator × gate "
+                        "matrix); by default a mutant stops at the first gate that rejects it")
     return p.parse_args(argv)
 
 
@@ -82,7 +86,8 @@ def main(argv=None) -> int:
         bar.update(done, what)
 
     try:
-        res = run_selftest(adapter, max_world=args.max_world, device=device, progress=progress)
+        res = run_selftest(adapter, max_world=args.max_world, device=device, progress=progress,
+                           every_case=args.every_case)
     except KeyboardInterrupt:
         fail("interrupted", code=130)
     finally:
