@@ -51,18 +51,27 @@ def _report(folder) -> dict:
 
 
 def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tmp_path):
-    """Serial and under xdist: the same examples counted once each, one report in ./reports."""
-    serial = pytest_verify(tmp_path, "--verify-trainer", "examples.mlp_regressor:factory")
+    """Serial from an empty directory, with pytest's own cache on: one report in ./reports and nothing else there
+    (hypothesis' database and pytest's cache go to $XDG_CACHE_HOME/xtrain-verify). Then under xdist: the same
+    examples counted once each."""
+    here, cache = tmp_path / "user", tmp_path / "cache"
+    here.mkdir()
+    serial = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-q", "--verify-trainer",
+                             "examples.mlp_regressor:factory"], capture_output=True, text=True, cwd=here, timeout=600,
+                            env={**ENV, "XDG_CACHE_HOME": str(cache), "PYTHONDONTWRITEBYTECODE": "1"})
     assert serial.returncode == 0, serial.stdout[-3000:]
-    one = _report(tmp_path / "reports")
+    assert sorted(os.listdir(here)) == ["reports"], os.listdir(here)
+    # + pytest-benchmark's storage where that plugin is installed (it makes ./.benchmarks otherwise)
+    assert {"hypothesis", "pytest"} <= set(os.listdir(cache / "xtrain-verify")) <= {"benchmarks", "hypothesis", "pytest"}
+    one = _report(here / "reports")
     assert one["trainer"] == "examples.mlp_regressor:factory" and one["exitstatus"] == 0 and one["failures"] == []
     assert one["schema_version"] == 1 and one["utc"] and "torch" in one["machine_info"]
-    assert oct((tmp_path / "reports" / "verify-report.json").stat().st_mode & 0o777) == "0o644"
+    assert oct((here / "reports" / "verify-report.json").stat().st_mode & 0o777) == "0o644"
     g = one["gates"]
     assert g["equivalence"]["examples"] >= DEV and 0 < g["equivalence"]["worst_ratio"] < 1  # + the long-N ones
     assert g["equivalence"]["worst_case"]["data_seed"] is not None and g["bit-exact"]["examples"] == DEV
     assert "does not declare data parallelism" in g["boundary-only"]["skip_reason"]
-    md = (tmp_path / "reports" / "verify-report.md").read_text()
+    md = (here / "reports" / "verify-report.md").read_text()
     assert f"| equivalence | {g['equivalence']['examples']} |" in md and "every gate that ran passed" in md
     assert "not a git checkout" in md and "commit `None`" not in md  # tmp_path is no git repository
     skipped = serial.stdout.split("verify: skipped gates", 1)[1]  # on the terminal too, with the reason
@@ -96,19 +105,6 @@ def test_a_broken_trainer_fails_with_its_verdict_first_and_whole(tmp_path, worke
     assert "tolerance.py" not in body and "Traceback" not in r.stdout  # the harness's frames are hidden
     md = (tmp_path / "reports" / "verify-report.md").read_text()
     assert "FAILED: 1 gate test(s)" in md and f"hint: {f['hint']}" in md
-
-
-def test_a_run_from_an_empty_directory_leaves_only_the_report(tmp_path):
-    """hypothesis' database and pytest's cache go to $XDG_CACHE_HOME/xtrain-verify, not the user's folder."""
-    here, cache = tmp_path / "user", tmp_path / "cache"
-    here.mkdir()
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "verify", "-q", "--verify-trainer", "examples.mlp_regressor:factory"]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=here, timeout=600,
-                       env={**ENV, "XDG_CACHE_HOME": str(cache), "PYTHONDONTWRITEBYTECODE": "1"})
-    assert r.returncode == 0, r.stdout[-3000:]
-    assert sorted(os.listdir(here)) == ["reports"], os.listdir(here)
-    # + pytest-benchmark's storage where that plugin is installed (it makes ./.benchmarks otherwise)
-    assert {"hypothesis", "pytest"} <= set(os.listdir(cache / "xtrain-verify")) <= {"benchmarks", "hypothesis", "pytest"}
 
 
 def _row_length(case) -> int:
