@@ -8,7 +8,8 @@ model, N=4). So the suite keeps ONE pool per (world, backend) per process (= per
 
 * Start: fresh processes, never forks of the test process. For gloo by default from a multiprocessing
   forkserver that has imported torch once (a world-4 pool starts in ~0.1 s instead of 9–16 s on a
-  2-core box); NCCL pools use plain spawn (CUDA and forks); XTRAIN_POOL_START=spawn|forkserver.
+  2-core box), and on the cpu the trainer's module too (a framework imported once, not by every rank);
+  NCCL pools use plain spawn (CUDA and forks); XTRAIN_POOL_START=spawn|forkserver.
 * Rendezvous: a FileStore in a fresh `tempfile.mkdtemp()` directory — no ports, so parallel xdist
   workers never collide.
 * Jobs: a picklable top-level callable + args, sent to each rank over its own duplex pipe as plain

@@ -113,3 +113,10 @@ def group_sum(ctx) -> tuple:
     name = str((ctx.group or dist.group.WORLD).group_name)
     return ctx.rank, ctx.world, dist.get_world_size(ctx.group), float(t.item()), group_links()[name]
 
+
+
+def has_module(ctx, name="examples.mlp_regressor"):
+    """Whether this rank had `name` imported before the job ran (nothing in the job references it)."""
+    import sys
+
+    return name in sys.modules
