@@ -163,11 +163,11 @@ def test_ranks_fork_with_the_trainer_module_already_imported(monkeypatch):
     """On the cpu the gloo pool's forkserver imports the module load_adapter imported, so no rank imports a framework
     again; on cuda it does not (a module touching CUDA at import would break its forks). A fresh process: the
     forkserver's preload is fixed when it starts."""
-    code = ("import sys; from verify.protocol import load_adapter; from verify.pool import RankPool, _preload\n"
+    code = ("from tests.helpers.dist_jobs import has_module\n"
+            "from verify.pool import RankPool, _preload\n"
+            "from verify.protocol import load_adapter\n"
             "load_adapter('examples.mlp_regressor:factory')\n"
-            "pool = RankPool(1, 'gloo')\n"
-            "print(pool.run(lambda_free_job)[0], _preload()[-1])\n")
-    code = code.replace("lambda_free_job", "__import__('tests.helpers.dist_jobs', fromlist=['x']).has_module")
+            "print(RankPool(1, 'gloo').run(has_module)[0], _preload()[-1])\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "XTRAIN_POOL_START": "forkserver"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

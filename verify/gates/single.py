@@ -23,19 +23,24 @@ __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "G
 
 
 def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -> GateResult:
-    """`runs64`: float64 runs kept across calls on the same rows and N (a float64 run has no autocast: the
-    long-window gate's bf16 and fp16 passes share theirs)."""
+    """`runs64`: float64 runs by (rows or twin, N), kept across calls on the same case (a float64 run has no
+    autocast: the long-window gate's bf16 and fp16 passes share theirs)."""
     gate, N = Gate.EQUIVALENCE, case.accum_steps
     batches = case.batches(adapter)
     f64, runs64 = torch.float64, {} if runs64 is None else runs64
     run = lambda n, dtype, data=batches: drive(  # noqa: E731
         adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter)), data, n, dtype=dtype,
         device=device, gate=gate)
-    kept = lambda key, n, data=batches: runs64[key] if key in runs64 else runs64.setdefault(key, run(n, f64, data))  # noqa: E731
+
+    def kept(n, data=batches, what="rows"):
+        if (what, n) not in runs64:
+            runs64[what, n] = run(n, f64, data)
+        return runs64[what, n]
+
     acc, big = run(N, torch.float32), run(1, torch.float32)
-    acc64, ref64 = kept("acc", N), kept("big", 1)
+    acc64, ref64 = kept(N), kept(1)
     declared = twin_floor(0.0, adapter.loss_precision)
-    measure = lambda: measured_floor(ref64, kept("twin", 1, twin(batches)), adapter.loss_precision)  # noqa: E731
+    measure = lambda: measured_floor(ref64, kept(1, twin(batches), "twin"), adapter.loss_precision)  # noqa: E731
     j, doomed, floor = Judge(gate, case), None, None
     try:
         try:  # the float64 verdict, looked at first and raised last: a case that fails anyway computes no κ

@@ -26,9 +26,10 @@ can show.
 A gate's cell says whether it rejects the mutant on some case where the bug exists ("not reached": an
 earlier gate of the same run rejected it first). A mutant is run case by case, in the order above, until a gate
 rejects it: the gates left after that say "not run" (a gate that passed on the cases before says "not run" too: it
-was not judged on every case), since a mutation score needs one kill per operator, as mutation testers count it. `--every-case` (every_case=True) fills the whole matrix instead: every gate on every
-case where the bug exists, except that a gate which has already rejected the mutant is not run on it again
-(its cell cannot change). An operator is killed when some gate rejects it on a case where its bug exists; it survives when every
+was not judged on every case), since a mutation score needs one kill per operator, as mutation testers count it.
+`--every-case` (every_case=True) fills the whole matrix instead: every gate on every case where the bug exists,
+except that a gate which has already rejected the mutant is not run on it again (its cell cannot change). An
+operator is killed when some gate rejects it on a case where its bug exists; it survives when every
 gate passes on every such case. The unwrapped trainer must pass every gate on every case. Score =
 killed / operators whose bug can exist for this adapter (data-parallel-only operators do not apply to
 a single-process trainer, token operators to a trainer without an ignore_index). "The unwrapped trainer
@@ -144,11 +145,11 @@ def _checks(adapter, case, plain: bool, dist: bool) -> list:
 def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset(), first_kill: bool = False) -> dict:
     """Gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case (`_checks`). A check
     whose every column is in `settled` (already 'rejects' for this mutant: its cells cannot change) is not run;
-    with first_kill none runs after the first that rejects."""
+    with first_kill none runs after the first that rejects (their columns are absent)."""
     out = {}
     checks = [(name, check, columns) for name, check, columns in _checks(adapter, case, plain, dist)
               if not set(columns) <= set(settled)]
-    for n, (name, check, columns) in enumerate(checks):
+    for name, check, columns in checks:
         try:
             check(adapter, case)
             out.update(dict.fromkeys(columns, "pass"))
@@ -163,8 +164,6 @@ def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset(), firs
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
             out.update(dict.fromkeys(columns, "error: " + tb[:300]))
         if first_kill and any(v.startswith(("kill", "error")) for v in out.values()):
-            for _, _, rest in checks[n + 1:]:
-                out.update({g: NOT_RUN for g in rest if g not in out})
             break
     return out
 
@@ -289,21 +288,21 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
                  and (c.accum_steps >= LONG_N) == op.long and (not op.fp16 or overflow_ok)]
         row = {g: "n/a" for g in GATES}
         for j, (i, case) in enumerate(where):
-            if not every_case and "rejects" in row.values():  # killed: the later cases' gates are not run
-                for k, c in where[j:]:
-                    for _, _, columns in _checks(mutant, c, plain, k >= len(single)):
-                        row.update({g: NOT_RUN for g in columns if row[g] != "rejects"})
-                break
             settled = {g for g, v in row.items() if v == "rejects"}
-            for gate, v in _run_gates(mutant, case, plain, i >= len(single), settled, not every_case).items():
+            got = _run_gates(mutant, case, plain, i >= len(single), settled, not every_case)
+            for gate, v in got.items():
                 if v.startswith(("kill", "error")):
                     row[gate] = "rejects"
-                elif v == NOT_RUN:  # an earlier gate of this case killed it: a "passes" so far is not the whole story
-                    row[gate] = NOT_RUN if row[gate] != "rejects" else row[gate]
                 elif v == "pass" and row[gate] in ("n/a", "not reached"):
                     row[gate] = "passes"
                 elif row[gate] == "n/a":
                     row[gate] = v  # "not reached": an earlier gate on that run already rejected it
+            if not every_case and "rejects" in row.values():  # killed: the gates left here and on later cases
+                left = [g for _, _, cols in _checks(mutant, case, plain, i >= len(single)) for g in cols if g not in got]
+                left += [g for k, c in where[j + 1:] for _, _, cols in _checks(mutant, c, plain, k >= len(single))
+                         for g in cols]
+                row.update({g: NOT_RUN for g in left if row[g] != "rejects"})  # a "passes" so far included
+                break
         done += len(cases)
         if progress:
             progress(done, total, op.name)

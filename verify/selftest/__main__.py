@@ -3,8 +3,8 @@
                           [--every-case]
 
 Plants each fault operator (verify.selftest.operators) in your trainer, runs the gates on every mutant
-until one rejects it (--every-case: on every case), prints operator × gate with verdicts and the mutation score, and adds the table to
-DIR/verify-report.{json,md}. Exit status: 0 every operator killed and the unwrapped trainer passes,
+until one rejects it (--every-case: on every case), prints operator × gate with verdicts and the mutation
+score, and adds the table to DIR/verify-report.{json,md}. Exit status: 0 every operator killed and the unwrapped trainer passes,
 1 an operator survived where its bug can exist or the unwrapped trainer fails a gate, 2 bad input.
 """
 from __future__ import annotations
