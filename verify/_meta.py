@@ -9,8 +9,6 @@ import platform
 import subprocess
 import tempfile
 
-import torch
-
 from .settings import Settings, env_of, fp32_only  # noqa: F401  (fp32_only: its home is the device set-up)
 
 # The distribution's name on the package index ("xtrain" there is an unrelated project); the import names
@@ -85,6 +83,8 @@ def _cpu_model() -> str | None:
 
 def machine_info(device=None) -> dict:
     """The machine a report was measured on. `gpu` and `driver` are None unless `device` is a CUDA one."""
+    import torch  # here, not at the top: the pytest plugin reads versions() without paying torch's import
+
     info = dict(python=platform.python_version(), platform=platform.platform(), node=platform.node(),
                 cpu_count=os.cpu_count(), cpu_model=_cpu_model(), torch=torch.__version__, cuda=torch.version.cuda,
                 threads=torch.get_num_threads(), gpu=None, driver=None,
@@ -111,10 +111,35 @@ def machine_info(device=None) -> dict:
 
 SCHEMA_VERSION = 1
 
+# The distributions whose behaviour a verdict depends on: the harness's own machinery first, then the
+# frameworks the recipes drive. A fresh machine resolves the newest releases pyproject allows, so every report
+# and every pytest run's header names what was resolved (a new release is then visible where it changed things).
+DEPENDENCIES = ("torch", "numpy", "hypothesis", "pytest", "pytest-xdist", "nvidia-ml-py", "matplotlib",
+                "transformers", "accelerate", "lightning")
+
+
+def versions() -> dict:
+    """{distribution: version} of DEPENDENCIES that are installed (absent ones are left out)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as v
+
+    out = {}
+    for name in DEPENDENCIES:
+        try:
+            out[name] = v(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def versions_text(found: dict | None = None) -> str:
+    """One line: `torch 2.13.0+cpu, hypothesis 6.170.17, …` (the pytest header and the reports print it)."""
+    return ", ".join(f"{k} {x}" for k, x in (versions() if found is None else found).items())
+
 
 def header(kind: str, device=None) -> dict:
     return dict(schema_version=SCHEMA_VERSION, kind=kind, machine_info=machine_info(device),
-                git_commit=git_commit(), utc=utc_now(), xtrain_version=version())
+                git_commit=git_commit(), utc=utc_now(), xtrain_version=version(), versions=versions())
 
 
 def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:

@@ -124,6 +124,14 @@ def pytest_configure_verify_caches(config):  # a second pytest_configure (specna
         config.option.benchmark_storage = "file://" + os.path.join(home, "benchmarks")
 
 
+def pytest_report_header(config):
+    """What a fresh machine resolved, first thing in every run's log (CI's too): a new release of a dependency
+    is then named beside whatever it changed."""
+    from ._meta import version, versions_text
+
+    return f"verify: xtrain-verify {version()}; {versions_text()}"
+
+
 def pytest_configure(config):
     for m in MARKERS:
         config.addinivalue_line("markers", m)

@@ -202,13 +202,15 @@ def _ratio(x) -> str:
 
 
 def render_md(doc: dict) -> str:
-    from ._meta import commit_text
+    from ._meta import commit_text, versions_text
 
     mi = doc.get("machine_info", {})
     lines = [f"# verify report: `{doc['trainer']}`", "",
              f"{doc.get('utc')} · {commit_text(doc)} · xtrain-verify {doc.get('xtrain_version')} · "
              f"torch {mi.get('torch')} · {mi.get('gpu') or 'CPU'} · settings: "
              + ", ".join(f"{k} {v}" for k, v in doc.get("settings", {}).items() if k != "command"), ""]
+    if doc.get("versions"):
+        lines += [f"Resolved: {versions_text(doc['versions'])}", ""]
     decl = doc.get("declarations")
     if decl is not None:  # each one changes what a gate expects; none turns a gate off
         lines += ["Declarations: " + ("; ".join(f"`{k}={v}`" for k, v in decl.items()) or "none"), ""]

@@ -51,7 +51,9 @@ def _tree(folder: str) -> dict:
 def test_readme_test_command_is_what_ci_runs():
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         last = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")][-1]
-    assert last == _readme_line("python -m pip uninstall -y xtrain"), last
+    assert last == _readme_line("python -m venv .venv && "), last
+    # a fresh environment on every run: the one made by an earlier run is removed first
+    assert "rm -rf .venv" in open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
 
 
 @pytest.mark.slow
