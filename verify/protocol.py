@@ -158,9 +158,6 @@ class Adapter:
     """The trainer's LR scheduler advances once per RANK per optimizer step (Accelerate's prepared scheduler,
     split_batches=False): W ranks equal one process whose scheduler steps W times. The harness then builds
     every trainer with Spec.schedule_world = the world it is compared at."""
-    loss_precision: str | None = None
-    """"fp32": the loss (or part of the forward) is computed in float32 even in float64 runs (HF's
-    `logits.float()`, Fabric's "64-true" output cast): the float64 checks judge at float32's rounding."""
     empty_windows: bool = True
     """With an ignore_index: the trainer takes windows without a valid target (and must leave the parameters
     and its state alone on them). False: the harness never draws such a window, and says so."""
@@ -190,8 +187,6 @@ class Adapter:
         bad = [p for p in self.precisions if p not in ("fp32", "bf16", "fp16")]
         if bad or not self.precisions:
             raise AdapterError(f"precisions must be a non-empty subset of fp32, bf16, fp16, got {self.precisions}")
-        if self.loss_precision not in (None, "fp32"):
-            raise AdapterError(f"loss_precision must be None or 'fp32', got {self.loss_precision!r}")
         if self.overflow is not None and not callable(self.overflow):
             raise AdapterError(f"overflow= must be callable (trainer, inputs, targets, rows) -> (inputs, targets), "
                                f"got {self.overflow!r}")
@@ -214,7 +209,7 @@ class Adapter:
         """Every declaration that changes what the gates expect, by name (the report lists them)."""
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
-                  "loss_precision", "process_group", "data_parallel", "subgroups", "empty_windows", "overflow",
+                  "process_group", "data_parallel", "subgroups", "empty_windows", "overflow",
                   "mesh_axes"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
@@ -319,7 +314,7 @@ def _qual(fn) -> str:
 def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
-            loss_precision: str | None = None, empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
+            empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
             subgroups: bool = False):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""

@@ -237,9 +237,9 @@ def render_md(doc: dict) -> str:
             floor = g.get("float64_floor")
             lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | "
                          f"{'—' if floor is None else f'{floor:.2e}'} | {extra}{short} | {BOUNDS.get(base, '')} |")
-        lines += ["", "float64 floor: the largest rounding floor a gate's float64 checks used — declared "
-                  "(loss_precision) or measured on the reference's twin where the 1e-9 rule was not enough; "
-                  "—: none needed (docs/design.md §3).", ""]
+        lines += ["", "float64 floor: the largest rounding floor a gate's float64 checks used — eps32 (what an fp32 "
+                  "run of the case resolves), or the reference's own rounding measured on its twin where eps32 was "
+                  "not enough; —: the gate has no float64 check (docs/design.md §3).", ""]
     fails = doc.get("failures") or []
     if not gates and not fails:
         lines.append("No gate run recorded yet: `pytest --pyargs verify --verify-trainer "

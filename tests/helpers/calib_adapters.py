@@ -1,11 +1,11 @@
 """Small MLP trainers of real framework behaviour the float64 checks must judge at the precision each has
 (tests/harness/test_calibration.py), a real 1e-5 error they must still reject, and the declarations of issue 15.
+None of them declares anything about its float64 precision: a float64 run is judged at what an fp32 run resolves.
 
     hf_style          HF's ForCausalLMLoss: the loss on `logits.float()`, a downcast on a float64 model
     fabric_64_true    Lightning Fabric precision="64-true": the forward's output cast to float32
-    fp32_constant     `loss * torch.tensor(1 / N)`: a float32 constant (no twin can reveal it) — undeclared
-    fp32_declared     the same, declaring loss_precision="fp32"
-    off_by_1e5        accumulation 1e-5 relative off (a real error) even though it declares loss_precision
+    fp32_constant     `loss * torch.tensor(1 / N)`: a float32 constant (no twin can reveal it); fp32_constant_dp on ranks
+    off_by_1e5        accumulation 1e-5 relative off (a real error), with the same float32 constant
     per_rank_sched    Accelerate's prepared scheduler: steps once per RANK per optimizer step, declared
     per_rank_undeclared  the same without the declaration (must fail at W > 1)
     per_rank_unemulated  declared, but its one-process reference ignores Spec.schedule_world (must fail)
@@ -132,8 +132,8 @@ _cls = verify.data.classification(features=FEATURES, classes=CLASSES)
 hf_style = verify.adapter(data=_cls, data_parallel=True)(HFStyle)
 fabric_64_true = verify.adapter(data=_reg, data_parallel=True)(Fabric64True)
 fp32_constant = verify.adapter(data=_reg)(Fp32Constant)
-fp32_declared = verify.adapter(data=_reg, loss_precision="fp32")(Fp32Constant)
-off_by_1e5 = verify.adapter(data=_reg, loss_precision="fp32")(OffBy1e5)
+fp32_constant_dp = verify.adapter(data=_reg, data_parallel=True)(Fp32Constant)
+off_by_1e5 = verify.adapter(data=_reg)(OffBy1e5)
 per_rank_sched = verify.adapter(data=_reg, data_parallel=True, scheduler_per_rank=True)(PerRankScheduler)
 per_rank_undeclared = verify.adapter(data=_reg, data_parallel=True)(PerRankUndeclared)
 per_rank_unemulated = verify.adapter(data=_reg, data_parallel=True, scheduler_per_rank=True)(PerRankUndeclared)

@@ -295,7 +295,7 @@ PLANTED: tuple[PlantedBug, ...] = (
                r"axis dp .*count table row 'dp: boundary-only' expects none, observed all_reduce×\d",
                PIPE.replace(pipeline_chunks=1, world=2, mesh=Mesh(dp=2))),
     # -- the project's tests' own trainers (tests/helpers/, by reference): small MLPs and framework recipes ---
-    PlantedBug("off_by_1e5", "accumulation 1e-5 off, loss_precision declared",
+    PlantedBug("off_by_1e5", "accumulation 1e-5 off, beside a float32 constant",
                "tests.helpers.calib_adapters:off_by_1e5", Gate.EQUIVALENCE, _EQ,
                Case(accum_steps=3, micro_batch=2, steps=1)),
     PlantedBug("per_rank_undeclared", "Accelerate's scheduler stepped per rank, undeclared",

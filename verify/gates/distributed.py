@@ -32,7 +32,7 @@ from ..settings import Settings
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .counts import SCALARS, CountRow, check_step
 from .diagnose import determinism
-from .tolerance import Judge, condition, measured_floor, twin_floor
+from .tolerance import Judge, condition, measured_floor
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
@@ -250,11 +250,11 @@ def boundary_summary(report: CommReport | None, rank: int, dtype: str, step: int
 # -- the numbers' verdict --------------------------------------------------------------------------
 
 def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: CommReport | None = None,
-                           kappa=None, floor: float = 0.0, measure=None) -> tuple[str, float, float | None]:
+                           kappa=None, measure=None) -> tuple[str, float, float | None]:
     """Every rank vs the one-rank reference on the big batch; returns (the check closest to its bound,
     its error / bound, the float64 floor judged with). kappa: name -> κ, or a function returning it when a
-    check needs it (Judge.step0); floor / measure: the declared float64 floor, and a function measuring the
-    case's own when a float64 check needs it (Judge.float64)."""
+    check needs it (Judge.step0); measure: a function measuring the case's own float64 floor on its twin when
+    a float64 check needs it (Judge.float64)."""
     big, ref = outcomes[0].refs["big32"], outcomes[0].refs["ref64"]
     worst, used = ("", 0.0), None
     kappa = functools.cache(kappa) if callable(kappa) else kappa  # one function for every rank: computed once
@@ -266,7 +266,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
         doomed = None
         if F64 in o.runs:  # looked at first, raised last: a case that fails anyway computes no κ
             try:
-                f = j.float64(o.runs[F64].trace, ref, floor, measure)
+                f = j.float64(o.runs[F64].trace, ref, measure)
                 used = f if used is None or (f or 0.0) > used else used
             except GateFailure as e:
                 doomed = e
@@ -295,14 +295,14 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     row = adapter.counts(case) if adapter.counts is not None else None
     report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row)
     kpool = (pool if case.world == 1 else ref_pool) or get_pool(1)  # where the reference ran
-    ref64, declared = outcomes[0].refs["ref64"], twin_floor(0.0, adapter.loss_precision)
+    ref64 = outcomes[0].refs["ref64"]
     ref_grads = ref64.grads0
     measure = lambda: measured_floor(  # noqa: E731
-        ref64, kpool.run(reference_job, adapter, case, True)[0]["ref64"], adapter.loss_precision)
+        ref64, kpool.run(reference_job, adapter, case, True)[0]["ref64"])
     lazy = ((lambda: kpool.run(kappa_job, adapter, case, ref_grads)[0])  # noqa: E731
             if case.accum_steps * case.world > 1 else None)
     try:
-        worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, declared, measure)
+        worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, measure)
     except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
         raise determinism(e, rerun, outcomes[0].runs[F32].trace) from None

@@ -23,7 +23,7 @@ from ..pool import get_pool
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .distributed import F32, F64, kappa_job, reference_job, run_distributed
 from .mesh_counts import check_mesh_counts
-from .tolerance import Judge, measured_floor, twin_floor
+from .tolerance import Judge, measured_floor
 
 __all__ = ["check_mesh", "check_mesh_splits", "assemble_traces", "where"]
 
@@ -104,7 +104,7 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
     stages = _stage_of([o.runs[F32].trace for o in outcomes], case)
     kpool = (pool if case.ranks == 1 else ref_pool) or get_pool(1)  # where the reference ran
     measure = functools.cache(lambda: measured_floor(
-        ref, kpool.run(reference_job, adapter, case, True)[0]["ref64"], adapter.loss_precision))
+        ref, kpool.run(reference_job, adapter, case, True)[0]["ref64"]))
     kappa = functools.cache(lambda: kpool.run(kappa_job, adapter, case, ref.grads0)[0])
     lazy = kappa if case.accum_steps * case.world > 1 else None
     worst, used = ("", 0.0), None
@@ -113,7 +113,7 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
         doomed = None
         try:
             try:  # looked at first, raised last (as in gates/distributed.py): a doomed case computes no κ
-                f = j.float64(runs[F64][d], ref, twin_floor(0.0, adapter.loss_precision), measure)
+                f = j.float64(runs[F64][d], ref, measure)
                 used = f if used is None or (f or 0.0) > used else used
             except GateFailure as e:
                 doomed = e

@@ -17,7 +17,7 @@ import torch
 from ..case import Case, block_grads, drive, twin
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .diagnose import determinism
-from .tolerance import Judge, condition, measured_floor, twin_floor
+from .tolerance import Judge, condition, measured_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
 
@@ -39,12 +39,11 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
 
     acc, big = run(N, torch.float32), run(1, torch.float32)
     acc64, ref64 = kept(N), kept(1)
-    declared = twin_floor(0.0, adapter.loss_precision)
-    measure = lambda: measured_floor(ref64, kept(1, twin(batches), "twin"), adapter.loss_precision)  # noqa: E731
+    measure = lambda: measured_floor(ref64, kept(1, twin(batches), "twin"))  # noqa: E731
     j, doomed, floor = Judge(gate, case), None, None
     try:
         try:  # the float64 verdict, looked at first and raised last: a case that fails anyway computes no κ
-            floor = j.float64(acc64, ref64, declared, measure)
+            floor = j.float64(acc64, ref64, measure)
         except GateFailure as e:
             doomed = e
         kappa = (lambda: condition(block_grads(adapter, case, device, gate), ref64.grads0)) if N > 1 else None

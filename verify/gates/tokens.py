@@ -29,7 +29,7 @@ import torch
 from ..case import Case, Trace, drive
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .single import run_alone
-from .tolerance import Judge, bound64, float32_loss, rel_err, twin_floor
+from .tolerance import Judge, bound64, rel_err, twin_floor
 
 __all__ = ["check_token_mean", "check_empty_window", "windows_case"]
 
@@ -108,21 +108,19 @@ def _flip(batch):
     return batch[0].flip(0), batch[1].flip(0)
 
 
-def _floors(pairs, loss_precision) -> tuple[float, dict]:
+def _floors(pairs) -> tuple[float, dict]:
     """(floor, name -> parameter floor) from (run, twin) pairs, equal in exact arithmetic: twin_floor of the
-    largest twin_diff (one float32 part seen anywhere lifts every floor to eps32), and for each parameter at
-    least its own largest relative |Δ| (a tensor whose terms cancel rounds more than the whole)."""
+    largest twin_diff, and for each parameter at least its own largest relative |Δ| (a tensor whose terms
+    cancel rounds more than the whole)."""
     from .tolerance import twin_diff
 
-    diffs = [twin_diff(a, b) for a, b in pairs]
-    measured, seen = max(d[0] for d in diffs), max(d[1] for d in diffs)
+    measured = max(twin_diff(a, b) for a, b in pairs)
     params = {}
     for a, b in pairs:
         for name, g in b.grads0.items():
             if name in a.grads0:
                 params[name] = max(params.get(name, measured), rel_err(a.grads0[name], g))
-    return (twin_floor(measured, loss_precision, seen),
-            {k: twin_floor(v, loss_precision, max(seen, v)) for k, v in params.items()})
+    return twin_floor(measured), {k: twin_floor(v) for k, v in params.items()}
 
 
 class _Verdicts:
@@ -160,9 +158,7 @@ def token_mean_job(adapter, case: Case, device: str) -> GateResult:
     # twins: the same rows reversed, in ONE micro-batch — another order and another split, so a float32 part
     # (a loss computed in fp32, a count divided in fp32) shows; two of them, so one lucky match cannot hide it
     twins = [(ab, r.run([_flip(union)], 1, GATE)), (rows, r.run([_flip(pad)], 1, GATE))]
-    runs = [a_b, b, ab, rows, *(t for _, t in twins)]
-    fp32 = "fp32" if float32_loss(*(x for t in runs for x in t.losses)) else adapter.loss_precision
-    overall, floors = _floors(twins, fp32)
+    overall, floors = _floors(twins)
     v = _Verdicts(case)
     na, nb = r.count(r.ya), r.count(r.yb)
     a = Trace(a_b.losses[:1], a_b.grads0, a_b.params[:1])
@@ -215,7 +211,6 @@ def empty_window_job(adapter, case: Case, device: str) -> GateResult:
                 hint="an empty window was stepped: weight decay, momentum or a 0/0 moved the parameters")
     j = Judge(EMPTY, case, where="window B after an empty window, vs B right after A with no empty window between "
                                  "(the reference): ")
-    # a true no-op leaves the two runs bit-identical; the float64 rule (at eps32 for a declared float32 loss) bounds them
-    j.float64(Trace(with_empty.losses[2:], {}, with_empty.params[2:]), Trace(without.losses[1:], {}, without.params[1:]),
-              floor=twin_floor(0.0, "fp32" if float32_loss(*without.losses) else adapter.loss_precision))
+    # a true no-op leaves the two runs bit-identical; the float64 rule (at what an fp32 run resolves) bounds them
+    j.float64(Trace(with_empty.losses[2:], {}, with_empty.params[2:]), Trace(without.losses[1:], {}, without.params[1:]))
     return GateResult(EMPTY, case, "parameters bit-unchanged; the next window as without it", 0.0)

@@ -163,9 +163,17 @@ def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset(), firs
         except Exception as e:  # noqa: BLE001  (the wrapped trainer crashed: the bug did not pass silently)
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
             out.update(dict.fromkeys(columns, "error: " + tb[:300]))
-        if first_kill and any(v.startswith(("kill", "error")) for v in out.values()):
+        if first_kill and any(v.startswith("kill") for v in out.values()):
             break
     return out
+
+
+ERROR = "error"  # a cell whose run raised something other than a gate's verdict: never a kill
+
+
+def cause(verdict: str) -> str:
+    """The one-line cause of an 'error: ...' verdict of _run_gates."""
+    return verdict.removeprefix("error: ").strip()
 
 
 @dataclass
@@ -178,6 +186,8 @@ class SelftestResult:
     worlds: list = field(default_factory=list)  # the worlds of the data-parallel cases
     n_single: int = 0  # cases[:n_single] run the single-process gates, the rest the data-parallel or mesh ones
     meshes: list = field(default_factory=list)  # the meshes of the mesh cases ("mesh dp=1 pp=2 tp=1")
+
+    errors: dict = field(default_factory=dict)  # (operator or "(unwrapped trainer)", gate) -> one-line cause
 
     @property
     def baseline_ok(self) -> bool:
@@ -197,7 +207,9 @@ class SelftestResult:
 
     @property
     def ok(self) -> bool:
-        return self.baseline_ok and len(self.killed) == len(self.applicable)
+        """Every operator killed by a gate, the unwrapped trainer passes, and no cell errs (a crash proves
+        nothing about the gates)."""
+        return self.baseline_ok and len(self.killed) == len(self.applicable) and not self.errors
 
     def table(self, md: bool = False) -> str:
         head = ["operator", *(g.value for g in GATES), "verdict"]
@@ -229,15 +241,18 @@ class SelftestResult:
                             + ([f"on {', '.join(ms)}"] if ms else []))
 
     def as_dict(self) -> dict:
-        survived = sorted(set(self.applicable) - set(self.killed))
+        survived = sorted(op for op in set(self.applicable) - set(self.killed) if self.rows[op]["verdict"] != ERROR)
+        erred = sorted({who for who, _ in self.errors})
         problems = ([f"the unwrapped trainer fails a gate {self.failing}"] if not self.baseline_ok else []) + \
-                   ([f"survived: {survived}"] if survived else [])
+                   ([f"survived: {survived}"] if survived else []) + \
+                   ([f"error (a run raised, not a gate's verdict: not counted as a kill): {erred}"] if erred else [])
         return dict(trainer=self.trainer, score=self.score, ok=self.ok, seconds=round(self.seconds, 1),
                     worlds=self.worlds,
                     verdict=(f"every operator killed, the unwrapped trainer passes{self.at_worlds}" if self.ok else
                              "FAIL: " + "; ".join(problems)),
                     cases=[str(c) for c in self.cases], baseline={str(k): v for k, v in self.baseline.items()},
                     operators={op: dict(r) for op, r in self.rows.items()},
+                    errors=[dict(operator=who, gate=str(g), cause=c) for (who, g), c in self.errors.items()],
                     descriptions={op: OPERATORS[op].doc for op in self.rows},
                     table_md=self.table(md=True))
 
@@ -246,6 +261,8 @@ def _baseline_cell(baseline: dict, gate: str) -> str:
     vals = [r[gate] for r in baseline.values() if gate in r]
     if not vals:
         return "n/a"
+    if any(v.startswith("error") for v in vals):
+        return ERROR
     bad = [v for v in vals if v not in ("pass", "not reached")]
     return "passes" if not bad else "FAILS"
 
@@ -279,6 +296,9 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
     total, done = len(cases) * (1 + len(ops)), 0
     for i, case in enumerate(cases):
         res.baseline[i] = _run_gates(adapter, case, plain, i >= len(single))
+        for gate, v in res.baseline[i].items():
+            if v.startswith("error"):
+                res.errors.setdefault(("(unwrapped trainer)", gate), cause(v))
         done += 1
         if progress:
             progress(done, total, "unwrapped trainer")
@@ -291,7 +311,13 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
             settled = {g for g, v in row.items() if v == "rejects"}
             got = _run_gates(mutant, case, plain, i >= len(single), settled, not every_case)
             for gate, v in got.items():
-                if v.startswith(("kill", "error")):
+                if v.startswith("kill") and res.baseline[i].get(gate, "pass") not in ("pass", "not reached"):
+                    v = "error: the unwrapped trainer does not pass this gate on this case either"
+                if v.startswith("error"):
+                    res.errors.setdefault((op.name, gate), cause(v))
+                    if row[gate] != "rejects":
+                        row[gate] = ERROR
+                elif v.startswith("kill"):
                     row[gate] = "rejects"
                 elif v == "pass" and row[gate] in ("n/a", "not reached"):
                     row[gate] = "passes"
@@ -306,8 +332,8 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
         done += len(cases)
         if progress:
             progress(done, total, op.name)
-        row["verdict"] = ("n/a" if not where else
-                          "killed" if any(v == "rejects" for v in row.values()) else "SURVIVED")
+        row["verdict"] = ("n/a" if not where else "killed" if any(v == "rejects" for v in row.values())
+                          else ERROR if any(v == ERROR for v in row.values()) else "SURVIVED")
         res.rows[op.name] = row
     res.seconds = time.perf_counter() - t0
     return res

@@ -4,8 +4,10 @@
 
 Plants each fault operator (verify.selftest.operators) in your trainer, runs the gates on every mutant
 until one rejects it (--every-case: on every case), prints operator × gate with verdicts and the mutation
-score, and adds the table to DIR/verify-report.{json,md}. Exit status: 0 every operator killed and the unwrapped trainer passes,
-1 an operator survived where its bug can exist or the unwrapped trainer fails a gate, 2 bad input.
+score, and adds the table to DIR/verify-report.{json,md}. A run that raises something other than a gate's verdict (the
+factory, the data, a rank's job or its timeout) is an "error" cell with its cause: never a kill. Exit status: 0 every
+operator killed by a gate, the unwrapped trainer passes and no cell errs; 1 an operator survived where its bug can
+exist, the unwrapped trainer fails a gate, or a cell errs; 2 bad input.
 """
 from __future__ import annotations
 
@@ -100,6 +102,8 @@ def main(argv=None) -> int:
           + (f"; data-parallel at worlds {res.worlds}" if res.worlds else "")
           + (f"; on {', '.join(res.meshes)}" if res.meshes else ""))
     print(res.table())
+    for (who, gate), why in res.errors.items():
+        print(f"error: {who}, {gate}: {why}")
     d = res.as_dict()
     print(f"mutation score {res.score} in {res.seconds:.0f} s: {d['verdict']}")
     from .. import report
