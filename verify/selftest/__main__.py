@@ -4,8 +4,10 @@
 
 Plants each fault operator (verify.selftest.operators) in your trainer, runs the gates on every mutant
 until one rejects it (--every-case: on every case), prints operator × gate with verdicts and the mutation
-score, and adds the table to DIR/verify-report.{json,md}. Exit status: 0 every operator killed and the unwrapped trainer passes,
-1 an operator survived where its bug can exist or the unwrapped trainer fails a gate, 2 bad input.
+score (kills by a gate only), and adds the table to DIR/verify-report.{json,md}. Exit status: 0 every operator
+killed and the unwrapped trainer passes; 1 an operator survived where its bug can exist or the unwrapped trainer
+fails a gate; 2 bad input; 3 a run raised instead of reaching a verdict (the trainer, its factory or data maker,
+a pool job or its timeout: an "error" cell, its cause printed below the table, never counted as a kill).
 """
 from __future__ import annotations
 
@@ -94,12 +96,15 @@ def main(argv=None) -> int:
         from ..pool import close_all
 
         close_all()
-    listed = [str(c).split(" seed")[0] + (" W=1" if i >= res.n_single and c.world == 1 and c.mesh is None else "")
-              for i, c in enumerate(res.cases)]
+    from . import _short
+
+    listed = [_short(c, i >= res.n_single) for i, c in enumerate(res.cases)]
     print(f"self-test of {res.trainer}: {len(res.cases)} cases ({', '.join(listed)})"
           + (f"; data-parallel at worlds {res.worlds}" if res.worlds else "")
           + (f"; on {', '.join(res.meshes)}" if res.meshes else ""))
     print(res.table())
+    for line in res.error_lines():  # each distinct cause once: the table's cells say only "error"
+        print(line)
     d = res.as_dict()
     print(f"mutation score {res.score} in {res.seconds:.0f} s: {d['verdict']}")
     from .. import report
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
                                                                      **({"selftest_meshes": res.meshes} if res.meshes else {})),
                          selftest=d, device=device, declarations=adapter.declarations())
     print("wrote " + ", ".join(paths))
-    return 0 if res.ok else 1
+    return res.exit_code
 
 
 if __name__ == "__main__":
