@@ -109,10 +109,12 @@ def main(argv=None) -> int:
     print(f"mutation score {res.score} in {res.seconds:.0f} s: {d['verdict']}")
     from .. import report
 
+    replaced = report.replaces(out, res.trainer)
     paths = report.write(out, trainer=res.trainer, settings=dict(device=device, selftest_worlds=res.worlds,
                                                                      **({"selftest_meshes": res.meshes} if res.meshes else {})),
                          selftest=d, device=device, declarations=adapter.declarations())
-    print("wrote " + ", ".join(paths))
+    print("wrote " + ", ".join(paths) + (f"; they replaced {replaced} (--verify-report DIR keeps one per trainer)"
+                                        if replaced else ""))
     return res.exit_code
 
 
