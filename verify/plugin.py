@@ -80,13 +80,11 @@ def cache_home() -> str:
 
 
 def example_dir(home: str, trainer: str | None) -> str:
-    """hypothesis' storage for one trainer: its example database is keyed by test, not by --verify-trainer, so
-    each trainer gets its own folder — one trainer's saved failures are never replayed against (or deleted by
-    a passing run of) another."""
+    """hypothesis' storage per trainer (its database keys by test alone): one trainer's saved failures are never
+    replayed against, or deleted by a passing run of, another."""
     from .protocol import DEFAULT_REF
 
-    ref = trainer or DEFAULT_REF
-    return os.path.join(home, "hypothesis", "".join(c if c.isalnum() or c in "._-" else "_" for c in ref))
+    return os.path.join(home, "hypothesis", "".join(c if c.isalnum() or c in "._-" else "_" for c in trainer or DEFAULT_REF))
 
 
 def _verify_run(config) -> bool:
@@ -338,9 +336,8 @@ class _Reporter:
                                           hint=getattr(report, "verify_hint", None)))
 
     def pytest_terminal_summary(self, terminalreporter):
-        """Skipped gates say why on the terminal, not only in the report: each gate once, by its report key (the
-        Gate name), and only where it ran no example — the report's "skipped" rows, nothing else (a gate test
-        that skips because another test runs its gate is no skipped gate). And the short summary pytest
+        """Skipped gates say why on the terminal: the report's skipped rows (each gate once, by its key, where it
+        ran no example; a test that skips since another runs its gate skips no gate). And the short summary pytest
         prints next (after this hook) shows a failed gate's verdict whole: pytest trims it to the terminal's
         width below verbosity 2, and a verdict cut at `verify.gates.toler...` says nothing."""
         if _is_worker(self.config):

@@ -30,7 +30,10 @@ was not judged on every case), since a mutation score needs one kill per operato
 `--every-case` (every_case=True) fills the whole matrix instead: every gate on every case where the bug exists,
 except that a gate which has already rejected the mutant is not run on it again (its cell cannot change). An
 operator is killed when some gate rejects it on a case where its bug exists; it survives when every
-gate passes on every such case. The unwrapped trainer must pass every gate on every case. Score =
+gate passes on every such case. A run that raises instead (anything but a GateFailure: the factory, the data
+maker, a pool job or its timeout) is an "error" cell with its one-line cause (SelftestResult.errors), never a
+kill; where the unwrapped trainer fails or raises, the mutants' cells there are "error", not run. An operator
+no gate killed with an error cell is "error", and the self-test fails (exit 3) while any run errs. The unwrapped trainer must pass every gate on every case. Score =
 killed / operators whose bug can exist for this adapter (data-parallel-only operators do not apply to
 a single-process trainer, token operators to a trainer without an ignore_index). "The unwrapped trainer
 passes" means on every case, at every world.
