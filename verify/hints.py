@@ -24,7 +24,8 @@ from .verdict import Gate
 __all__ = ["hint"]
 
 # gates whose error is a relative error against the big batch
-NUMERIC = (Gate.EQUIVALENCE, Gate.DP_EQUIVALENCE, Gate.SPLIT_INVARIANCE, Gate.LONG_WINDOW, Gate.MESH_EQUIVALENCE)
+NUMERIC = (Gate.EQUIVALENCE, Gate.DP_EQUIVALENCE, Gate.SPLIT_INVARIANCE, Gate.LONG_WINDOW, Gate.MESH_EQUIVALENCE,
+           Gate.MESH_SPLIT_INVARIANCE)
 EXACT = 0.02  # how near a factor an error must be to be called that factor
 SMALL = (1e-3, 0.1)
 

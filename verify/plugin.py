@@ -79,6 +79,14 @@ def cache_home() -> str:
     return os.path.join(Settings.from_env().cache_home, "xtrain-verify")
 
 
+def example_dir(home: str, trainer: str | None) -> str:
+    """hypothesis' storage per trainer (its database keys by test alone): one trainer's saved failures are never
+    replayed against, or deleted by a passing run of, another."""
+    from .protocol import DEFAULT_REF
+
+    return os.path.join(home, "hypothesis", "".join(c if c.isalnum() or c in "._-" else "_" for c in trainer or DEFAULT_REF))
+
+
 def _verify_run(config) -> bool:
     """A run of verify's gates from a user's directory: --verify-trainer given, or `--pyargs verify[...]`.
     (This repository's own test runs keep pytest's and hypothesis' defaults.)"""
@@ -90,7 +98,8 @@ def _verify_run(config) -> bool:
 @pytest.hookimpl(tryfirst=True, specname="pytest_configure")
 def pytest_configure_verify_caches(config):  # a second pytest_configure (specname), run first
     """A verify run leaves nothing in the invoking directory but the report: hypothesis' example database
-    (failing examples, replayed first next time) and pytest's cache (--lf) go to cache_home(), where they
+    (failing examples, replayed first next time; one per trainer, example_dir) and pytest's cache (--lf) go to
+    cache_home(), where they
     still persist across runs, and so does pytest-benchmark's storage where that plugin is installed. Runs
     before pytest's cacheprovider reads cache_dir (tryfirst, registered later); a cache_dir,
     --benchmark-storage or HYPOTHESIS_STORAGE_DIRECTORY the user set wins. First of all, every option and
@@ -108,7 +117,7 @@ def pytest_configure_verify_caches(config):  # a second pytest_configure (specna
         return
     home = cache_home()
     if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:  # xdist workers and their children inherit it
-        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(home, "hypothesis")
+        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = example_dir(home, getattr(o, "verify_trainer", None))
     try:
         from hypothesis.configuration import set_hypothesis_home_dir
 
@@ -137,7 +146,7 @@ def pytest_configure(config):
         config.addinivalue_line("markers", m)
     o = config.option
     state = dict(trainer=getattr(o, "verify_trainer", None), report=getattr(o, "verify_report", None),
-                 adapter=None, stats={}, failures=[], skipped={})
+                 adapter=None, stats={}, failures=[])
     config.stash[_KEY] = state
     s = config.stash[_SETTINGS]  # checked first thing (pytest_configure_verify_caches)
     # The library reads these (pools, strategies), in this process and in xdist workers and ranks it starts.
@@ -333,21 +342,17 @@ class _Reporter:
             text = crash.message if crash is not None else str(report.longrepr)[-2000:]
             state["failures"].append(dict(test=report.nodeid, gate=getattr(report, "verify_gate", None), message=text,
                                           hint=getattr(report, "verify_hint", None)))
-        elif report.skipped and isinstance(report.longrepr, tuple):  # pytest.skip(reason) in a gate test
-            reason = str(report.longrepr[2])
-            state["skipped"][report.nodeid.split("::")[-1]] = reason.removeprefix("Skipped: ")
 
     def pytest_terminal_summary(self, terminalreporter):
-        """Skipped gates say why on the terminal, not only in the report. And the short summary pytest
+        """Skipped gates say why on the terminal: the report's skipped rows (each gate once, by its key, where it
+        ran no example; a test that skips since another runs its gate skips no gate). And the short summary pytest
         prints next (after this hook) shows a failed gate's verdict whole: pytest trims it to the terminal's
         width below verbosity 2, and a verdict cut at `verify.gates.toler...` says nothing."""
         if _is_worker(self.config):
             return
         state, tr = self.config.stash[_KEY], terminalreporter
-        skipped = {name: g["skip_reason"] for name, g in state["stats"].items() if g.get("skipped") and g.get("skip_reason")}
-        for test, reason in state["skipped"].items():
-            if reason not in skipped.values():
-                skipped[test] = reason
+        skipped = {name: g["skip_reason"] for name, g in state["stats"].items()
+                   if g.get("skip_reason") and not g.get("examples")}
         if skipped:
             tr.write_sep("=", "verify: skipped gates")
             for name, reason in skipped.items():
@@ -379,6 +384,7 @@ class _Reporter:
         trainer = state["trainer"] or (adapter.ref if adapter is not None else None) or "verify.adapters.xtrain:adapter"
         tr = config.pluginmanager.get_plugin("terminalreporter")
         try:
+            replaced = rep.replaces(folder, trainer)
             written = rep.write(folder, trainer=trainer, settings=settings_of(config), gates=state["stats"],
                                 failures=state["failures"], exitstatus=int(exitstatus),
                                 device=Settings.from_env().device,
@@ -388,7 +394,9 @@ class _Reporter:
                 tr.write_line(f"verify: could not write the report to {folder}: {e}", red=True)
             return
         if tr is not None:
-            tr.write_line(f"verify: report written to {written[0]} and {written[1]}")
+            tr.write_line(f"verify: report written to {written[0]} and {written[1]}"
+                          + (f"; it replaced {replaced} (--verify-report DIR keeps one per trainer)" if replaced else ""),
+                          yellow=bool(replaced))
 
 
 class _XdistReporter(_Reporter):

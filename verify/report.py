@@ -4,7 +4,8 @@ Gate tests call `record(result)` once per passed example (or `skip(gate, reason)
 collects failures from the test reports. Under pytest-xdist each worker ships its tallies to the
 controller (`dump` / `merge`), and only the controller writes, once, atomically, mode 0644. The self-test
 adds its operator × gate table to the same report (`write(..., selftest=...)` keeps the gate section of
-an existing report of the same trainer, and the other way round).
+an existing report of the same trainer, and the other way round). A folder holds one trainer's report: a run
+of another trainer replaces it and says so on the terminal (`replaces`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .comm import LINKS
 from .gates.tolerance import FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT
 from .verdict import Gate
 
-__all__ = ["record", "skip", "write", "read", "render_md", "REPORT_NAME"]
+__all__ = ["record", "skip", "write", "replaces", "read", "render_md", "REPORT_NAME"]
 
 REPORT_NAME = "verify-report"
 _STATS: dict[str, dict] = {}
@@ -36,6 +37,8 @@ BOUNDS = {
     Gate.EMPTY_WINDOW: "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
     Gate.MESH_EQUIVALENCE: "each dp replica assembled (pp stages own each parameter once, tp ranks bit-equal): the "
                            "equivalence policy vs the 1×1×1 big batch; replicas bit-equal",
+    Gate.MESH_SPLIT_INVARIANCE: "one window on every dp × pp × tp mesh of one world: the mesh equivalence policy, "
+                                "each vs the same 1×1×1 big batch",
     Gate.OVERFLOW: "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
                    "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
 }
@@ -154,6 +157,16 @@ def read(folder: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def replaces(folder: str, trainer: str) -> str | None:
+    """What writing `trainer`'s report into `folder` replaces: 'the report of <other trainer> (<utc>)' where the
+    folder holds another trainer's report, else None. One report per folder: a run says so on the terminal
+    rather than replace another trainer's silently (--verify-report DIR keeps them apart)."""
+    old = read(folder)
+    if old is None or old.get("trainer") in (None, trainer):
+        return None
+    return f"the report of {old['trainer']} ({old.get('utc') or 'undated'})"
 
 
 def write(folder: str, *, trainer: str, settings: dict, gates: dict | None = None, failures=None,

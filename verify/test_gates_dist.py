@@ -47,7 +47,9 @@ def test_bytes_per_step_independent_of_N(verify_adapter):
     padded cases keep their lengths): the same boundary collectives and bytes in every step."""
     _data_parallel(verify_adapter)
     if max_world() < 2:
-        pytest.skip("needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)")
+        reason = "needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)"
+        report.skip(Gate.BYTES_PER_STEP, reason)
+        pytest.skip(reason)
 
     @settings(max_examples=gate_budget("bytes_per_step"), deadline=None)
     @given(data=st.data())

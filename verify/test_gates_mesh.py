@@ -26,7 +26,9 @@ def _mesh(adapter, gate: Gate):
         report.skip(gate, reason)
         pytest.skip(reason)
     if max_world() < 2:
-        pytest.skip("needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)")
+        reason = "needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)"
+        report.skip(gate, reason)
+        pytest.skip(reason)
 
 
 def test_mesh_equivalent(verify_adapter):
@@ -45,7 +47,7 @@ def test_mesh_equivalent(verify_adapter):
 def test_mesh_split_invariance(verify_adapter):
     """One window (N = chunks × outer micro-steps of B rows per rank of the world) on every mesh of one
     world over the adapter's axes: each gives the 1×1×1 big batch's step."""
-    _mesh(verify_adapter, Gate.SPLIT_INVARIANCE)
+    _mesh(verify_adapter, Gate.MESH_SPLIT_INVARIANCE)
 
     @settings(max_examples=gate_budget("mesh_split"), deadline=None)
     @given(data=st.data())

@@ -26,6 +26,9 @@ class Gate(StrEnum):
     DP_EQUIVALENCE = "data-parallel equivalence"  # every rank vs the one-rank big batch (gates/distributed.py)
     BYTES_PER_STEP = "bytes per step"  # the boundary's traffic independent of N (gates/distributed.py)
     MESH_EQUIVALENCE = "mesh equivalence"  # each dp replica of a dp × pp × tp mesh vs the 1×1×1 big batch (gates/mesh.py)
+    # one window on every mesh of one world (gates/mesh.py check_mesh_splits): its own name, not split invariance's,
+    # since the two run on different adapters (mesh axes / an ignore_index) and one may be skipped where the other runs
+    MESH_SPLIT_INVARIANCE = "mesh split invariance"
     OVERFLOW = "overflow"  # an fp16 window overflowing on one rank (gates/overflow.py)
     # Not a claim of its own: reported instead of a numeric gate's failure when two identical runs of the
     # trainer differ (gates/diagnose.py), since no comparison of runs can judge such a trainer.

@@ -174,11 +174,11 @@ def test_split_invariance_over_mesh_shapes():
 
     base = Case(accum_steps=4, micro_batch=4, steps=1, pipeline_chunks=2, seed=1, data_seed=2)
     r = check_mesh_splits(broken_mesh.pipe, base, 4)
-    assert r.gate is Gate.SPLIT_INVARIANCE and r.extra["splits"] == 3 and r.ratio < 1
+    assert r.gate is Gate.MESH_SPLIT_INVARIANCE and r.extra["splits"] == 3 and r.ratio < 1
     with pytest.raises(GateFailure) as e:
         check_mesh_splits(broken_mesh.pipe_ema, base, 4)
-    assert e.value.gate is Gate.SPLIT_INVARIANCE
-    assert str(e.value).startswith("[split invariance] mesh dp=1 pp=4 tp=1 of a window of 16 rows: [mesh equivalence] "
+    assert e.value.gate is Gate.MESH_SPLIT_INVARIANCE
+    assert str(e.value).startswith("[mesh split invariance] mesh dp=1 pp=4 tp=1 of a window of 16 rows: [mesh equivalence] "
                                    "mesh dp=1 pp=4 tp=1, chunks=2, outer=2: "), str(e.value)
 
 

@@ -8,10 +8,11 @@ import pickle
 import pytest
 
 from tests.helpers import calib_adapters, count_adapters
-from verify.adapters import planted, xtrain
+from verify.adapters import broken_mesh, planted, xtrain
 from verify.case import Case
 from verify.gates import GateFailure, check_equivalence, check_same_bytes
 from verify.gates.distributed import max_world
+from verify.gates.mesh import check_mesh_splits
 from verify.verdict import Gate
 from xtrain_core.config import ModelConfig, OptimConfig
 
@@ -28,8 +29,10 @@ RAISES = {
     Gate.DETERMINISM: lambda: check_equivalence(calib_adapters.dropout, Case(accum_steps=1, micro_batch=2, steps=1)),
     Gate.BYTES_PER_STEP: lambda: check_same_bytes(
         count_adapters.logs_each_micro_loss, Case(accum_steps=3, micro_batch=1, steps=1, world=2, lengths=(0, 0, 2, 5, 1, 0))),
+    Gate.MESH_SPLIT_INVARIANCE: lambda: check_mesh_splits(  # scale_grads' moving average: wrong once pipelined
+        broken_mesh.pipe_ema, Case(accum_steps=4, micro_batch=4, steps=1, pipeline_chunks=2, seed=1, data_seed=2), 4),
 }
-POOLED = {Gate.BYTES_PER_STEP}  # runs on rank pools
+POOLED = {Gate.BYTES_PER_STEP, Gate.MESH_SPLIT_INVARIANCE}  # runs on rank pools
 
 
 def test_every_gate_raises_in_some_test():

@@ -152,9 +152,10 @@ def check_mesh_splits(adapter, case: Case, world: int) -> GateResult:
         try:
             r = check_mesh(adapter, c)
         except GateFailure as e:
-            raise GateFailure(f"[{Gate.SPLIT_INVARIANCE}] {m} of a window of {E} rows: {e}", gate=Gate.SPLIT_INVARIANCE,
+            raise GateFailure(f"[{Gate.MESH_SPLIT_INVARIANCE}] {m} of a window of {E} rows: {e}",
+                              gate=Gate.MESH_SPLIT_INVARIANCE,
                               case=c, error=e.error, bound=e.bound, hint=e.hint) from None
         n += 1
         if r.ratio >= worst[1]:
             worst = (f"{m}: {r.worst}", r.ratio)
-    return GateResult(Gate.SPLIT_INVARIANCE, case, worst[0], worst[1], splits=n)
+    return GateResult(Gate.MESH_SPLIT_INVARIANCE, case, worst[0], worst[1], splits=n)

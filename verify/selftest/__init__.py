@@ -30,13 +30,17 @@ was not judged on every case), since a mutation score needs one kill per operato
 `--every-case` (every_case=True) fills the whole matrix instead: every gate on every case where the bug exists,
 except that a gate which has already rejected the mutant is not run on it again (its cell cannot change). An
 operator is killed when some gate rejects it on a case where its bug exists; it survives when every
-gate passes on every such case. The unwrapped trainer must pass every gate on every case. Score =
+gate passes on every such case. A run that raises instead (anything but a GateFailure: the factory, the data
+maker, a pool job or its timeout) is an "error" cell with its one-line cause (SelftestResult.errors), never a
+kill; where the unwrapped trainer fails or raises, the mutants' cells there are "error", not run. An operator
+no gate killed with an error cell is "error", and the self-test fails (exit 3) while any run errs. The unwrapped trainer must pass every gate on every case. Score =
 killed / operators whose bug can exist for this adapter (data-parallel-only operators do not apply to
 a single-process trainer, token operators to a trainer without an ignore_index). "The unwrapped trainer
 passes" means on every case, at every world.
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -53,6 +57,8 @@ GATES = (Gate.EQUIVALENCE, Gate.BIT_EXACT, Gate.TOKEN_MEAN, Gate.LONG_WINDOW, Ga
          Gate.OVERFLOW, Gate.MESH_EQUIVALENCE)
 DP = (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE)  # the two verdicts of one data-parallel run (check_distributed)
 MESHED = (Gate.BOUNDARY_ONLY, Gate.MESH_EQUIVALENCE)  # the mesh gate's two verdicts: its counter per axis, its numbers
+ERROR = "error"  # a cell where a run raised instead of reaching a verdict, or the unwrapped trainer fails there
+MAX_CAUSE = 300  # characters of an error's one-line cause
 NOT_RUN = "not run"  # the mutant was already killed by an earlier case (run_selftest(every_case=True) runs it)
 DIST = {1: (3, 2), 2: (3, 2), 3: (2, 1), 4: (2, 1)}  # world -> (N, B) of its data-parallel case
 PAD = (1.0, 0.0, 0.25, 1.0, 0.5, 0.0, 1.0)  # valid share of a row, cycled: uneven micro-batches and ranks
@@ -142,10 +148,28 @@ def _checks(adapter, case, plain: bool, dist: bool) -> list:
             for name, check in checks]
 
 
+def _cause(e: BaseException) -> str:
+    """An exception in one line: its type, its message's first line and where it was raised (file:line); for a
+    pool job that failed on a rank (DistJobError), the rank's own last traceback line too."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    out = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    raised = [i for i, ln in enumerate(lines) if ln.startswith("--- rank ") and ln.endswith(" raised:")]
+    if raised:  # the first failing rank's exception: the last line of its traceback
+        part = lines[raised[0] + 1:next((i for i in range(raised[0] + 1, len(lines)) if lines[i].startswith("--- rank")),
+                                        len(lines))]
+        out += f" — {part[-1].strip()}" if part else ""
+    else:
+        tb = traceback.extract_tb(e.__traceback__)
+        out += f" ({os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
+    return out if len(out) <= MAX_CAUSE else out[:MAX_CAUSE - 1] + "…"
+
+
 def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset(), first_kill: bool = False) -> dict:
-    """Gate -> 'pass' | 'kill: <message>' | 'error: <exception>' for one adapter on one case (`_checks`). A check
-    whose every column is in `settled` (already 'rejects' for this mutant: its cells cannot change) is not run;
-    with first_kill none runs after the first that rejects (their columns are absent)."""
+    """Gate -> 'pass' | 'kill: <message>' | 'error: <cause>' for one adapter on one case (`_checks`): 'kill' only
+    for a gate's rejection (GateFailure), 'error' for any other exception (the run crashed, the data maker or a
+    pool job failed, a job timed out: no gate judged). A check whose every column is in `settled` (already
+    'rejects' for this mutant, or broken on the unwrapped trainer) is not run; with first_kill none runs after
+    the first that rejects (their columns are absent)."""
     out = {}
     checks = [(name, check, columns) for name, check, columns in _checks(adapter, case, plain, dist)
               if not set(columns) <= set(settled)]
@@ -160,20 +184,11 @@ def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset(), firs
                 out.setdefault(columns[1], "not reached")
             elif len(columns) == 2:
                 out.setdefault(Gate.BOUNDARY_ONLY, "pass")
-        except Exception as e:  # noqa: BLE001  (the wrapped trainer crashed: the bug did not pass silently)
-            tb = traceback.format_exception_only(type(e), e)[-1].strip()
-            out.update(dict.fromkeys(columns, "error: " + tb[:300]))
+        except Exception as e:  # noqa: BLE001  (no gate reached a verdict: an error, never a kill)
+            out.update(dict.fromkeys(columns, "error: " + _cause(e)))
         if first_kill and any(v.startswith("kill") for v in out.values()):
             break
     return out
-
-
-ERROR = "error"  # a cell whose run raised something other than a gate's verdict: never a kill
-
-
-def cause(verdict: str) -> str:
-    """The one-line cause of an 'error: ...' verdict of _run_gates."""
-    return verdict.removeprefix("error: ").strip()
 
 
 @dataclass
@@ -181,13 +196,12 @@ class SelftestResult:
     trainer: str
     cases: list
     baseline: dict  # case index -> {gate: verdict} for the unwrapped trainer
-    rows: dict = field(default_factory=dict)  # operator -> {gate: 'killed'|'survived'|'n/a', 'verdict': ...}
+    rows: dict = field(default_factory=dict)  # operator -> {gate: 'rejects'|'passes'|'error'|..., 'verdict': ...}
     seconds: float = 0.0
     worlds: list = field(default_factory=list)  # the worlds of the data-parallel cases
     n_single: int = 0  # cases[:n_single] run the single-process gates, the rest the data-parallel or mesh ones
     meshes: list = field(default_factory=list)  # the meshes of the mesh cases ("mesh dp=1 pp=2 tp=1")
-
-    errors: dict = field(default_factory=dict)  # (operator or "(unwrapped trainer)", gate) -> one-line cause
+    errors: list = field(default_factory=list)  # [(who, gate, case index, cause)]: runs that raised (the unwrapped included)
 
     @property
     def baseline_ok(self) -> bool:
@@ -202,20 +216,37 @@ class SelftestResult:
         return [op for op, r in self.rows.items() if r["verdict"] == "killed"]
 
     @property
+    def erred(self) -> list[str]:
+        """Operators no gate killed with some cell 'error' (a run raised, or the unwrapped trainer fails there)."""
+        return [op for op, r in self.rows.items() if r["verdict"] == ERROR]
+
+    @property
     def score(self) -> str:
         return f"{len(self.killed)}/{len(self.applicable)}"
 
     @property
     def ok(self) -> bool:
-        """Every operator killed by a gate, the unwrapped trainer passes, and no cell errs (a crash proves
-        nothing about the gates)."""
-        return self.baseline_ok and len(self.killed) == len(self.applicable) and not self.errors
+        return self.baseline_ok and not self.errors and len(self.killed) == len(self.applicable)
+
+    @property
+    def exit_code(self) -> int:
+        """0 ok; 3 some run raised instead of reaching a verdict (the score proves nothing there); 1 otherwise
+        (an operator survived, or the unwrapped trainer fails a gate)."""
+        return 0 if self.ok else 3 if self.errors else 1
+
+    def error_lines(self) -> list[str]:
+        """One line per distinct cause: where it was raised (who, gate, case), once, then the cause."""
+        by: dict[str, list] = {}
+        for who, gate, i, cause in self.errors:
+            by.setdefault(cause, []).append(f"{who} {gate} on {_short(self.cases[i], i >= self.n_single)}")
+        return [f"error: {w[0]}{f' (+{len(w) - 1} more)' if len(w) > 1 else ''}: {c}" for c, w in by.items()]
 
     def table(self, md: bool = False) -> str:
         head = ["operator", *(g.value for g in GATES), "verdict"]
         rows = [[op, *(r.get(g, "n/a") for g in GATES), r["verdict"]] for op, r in self.rows.items()]
         rows.append(["(unwrapped trainer)", *(_baseline_cell(self.baseline, g) for g in GATES),
-                     "passes" + self.at_worlds if self.baseline_ok else "FAILS " + self.failing])
+                     "passes" + self.at_worlds if self.baseline_ok else
+                     ("ERROR " if any(e[0] == BASELINE for e in self.errors) else "FAILS ") + self.failing])
         if md:
             lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -241,30 +272,38 @@ class SelftestResult:
                             + ([f"on {', '.join(ms)}"] if ms else []))
 
     def as_dict(self) -> dict:
-        survived = sorted(op for op in set(self.applicable) - set(self.killed) if self.rows[op]["verdict"] != ERROR)
-        erred = sorted({who for who, _ in self.errors})
-        problems = ([f"the unwrapped trainer fails a gate {self.failing}"] if not self.baseline_ok else []) + \
-                   ([f"survived: {survived}"] if survived else []) + \
-                   ([f"error (a run raised, not a gate's verdict: not counted as a kill): {erred}"] if erred else [])
+        survived = [op for op, r in self.rows.items() if r["verdict"] == "SURVIVED"]
+        raised = [e for e in self.errors if e[0] == BASELINE]
+        problems = ([f"{len(self.errors)} run(s) raised instead of reaching a verdict (not kills)"]
+                    if self.errors else []) + \
+                   ([f"the unwrapped trainer {'errs' if raised else 'fails a gate'} {self.failing}"]
+                    if not self.baseline_ok else []) + \
+                   ([f"error: {self.erred}"] if self.erred else []) + ([f"survived: {survived}"] if survived else [])
         return dict(trainer=self.trainer, score=self.score, ok=self.ok, seconds=round(self.seconds, 1),
-                    worlds=self.worlds,
+                    worlds=self.worlds, exit_code=self.exit_code,
                     verdict=(f"every operator killed, the unwrapped trainer passes{self.at_worlds}" if self.ok else
                              "FAIL: " + "; ".join(problems)),
                     cases=[str(c) for c in self.cases], baseline={str(k): v for k, v in self.baseline.items()},
                     operators={op: dict(r) for op, r in self.rows.items()},
-                    errors=[dict(operator=who, gate=str(g), cause=c) for (who, g), c in self.errors.items()],
+                    errors=[dict(who=w, gate=str(g), case=str(self.cases[i]), cause=c) for w, g, i, c in self.errors],
                     descriptions={op: OPERATORS[op].doc for op in self.rows},
                     table_md=self.table(md=True))
+
+
+BASELINE = "(unwrapped trainer)"
+
+
+def _short(case, dist: bool) -> str:
+    """A case as the self-test's first line lists it: its shape, without the seeds (' W=1' for a one-rank group)."""
+    return str(case).split(" seed")[0] + (" W=1" if dist and case.world == 1 and case.mesh is None else "")
 
 
 def _baseline_cell(baseline: dict, gate: str) -> str:
     vals = [r[gate] for r in baseline.values() if gate in r]
     if not vals:
         return "n/a"
-    if any(v.startswith("error") for v in vals):
-        return ERROR
     bad = [v for v in vals if v not in ("pass", "not reached")]
-    return "passes" if not bad else "FAILS"
+    return "passes" if not bad else ERROR if any(v.startswith(ERROR) for v in bad) else "FAILS"
 
 
 def worlds_of(max_world: int | None = None) -> list[int]:
@@ -296,44 +335,62 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
     total, done = len(cases) * (1 + len(ops)), 0
     for i, case in enumerate(cases):
         res.baseline[i] = _run_gates(adapter, case, plain, i >= len(single))
-        for gate, v in res.baseline[i].items():
-            if v.startswith("error"):
-                res.errors.setdefault(("(unwrapped trainer)", gate), cause(v))
+        _add_errors(res, BASELINE, i, res.baseline[i])
         done += 1
         if progress:
             progress(done, total, "unwrapped trainer")
     for op in ops:
-        mutant = op.apply(adapter)
-        where = [(i, c) for i, c in enumerate(cases) if (c.mesh is not None) == op.mesh and op.exists(c) and (c.world > 1 or not op.dist_only)
-                 and (c.accum_steps >= LONG_N) == op.long and (not op.fp16 or overflow_ok)]
-        row = {g: "n/a" for g in GATES}
-        for j, (i, case) in enumerate(where):
-            settled = {g for g, v in row.items() if v == "rejects"}
-            got = _run_gates(mutant, case, plain, i >= len(single), settled, not every_case)
-            for gate, v in got.items():
-                if v.startswith("kill") and res.baseline[i].get(gate, "pass") not in ("pass", "not reached"):
-                    v = "error: the unwrapped trainer does not pass this gate on this case either"
-                if v.startswith("error"):
-                    res.errors.setdefault((op.name, gate), cause(v))
-                    if row[gate] != "rejects":
-                        row[gate] = ERROR
-                elif v.startswith("kill"):
-                    row[gate] = "rejects"
-                elif v == "pass" and row[gate] in ("n/a", "not reached"):
-                    row[gate] = "passes"
-                elif row[gate] == "n/a":
-                    row[gate] = v  # "not reached": an earlier gate on that run already rejected it
-            if not every_case and "rejects" in row.values():  # killed: the gates left here and on later cases
-                left = [g for _, _, cols in _checks(mutant, case, plain, i >= len(single)) for g in cols if g not in got]
-                left += [g for k, c in where[j + 1:] for _, _, cols in _checks(mutant, c, plain, k >= len(single))
-                         for g in cols]
-                row.update({g: NOT_RUN for g in left if row[g] != "rejects"})  # a "passes" so far included
-                break
+        res.rows[op.name] = _mutant_row(res, op, adapter, plain, every_case, overflow_ok)
         done += len(cases)
         if progress:
             progress(done, total, op.name)
-        row["verdict"] = ("n/a" if not where else "killed" if any(v == "rejects" for v in row.values())
-                          else ERROR if any(v == ERROR for v in row.values()) else "SURVIVED")
-        res.rows[op.name] = row
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _add_errors(res, who: str, i: int, cells: dict) -> None:
+    """res.errors += the 'error' cells of one run of case i, once per cause (a check's columns share one)."""
+    seen = {(w, k, c) for w, _, k, c in res.errors}
+    for gate, v in cells.items():
+        if v.startswith(ERROR) and (who, i, v.removeprefix("error: ")) not in seen:
+            seen.add((who, i, v.removeprefix("error: ")))
+            res.errors.append((who, gate, i, v.removeprefix("error: ")))
+
+
+def _broken(res, adapter, case, i: int, plain: bool) -> set:
+    """The columns where the unwrapped trainer does not pass on case i (every column of a check that failed or
+    raised there): a mutant's rejection there is no kill, so they are the mutant's 'error' cells, not run."""
+    return {g for _, _, cols in _checks(adapter, case, plain, i >= res.n_single)
+            if any(res.baseline[i].get(c, "pass") != "pass" for c in cols) for g in cols}
+
+
+def _mutant_row(res, op, adapter, plain: bool, every_case: bool, overflow_ok: bool) -> dict:
+    """{gate: cell, 'verdict': ...} of one operator over the cases where its bug exists (run_selftest)."""
+    mutant, n1 = op.apply(adapter), res.n_single
+    where = [(i, c) for i, c in enumerate(res.cases) if (c.mesh is not None) == op.mesh and op.exists(c)
+             and (c.world > 1 or not op.dist_only) and (c.accum_steps >= LONG_N) == op.long
+             and (not op.fp16 or overflow_ok)]
+    row = {g: "n/a" for g in GATES}
+    for j, (i, case) in enumerate(where):
+        broken = _broken(res, adapter, case, i, plain)
+        settled = {g for g, v in row.items() if v == "rejects"} | broken
+        got = _run_gates(mutant, case, plain, i >= n1, settled, not every_case)
+        _add_errors(res, op.name, i, got)  # the unwrapped trainer's errors are listed once, as its own
+        got.update({g: "error: the unwrapped trainer fails here" for g in broken if row[g] != "rejects"})
+        for gate, v in got.items():
+            if v.startswith("kill"):
+                row[gate] = "rejects"
+            elif v.startswith(ERROR):
+                row[gate] = ERROR if row[gate] != "rejects" else row[gate]  # a rejection elsewhere stays a kill
+            elif v == "pass" and row[gate] in ("n/a", "not reached"):
+                row[gate] = "passes"
+            elif row[gate] == "n/a":
+                row[gate] = v  # "not reached": an earlier gate on that run already rejected it
+        if not every_case and "rejects" in row.values():  # killed: the gates left here and on later cases
+            left = [g for _, _, cols in _checks(mutant, case, plain, i >= n1) for g in cols if g not in got]
+            left += [g for k, c in where[j + 1:] for _, _, cols in _checks(mutant, c, plain, k >= n1) for g in cols]
+            row.update({g: NOT_RUN for g in left if row[g] not in ("rejects", ERROR)})  # a "passes" so far included
+            break
+    row["verdict"] = ("n/a" if not where else "killed" if "rejects" in row.values()
+                      else ERROR if ERROR in row.values() else "SURVIVED")
+    return row

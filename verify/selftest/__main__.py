@@ -4,10 +4,10 @@
 
 Plants each fault operator (verify.selftest.operators) in your trainer, runs the gates on every mutant
 until one rejects it (--every-case: on every case), prints operator × gate with verdicts and the mutation
-score, and adds the table to DIR/verify-report.{json,md}. A run that raises something other than a gate's verdict (the
-factory, the data, a rank's job or its timeout) is an "error" cell with its cause: never a kill. Exit status: 0 every
-operator killed by a gate, the unwrapped trainer passes and no cell errs; 1 an operator survived where its bug can
-exist, the unwrapped trainer fails a gate, or a cell errs; 2 bad input.
+score (kills by a gate only), and adds the table to DIR/verify-report.{json,md}. Exit status: 0 every operator
+killed and the unwrapped trainer passes; 1 an operator survived where its bug can exist or the unwrapped trainer
+fails a gate; 2 bad input; 3 a run raised instead of reaching a verdict (the trainer, its factory or data maker,
+a pool job or its timeout: an "error" cell, its cause printed below the table, never counted as a kill).
 """
 from __future__ import annotations
 
@@ -96,23 +96,26 @@ def main(argv=None) -> int:
         from ..pool import close_all
 
         close_all()
-    listed = [str(c).split(" seed")[0] + (" W=1" if i >= res.n_single and c.world == 1 and c.mesh is None else "")
-              for i, c in enumerate(res.cases)]
+    from . import _short
+
+    listed = [_short(c, i >= res.n_single) for i, c in enumerate(res.cases)]
     print(f"self-test of {res.trainer}: {len(res.cases)} cases ({', '.join(listed)})"
           + (f"; data-parallel at worlds {res.worlds}" if res.worlds else "")
           + (f"; on {', '.join(res.meshes)}" if res.meshes else ""))
     print(res.table())
-    for (who, gate), why in res.errors.items():
-        print(f"error: {who}, {gate}: {why}")
+    for line in res.error_lines():  # each distinct cause once: the table's cells say only "error"
+        print(line)
     d = res.as_dict()
     print(f"mutation score {res.score} in {res.seconds:.0f} s: {d['verdict']}")
     from .. import report
 
+    replaced = report.replaces(out, res.trainer)
     paths = report.write(out, trainer=res.trainer, settings=dict(device=device, selftest_worlds=res.worlds,
                                                                      **({"selftest_meshes": res.meshes} if res.meshes else {})),
                          selftest=d, device=device, declarations=adapter.declarations())
-    print("wrote " + ", ".join(paths))
-    return 0 if res.ok else 1
+    print("wrote " + ", ".join(paths) + (f"; they replaced {replaced} (--verify-report DIR keeps one per trainer)"
+                                        if replaced else ""))
+    return res.exit_code
 
 
 if __name__ == "__main__":
