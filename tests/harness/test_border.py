@@ -38,7 +38,7 @@ LAYERS = [
     # the run report prints each gate's bound in words from the tolerance policy's constants
     ("report", ["verify.report"]),
     ("studies", ["verify.selftest", "verify.selftest.*", "verify.memory", "verify.memory.*"]),
-    ("front ends", ["verify.plugin", "verify.run", "verify.selftest.__main__", "verify.gpu_gate", "verify.memory.cli",
+    ("front ends", ["verify.plugin", "verify._failure_view", "verify.run", "verify.selftest.__main__", "verify.gpu_gate", "verify.memory.cli",
                     "verify.test_gates", "verify.test_gates_*"]),
     # adapters: xtrain's trainers and the planted bugs, built on the harness and on xtrain_core
     ("adapters", ["verify.adapters", "verify.adapters.*"]),
