@@ -45,8 +45,9 @@ its model, loss or optimizer:
 * `overflow`: how to make one micro-batch overflow fp16, for the injected-overflow gate
   (verify/gates/overflow.py): `overflow(trainer, inputs, targets, rows) -> (inputs, targets)`, called just
   before the micro_step() that holds the overflowing rows (`rows`: a slice of that micro-batch), returning
-  the micro-batch to hand it; it may scale the rows (verify.data.overflow_rows, the default for floating
-  inputs) or arm the trainer (xtrain's token data cannot overflow: verify.adapters.xtrain.overflow_grad).
+  the micro-batch to hand it; it may scale the rows (verify.data.overflow_rows) or arm the trainer
+  (verify.adapters.xtrain.overflow_grad). Not needed: without it the harness injects an inf into that
+  micro-step's backward itself (verify.gates.overflow.BackwardInf), for any inputs, token ids included.
 * `mesh_axes`: mesh axes beyond plain data parallel, e.g. ("pp",), ("tp",), ("pp", "tp"), ("dp", "tp"):
   the mesh gate runs it on mesh.size ranks with Spec.mesh / Spec.pipeline_chunks (verify/mesh.py).
 * `predicted_peak`: the adapter's own memory model for `python -m verify.memory`:
@@ -167,7 +168,7 @@ class Adapter:
     Without it: none before the boundary (but `expected`), and every gradient element reduced once at it."""
     overflow: Callable | None = None
     """(trainer, inputs, targets, rows) -> (inputs, targets): makes the micro-batch's `rows` overflow fp16
-    (the injected-overflow gate). None: verify.data.overflow_rows where the inputs are floating."""
+    (the injected-overflow gate). None: the harness injects an inf into that backward (gates/overflow.py)."""
     mesh_axes: tuple[str, ...] = ()  # axes beyond plain data parallel ("dp", "pp", "tp"; verify/mesh.py)
     subgroups: bool = False  # honours Spec.group: a launched world runs its sub-worlds on subgroups
     predicted_peak: Callable | None = None

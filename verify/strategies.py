@@ -7,6 +7,12 @@ case (N=1, B=1, K=1, world 1, the adapter's smallest options), so a failure is r
     mesh_cases(adapter, max_world=4)    a dp × pp × tp mesh over the adapter's mesh_axes (2..max_world ranks),
                                         N = pipeline_chunks × outer steps; B per dp replica
     padding(...)                        valid targets per row: empty rows, micro-batches and ranks included
+    overflow_cases(adapter, ...)        (case, micro-step, rank) of the injected-overflow gate
+    mesh_split_cases(adapter, ...)      (case, world) of the mesh split-invariance gate
+
+Every gate test draws its known-hard cases first, in every profile: corners(adapter, gate, ...) builds them
+(explicit @example's, run before any random case and never shrunk, so a failing corner is reported as it is),
+with_corners() attaches them, and random_budget() gives the random draws what is left of the gate's budget.
 
 An adapter's own options come from its `options` hook (a strategy, or a zero-argument callable giving one):
 xtrain's are verify/adapters/xtrain_strategies.py.
@@ -14,12 +20,14 @@ xtrain's are verify/adapters/xtrain_strategies.py.
 from __future__ import annotations
 
 
+from hypothesis import example
 from hypothesis import strategies as st
 
 from .case import Case
 from .mesh import meshes
 
-__all__ = ["cases", "dist_cases", "mesh_cases", "padding", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+__all__ = ["cases", "dist_cases", "mesh_cases", "overflow_cases", "mesh_split_cases", "padding", "corners",
+           "with_corners", "random_budget", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
 # must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
@@ -152,3 +160,122 @@ def mesh_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4, max_chu
     c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=max_micro_batch, max_steps=max_steps,
                    device=device, world=mesh.dp, padded=False))
     return c.replace(accum_steps=chunks * outer, mesh=mesh, pipeline_chunks=chunks)
+
+
+@st.composite
+def overflow_cases(draw, adapter, *, min_world: int = 1, max_world: int = 1, **bounds) -> tuple:
+    """(case, micro-step, rank) for the injected-overflow gate: an fp16 case of K = 2 windows at a world in
+    [min_world, max_world], the micro-step and the rank whose micro-batch overflows in window 0."""
+    case = draw(dist_cases(adapter, min_world=min_world, max_world=max_world, max_accum=4, min_steps=2, max_steps=2,
+                           **bounds), label="case").replace(precision="fp16")
+    micro = draw(st.integers(0, case.accum_steps - 1), label="overflowing micro-step")
+    return case, micro, draw(st.integers(0, case.world - 1), label="overflowing rank")
+
+
+@st.composite
+def mesh_split_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4) -> tuple:
+    """(case, world) for the mesh split gate: one window of N = chunks × outer micro-steps of B·world rows
+    (every dp of the world divides them), to run on every mesh of `world` ranks over the adapter's axes."""
+    world = draw(st.integers(min_world, max_world), label="world")
+    chunks = draw(st.integers(1, 4), label="pipeline chunks") if "pp" in adapter.mesh_axes else 1
+    c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=2, max_steps=2, padded=False), label="case")
+    outer = draw(st.integers(1, 2), label="outer steps")
+    return c.replace(accum_steps=chunks * outer, micro_batch=c.micro_batch * world, pipeline_chunks=chunks), world
+
+
+# -- corners: the known-hard cases every profile draws first ---------------------------------------------------
+
+def _corner_options(adapter):
+    """The adapter's declared defaults, else the simplest value of its options strategy (what shrinking reaches)."""
+    if adapter.defaults is not None or adapter.options is None:
+        return adapter.defaults
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    quiet = settings(database=None, max_examples=10, phases=(Phase.generate, Phase.shrink),
+                     suppress_health_check=list(HealthCheck))
+    return find(_options_strategy(adapter), lambda _: True, settings=quiet)
+
+
+def _hard_padding(case: Case, seq_len: int) -> tuple:
+    """Window 0: micro-batch 0 partly padded (its rows' valid counts differ), micro-batch 1 empty, micro-batch 2
+    (N ≥ 3) empty on the last rank only; later windows full but one row. No window is left without a valid target."""
+    E, B, W = case.accum_steps * case.micro_batch * case.world, case.micro_batch, case.world
+    out = []
+    for k in range(case.steps):
+        for m in range(case.accum_steps):
+            for r in range(W):
+                for b in range(B):
+                    if k == 0 and m == 0:
+                        out.append(max(1, seq_len // 2) if (r, b) == (0, 0) else seq_len - 1)
+                    elif k == 0 and (m == 1 or (m == 2 and r == W - 1)):
+                        out.append(0)
+                    else:
+                        out.append(seq_len - 1 if (m, r, b) == (0, 0, 0) else seq_len)
+    assert len(out) == case.steps * E
+    return tuple(out)
+
+
+def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, device: str | None = None) -> Case:
+    c = Case(accum_steps=N, micro_batch=B, steps=K, world=W, seed=1, data_seed=2, options=_corner_options(adapter),
+             device=device or gate_device(), precision=adapter.precisions[0])
+    if padded and adapter.ignore_index is not None:
+        c = c.replace(lengths=_hard_padding(c, _row_length(adapter, c.options)))
+    return c
+
+
+def _mesh_corner(adapter, axis: str, B: int = 2):
+    """Two ranks on `axis` (pp=2: every pipeline adapter's smallest; tp=2), two outer steps — with pp, two chunks
+    per schedule step: where a schedule's own 1/chunks compounds over the outer steps (scale_grads=True)."""
+    mesh = next((m for m in meshes(adapter.mesh_axes, 2) if getattr(m, axis) == 2), None)
+    if mesh is None:
+        return None
+    chunks = 2 if axis == "pp" else 1
+    c = _base(adapter, N=1, B=B, K=2, W=mesh.dp)
+    return c.replace(accum_steps=chunks * 2, mesh=mesh, pipeline_chunks=chunks)
+
+
+def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> list:
+    """The known-hard cases of `gate` (a GATE_BUDGETS key) for `adapter`, within [min_world, max_world], in the
+    form the gate test's @given draws (a Case; overflow: (case, micro, rank); mesh_split: (case, world)):
+
+    equivalence, token_mean, empty_window   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in window 0
+    split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
+    data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
+                                            and one empty on the last rank only
+    overflow                                the overflow in the boundary's micro-step (N−1) on the LAST rank of
+                                            the top world; at W ≥ 2 also micro-step 0 on rank 1 of W=2
+    mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2 with 2 outer steps
+    """
+    lo, hi = min_world, max(min_world, max_world)
+    if gate in ("equivalence", "token_mean", "empty_window"):
+        return [_base(adapter, N=3, B=2, K=2, padded=True)]
+    if gate == "split_invariance":
+        return [_base(adapter, N=3, B=2, K=1, padded=True)]
+    if gate in ("data_parallel", "bytes_per_step"):
+        worlds = sorted({w for w in (max(2, lo), hi) if lo <= w <= hi and w >= 2})
+        return [_base(adapter, N=3, B=2, K=2, W=w, padded=True) for w in worlds]
+    if gate == "overflow":
+        top = _base(adapter, N=3, B=2, K=2, W=hi).replace(precision="fp16")
+        out = [(top, 2, hi - 1)]
+        if hi > 2 and lo <= 2:
+            out.append((top.replace(world=2), 0, 1))
+        return out
+    if gate == "mesh":
+        return [c for c in (_mesh_corner(adapter, a) for a in ("pp", "tp") if a in adapter.mesh_axes) if c] \
+            if lo <= 2 <= hi else []
+    if gate == "mesh_split":
+        c = _mesh_corner(adapter, "pp" if "pp" in adapter.mesh_axes else "tp", B=2 * 2) if lo <= 2 <= hi else None
+        return [(c.replace(mesh=None, world=1), 2)] if c else []
+    return []
+
+
+def with_corners(test, values, arg: str = "case"):
+    """`test` (a @given function) with each corner as an explicit example of its argument `arg`."""
+    for v in reversed(values):  # hypothesis runs explicit examples in decorator order: keep corners' order
+        test = example(**{arg: v})(test)
+    return test
+
+
+def random_budget(gate: str, values) -> int:
+    """The random draws left to a gate test after its corners: they replace drawn cases within gate_budget(gate)."""
+    return max(1, gate_budget(gate) - len(values))

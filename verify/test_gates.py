@@ -4,8 +4,8 @@ The single-process gates on the adapter under proof (--verify-trainer; default x
 big-batch equivalence over drawn (N, B, K, seeds, options), and accum_steps=1 bit-identical to the
 adapter's declared plain step; for adapters with an ignore_index, split invariance on padded windows, the
 token-mean claim and empty windows (verify/gates/tokens.py); long windows (in every declared precision) and
-partial sums. Each passed
-example goes into the run report.
+partial sums. Each gate draws its known-hard cases first (verify.strategies.corners), then random ones.
+Each passed example goes into the run report.
 """
 import pytest
 from hypothesis import Phase, assume, given, settings
@@ -15,17 +15,21 @@ from . import report
 from ._gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
 from .gates import check_bit_exact, check_equivalence
 from .gates.windows import LONG_N
-from .strategies import cases, gate_budget
+from .strategies import cases, corners, gate_budget, overflow_cases, random_budget, with_corners
 from .verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]
 
 
-@settings(max_examples=gate_budget("equivalence"), deadline=None)
-@given(data=st.data())
-def test_accumulation_equals_big_batch(verify_adapter, data):
-    case = data.draw(cases(verify_adapter), label="case")
-    report.record(check_equivalence(verify_adapter, case))
+def test_accumulation_equals_big_batch(verify_adapter):
+    hard = corners(verify_adapter, "equivalence")
+
+    @settings(max_examples=random_budget("equivalence", hard), deadline=None)
+    @given(case=cases(verify_adapter))
+    def equivalence(case):
+        report.record(check_equivalence(verify_adapter, case))
+
+    with_corners(equivalence, hard)()
 
 
 def test_accum1_bit_identical_to_plain(verify_adapter):
@@ -57,16 +61,16 @@ def test_split_invariance_on_padded_windows(verify_adapter):
         report.skip(Gate.SPLIT_INVARIANCE, reason)
         pytest.skip(reason)
     worlds = max_world() if verify_adapter.data_parallel else 1
+    hard = corners(verify_adapter, "split_invariance")
 
-    @settings(max_examples=gate_budget("split_invariance"), deadline=None)
-    @given(data=st.data())
-    def split_invariance(data):
-        # N ≥ 2 so the window has a split; some padding, so its micro-batches' valid-target counts differ
-        case = data.draw(cases(verify_adapter, min_accum=2, max_accum=6, max_micro_batch=2, max_steps=2, padded=True,
-                               some_padding=True), label="case")
+    # N ≥ 2 so the window has a split; some padding, so its micro-batches' valid-target counts differ
+    @settings(max_examples=random_budget("split_invariance", hard), deadline=None)
+    @given(case=cases(verify_adapter, min_accum=2, max_accum=6, max_micro_batch=2, max_steps=2, padded=True,
+                      some_padding=True))
+    def split_invariance(case):
         report.record(check_split_invariance(verify_adapter, case, max_world=worlds))
 
-    split_invariance()
+    with_corners(split_invariance, hard)()
 
 
 def _token_cases(adapter):
@@ -84,12 +88,14 @@ def test_token_mean_claim(verify_adapter):
         report.skip(Gate.TOKEN_MEAN, reason)
         pytest.skip(reason)
 
-    @settings(max_examples=gate_budget("token_mean"), deadline=None)
-    @given(data=st.data())
-    def token_mean(data):
-        report.record(check_token_mean(verify_adapter, data.draw(_token_cases(verify_adapter), label="case")))
+    hard = corners(verify_adapter, "token_mean")
 
-    token_mean()
+    @settings(max_examples=random_budget("token_mean", hard), deadline=None)
+    @given(case=_token_cases(verify_adapter))
+    def token_mean(case):
+        report.record(check_token_mean(verify_adapter, case))
+
+    with_corners(token_mean, hard)()
 
 
 def test_empty_window_is_no_step(verify_adapter):
@@ -105,12 +111,14 @@ def test_empty_window_is_no_step(verify_adapter):
         report.skip(Gate.EMPTY_WINDOW, reason)
         pytest.skip(reason)
 
-    @settings(max_examples=gate_budget("empty_window"), deadline=None)
-    @given(data=st.data())
-    def empty_window(data):
-        report.record(check_empty_window(verify_adapter, data.draw(_token_cases(verify_adapter), label="case")))
+    hard = corners(verify_adapter, "empty_window")
 
-    empty_window()
+    @settings(max_examples=random_budget("empty_window", hard), deadline=None)
+    @given(case=_token_cases(verify_adapter))
+    def empty_window(case):
+        report.record(check_empty_window(verify_adapter, case))
+
+    with_corners(empty_window, hard)()
 
 
 def test_long_accumulation_and_partial_sums(verify_adapter):
@@ -156,13 +164,13 @@ def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):
     if verify_adapter.process_group:
         pytest.skip("needs a process group even alone: test_gates_dist.py runs the overflow gate")
 
-    @settings(max_examples=gate_budget("overflow"), deadline=None)
-    @given(data=st.data())
-    def overflow(data):
-        case = data.draw(cases(verify_adapter, max_accum=4, min_steps=2, max_steps=2), label="case")
-        case = case.replace(precision="fp16")
-        assume(0 not in case.empty_steps())  # an empty window has nothing to overflow
-        micro = data.draw(st.integers(0, case.accum_steps - 1), label="overflowing micro-step")
-        report.record(check_overflow(verify_adapter, case, micro, 0))
+    hard = corners(verify_adapter, "overflow")  # the overflow in the boundary's micro-step first
 
-    overflow()
+    @settings(max_examples=random_budget("overflow", hard), deadline=None)
+    @given(drawn=overflow_cases(verify_adapter))
+    def overflow(drawn):
+        case, micro, rank = drawn
+        assume(0 not in case.empty_steps())  # an empty window has nothing to overflow
+        report.record(check_overflow(verify_adapter, case, micro, rank))
+
+    with_corners(overflow, hard, "drawn")()

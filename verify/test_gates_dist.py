@@ -4,18 +4,18 @@ The data-parallel gates on the adapter under proof, when it declares data parall
 communication and equivalence to its own one-rank big batch over drawn (N, B_local, world, K, options),
 and, for a data-parallel fp16 adapter, the injected-overflow gate at every world (verify/gates/overflow.py),
 on warm rank pools (gloo on CPU; --verify-backend nccl on GPUs, rank r on cuda:r). Worlds from
-XTRAIN_DIST_MIN_WORLD (default 1) to XTRAIN_DIST_MAX_WORLD (default 4, capped by GPUs under NCCL).
+XTRAIN_DIST_MIN_WORLD (default 1) to XTRAIN_DIST_MAX_WORLD (default 4, capped by GPUs under NCCL). Each gate
+draws its known-hard cases first (verify.strategies.corners: N ≥ 2 at W ≥ 2, the overflow on the last rank).
 """
 import pytest
 from hypothesis import assume, event, given, settings
-from hypothesis import strategies as st
 
 from . import report
 from ._gpulock import gpu_shared  # noqa: F401
 from .gates import check_distributed, check_same_bytes
 from .gates.overflow import check_overflow, overflow_hook
 from .gates.distributed import max_world, min_world
-from .strategies import dist_cases, gate_budget
+from .strategies import corners, dist_cases, overflow_cases, random_budget, with_corners
 from .verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
@@ -31,15 +31,16 @@ def _data_parallel(adapter):
 
 def test_data_parallel_boundary_only_and_equivalent(verify_adapter):
     _data_parallel(verify_adapter)
+    lo, hi = min_world(verify_adapter), max_world()
+    hard = corners(verify_adapter, "data_parallel", min_world=lo, max_world=hi)
 
-    @settings(max_examples=gate_budget("data_parallel"), deadline=None)
-    @given(data=st.data())
-    def gates(data):
-        case = data.draw(dist_cases(verify_adapter, min_world=min_world(verify_adapter), max_world=max_world()), label="case")
+    @settings(max_examples=random_budget("data_parallel", hard), deadline=None)
+    @given(case=dist_cases(verify_adapter, min_world=lo, max_world=hi))
+    def gates(case):
         event(f"world {case.world}")
         report.record(check_distributed(verify_adapter, case))
 
-    gates()
+    with_corners(gates, hard)()
 
 
 def test_bytes_per_step_independent_of_N(verify_adapter):
@@ -51,14 +52,15 @@ def test_bytes_per_step_independent_of_N(verify_adapter):
         report.skip(Gate.BYTES_PER_STEP, reason)
         pytest.skip(reason)
 
-    @settings(max_examples=gate_budget("bytes_per_step"), deadline=None)
-    @given(data=st.data())
-    def same_bytes(data):
-        case = data.draw(dist_cases(verify_adapter, min_world=max(2, min_world(verify_adapter)), max_world=max_world(),
-                                    min_accum=2), label="case")
+    lo, hi = max(2, min_world(verify_adapter)), max_world()
+    hard = corners(verify_adapter, "bytes_per_step", min_world=lo, max_world=hi)
+
+    @settings(max_examples=random_budget("bytes_per_step", hard), deadline=None)
+    @given(case=dist_cases(verify_adapter, min_world=lo, max_world=hi, min_accum=2))
+    def same_bytes(case):
         report.record(check_same_bytes(verify_adapter, case))
 
-    same_bytes()
+    with_corners(same_bytes, hard)()
 
 
 def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapter):
@@ -71,15 +73,16 @@ def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapte
     if not verify_adapter.data_parallel:
         pytest.skip("not data-parallel: test_gates.py runs the overflow gate in one process")
     top = max_world()
+    lo = min(min_world(verify_adapter), top)
+    # first the overflow on the LAST rank of the top world: drawn, the rank shrinks to 0, where a skip decided
+    # by rank 0 alone is right
+    hard = corners(verify_adapter, "overflow", min_world=lo, max_world=top)
 
-    @settings(max_examples=gate_budget("overflow"), deadline=None)
-    @given(data=st.data())
-    def overflow(data):
-        case = data.draw(dist_cases(verify_adapter, min_world=min(min_world(verify_adapter), top), max_world=top, max_accum=4,
-                                    min_steps=2, max_steps=2), label="case").replace(precision="fp16")
+    @settings(max_examples=random_budget("overflow", hard), deadline=None)
+    @given(drawn=overflow_cases(verify_adapter, min_world=lo, max_world=top))
+    def overflow(drawn):
+        case, micro, rank = drawn
         assume(0 not in case.empty_steps())  # an empty window has nothing to overflow
-        micro = data.draw(st.integers(0, case.accum_steps - 1), label="overflowing micro-step")
-        rank = data.draw(st.integers(0, case.world - 1), label="overflowing rank")
         report.record(check_overflow(verify_adapter, case, micro, rank))
 
-    overflow()
+    with_corners(overflow, hard, "drawn")()

@@ -1,5 +1,5 @@
 """fp16 trainers on FLOAT data (verify.data.regression), for the injected-overflow gate's generic route: the
-harness scales the overflowing rows (verify.data.overflow_rows); nothing is declared but fp16.
+harness injects the overflow into the backward (verify.gates.overflow.BackwardInf); nothing is declared but fp16.
 
     scaled          a textbook GradScaler loop (scaled backward per micro-step, one unscale_/step/update per
                     window), data-parallel by one all-reduce of the gradients at the boundary: passes
@@ -77,3 +77,19 @@ _data = verify.data.regression(features=8)
 scaled = verify.adapter(data=_data, precisions=("fp32", "fp16"), data_parallel=True)(Scaled)
 no_fp16 = verify.adapter(data=_data, data_parallel=True)(Scaled)
 local_clean = verify.adapter(data=_data, precisions=("fp32", "fp16"), data_parallel=True)(LocalClean)
+
+
+# Module-level (rank pools import adapters by name): xtrain's fp16 trainers without their overflow= hook, so the
+# harness injects the overflow itself (verify.gates.overflow.BackwardInf), on integer token inputs
+from verify.adapters import xtrain as _xtrain  # noqa: E402
+
+_HERE = __name__
+
+
+def _injected(base, name):  # ref: the factory's module is xtrain's, so the pools find it here by name
+    return base.replace(overflow=None, name=f"{base.name}, harness-injected", ref=f"{_HERE}:{name}")
+
+
+tokens_injected = _injected(_xtrain.tokens_adapter, "tokens_injected")
+ddp_injected = _injected(_xtrain.torch_ddp, "ddp_injected")
+dist_injected = _injected(_xtrain.data_parallel, "dist_injected")

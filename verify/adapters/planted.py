@@ -247,6 +247,16 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("nan_to_num_before_check", "inf / NaN zeroed before the scaler's check",
                broken_overflow.nan_to_num_before_check, Gate.OVERFLOW,
                r"rank 0, window 0: parameter(?s:.*)overflows in micro-step 2 of 3 on rank 0 of 1", OVERFLOW, (2, 0)),
+    # a hand-written loop without an overflow= hook (the harness injects), token and float data: the overflow on a
+    # rank other than 0 (the corner every profile draws first) is stepped on by every rank
+    PlantedBug("found_inf_of_rank_0_tokens", "found_inf of rank 0's own gradient broadcast, token data",
+               broken_overflow.found_inf_of_rank_0_tokens, Gate.OVERFLOW,
+               r"rank 0, window 0: parameter '[\w.]+' changed(?s:.*)overflows in micro-step 2 of 3 on rank 1 of 2",
+               OVERFLOW.replace(world=2, options=None), (2, 1)),
+    PlantedBug("found_inf_of_rank_0_float", "found_inf of rank 0's own gradient broadcast, float data",
+               broken_overflow.found_inf_of_rank_0_float, Gate.OVERFLOW,
+               r"rank 0, window 0: parameter '[\w.]+' changed(?s:.*)overflows in micro-step 2 of 3 on rank 1 of 2",
+               OVERFLOW.replace(world=2, options=None), (2, 1)),
     # -- the token mean and empty windows (broken_tokens.py) ---------------------------------------------------
     PlantedBug("all_positions", "÷ every target position, padding included",
                broken_tokens.all_positions, Gate.TOKEN_MEAN, r"additivity|padding", TOKEN_WINDOWS),

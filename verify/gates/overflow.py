@@ -3,10 +3,14 @@ reach (their windows are drawn not to overflow).
 
 The case runs K ≥ 2 windows under fp16 on W ranks (rank pools; W = 1 without a process group: in this
 process, on case.device). In window 0 ONE micro-batch on ONE rank (micro-step m,
-rank r, drawn) overflows: the adapter's `overflow` hook is applied to it just before its micro_step()
-(verify.data.overflow_rows, the default for floating inputs, scales its rows by 2^20; xtrain arms an inf
-in the next backward's gradient). The big batch (the same adapter at N=1, one rank) holds the same rows,
-and gets the same hook on its one micro-step, for exactly those rows. The verdict, all exact:
+rank r, drawn) overflows. Without the adapter's help (the default, any model and any inputs: token ids
+too) the harness makes that micro-step's backward non-finite itself (BackwardInf: an inf in the gradient
+reaching a module's output, the first one backward reaches, in the overflowing rows), as an fp16 overflow
+in the backward would: before anything the trainer does after backward (DDP's bucket all-reduce, its
+accumulation, GradScaler's check). An adapter's own `overflow` hook wins: applied just before that
+micro_step() (verify.data.overflow_rows scales floating rows by 2^20; xtrain arms an inf in the next
+backward's gradient). The big batch (the same adapter at N=1, one rank) holds the same rows, and gets the
+same injection on its one micro-step, for exactly those rows. The verdict, all exact:
 
 skip        after window 0, every rank's parameters are bit-equal to its parameters before it (the whole
             window skipped, on every rank); the big batch's too (otherwise the injection did not overflow:
@@ -29,24 +33,58 @@ from ..case import Case, shard
 from ..pool import get_pool
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 
-__all__ = ["check_overflow", "overflow_hook", "overflow_job", "GATE"]
+__all__ = ["check_overflow", "overflow_hook", "overflow_job", "BackwardInf", "GATE"]
 
 GATE = Gate.OVERFLOW
 
 
+class BackwardInf:
+    """The harness's own injection, armed around one micro-step (until it fires): a process-wide module
+    forward hook puts a one-shot hook on every floating module output that requires grad; the first of those
+    that backward reaches puts an inf into its gradient (at the overflowing rows' first element, where the
+    output is rows first) and disarms all. Module outputs, not trainer.params(): those may be copies (FSDP's
+    full tensors, a framework's views) whose hooks never fire, while every model's backward passes through a
+    module. Inputs are not scaled: token ids cannot be, and a normalising first layer would undo it."""
+
+    def __init__(self, rows: slice, n_rows: int):
+        self.rows, self.n_rows, self.fired, self._handle = rows, n_rows, False, None
+
+    def arm(self) -> "BackwardInf":
+        from torch.nn.modules.module import register_module_forward_hook
+
+        self._handle = register_module_forward_hook(self._forward)
+        return self
+
+    def disarm(self) -> bool:
+        """Removes the forward hook (idempotent); True when the inf went into a gradient."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        return self.fired
+
+    def _forward(self, module, args, output):
+        if torch.is_tensor(output) and output.is_floating_point() and output.requires_grad and not self.fired:
+            output.register_hook(self._backward)
+
+    def _backward(self, g):
+        if self.fired:
+            return None
+        self.fired = True
+        self.disarm()
+        if type(g) is not torch.Tensor:  # a DTensor / subclass: no element indexing, every element inf
+            return g + float("inf")
+        g = g.clone()
+        lead = (self.rows.start or 0) if g.dim() and g.shape[0] == self.n_rows else 0
+        g[(lead,) + (0,) * (g.dim() - 1) if g.dim() else ()] = float("inf")
+        return g
+
+
 def overflow_hook(adapter):
-    """The adapter's way to make rows overflow fp16, or None (with why) when it has none."""
+    """How the gate overflows one micro-batch of the adapter: its own `overflow` hook, else BackwardInf
+    (the harness's, any inputs); None (with why) when the adapter has no fp16."""
     if "fp16" not in adapter.precisions:
         return None, f"{adapter.name} does not declare fp16 (Adapter(precisions=...)): no loss scaling to overflow"
-    if adapter.overflow is not None:
-        return adapter.overflow, ""
-    x, _ = adapter.batch(1, 0, adapter.defaults)
-    if x.is_floating_point():
-        from ..data import overflow_rows
-
-        return overflow_rows, ""
-    return None, (f"{adapter.name}'s inputs are {x.dtype} (cannot be scaled into an fp16 overflow) and it declares "
-                  f"no Adapter(overflow=...) hook")
+    return (adapter.overflow if adapter.overflow is not None else BackwardInf), ""
 
 
 def _copy(d: dict) -> dict:
@@ -57,18 +95,28 @@ def _run(trainer, batches, N: int, rank: int, world: int, device, hook, at: tupl
     """The harness's loop (as verify.case.drive) with the overflow hook applied to window 0's micro-step
     at[0], rows at[1] of it. Returns params before / after every window and the loss scale after each."""
     scale = getattr(trainer, "loss_scale", None)
-    out = dict(params=[_copy(trainer.params())], scale=[scale() if scale else None], losses=[])
-    for k, (inputs, targets) in enumerate(batches):
-        for m, (x, y) in enumerate(shard(inputs, targets, N, rank, world)):
-            x = x.to(device=device, dtype=torch.float32 if x.is_floating_point() else x.dtype)
-            x, y = x.clone(), y.to(device).clone()
-            if k == 0 and at is not None and m == at[0]:
-                x, y = hook(trainer, x, y, at[1])
-            trainer.micro_step(x, y, m)
-        trainer.grads()
-        out["losses"].append(float(trainer.optimizer_step()))
-        out["params"].append(_copy(trainer.params()))
-        out["scale"].append(scale() if scale else None)
+    out = dict(params=[_copy(trainer.params())], scale=[scale() if scale else None], losses=[], fired=None)
+    shot = None
+    try:
+        for k, (inputs, targets) in enumerate(batches):
+            for m, (x, y) in enumerate(shard(inputs, targets, N, rank, world)):
+                x = x.to(device=device, dtype=torch.float32 if x.is_floating_point() else x.dtype)
+                x, y = x.clone(), y.to(device).clone()
+                if k == 0 and at is not None and m == at[0]:
+                    if hook is BackwardInf:  # armed until its backward (a framework's loop may run it later)
+                        shot = BackwardInf(at[1], len(x)).arm()
+                    else:
+                        x, y = hook(trainer, x, y, at[1])
+                trainer.micro_step(x, y, m)
+            trainer.grads()
+            if k == 0 and shot is not None:
+                out["fired"] = shot.disarm()
+            out["losses"].append(float(trainer.optimizer_step()))
+            out["params"].append(_copy(trainer.params()))
+            out["scale"].append(scale() if scale else None)
+    finally:  # a process-wide hook never outlives its run
+        if shot is not None:
+            shot.disarm()
     return out
 
 
@@ -117,6 +165,10 @@ def check_overflow(adapter, case: Case, micro: int, rank: int, *, pool=None, ref
         ref = ref_pool.run(overflow_job, adapter, case, micro, rank, True)[0]
         runs = pool.run(overflow_job, adapter, case, micro, rank)
     where = f"window 0 overflows in micro-step {micro} of {case.accum_steps} on rank {rank} of {case.world}"
+    if any(run["fired"] is False for run in (ref, *runs)):  # the harness's injection saw no backward there
+        raise GateSkipped(f"{adapter.name}: no backward through a floating module output that requires grad in the "
+                          f"overflowing micro-step ({where}), so the harness could not inject the overflow; declare "
+                          f"Adapter(overflow=...) to make one micro-batch overflow fp16")
 
     def fail(msg):
         raise GateFailure(f"[{GATE}] {msg} ({where}); case {case}", gate=GATE, case=case)

@@ -1,0 +1,81 @@
+"""Every profile starts with its hard corners (verify.strategies.corners): each gate test draws its known-hard
+cases first, as explicit examples (never shrunk), then random ones within the same budget. Under the dev profile
+the plugin's gate tests reject the bugs only a corner shows — found_inf broadcast from rank 0 (the overflow on the
+last rank; float data and token data) and a pipeline schedule's scale_grads=True under outer accumulation (chunks
+≥ 2 and outer ≥ 2) — while the same loops done right pass."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from verify.adapters import broken_mesh, broken_overflow, xtrain
+from verify.strategies import GATE_BUDGETS, corners, gate_budget, random_budget
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_overflow_corner_is_the_boundary_micro_step_on_the_last_rank():
+    (case, micro, rank), (small, micro2, rank2) = corners(xtrain.tokens_adapter, "overflow", min_world=1, max_world=4)
+    assert (case.world, case.accum_steps, micro, rank, case.precision) == (4, 3, 2, 3, "fp16")
+    assert (small.world, micro2, rank2) == (2, 0, 1) and 0 not in case.empty_steps()
+    assert [(c.world, r) for c, _, r in corners(xtrain.tokens_adapter, "overflow")] == [(1, 0)]  # one process
+
+
+def test_data_parallel_corners_have_N_2_at_W_2_and_an_empty_micro_batch_and_rank():
+    got = corners(xtrain.tokens_adapter, "data_parallel", min_world=1, max_world=3)
+    assert [c.world for c in got] == [2, 3] and all(c.accum_steps >= 2 for c in got)
+    c = got[0]
+    E, WB = c.accum_steps * c.micro_batch * c.world, c.micro_batch * c.world
+    window0 = c.lengths[:E]
+    assert len(c.lengths) == c.steps * E and not any(window0[WB:2 * WB])  # micro-batch 1 empty
+    assert any(window0[2 * WB:2 * WB + c.micro_batch]) and not any(window0[3 * WB - c.micro_batch:3 * WB])  # last rank
+    assert 0 not in c.empty_steps()
+    assert corners(xtrain.tokens_adapter, "data_parallel", min_world=1, max_world=1) == []  # no W ≥ 2 to draw
+
+
+def test_pipeline_corner_has_two_chunks_and_two_outer_steps_on_pp_2():
+    (c,) = corners(broken_mesh.pipe, "mesh", min_world=2, max_world=4)
+    assert (c.mesh.pp, c.mesh.dp, c.pipeline_chunks, c.accum_steps // c.pipeline_chunks) == (2, 1, 2, 2)
+    (split, world), = corners(broken_mesh.pipe, "mesh_split", min_world=2, max_world=4)
+    assert world == 2 and split.pipeline_chunks == 2 and split.accum_steps == 4 and split.mesh is None
+
+
+def test_corners_replace_random_draws_within_the_budget():
+    for gate in GATE_BUDGETS:
+        hard = corners(xtrain.tokens_adapter, gate, min_world=1, max_world=4)
+        assert random_budget(gate, hard) + len(hard) == max(gate_budget(gate), len(hard) + 1), gate
+
+
+def _plugin(tmp_path, trainer, keyword):
+    env = {**{k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER", "COLUMNS")},
+           "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1", "XTRAIN_DIST_MAX_WORLD": "2",
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}  # a fresh example database: the corner, not a replay, finds it
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-p", "no:xdist",
+           "--verify-trainer", trainer, "-k", keyword]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["found_inf_of_rank_0_float", "found_inf_of_rank_0_tokens"])
+def test_dev_profile_rejects_a_skip_decided_by_rank_0(tmp_path, name):
+    r = _plugin(tmp_path, f"verify.adapters.broken_overflow:{name}", "overflow")
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "[overflow] rank 0, window 0: parameter" in r.stdout and "on rank 1 of 2" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dev_profile_passes_found_inf_all_reduced(tmp_path):
+    r = _plugin(tmp_path, "verify.adapters.broken_overflow:found_inf_all_reduced_float", "overflow")
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dev_profile_rejects_scale_grads_under_outer_accumulation(tmp_path):
+    r = _plugin(tmp_path, "verify.adapters.broken_mesh:pipe_ema", "mesh_equivalent")
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "[mesh equivalence] mesh dp=1 pp=2 tp=1, chunks=2, outer=2" in r.stdout, r.stdout[-3000:]
+    assert _plugin(tmp_path, "verify.adapters.broken_mesh:pipe", "mesh_equivalent").returncode == 0
