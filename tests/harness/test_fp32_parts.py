@@ -1,0 +1,67 @@
+"""Issue 26 item 2: a float32 part inside a float64 run — a float32 constant 1/N, a float32 loss, a float32
+token count — passes every float64 check UNDECLARED (judged at what an fp32 run resolves: tolerance.twin_floor),
+through the equivalence, partial-sum, data-parallel and token gates; the same trainers with a structural bug
+(a 1/N off by one, a count off by one) are still rejected. Trainers: tests/helpers/fp32_parts.py."""
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import fp32_parts as fp
+from verify.case import Case
+from verify.gates import GateFailure, check_distributed, check_empty_window, check_equivalence, check_token_mean
+from verify.gates.tolerance import EPS32
+from verify.gates.windows import check_partial_sums
+from verify.strategies import budget, cases, dist_cases
+
+PARTS = ["constant", "loss32", "count32"]
+
+
+@pytest.mark.parametrize("name", PARTS)
+@settings(max_examples=budget(10, 6), deadline=None)
+@given(data=st.data())
+def test_a_float32_part_passes_equivalence_and_partial_sums_undeclared(name, data):
+    adapter = getattr(fp, name)
+    assert adapter.declarations().keys() <= {"data_parallel", "ignore_index"}  # nothing about precision
+    case = data.draw(cases(adapter, min_accum=2, max_accum=8))
+    r = check_equivalence(adapter, case)
+    assert r.ratio < 1 and r.extra["floor64"] >= EPS32
+    long = case.replace(accum_steps=case.accum_steps + 60, micro_batch=1, steps=1, precision="fp32", lengths=None)
+    assert check_partial_sums(adapter, long).ratio < 1
+
+
+@settings(max_examples=budget(10, 6), deadline=None)
+@given(data=st.data())
+def test_a_float32_count_passes_the_token_gates_undeclared(data):
+    """Padded windows: A, B and A∪B have different counts, so their float32 reciprocals round differently."""
+    case = data.draw(cases(fp.count32, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=2, padded=True))
+    assert check_token_mean(fp.count32, case).ratio < 1
+    check_empty_window(fp.count32, case)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", PARTS)
+@settings(max_examples=budget(20, 3), deadline=None)
+@given(data=st.data())
+def test_a_float32_part_passes_data_parallel_equivalence_undeclared(name, data):
+    adapter = getattr(fp, name)
+    case = data.draw(dist_cases(adapter, min_world=2, max_world=2, min_accum=2, max_accum=4, max_steps=2))
+    assert check_distributed(adapter, case).ratio < 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_1_over_n_off_by_one_beside_a_float32_constant_fails(seed):
+    """Structural, not rounding: loss · float32(1/(N+1)) errs by 1/(N+1) relative, far over C·eps32."""
+    case = Case(accum_steps=3 + seed, micro_batch=2, steps=2, seed=seed, data_seed=seed)
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] ") as e:
+        check_equivalence(fp.off_by_one_n, case)
+    assert e.value.error is None or e.value.error > 10 * e.value.bound
+
+
+@settings(max_examples=budget(10, 4), deadline=None)
+@given(data=st.data())
+def test_a_float32_count_off_by_one_fails_the_token_mean(data):
+    case = data.draw(cases(fp.count32, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=2, padded=True))
+    E = case.effective_batch
+    assume(sum(case.lengths[:E]) and sum(case.lengths[E:2 * E]))
+    with pytest.raises(GateFailure, match=r"^\[token mean\] additivity"):
+        check_token_mean(fp.count32_plus_one, case)
