@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import verify
 from examples.accelerate_accumulate import Trainer as AccelerateTrainer
+from tests.helpers import calib_adapters as calib
 
 IGNORE, VOCAB = -100, 11
 
@@ -64,3 +65,40 @@ _common = dict(data=verify.data.tokens(vocab=VOCAB, seq_len=5), data_parallel=Tr
                empty_windows=False)
 normalise_in_step = verify.adapter(**_common)(NormaliseInStep)
 normalise_in_step_declared = verify.adapter(**_common, grads_from="optimizer")(NormaliseInStep)
+
+
+# -- one bug class each, on calib_adapters' textbook MLP (the diagnosis of each class is tested) -------------
+class OverNTwice(calib.Trainer):
+    def scale(self, loss):
+        return loss / self.n / self.n
+
+
+class NoOverW(calib.Trainer):
+    def micro_step(self, x, y, micro):
+        self.world, w = 1, self.world  # the boundary's reduction without its ÷ W: a sum over ranks
+        try:
+            super().micro_step(x, y, micro)
+        finally:
+            self.world = w
+        if micro == self.n - 1 and w > 1:
+            for p in self.model.parameters():
+                dist.all_reduce(p.grad)
+
+
+class ClipPerMicro(calib.Trainer):
+    """Clips every micro-step's gradient (spec.options: the max norm; None: no clipping)."""
+
+    def micro_step(self, x, y, micro):
+        super().micro_step(x, y, micro)
+        if self.spec.options:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.options)
+
+
+def no_clipping(options):
+    return None
+
+
+_reg = verify.data.regression(features=calib.FEATURES)
+over_n_twice = verify.adapter(data=_reg)(OverNTwice)
+no_over_w = verify.adapter(data=_reg, data_parallel=True)(NoOverW)
+clip_per_micro = verify.adapter(data=_reg, unclipped=no_clipping)(ClipPerMicro)

@@ -51,22 +51,29 @@ def _knob(case: Case, knob: str, adapter) -> Case | None:
     return None
 
 
-def _check(adapter, case: Case):
+def _pooled(adapter, case: Case, gate=None) -> bool:
+    """Whether the case's runs go through rank pools: a mesh, W > 1, a group needed alone, or a data-parallel
+    gate's failure (a data-parallel trainer may need a group even at world 1)."""
+    return (case.mesh is not None or case.world > 1 or adapter.process_group
+            or (adapter.data_parallel and gate in (Gate.DP_EQUIVALENCE, Gate.SPLIT_INVARIANCE)))
+
+
+def _check(adapter, case: Case, gate=None):
     """The numeric gate that applies to the case (mesh, data parallel or single process)."""
     if case.mesh is not None:
         from .mesh import check_mesh
         return check_mesh(adapter, case)
-    if case.world > 1 or adapter.process_group:
+    if _pooled(adapter, case, gate):
         from .distributed import check_distributed
         return check_distributed(adapter, case)
     from .single import check_equivalence
     return check_equivalence(adapter, case)
 
 
-def _passes(adapter, case: Case) -> bool | None:
+def _passes(adapter, case: Case, gate=None) -> bool | None:
     """True / False: the knob's case passes / fails; None: it could not run (a skip, a crash)."""
     try:
-        _check(adapter, case)
+        _check(adapter, case, gate)
         return True
     except GateFailure:
         return False
@@ -74,9 +81,9 @@ def _passes(adapter, case: Case) -> bool | None:
         return None
 
 
-def _f64_traces(adapter, case: Case):
+def _f64_traces(adapter, case: Case, gate=None):
     """(the trainer's float64 Trace, the float64 big batch's) of the case: rank 0's / replica 0's."""
-    if case.mesh is not None or case.world > 1 or adapter.process_group:
+    if _pooled(adapter, case, gate):
         from .distributed import F64, run_distributed
         out = run_distributed(adapter, case, gate=Gate.DP_EQUIVALENCE)
         if case.mesh is not None:
@@ -94,31 +101,33 @@ def _f64_traces(adapter, case: Case):
 def factor_of(got, ref) -> float | None:
     """c when got's step-0 gradient is c × ref's (every parameter, c ≠ 1) while its parameters after every step
     equal ref's: a trainer whose updates are right and whose grads() is read before its normalisation."""
+    c, same = relation(got, ref)
+    return c if c is not None and abs(c - 1) >= 1e-6 and same else None
+
+
+def relation(got, ref) -> tuple[float | None, bool]:
+    """(c where got's step-0 gradient is c × ref's for every parameter, else None; whether the parameters
+    after every step equal ref's), both in float64 and far below any real bug's size."""
     num = den = 0.0
     for k, r in ref.grads0.items():
         g = got.grads0.get(k)
         if g is None or g.shape != r.shape:
             return None
         num, den = num + float((g.double() * r.double()).sum()), den + float((r.double() ** 2).sum())
-    if den == 0 or not got.params or len(got.params) != len(ref.params):
-        return None
-    c = num / den
-    if abs(c - 1) < 1e-6:
-        return None
+    c = num / den if den else None
     for k, r in ref.grads0.items():
-        if float((got.grads0[k].double() - c * r.double()).norm()) > CONSTANT * max(float(r.double().norm()) * abs(c), 1e-300):
-            return None
-    for pg, pr in zip(got.params, ref.params):
-        for k, r in pr.items():
-            p = pg.get(k)
-            if p is None or float((p.double() - r.double()).abs().max()) > SAME_PARAMS * max(float(r.abs().max()), 1.0):
-                return None
-    return c
+        if c is not None and float((got.grads0[k].double() - c * r.double()).norm()) > CONSTANT * abs(c) * float(
+                r.double().norm()):
+            c = None
+    same = bool(got.params) and len(got.params) == len(ref.params) and all(
+        k in pg and float((pg[k].double() - r.double()).abs().max()) <= SAME_PARAMS * max(float(r.abs().max()), 1.0)
+        for pg, pr in zip(got.params, ref.params) for k, r in pr.items())
+    return c, same
 
 
-def _deterministic(adapter, case: Case) -> bool:
+def _deterministic(adapter, case: Case, gate=None) -> bool:
     """Two identical runs of the case agree bit for bit (every rank; float64 and fp32 as the gates run them)."""
-    if case.mesh is None and case.world == 1 and not adapter.process_group:
+    if not _pooled(adapter, case, gate):
         run = lambda: drive(adapter(case.spec(device=case.device, adapter=adapter)), case.batches(adapter),  # noqa: E731
                             case.accum_steps, device=case.device)
         return first_difference(run(), run()) is None
@@ -134,10 +143,10 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
     if case is None or gate not in GATES or failure.hint:
         return None, {}
     try:
-        c = factor_of(*_f64_traces(adapter, case))
+        c, same = relation(*_f64_traces(adapter, case, gate))
     except Exception:  # noqa: BLE001
-        c = None
-    if c is not None:
+        c, same = None, True
+    if c is not None and abs(c - 1) >= 1e-6 and same:
         return (f"re-run: the parameters after every step equal the big batch's while grads() is {c:.6g}× its "
                 f"gradient: the trainer normalises inside optimizer_step(), after grads() is read. Its updates are "
                 f"right; meet the contract (grads() returns the gradient the optimizer steps with: divide before "
@@ -146,8 +155,9 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
     for knob in KNOBS:
         k = _knob(case, knob, adapter)
         if k is not None:
-            seen[knob] = _passes(adapter, k)
-    return _classify(adapter, failure, seen), seen
+            seen[knob] = _passes(adapter, k, gate)
+    step_wrong = c is not None and abs(c - 1) < 1e-6 and not same  # the gradient right, the step not
+    return _classify(adapter, failure, seen, step_wrong), seen
 
 
 def _said(seen: dict) -> str:
@@ -155,7 +165,7 @@ def _said(seen: dict) -> str:
                                  for k, v in seen.items()) + ": "
 
 
-def _classify(adapter, failure: GateFailure, seen: dict) -> str | None:
+def _classify(adapter, failure: GateFailure, seen: dict, step_wrong: bool = False) -> str | None:
     case, said = failure.case, _said(seen) if seen else ""
     if seen.get("unclipped"):
         return (said + "without clipping it passes: clipping acts where the big batch's does not — clip once, on the "
@@ -165,13 +175,15 @@ def _classify(adapter, failure: GateFailure, seen: dict) -> str | None:
         return (said + "step 0 agrees, a later step differs, only at W > 1: state that advances per step differs "
                 f"across ranks — an LR scheduler stepped once per rank (Accelerate's prepared scheduler steps it "
                 f"num_processes times: declare @verify.adapter(scheduler_per_rank=True))")
-    if seen.get("K=1"):
-        return (said + "step 0 agrees, a later step differs: state that should advance once per optimizer step "
-                "advances per micro-step — an LR scheduler or optimizer stepped inside the micro-step loop, or a "
-                "counter of micro-steps where one of steps belongs")
+    if seen.get("K=1") or step_wrong:
+        what = ("step 0 agrees, a later step differs" if seen.get("K=1") else
+                "the step-0 gradient equals the big batch's, the update does not")
+        return (said + what + ": state that should advance once per optimizer step advances per micro-step — an LR "
+                "scheduler or optimizer stepped inside the micro-step loop, or a counter of micro-steps where one of "
+                "steps belongs")
     mesh = case.mesh is not None and (case.mesh.tp > 1 or case.mesh.pp > 1)
     if (seen.get("N=1") is False or case.accum_steps == 1) and case.world == 1 and not mesh:
-        if not _deterministic(adapter, case):
+        if not _deterministic(adapter, case, failure.gate):
             return said + "fails at N=1 too, and two identical runs differ: nondeterminism (dropout, RNG per micro-step)"
     lead = pattern_hint(_without_n1(failure) if mesh or seen.get("N=1") is not None else failure)
     if seen.get("N=1") is False and case.world > 1 and lead is None:
