@@ -83,3 +83,11 @@ def test_a_trainer_normalising_in_its_step_is_named_with_its_factor_and_passes_d
     else:
         check_distributed(_helper("normalise_in_step"), case)  # one rank: grads() and the step agree (no ÷ W)
     check_distributed(_helper("normalise_in_step_declared"), case)
+
+
+def test_a_mesh_failure_shrunk_to_n1_gets_its_mesh_hint_not_nondeterminism():
+    b = BY_NAME["loss_times_tp"]  # where hypothesis' shrinking lands: N=1, dp=1
+    case = b.case.replace(accum_steps=1, micro_batch=b.case.micro_batch * b.case.accum_steps)
+    failure = _failure(check_mesh, b.load(), case)
+    line = hint(diagnosed(b.load(), failure))
+    assert "tp − 1" in line and "dropout" not in line, line

@@ -171,7 +171,7 @@ def _classify(adapter, failure: GateFailure, seen: dict, step_wrong: bool = Fals
         return (said + "without clipping it passes: clipping acts where the big batch's does not — clip once, on the "
                 "window's whole gradient, in optimizer_step() (not inside each micro-step, not per rank before the "
                 "reduction)")
-    if seen.get("K=1") and (seen.get("W=1") or (case.mesh is None and case.world > 1 and "W=1" not in seen)):
+    if seen.get("K=1") and seen.get("W=1"):
         return (said + "step 0 agrees, a later step differs, only at W > 1: state that advances per step differs "
                 f"across ranks — an LR scheduler stepped once per rank (Accelerate's prepared scheduler steps it "
                 f"num_processes times: declare @verify.adapter(scheduler_per_rank=True))")
@@ -181,17 +181,19 @@ def _classify(adapter, failure: GateFailure, seen: dict, step_wrong: bool = Fals
         return (said + what + ": state that should advance once per optimizer step advances per micro-step — an LR "
                 "scheduler or optimizer stepped inside the micro-step loop, or a counter of micro-steps where one of "
                 "steps belongs")
-    mesh = case.mesh is not None and (case.mesh.tp > 1 or case.mesh.pp > 1)
-    if (seen.get("N=1") is False or case.accum_steps == 1) and case.world == 1 and not mesh:
+    if (seen.get("N=1") is False or case.accum_steps == 1) and case.world == 1:  # a mesh at N=1 too (issue 26)
         if not _deterministic(adapter, case, failure.gate):
-            return said + "fails at N=1 too, and two identical runs differ: nondeterminism (dropout, RNG per micro-step)"
-    lead = pattern_hint(_without_n1(failure) if mesh or seen.get("N=1") is not None else failure)
+            return (said + "it fails at N=1 too, and two identical runs differ: nondeterminism (train-mode dropout, "
+                    "random numbers drawn per micro-step, nondeterministic kernels)")
+    lead = pattern_hint(_without_n1(failure))  # the gate or the re-run above ruled nondeterminism out
     if seen.get("N=1") is False and case.world > 1 and lead is None:
-        lead = ("fails at N=1 too, where accumulation does nothing: the ranks' reduction differs from one process's "
+        lead = ("it fails at N=1 too, where accumulation does nothing: the ranks' reduction differs from one process's "
                 "big batch (the ÷ W, a per-rank normaliser, state kept per rank)")
     if lead is not None and "something acts per micro-batch" in lead and seen.get("N=1") is False:
         lead = None  # a per-micro-batch effect cannot survive N=1: the pattern is wrong here
-    return (said + lead) if lead else (said.rstrip(": ") or None)
+    if lead is None:
+        return said.rstrip(": ") or None
+    return f"{lead} ({said.rstrip(': ')})" if said else lead  # today's hint first, what the re-runs showed after
 
 
 def _without_n1(failure: GateFailure) -> GateFailure:
