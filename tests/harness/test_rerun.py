@@ -91,3 +91,14 @@ def test_a_mesh_failure_shrunk_to_n1_gets_its_mesh_hint_not_nondeterminism():
     failure = _failure(check_mesh, b.load(), case)
     line = hint(diagnosed(b.load(), failure))
     assert "tp − 1" in line and "dropout" not in line, line
+
+
+def test_a_bad_grads_from_or_unclipped_is_one_line_naming_the_field():
+    import verify
+    from verify.protocol import AdapterError
+
+    for kw, says in ((dict(grads_from="step"), "grads_from must be one of 'grads', 'optimizer', got 'step'"),
+                     (dict(unclipped=0.5), "unclipped= must be callable")):
+        with pytest.raises(AdapterError) as e:
+            verify.adapter(data=verify.data.regression(features=2), **kw)(object)
+        assert says in str(e.value) and "\n" not in str(e.value)
