@@ -11,7 +11,9 @@ never on a passing gate. The knobs, each the failing case with one thing changed
     unclipped  the adapter's `unclipped(options)` (clipping off), where declared: passes → clipping is it
 
 plus one look at the float64 runs of the case itself: parameters after every step equal to the big
-batch's while grads() is a constant factor c ≠ 1 of its gradient → the trainer normalises in its step.
+batch's while grads() is a constant factor c ≠ 1 of its gradient → the trainer normalises in its step. A
+token-mean failure (judged against the harness's counts, not a big batch) is re-run with the gradient read
+where the optimizer reads it (grads_from="optimizer"): passing so, it names the same class and its factor.
 The classes (and each planted bug's) are tested in tests/harness/test_hints.py.
 """
 from __future__ import annotations
@@ -140,6 +142,10 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
     """(the one-line diagnosis of a numeric gate's failure from re-runs, or None; {knob: passes}). None also
     where the gate is not numeric or the raiser set its own hint (a determinism diagnosis)."""
     case, gate = getattr(failure, "case", None), getattr(failure, "gate", None)
+    if case is not None and gate == Gate.TOKEN_MEAN:  # judged against the harness's counts, not a big batch
+        c = _at_optimizer(adapter, case)
+        return (None if c is None else _normalises(c, "the gradient the optimizer steps with") + "; read where "
+                "the optimizer reads it, the token mean holds"), {}
     if case is None or gate not in GATES or failure.hint:
         return None, {}
     try:
@@ -147,10 +153,7 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
     except Exception:  # noqa: BLE001
         c, same = None, True
     if c is not None and abs(c - 1) >= 1e-6 and same:
-        return (f"re-run: the parameters after every step equal the big batch's while grads() is {c:.6g}× its "
-                f"gradient: the trainer normalises inside optimizer_step(), after grads() is read. Its updates are "
-                f"right; meet the contract (grads() returns the gradient the optimizer steps with: divide before "
-                f"grads()) or declare @verify.adapter(grads_from=\"optimizer\")"), {}
+        return "re-run: the parameters after every step equal the big batch's while " + _normalises(c, "its gradient"), {}
     seen = {}
     for knob in KNOBS:
         k = _knob(case, knob, adapter)
@@ -158,6 +161,32 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
             seen[knob] = _passes(adapter, k, gate)
     step_wrong = c is not None and abs(c - 1) < 1e-6 and not same  # the gradient right, the step not
     return _classify(adapter, failure, seen, step_wrong), seen
+
+
+def _normalises(c: float, of: str) -> str:
+    return (f"grads() is {c:.6g}× {of}: the trainer normalises inside optimizer_step(), after grads() is read. Its "
+            f"updates may well be right; meet the contract (grads() returns the gradient the optimizer steps with: "
+            f"divide before grads()) or declare @verify.adapter(grads_from=\"optimizer\")")
+
+
+def _at_optimizer(adapter, case: Case) -> float | None:
+    """A token-mean failure re-run with the gradient read where the optimizer reads it (grads_from="optimizer"):
+    c where it then passes and grads() is c × that gradient; None otherwise. In this process only (a replaced
+    adapter is no module-level name a rank pool could import)."""
+    if adapter.grads_from != "grads" or _pooled(adapter, case):
+        return None
+    from .tokens import check_token_mean
+
+    alt = adapter.replace(grads_from="optimizer", name=adapter.name)
+    try:
+        check_token_mean(alt, case)
+    except Exception:  # noqa: BLE001  (a failure, a skip or a crash: no lead)
+        return None
+    one = case.replace(steps=1, lengths=_lengths(case, 1))
+    run = lambda a: drive(a(one.spec(dtype=torch.float64, device=one.device, adapter=a)), one.batches(a),  # noqa: E731
+                          one.accum_steps, dtype=torch.float64, device=one.device)
+    c, _ = relation(run(adapter), run(alt))
+    return None if c is None or abs(c - 1) < 1e-6 else c
 
 
 def _said(seen: dict) -> str:
