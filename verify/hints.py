@@ -13,11 +13,11 @@ W ranks, `error` the failing check's relative error against the big batch:
                               nothing may sum or scale over them (a loss × the tp size, a reduction over tp)
     pp > 1, chunks, outer ≥ 2 on a mesh: a schedule's scale_grads=True (its default) across outer steps
     1e-3 ≤ error ≤ 0.1        not a factor, small: something acts per micro-batch that belongs to the window
-                              (gradient clipping per micro-step, BatchNorm statistics, a per-micro-batch mean)
+                              (an optimizer step or clipping per micro-step, BatchNorm statistics, a per-micro-batch mean)
 
 These are patterns; verify/gates/rerun.py re-runs the failing case with one knob changed and replaces a
-pattern the re-runs contradict. The factors are exact algebra (a scale of the whole gradient), so they are matched within 2 %; a hint is a
-lead, never a verdict: the verdict line above it is the finding.
+pattern the re-runs contradict. The factors are exact algebra (a scale of the whole gradient), so they are
+matched within 2 %; a hint is a lead, never a verdict: the verdict line above it is the finding.
 """
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def hint(failure) -> str | None:
                 "micro-batch's loss by N")
     if SMALL[0] <= err <= SMALL[1]:
         return (f"a small error ({err:.1e}), not a factor: something acts per micro-batch that should act on the "
-                f"whole window — gradient clipping inside each micro-step, BatchNorm's per-micro-batch statistics "
-                f"(a true non-equivalence: use LayerNorm/GroupNorm or frozen statistics), or a per-micro-batch mean")
+                f"whole window — an optimizer step inside the micro-step loop, gradient clipping inside each "
+                f"micro-step, BatchNorm's per-micro-batch statistics (a true non-equivalence: use LayerNorm/GroupNorm "
+                f"or frozen statistics), or a per-micro-batch mean")
     return None
