@@ -81,6 +81,9 @@ def verdict_repr(item, excinfo):
             longrepr.reprcrash.message = line
         return longrepr, line, None, None
     first = fails[0]
+    from .gates.rerun import diagnosed  # a failure re-run with one knob changed at a time names its class (once)
+
+    first = diagnosed(getattr(item, "funcargs", {}).get("verify_adapter"), first)
     verdict, why = _one_line(first), hint(first)
     lines = [verdict + "\n"] + ([f"hint: {why}\n"] if why else [])
     lines += [f"also: {_one_line(f)}\n" for f in fails[1:]]

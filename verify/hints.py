@@ -4,7 +4,8 @@ Read from GateFailure's structured fields (gate, case, error, bound), never from
 raiser set itself (GateFailure.hint, e.g. the determinism diagnosis) wins. The classes, N micro-steps of
 W ranks, `error` the failing check's relative error against the big batch:
 
-    N = 1, one process       accumulation does nothing there: the trainer's two runs differ (nondeterminism)
+    N = 1, one process       accumulation does nothing there: the trainer's two runs differ (nondeterminism);
+                              not on a mesh of tp or pp > 1, nor where a re-run found the runs identical
     error ≈ N − 1             N× the big batch: the 1/N is missing (a sum over micro-steps where a mean belongs)
     error ≈ 1 − 1/N           ÷N once more: 1/N applied twice
     error ≈ W − 1, 1 − 1/W    the same two across ranks: no /W, or /W applied twice
@@ -12,10 +13,11 @@ W ranks, `error` the failing check's relative error against the big batch:
                               nothing may sum or scale over them (a loss × the tp size, a reduction over tp)
     pp > 1, chunks, outer ≥ 2 on a mesh: a schedule's scale_grads=True (its default) across outer steps
     1e-3 ≤ error ≤ 0.1        not a factor, small: something acts per micro-batch that belongs to the window
-                              (gradient clipping per micro-step, BatchNorm statistics, a per-micro-batch mean)
+                              (an optimizer step or clipping per micro-step, BatchNorm statistics, a per-micro-batch mean)
 
-The factors are exact algebra (a scale of the whole gradient), so they are matched within 2 %; a hint is a
-lead, never a verdict: the verdict line above it is the finding.
+These are patterns; verify/gates/rerun.py re-runs the failing case with one knob changed and replaces a
+pattern the re-runs contradict. The factors are exact algebra (a scale of the whole gradient), so they are
+matched within 2 %; a hint is a lead, never a verdict: the verdict line above it is the finding.
 """
 from __future__ import annotations
 
@@ -41,8 +43,10 @@ def hint(failure) -> str | None:
     case, err, gate = getattr(failure, "case", None), getattr(failure, "error", None), getattr(failure, "gate", None)
     if case is None or gate not in NUMERIC:
         return None
-    N, W = case.accum_steps, case.world
-    if N == 1 and W == 1:
+    N, W, m = case.accum_steps, case.world, getattr(case, "mesh", None)
+    # on a mesh a failure at N=1 is the mesh's (tp, pp), not nondeterminism: the re-run (gates/rerun.py) decides
+    mesh = m is not None and (m.tp > 1 or m.pp > 1)
+    if N == 1 and W == 1 and not mesh and not getattr(failure, "deterministic", False):
         return ("it fails at N=1, where accumulation does nothing: two runs of your trainer on the same batch differ. "
                 "Look for train-mode dropout, nondeterministic kernels (torch.use_deterministic_algorithms(True)) or "
                 "random numbers drawn per micro-step; seed everything from Spec.seed")
@@ -68,6 +72,7 @@ def hint(failure) -> str | None:
                 "micro-batch's loss by N")
     if SMALL[0] <= err <= SMALL[1]:
         return (f"a small error ({err:.1e}), not a factor: something acts per micro-batch that should act on the "
-                f"whole window — gradient clipping inside each micro-step, BatchNorm's per-micro-batch statistics "
-                f"(a true non-equivalence: use LayerNorm/GroupNorm or frozen statistics), or a per-micro-batch mean")
+                f"whole window — an optimizer step inside the micro-step loop, gradient clipping inside each "
+                f"micro-step, BatchNorm's per-micro-batch statistics (a true non-equivalence: use LayerNorm/GroupNorm "
+                f"or frozen statistics), or a per-micro-batch mean")
     return None

@@ -3,7 +3,7 @@
 A trainer implements four methods; the harness owns the loop around them:
 
     for micro in range(N): trainer.micro_step(inputs, targets, micro)   # one micro-batch, rows first
-    grads = trainer.grads()             # boundary gradient: after accumulation, before clip/step
+    grads = trainer.grads()             # the gradient the optimizer will step with, before clipping
     loss  = trainer.optimizer_step()    # clip, optimizer, schedule, zero_grad; returns the step loss
     trainer.params()                    # name -> tensor, any time
 
@@ -54,6 +54,10 @@ its model, loss or optimizer:
   `predicted_peak(query: verify.memory.PeakQuery) -> verify.memory.Prediction | str` (a str: why there is
   no prediction for this setting). Each configuration's measured peak is reported beside it, and a ratio
   outside verify.memory's absurd bounds fails the run. Not declared: the report says "not predicted".
+* `grads_from`: "grads" (default) reads the boundary gradient from grads(); "optimizer" reads it where the
+  optimizer does, as each parameter's .grad when its optimizer's step() begins inside optimizer_step()
+  (verify/atstep.py): for a trainer that normalises in its step (divides by the window's token count just
+  before opt.step()). Those are post-clip gradients; grads() is then not called.
 * optional trainer method `loss_scale()`: the fp16 loss scale now (GradScaler.get_scale()). Given, the
   overflow gate checks that an overflowing window changes it exactly as the big batch's one step does.
 * optional trainer method `partial_grads()`: between micro-steps, the gradient `grads()` would return if
@@ -72,6 +76,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
+from .atstep import GRADS_FROM, OptimizerGrads
 from .expected import DDP_EXPECTED, DDP_WORLD1_EXPECTED, Expected
 from .mesh import Mesh, check_spec, mesh_axes
 
@@ -80,6 +85,10 @@ __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1
 
 @runtime_checkable
 class Trainer(Protocol):
+    """The four methods the harness drives. The contract of grads(), in one sentence: after the window's last
+    micro_step(), it returns the gradient the optimizer will step with — after every normalisation (÷ N, ÷ W,
+    ÷ the token count) and before clipping — so a trainer that divides inside optimizer_step() must either do
+    that division before grads() or declare Adapter(grads_from="optimizer")."""
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> None: ...
     def grads(self) -> dict[str, torch.Tensor]: ...
     def optimizer_step(self) -> torch.Tensor | float: ...
@@ -171,6 +180,9 @@ class Adapter:
     (the injected-overflow gate). None: the harness injects an inf into that backward (gates/overflow.py)."""
     mesh_axes: tuple[str, ...] = ()  # axes beyond plain data parallel ("dp", "pp", "tp"; verify/mesh.py)
     subgroups: bool = False  # honours Spec.group: a launched world runs its sub-worlds on subgroups
+    unclipped: Callable | None = None
+    """options -> the same options with gradient clipping off: lets a failure's diagnosis re-run it unclipped."""
+    grads_from: str = "grads"  # "grads": grads(); "optimizer": .grad as optimizer step() begins (verify/atstep.py)
     predicted_peak: Callable | None = None
     """verify.memory.PeakQuery -> verify.memory.Prediction | str: the predicted peak per configuration of
     `python -m verify.memory` (the adapter's memory model; xtrain's: verify/adapters/xtrain_memory.py)."""
@@ -191,10 +203,14 @@ class Adapter:
         if self.overflow is not None and not callable(self.overflow):
             raise AdapterError(f"overflow= must be callable (trainer, inputs, targets, rows) -> (inputs, targets), "
                                f"got {self.overflow!r}")
+        if self.unclipped is not None and not callable(self.unclipped):
+            raise AdapterError(f"unclipped= must be callable (options -> options without clipping), got {self.unclipped!r}")
         if self.predicted_peak is not None and not callable(self.predicted_peak):
             raise AdapterError(f"predicted_peak= must be callable (verify.memory.PeakQuery -> Prediction | str), "
                                f"got {self.predicted_peak!r}")
         object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
+        if self.grads_from not in GRADS_FROM:
+            raise AdapterError(f"grads_from must be one of {', '.join(map(repr, GRADS_FROM))}, got {self.grads_from!r}")
         for f in ("empty_windows", "subgroups"):
             if not isinstance(getattr(self, f), bool):
                 raise AdapterError(f"{f} must be True or False, got {getattr(self, f)!r}")
@@ -211,7 +227,7 @@ class Adapter:
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
                   "process_group", "data_parallel", "subgroups", "empty_windows", "overflow",
-                  "mesh_axes"):
+                  "mesh_axes", "grads_from"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
             if (f == "empty_windows" and self.ignore_index is None) or (f == "subgroups" and not self.data_parallel):
@@ -226,7 +242,7 @@ class Adapter:
         missing = missing_methods(trainer)
         if missing:
             raise AdapterError(_no_trainer(self.name, trainer, missing))
-        return trainer
+        return OptimizerGrads(trainer) if self.grads_from == "optimizer" else trainer
 
     def check_factory(self, device: str = "cpu", *, option: str = "--verify-trainer") -> None:
         """Up front, before any gate: AdapterError (one line, naming `option`) when the factory's trainer lacks
@@ -316,7 +332,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
             empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
-            subgroups: bool = False):
+            subgroups: bool = False, grads_from: str = "grads", unclipped=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
     declared = dict(locals())  # every keyword above is an Adapter field of the same name

@@ -30,7 +30,8 @@ LAYERS = [
     ("xtrain CLI", ["xtrain_core.train"]),
     # the façade (`verify`: lazy, imports nothing at load) and what every part of the harness shares
     ("harness base", ["verify", "verify._meta", "verify.settings", "verify.verdict", "verify.comm",
-                      "verify.protocol", "verify.expected", "verify.data", "verify.hints", "verify.mesh"]),
+                      "verify.protocol", "verify.expected", "verify.data", "verify.hints", "verify.mesh",
+                      "verify.atstep"]),
     # running a case: the driving loop, rank pools, the pull driver, strategies, the GPU lock
     ("harness runtime", ["verify.case", "verify.pool", "verify.pool_*", "verify.pull", "verify.strategies",
                          "verify._gpulock"]),

@@ -37,3 +37,12 @@ def test_no_hint_where_no_class_fits():
 
 def test_the_raisers_own_hint_wins():
     assert hint(_fail(N=4, error=3.0, hint="two runs differ")) == "two runs differ"
+
+
+def test_a_mesh_failure_at_n1_is_not_read_as_nondeterminism():
+    tp2 = GateFailure("[x] y", gate=Gate.MESH_EQUIVALENCE, error=1.0,
+                      case=Case(accum_steps=1, micro_batch=1, steps=1, mesh=Mesh(tp=2)))
+    assert "tp − 1" in hint(tp2) and "dropout" not in hint(tp2)
+    ruled_out = _fail(N=1, error=1e-3)
+    ruled_out.deterministic = True  # a re-run found two identical runs equal (verify/gates/rerun.py)
+    assert "dropout" not in (hint(ruled_out) or "")

@@ -18,7 +18,7 @@ from xtrain_core.model import IGNORE, build_model
 
 from ..protocol import DDP_EXPECTED, Adapter, Spec
 from .xtrain_memory import predicted_peak as peak
-from .xtrain_options import XtrainOptions
+from .xtrain_options import XtrainOptions, unclipped
 
 __all__ = ["XtrainOptions", "overflow_grad", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "fsdp2", "fsdp2_keep",
            "fsdp2_tokens", "single", "data_parallel"]
@@ -230,7 +230,7 @@ def variant(cls, base: Adapter) -> Adapter:
 
 
 _COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions(), precisions=("fp32", "bf16", "fp16"),
-               overflow=overflow_grad)
+               overflow=overflow_grad, unclipped=unclipped)
 
 # subgroups: DistAccumTrainer and TorchDDPTrainer take group=; FSDP2Trainer shards over the default group only
 adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", predicted_peak=peak(None),

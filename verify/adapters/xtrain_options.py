@@ -3,6 +3,7 @@ optimizer settings, the loss normalisation). Apart from verify/adapters/xtrain.p
 (xtrain_strategies.py, hypothesis) build these without importing the adapter, which offers them lazily."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from xtrain_core.config import PRESETS, ModelConfig, OptimConfig
@@ -26,3 +27,10 @@ class XtrainOptions:
         norm = "" if self.loss_norm == "mean" else f" loss_norm={self.loss_norm}"
         return (f"S={self.seq_len} model(L={m.n_layer} h={m.n_head} d={m.d_model} V={m.vocab_size}) "
                 f"optim(lr={o.lr:g} wd={o.weight_decay:g} clip={o.max_grad_norm} warmup={o.warmup_steps}){norm}")
+
+
+def unclipped(options):
+    """The same options with gradient clipping off (Adapter.unclipped: a failure's diagnosis re-runs it so)."""
+    if options is None:
+        return None
+    return dataclasses.replace(options, optim=dataclasses.replace(options.optim, max_grad_norm=None))
