@@ -232,13 +232,15 @@ class Adapter:
             raise AdapterError(_no_trainer(self.name, trainer, missing))
         return trainer
 
-    def check_factory(self, device: str = "cpu", *, option: str = "--verify-trainer") -> None:
+    def check_factory(self, device: str = "cpu", *, option: str = "--verify-trainer", raises: bool = False) -> None:
         """Up front, before any gate: AdapterError (one line, naming `option`) when the factory's trainer lacks
         a method of the protocol. A single-process adapter builds one trainer (accum_steps 1, float32, its
         defaults). A data-parallel one is not built in the invoking process (frameworks start loops, install
         signal handlers, read the launcher's environment): its trainer class is checked, or the class its
         factory is annotated to return; otherwise its first build in a gate raises the same AdapterError
-        (__call__). A factory that raises is the gates' to report, with the case."""
+        (__call__). raises=True (the plugin's start-up): a factory that raises on that one build is an
+        AdapterError too, naming the exception and the file:line it came from (a missing checkpoint is the
+        user's set-up, not a gate's failure); otherwise it is the gates' to report, with the case."""
         try:
             ret = inspect.signature(self.factory).return_annotation
         except (TypeError, ValueError):
@@ -246,7 +248,11 @@ class Adapter:
         if not self.data_parallel and (self.options is None or self.defaults is not None):
             try:
                 obj = self.factory(Spec(accum_steps=1, device=device, options=self.defaults))
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
+                if raises:
+                    raise AdapterError(f"{option} {self.ref or self.name}: {_qual(self.factory)} raised building a "
+                                       f"trainer (accum_steps=1, float32, its defaults): {_raised(e)}; fix the "
+                                       f"factory or what it reads") from None
                 return
         elif isinstance(self.factory, type):
             obj = self.factory
@@ -305,6 +311,20 @@ def _no_trainer(factory: str, obj, missing: list[str]) -> str:
     what = obj.__name__ if isinstance(obj, type) else f"a {type(obj).__name__}"
     return (f"{factory} makes {what} without {', '.join(m + '()' for m in missing)}; a trainer needs "
             f"{', '.join(m + '()' for m in TRAINER_METHODS)} (verify.Trainer)")
+
+
+def _raised(e: BaseException) -> str:
+    """'FileNotFoundError: ... (mine.py:12)': the exception's first line and the deepest frame outside the
+    harness, torch and the standard library (the user's line), else the deepest frame."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    skip = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)),
+            os.path.dirname(os.path.abspath(os.__file__)))
+    mine = [f for f in frames if not os.path.abspath(f.filename).startswith(skip)] or frames
+    text = (str(e).strip().splitlines() or [""])[0]
+    where = f" ({os.path.relpath(mine[-1].filename)}:{mine[-1].lineno})" if mine else ""
+    return f"{type(e).__name__}{': ' + text if text else ''}{where}"
 
 
 def _rebuild(ref: str, mutation) -> Adapter:
