@@ -42,6 +42,10 @@ its model, loss or optimizer:
   token-mean gate's empty-window check is skipped, saying why.
 * `counts`: a function case -> CountRow (verify.gates.counts) declaring the exact collectives of the
   trainer's sync mode, by family, per micro-step and at the boundary; checked instead of the default rule.
+  It is called once per judged case: with `case.mesh is None` in the data-parallel gates (return a
+  verify.CountRow), with a verify.Mesh in the mesh gates (return {axis: CountRow, or (dp_i, pp_i, tp_i)
+  -> CountRow}). An adapter that declares both data_parallel and mesh_axes gets both calls, so it
+  branches on `case.mesh is None`; anything else returned is a one-line AdapterError.
 * `overflow`: how to make one micro-batch overflow fp16, for the injected-overflow gate
   (verify/gates/overflow.py): `overflow(trainer, inputs, targets, rows) -> (inputs, targets)`, called just
   before the micro_step() that holds the overflowing rows (`rows`: a slice of that micro-batch), returning
@@ -49,6 +53,8 @@ its model, loss or optimizer:
   inputs) or arm the trainer (xtrain's token data cannot overflow: verify.adapters.xtrain.overflow_grad).
 * `mesh_axes`: mesh axes beyond plain data parallel, e.g. ("pp",), ("tp",), ("pp", "tp"), ("dp", "tp"):
   the mesh gate runs it on mesh.size ranks with Spec.mesh / Spec.pipeline_chunks (verify/mesh.py).
+  `mesh_sizes`: the sizes an axis supports, e.g. {"tp": (2, 4)}: no other is drawn, and one outside them
+  is a skip with its reason (a hidden size of 16 cannot be split 3 ways).
 * `predicted_peak`: the adapter's own memory model for `python -m verify.memory`:
   `predicted_peak(query: verify.memory.PeakQuery) -> verify.memory.Prediction | str` (a str: why there is
   no prediction for this setting). Each configuration's measured peak is reported beside it, and a ratio
@@ -72,7 +78,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 from .expected import DDP_EXPECTED, DDP_WORLD1_EXPECTED, Expected
-from .mesh import Mesh, check_spec, mesh_axes
+from .mesh import Mesh, check_spec, mesh_axes, mesh_sizes
+from .verdict import raised_at
 
 __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter", "AdapterError"]
 
@@ -172,6 +179,7 @@ class Adapter:
     """(trainer, inputs, targets, rows) -> (inputs, targets): makes the micro-batch's `rows` overflow fp16
     (the injected-overflow gate). None: verify.data.overflow_rows where the inputs are floating."""
     mesh_axes: tuple[str, ...] = ()  # axes beyond plain data parallel ("dp", "pp", "tp"; verify/mesh.py)
+    mesh_sizes: dict | None = None  # {axis: sizes it supports}, e.g. {"tp": (2, 4)}; None: every size (verify/mesh.py)
     subgroups: bool = False  # honours Spec.group: a launched world runs its sub-worlds on subgroups
     predicted_peak: Callable | None = None
     """verify.memory.PeakQuery -> verify.memory.Prediction | str: the predicted peak per configuration of
@@ -199,6 +207,7 @@ class Adapter:
             raise AdapterError(f"predicted_peak= must be callable (verify.memory.PeakQuery -> Prediction | str), "
                                f"got {self.predicted_peak!r}")
         object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
+        object.__setattr__(self, "mesh_sizes", mesh_sizes(self.mesh_sizes, self.mesh_axes, AdapterError))
         for f in ("empty_windows", "subgroups"):
             if not isinstance(getattr(self, f), bool):
                 raise AdapterError(f"{f} must be True or False, got {getattr(self, f)!r}")
@@ -215,14 +224,15 @@ class Adapter:
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
                   "loss_precision", "process_group", "data_parallel", "subgroups", "empty_windows", "overflow",
-                  "mesh_axes"):
+                  "mesh_axes", "mesh_sizes"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
             if (f == "empty_windows" and self.ignore_index is None) or (f == "subgroups" and not self.data_parallel):
                 continue  # means nothing without padding / without data parallelism
             if v != default and v is not None and v != ():
                 out[f] = (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
-                          else list(v) if isinstance(v, tuple) else v)
+                          else list(v) if isinstance(v, tuple) else {a: list(n) for a, n in v.items()}
+                          if f == "mesh_sizes" else v)
         return out
 
     def __call__(self, spec: Spec) -> Trainer:
@@ -238,9 +248,8 @@ class Adapter:
         defaults). A data-parallel one is not built in the invoking process (frameworks start loops, install
         signal handlers, read the launcher's environment): its trainer class is checked, or the class its
         factory is annotated to return; otherwise its first build in a gate raises the same AdapterError
-        (__call__). raises=True (the plugin's start-up): a factory that raises on that one build is an
-        AdapterError too, naming the exception and the file:line it came from (a missing checkpoint is the
-        user's set-up, not a gate's failure); otherwise it is the gates' to report, with the case."""
+        (__call__). raises=True (the plugin's start-up): a factory raising on that build is an AdapterError
+        naming the exception and its file:line; otherwise the gates report it, with the case."""
         try:
             ret = inspect.signature(self.factory).return_annotation
         except (TypeError, ValueError):
@@ -251,7 +260,7 @@ class Adapter:
             except Exception as e:  # noqa: BLE001
                 if raises:
                     raise AdapterError(f"{option} {self.ref or self.name}: {_qual(self.factory)} raised building a "
-                                       f"trainer (accum_steps=1, float32, its defaults): {_raised(e)}; fix the "
+                                       f"trainer (accum_steps=1, float32, its defaults): {raised_at(e)}; fix the "
                                        f"factory or what it reads") from None
                 return
         elif isinstance(self.factory, type):
@@ -313,20 +322,6 @@ def _no_trainer(factory: str, obj, missing: list[str]) -> str:
             f"{', '.join(m + '()' for m in TRAINER_METHODS)} (verify.Trainer)")
 
 
-def _raised(e: BaseException) -> str:
-    """'FileNotFoundError: ... (mine.py:12)': the exception's first line and the deepest frame outside the
-    harness, torch and the standard library (the user's line), else the deepest frame."""
-    import traceback
-
-    frames = traceback.extract_tb(e.__traceback__)
-    skip = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)),
-            os.path.dirname(os.path.abspath(os.__file__)))
-    mine = [f for f in frames if not os.path.abspath(f.filename).startswith(skip)] or frames
-    text = (str(e).strip().splitlines() or [""])[0]
-    where = f" ({os.path.relpath(mine[-1].filename)}:{mine[-1].lineno})" if mine else ""
-    return f"{type(e).__name__}{': ' + text if text else ''}{where}"
-
-
 def _rebuild(ref: str, mutation) -> Adapter:
     a = load_adapter(ref)
     return a if mutation is None else mutation.apply(a)
@@ -340,7 +335,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
             loss_precision: str | None = None, empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
-            subgroups: bool = False):
+            subgroups: bool = False, mesh_sizes=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
     declared = dict(locals())  # every keyword above is an Adapter field of the same name

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from .case import Case
 from .mesh import meshes
 
-__all__ = ["cases", "dist_cases", "mesh_cases", "padding", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+__all__ = ["cases", "dist_cases", "mesh_cases", "mesh_worlds", "padding", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
 # must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
@@ -136,17 +136,27 @@ def dist_cases(draw, adapter, *, min_world: int = 1, max_world: int = 4, **bound
     return draw(cases(adapter, world=draw(st.integers(min_world, max_world)), **bounds))
 
 
+def mesh_worlds(adapter, min_world: int, max_world: int) -> list:
+    """The worlds min_world..max_world (min_world capped by max_world) that have a mesh over the adapter's axes
+    within its mesh_sizes, smallest first."""
+    lo = min(min_world, max_world)
+    return [w for w in range(lo, max_world + 1) if meshes(adapter.mesh_axes, w, adapter.mesh_sizes)]
+
+
 @st.composite
 def mesh_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4, max_chunks: int = 4, max_outer: int = 3,
                max_micro_batch: int = 4, max_steps: int = 3, device: str | None = None) -> Case:
     """A mesh of min_world..max_world ranks over the adapter's mesh_axes (dp only beside another axis), its
     pipeline_chunks (1..max_chunks where pp > 1) and outer steps, N = chunks × outer, and cases()' other
-    draws (B per dp replica; no padding: the mesh gate judges mean losses). Shrinks toward the smallest
-    world, the shallowest pipeline, one chunk, one outer step."""
-    world = draw(st.integers(min(min_world, max_world), max_world))
-    mesh = draw(st.sampled_from(meshes(adapter.mesh_axes, world) or [None]))
-    if mesh is None:  # no factorisation of this world over the adapter's axes (cannot happen with pp or tp)
-        raise ValueError(f"{adapter.name}: no mesh of {world} ranks over {adapter.mesh_axes}")
+    draws (B per dp replica; no padding: the mesh gate judges mean losses). Only meshes within the adapter's
+    mesh_sizes, and only worlds that have one (mesh_worlds). Shrinks toward the smallest world, the
+    shallowest pipeline, one chunk, one outer step."""
+    worlds = mesh_worlds(adapter, min_world, max_world)
+    if not worlds:  # the gate skips first, saying so (verify/test_gates_mesh.py)
+        raise ValueError(f"{adapter.name}: no mesh of {min_world}..{max_world} ranks over {adapter.mesh_axes} "
+                         f"within mesh_sizes={adapter.mesh_sizes}")
+    world = draw(st.sampled_from(worlds))
+    mesh = draw(st.sampled_from(meshes(adapter.mesh_axes, world, adapter.mesh_sizes)))
     chunks = draw(st.integers(1, max_chunks)) if mesh.pp > 1 else 1
     outer = draw(st.integers(1, max_outer))
     c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=max_micro_batch, max_steps=max_steps,

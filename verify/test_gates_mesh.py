@@ -14,7 +14,7 @@ from . import report
 from ._gpulock import gpu_shared  # noqa: F401
 from .gates.distributed import max_world, min_world
 from .gates.mesh import check_mesh, check_mesh_splits
-from .strategies import cases, gate_budget, mesh_cases
+from .strategies import cases, gate_budget, mesh_cases, mesh_worlds
 from .verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
@@ -27,6 +27,11 @@ def _mesh(adapter, gate: Gate):
         pytest.skip(reason)
     if max_world() < 2:
         pytest.skip("needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)")
+    if not mesh_worlds(adapter, max(2, min_world()), max_world()):
+        reason = (f"{adapter.name}: no mesh of {max(2, min_world())}..{max_world()} ranks over {adapter.mesh_axes} "
+                  f"within its mesh_sizes {adapter.mesh_sizes} (XTRAIN_DIST_MAX_WORLD)")
+        report.skip(gate, reason)
+        pytest.skip(reason)
 
 
 def test_mesh_equivalent(verify_adapter):
@@ -50,7 +55,7 @@ def test_mesh_split_invariance(verify_adapter):
     @settings(max_examples=gate_budget("mesh_split"), deadline=None)
     @given(data=st.data())
     def splits(data):
-        world = data.draw(st.integers(max(2, min_world()), max_world()), label="world")
+        world = data.draw(st.sampled_from(mesh_worlds(verify_adapter, max(2, min_world()), max_world())), label="world")
         chunks = data.draw(st.integers(1, 4), label="pipeline chunks") if "pp" in verify_adapter.mesh_axes else 1
         c = data.draw(cases(verify_adapter, min_accum=1, max_accum=1, max_micro_batch=2, max_steps=2, padded=False),
                       label="case")
