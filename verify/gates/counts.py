@@ -121,7 +121,7 @@ def declared_row(adapter, case):
 
         raise AdapterError(f"{adapter.name}: counts(case) for a mesh case ({case.mesh}) must return a dict axis -> "
                            f"verify.CountRow, got {_short(row)}")
-    return {a: r if callable(r) else as_row(r, f"{adapter.name}: counts(case)[{a!r}] ({case.mesh})")
+    return {a: r if r is None or callable(r) else as_row(r, f"{adapter.name}: counts(case)[{a!r}] ({case.mesh})")
             for a, r in row.items()}
 
 
