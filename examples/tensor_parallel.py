@@ -58,4 +58,4 @@ def counts(case):
 
 
 factory = verify.adapter(data=verify.data.classification(features=8, classes=12), mesh_axes=("dp", "tp"),
-                         counts=counts)(Trainer)
+                         counts=counts, mesh_sizes={"tp": (2, 3, 4, 6)})(Trainer)  # shards 24 and 12 evenly

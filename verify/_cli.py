@@ -91,6 +91,35 @@ def writable_dir(flag: str, path) -> None:
         raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
+def available_memory(device) -> tuple[int, str]:
+    """(bytes a new allocation can still get, where that number comes from) on `device`: a GPU's free memory
+    (torch.cuda.mem_get_info), else the OS's MemAvailable (/proc/meminfo; elsewhere the free physical pages)."""
+    import os
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical memory"
+
+
+def check_fits(need: int, device, what: str, fix: str, *, at_least: bool = False) -> None:
+    """UsageError, one line, when `need` bytes (an estimate made before anything is allocated) exceed what
+    `device` has available: the allocator's traceback or the OOM killer would otherwise say it, minutes later.
+    at_least: `need` is a lower bound (the message says so)."""
+    have, source = available_memory(device)
+    if need > have:
+        raise UsageError(f"{what}: needs {'at least' if at_least else 'about'} {need / 2**30:,.1f} GiB, the machine has {have / 2**30:,.1f} GiB "
+                         f"({source}); {fix}")
+
+
 def resolve_device(name: str):
     """'cpu' | 'cuda' | 'cuda:K' -> torch.device, or UsageError naming --device."""
     import torch

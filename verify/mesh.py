@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Mesh", "AXES", "device_mesh", "assemble", "MeshError", "check_spec", "mesh_axes", "meshes"]
+__all__ = ["Mesh", "AXES", "device_mesh", "assemble", "MeshError", "check_spec", "mesh_axes", "mesh_sizes", "meshes",
+           "unsupported"]
 
 AXES = ("dp", "pp", "tp")  # outermost first: the order of init_device_mesh's dims and of coords()
 
@@ -80,13 +81,40 @@ def mesh_axes(axes, error=ValueError) -> tuple[str, ...]:
     return tuple(a for a in AXES if a in given)
 
 
-def meshes(axes, world: int) -> list:
-    """Every verify.Mesh of exactly `world` ranks wider than one rank only along `axes` (dp, pp, tp), in
-    fewest axes first (a failure shrinks toward the simplest mesh that shows it)."""
+def mesh_sizes(sizes, axes, error=ValueError) -> dict | None:
+    """Adapter.mesh_sizes, validated: None (every size), or {axis: sizes it supports} over the declared
+    `axes`, each a non-empty set of integers ≥ 2 (1, the unsplit axis, always works). A tp model of hidden
+    size 16 declares {"tp": (2, 4, 8, 16)}: torch refuses an uneven DTensor shard (tp=3)."""
+    if sizes is None:
+        return None
+    fix = f"mesh_sizes must map axes among {', '.join(axes) or 'the declared mesh_axes'} to sizes ≥ 2, e.g. {{'tp': (2, 4)}}"
+    if not isinstance(sizes, dict) or not sizes or any(a not in axes for a in sizes):
+        raise error(f"{fix}; got {sizes!r}")
+    out = {}
+    for a in (a for a in AXES if a in sizes):
+        v = tuple(sizes[a]) if isinstance(sizes[a], (tuple, list, set, frozenset, range)) else (sizes[a],)
+        if not v or any(not isinstance(n, int) or isinstance(n, bool) or n < 2 for n in v):
+            raise error(f"{fix}; got {a!r}: {sizes[a]!r}")
+        out[a] = tuple(sorted(set(v)))
+    return out
+
+
+def unsupported(mesh: Mesh, sizes: dict | None) -> str | None:
+    """Why `mesh` is outside the adapter's mesh_sizes (one line), or None where it is supported."""
+    for a, allowed in (sizes or {}).items():
+        n = getattr(mesh, a)
+        if n > 1 and n not in allowed:
+            return f"{a}={n} is not among the adapter's mesh_sizes[{a!r}] = {allowed}"
+    return None
+
+
+def meshes(axes, world: int, sizes: dict | None = None) -> list:
+    """Every verify.Mesh of exactly `world` ranks wider than one rank only along `axes` (dp, pp, tp) and
+    within `sizes` (Adapter.mesh_sizes), fewest axes first (a failure shrinks toward the simplest mesh)."""
     top = lambda a: world if a in axes else 1  # noqa: E731
     out = [Mesh(dp=d, pp=p, tp=world // (d * p)) for d in range(1, top("dp") + 1) for p in range(1, top("pp") + 1)
            if world % (d * p) == 0 and (world // (d * p) == 1 or "tp" in axes)]
-    return sorted(out, key=lambda m: (len(m.axes()), m.dp, m.pp))
+    return sorted((m for m in out if unsupported(m, sizes) is None), key=lambda m: (len(m.axes()), m.dp, m.pp))
 
 
 _MESHES: dict = {}  # (mesh, device type, world) -> DeviceMesh, per process: building one creates process groups

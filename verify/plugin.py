@@ -182,7 +182,7 @@ def _load(ref: str, settings: Settings):
 
     try:
         adapter = load_adapter(ref, option=OPT_TRAINER)
-        adapter.check_factory(settings.device, option=OPT_TRAINER)
+        adapter.check_factory(settings.device, option=OPT_TRAINER, raises=True)
         return adapter
     except AdapterError as e:
         raise pytest.UsageError(str(e)) from None

@@ -42,27 +42,22 @@ its model, loss or optimizer:
   token-mean gate's empty-window check is skipped, saying why.
 * `counts`: a function case -> CountRow (verify.gates.counts) declaring the exact collectives of the
   trainer's sync mode, by family, per micro-step and at the boundary; checked instead of the default rule.
-* `overflow`: how to make one micro-batch overflow fp16, for the injected-overflow gate
-  (verify/gates/overflow.py): `overflow(trainer, inputs, targets, rows) -> (inputs, targets)`, called just
-  before the micro_step() that holds the overflowing rows (`rows`: a slice of that micro-batch), returning
-  the micro-batch to hand it; it may scale the rows (verify.data.overflow_rows) or arm the trainer
-  (verify.adapters.xtrain.overflow_grad). Not needed: without it the harness injects an inf into that
-  micro-step's backward itself (verify.gates.overflow.BackwardInf), for any inputs, token ids included.
+  It is called once per judged case: with `case.mesh is None` in the data-parallel gates (return a
+  verify.CountRow), with a verify.Mesh in the mesh gates (return {axis: CountRow, or (dp_i, pp_i, tp_i)
+  -> CountRow}). An adapter that declares both data_parallel and mesh_axes gets both calls, so it
+  branches on `case.mesh is None`; anything else returned is a one-line AdapterError.
+* `overflow`: optional, (trainer, inputs, targets, rows) -> (inputs, targets) just before the overflowing
+  micro_step (verify/gates/overflow.py); without it the harness writes an inf into that backward itself.
 * `mesh_axes`: mesh axes beyond plain data parallel, e.g. ("pp",), ("tp",), ("pp", "tp"), ("dp", "tp"):
   the mesh gate runs it on mesh.size ranks with Spec.mesh / Spec.pipeline_chunks (verify/mesh.py).
-* `predicted_peak`: the adapter's own memory model for `python -m verify.memory`:
-  `predicted_peak(query: verify.memory.PeakQuery) -> verify.memory.Prediction | str` (a str: why there is
-  no prediction for this setting). Each configuration's measured peak is reported beside it, and a ratio
-  outside verify.memory's absurd bounds fails the run. Not declared: the report says "not predicted".
+  `mesh_sizes`, e.g. {"tp": (2, 4)}: the only sizes drawn; another is a skip with its reason.
+* `predicted_peak`: the adapter's memory model for `python -m verify.memory` (PeakQuery -> Prediction | str).
 * `grads_from`: "grads" (default) reads the boundary gradient from grads(); "optimizer" reads it where the
   optimizer does, as each parameter's .grad when its optimizer's step() begins inside optimizer_step()
   (verify/atstep.py): for a trainer that normalises in its step (divides by the window's token count just
   before opt.step()). Those are post-clip gradients; grads() is then not called.
-* optional trainer method `loss_scale()`: the fp16 loss scale now (GradScaler.get_scale()). Given, the
-  overflow gate checks that an overflowing window changes it exactly as the big batch's one step does.
-* optional trainer method `partial_grads()`: between micro-steps, the gradient `grads()` would return if
-  the window ended now (without changing anything). Given, the long-N gate checks after every micro-step
-  that each micro-batch's contribution landed exactly once.
+* optional trainer methods: `loss_scale()` (GradScaler.get_scale(): the overflow gate checks it moves as the
+  big batch's), `partial_grads()` (grads() had the window ended now: the partial-sum gate, per micro-step).
 """
 from __future__ import annotations
 
@@ -78,7 +73,8 @@ import torch
 
 from .atstep import GRADS_FROM, OptimizerGrads
 from .expected import DDP_EXPECTED, DDP_WORLD1_EXPECTED, Expected
-from .mesh import Mesh, check_spec, mesh_axes
+from .mesh import Mesh, check_spec, mesh_axes, mesh_sizes
+from .verdict import raised_at
 
 __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter", "AdapterError"]
 
@@ -179,6 +175,7 @@ class Adapter:
     """(trainer, inputs, targets, rows) -> (inputs, targets): makes the micro-batch's `rows` overflow fp16
     (the injected-overflow gate). None: the harness injects an inf into that backward (gates/overflow.py)."""
     mesh_axes: tuple[str, ...] = ()  # axes beyond plain data parallel ("dp", "pp", "tp"; verify/mesh.py)
+    mesh_sizes: dict | None = None  # {axis: sizes it supports}, e.g. {"tp": (2, 4)}; None: every size (verify/mesh.py)
     subgroups: bool = False  # honours Spec.group: a launched world runs its sub-worlds on subgroups
     unclipped: Callable | None = None
     """options -> the same options with gradient clipping off: lets a failure's diagnosis re-run it unclipped."""
@@ -209,6 +206,7 @@ class Adapter:
             raise AdapterError(f"predicted_peak= must be callable (verify.memory.PeakQuery -> Prediction | str), "
                                f"got {self.predicted_peak!r}")
         object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
+        object.__setattr__(self, "mesh_sizes", mesh_sizes(self.mesh_sizes, self.mesh_axes, AdapterError))
         if self.grads_from not in GRADS_FROM:
             raise AdapterError(f"grads_from must be one of {', '.join(map(repr, GRADS_FROM))}, got {self.grads_from!r}")
         for f in ("empty_windows", "subgroups"):
@@ -227,14 +225,15 @@ class Adapter:
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
                   "process_group", "data_parallel", "subgroups", "empty_windows", "overflow",
-                  "mesh_axes", "grads_from"):
+                  "mesh_axes", "mesh_sizes", "grads_from"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
             if (f == "empty_windows" and self.ignore_index is None) or (f == "subgroups" and not self.data_parallel):
                 continue  # means nothing without padding / without data parallelism
             if v != default and v is not None and v != ():
                 out[f] = (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
-                          else list(v) if isinstance(v, tuple) else v)
+                          else list(v) if isinstance(v, tuple) else {a: list(n) for a, n in v.items()}
+                          if f == "mesh_sizes" else v)
         return out
 
     def __call__(self, spec: Spec) -> Trainer:
@@ -244,13 +243,14 @@ class Adapter:
             raise AdapterError(_no_trainer(self.name, trainer, missing))
         return OptimizerGrads(trainer) if self.grads_from == "optimizer" else trainer
 
-    def check_factory(self, device: str = "cpu", *, option: str = "--verify-trainer") -> None:
+    def check_factory(self, device: str = "cpu", *, option: str = "--verify-trainer", raises: bool = False) -> None:
         """Up front, before any gate: AdapterError (one line, naming `option`) when the factory's trainer lacks
         a method of the protocol. A single-process adapter builds one trainer (accum_steps 1, float32, its
         defaults). A data-parallel one is not built in the invoking process (frameworks start loops, install
         signal handlers, read the launcher's environment): its trainer class is checked, or the class its
         factory is annotated to return; otherwise its first build in a gate raises the same AdapterError
-        (__call__). A factory that raises is the gates' to report, with the case."""
+        (__call__). raises=True (the plugin's start-up): a factory raising on that build is an AdapterError
+        naming the exception and its file:line; otherwise the gates report it, with the case."""
         try:
             ret = inspect.signature(self.factory).return_annotation
         except (TypeError, ValueError):
@@ -258,7 +258,11 @@ class Adapter:
         if not self.data_parallel and (self.options is None or self.defaults is not None):
             try:
                 obj = self.factory(Spec(accum_steps=1, device=device, options=self.defaults))
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
+                if raises:
+                    raise AdapterError(f"{option} {self.ref or self.name}: {_qual(self.factory)} raised building a "
+                                       f"trainer (accum_steps=1, float32, its defaults): {raised_at(e)}; fix the "
+                                       f"factory or what it reads") from None
                 return
         elif isinstance(self.factory, type):
             obj = self.factory
@@ -332,7 +336,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
             empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
-            subgroups: bool = False, grads_from: str = "grads", unclipped=None):
+            subgroups: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
     declared = dict(locals())  # every keyword above is an Adapter field of the same name

@@ -25,7 +25,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field, fields
 
-__all__ = ["Settings", "SettingError", "Knob", "KNOBS", "check_report_dir", "env_of", "knobs_table", "cuda_setup", "fp32_only", "DEVICES", "BACKENDS", "POOL_STARTS"]
+__all__ = ["Settings", "SettingError", "Knob", "KNOBS", "check_report_dir", "env_of", "knobs_table", "usable_cores", "cuda_setup", "fp32_only", "DEVICES", "BACKENDS", "POOL_STARTS"]
 
 DEVICES, BACKENDS, POOL_STARTS = ("cpu", "cuda"), ("gloo", "nccl"), ("forkserver", "spawn")
 
@@ -48,16 +48,17 @@ KNOBS = (
          "--verify-device"),
     Knob("backend", "XTRAIN_DIST_BACKEND", "nccl on cuda, else gloo",
          "process groups of the rank pools: gloo or nccl (rank r on cuda:r; needs a GPU)", "--verify-backend"),
-    Knob("threads", "XTRAIN_TEST_THREADS", "1", "CPU intra-op threads of every gate run and pool rank"),
+    Knob("threads", "XTRAIN_TEST_THREADS", "1", "CPU intra-op threads of every gate run and pool rank (at most the cores the process may use)"),
     Knob("min_world", "XTRAIN_DIST_MIN_WORLD", "1", "smallest world the data-parallel gates draw"),
     Knob("max_world", "XTRAIN_DIST_MAX_WORLD", "4", "largest world the data-parallel gates draw (capped by the GPUs "
          "under nccl)"),
-    Knob("timeout", "XTRAIN_DIST_TIMEOUT", "120", "seconds a distributed job or a Pull wait may take; then the hung "
-         "ranks' stacks are dumped"),
+    Knob("timeout", "XTRAIN_DIST_TIMEOUT", "120", "seconds (≥ 1) a distributed job or a Pull wait may take; then the "
+         "hung ranks' stacks are dumped"),
     Knob("pool_start", "XTRAIN_POOL_START", "forkserver for gloo, spawn for nccl",
          "how pool ranks start: forkserver (torch preloaded once) or spawn"),
     Knob("hypothesis_profile", "HYPOTHESIS_PROFILE", "unset: your hypothesis default",
-         "dev, ci or gpu: a budget of 10 random examples / 100 derandomized / 150 per test"),
+         "dev, ci or gpu: a budget of 10 random examples / 100 derandomized / 150 per test (another name: "
+         "one registered with hypothesis)"),
     Knob("cache_home", "XDG_CACHE_HOME", "`~/.cache`", "a verify run keeps hypothesis' database and pytest's cache "
          "in `$XDG_CACHE_HOME/xtrain-verify`"),
     Knob("gpu_lock", "XTRAIN_GPU_LOCK", "`<tmp>/xtrain-gpu-<uid>.lock`",
@@ -122,8 +123,14 @@ class Settings:
              isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 1, "ranks_per_node", "must be an integer ≥ 1")
         need(self.min_world <= self.max_world, "min_world",
              f"exceeds {self.where('max_world')}; set {_BY_FIELD['max_world'].env} ≥ {self.min_world} too")
-        need(isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0, "timeout",
-             "must be a number of seconds > 0")
+        # below a second a healthy gloo job cannot even start its ranks: every job "hangs" and dumps stacks
+        need(isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout >= 1, "timeout",
+             "must be a number of seconds ≥ 1")
+        cores = usable_cores()  # more threads than cores only thrashes (1000 on 2 cores: a load of 300, no end)
+        need(self.threads <= cores, "threads", f"exceeds the {cores} CPU core(s) this process may use; "
+             f"set {_BY_FIELD['threads'].env} ≤ {cores}")
+        need(self.hypothesis_profile in ("", *PROFILES) or _registered(self.hypothesis_profile), "hypothesis_profile",
+             f"unknown profile; use {', '.join(PROFILES)} (or one registered with hypothesis' register_profile)")
         need(self.pool_start in ("", *POOL_STARTS), "pool_start", "must be forkserver or spawn")
         if not self.cache_home:
             object.__setattr__(self, "cache_home", os.path.join(os.path.expanduser("~"), ".cache"))
@@ -157,7 +164,7 @@ class Settings:
             if types[k.field] == "int":
                 values[k.field] = _number(int, text, k.env, "an integer ≥ 1")
             elif types[k.field] == "float":
-                values[k.field] = _number(float, text, k.env, "a number of seconds > 0")
+                values[k.field] = _number(float, text, k.env, "a number of seconds ≥ 1")
             else:
                 values[k.field] = text
         for name, v in overrides.items():
@@ -232,6 +239,28 @@ def fp32_only() -> None:
         warnings.simplefilter("ignore")
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, else os.cpu_count())."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _registered(profile: str) -> bool:
+    """Whether hypothesis knows `profile` (its own "default", or a user's register_profile); False without it."""
+    try:
+        from hypothesis import settings
+        from hypothesis.errors import InvalidArgument
+    except ImportError:
+        return False
+    try:
+        settings.get_profile(profile)
+        return True
+    except InvalidArgument:
+        return False
 
 
 def _number(kind, text: str, env: str, what: str):

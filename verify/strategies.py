@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from .case import Case
 from .mesh import meshes
 
-__all__ = ["cases", "dist_cases", "mesh_cases", "overflow_cases", "mesh_split_cases", "padding", "corners",
+__all__ = ["cases", "dist_cases", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding", "corners",
            "with_corners", "random_budget", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
@@ -144,17 +144,27 @@ def dist_cases(draw, adapter, *, min_world: int = 1, max_world: int = 4, **bound
     return draw(cases(adapter, world=draw(st.integers(min_world, max_world)), **bounds))
 
 
+def mesh_worlds(adapter, min_world: int, max_world: int) -> list:
+    """The worlds min_world..max_world (min_world capped by max_world) that have a mesh over the adapter's axes
+    within its mesh_sizes, smallest first."""
+    lo = min(min_world, max_world)
+    return [w for w in range(lo, max_world + 1) if meshes(adapter.mesh_axes, w, adapter.mesh_sizes)]
+
+
 @st.composite
 def mesh_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4, max_chunks: int = 4, max_outer: int = 3,
                max_micro_batch: int = 4, max_steps: int = 3, device: str | None = None) -> Case:
     """A mesh of min_world..max_world ranks over the adapter's mesh_axes (dp only beside another axis), its
     pipeline_chunks (1..max_chunks where pp > 1) and outer steps, N = chunks × outer, and cases()' other
-    draws (B per dp replica; no padding: the mesh gate judges mean losses). Shrinks toward the smallest
-    world, the shallowest pipeline, one chunk, one outer step."""
-    world = draw(st.integers(min(min_world, max_world), max_world))
-    mesh = draw(st.sampled_from(meshes(adapter.mesh_axes, world) or [None]))
-    if mesh is None:  # no factorisation of this world over the adapter's axes (cannot happen with pp or tp)
-        raise ValueError(f"{adapter.name}: no mesh of {world} ranks over {adapter.mesh_axes}")
+    draws (B per dp replica; no padding: the mesh gate judges mean losses). Only meshes within the adapter's
+    mesh_sizes, and only worlds that have one (mesh_worlds). Shrinks toward the smallest world, the
+    shallowest pipeline, one chunk, one outer step."""
+    worlds = mesh_worlds(adapter, min_world, max_world)
+    if not worlds:  # the gate skips first, saying so (verify/test_gates_mesh.py)
+        raise ValueError(f"{adapter.name}: no mesh of {min_world}..{max_world} ranks over {adapter.mesh_axes} "
+                         f"within mesh_sizes={adapter.mesh_sizes}")
+    world = draw(st.sampled_from(worlds))
+    mesh = draw(st.sampled_from(meshes(adapter.mesh_axes, world, adapter.mesh_sizes)))
     chunks = draw(st.integers(1, max_chunks)) if mesh.pp > 1 else 1
     outer = draw(st.integers(1, max_outer))
     c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=max_micro_batch, max_steps=max_steps,
@@ -176,7 +186,7 @@ def overflow_cases(draw, adapter, *, min_world: int = 1, max_world: int = 1, **b
 def mesh_split_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4) -> tuple:
     """(case, world) for the mesh split gate: one window of N = chunks × outer micro-steps of B·world rows
     (every dp of the world divides them), to run on every mesh of `world` ranks over the adapter's axes."""
-    world = draw(st.integers(min_world, max_world), label="world")
+    world = draw(st.sampled_from(mesh_worlds(adapter, min_world, max_world)), label="world")
     chunks = draw(st.integers(1, 4), label="pipeline chunks") if "pp" in adapter.mesh_axes else 1
     c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=2, max_steps=2, padded=False), label="case")
     outer = draw(st.integers(1, 2), label="outer steps")
@@ -226,7 +236,7 @@ def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, 
 def _mesh_corner(adapter, axis: str, B: int = 2):
     """Two ranks on `axis` (pp=2: every pipeline adapter's smallest; tp=2), two outer steps — with pp, two chunks
     per schedule step: where a schedule's own 1/chunks compounds over the outer steps (scale_grads=True)."""
-    mesh = next((m for m in meshes(adapter.mesh_axes, 2) if getattr(m, axis) == 2), None)
+    mesh = next((m for m in meshes(adapter.mesh_axes, 2, adapter.mesh_sizes) if getattr(m, axis) == 2), None)
     if mesh is None:
         return None
     chunks = 2 if axis == "pp" else 1

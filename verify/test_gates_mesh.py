@@ -14,7 +14,7 @@ from . import report
 from ._gpulock import gpu_shared  # noqa: F401
 from .gates.distributed import max_world, min_world
 from .gates.mesh import check_mesh, check_mesh_splits
-from .strategies import corners, mesh_cases, mesh_split_cases, random_budget, with_corners
+from .strategies import corners, mesh_cases, mesh_split_cases, mesh_worlds, random_budget, with_corners
 from .verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
@@ -27,6 +27,11 @@ def _mesh(adapter, gate: Gate):
         pytest.skip(reason)
     if max_world() < 2:
         reason = "needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)"
+        report.skip(gate, reason)
+        pytest.skip(reason)
+    if not mesh_worlds(adapter, max(2, min_world()), max_world()):
+        reason = (f"{adapter.name}: no mesh of {max(2, min_world())}..{max_world()} ranks over {adapter.mesh_axes} "
+                  f"within its mesh_sizes {adapter.mesh_sizes} (XTRAIN_DIST_MAX_WORLD)")
         report.skip(gate, reason)
         pytest.skip(reason)
 

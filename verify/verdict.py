@@ -71,3 +71,19 @@ class GateResult:
 
     def __repr__(self):
         return f"GateResult({self.gate.value!r}, worst={self.worst!r}, ratio={self.ratio:.3g})"
+
+
+def raised_at(e: BaseException) -> str:
+    """'FileNotFoundError: ... (mine.py:12)': the exception's first line and the deepest frame outside the
+    harness, torch and the standard library (the user's line), else the deepest frame."""
+    import os
+    import sys
+    import traceback
+
+    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) for m in (sys.modules[__package__], os,
+                                                                        sys.modules.get("torch")) if m is not None)
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if not os.path.abspath(f.filename).startswith(skip)] or frames
+    text = (str(e).strip().splitlines() or [""])[0]
+    where = f" ({os.path.relpath(mine[-1].filename)}:{mine[-1].lineno})" if mine else ""
+    return f"{type(e).__name__}{': ' + text if text else ''}{where}"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from verify._cli import (PROG, Parser, Progress, UsageError, fail, int_at_least, nonneg_int, positive_int,  # noqa: F401
-                         resolve_device, writable_dir)
+from verify._cli import (PROG, Parser, Progress, UsageError, check_fits, fail, int_at_least, nonneg_int,  # noqa: F401
+                         positive_int, resolve_device, writable_dir)
 
 SEED_MAX = 2**63 - 1  # torch.manual_seed takes a signed 64-bit integer
 

@@ -42,6 +42,15 @@ class ModelConfig:
         return v * d + s * d + L * block + 2 * d + d * v
 
 
+    def step_bytes_at_least(self, micro_batch: int, seq_len: int, precision: str = "fp32") -> int:
+        """A LOWER bound on the bytes one micro-step of `micro_batch` sequences holds (a refusal on it is
+        never a false one): the fp32 parameters, their gradients and AdamW's two moments (16 bytes an
+        element), plus what the backward must keep: each block's input hidden state and the logits, in the
+        autocast element size (the attention, MLP and softmax activations come on top)."""
+        elem = 4 if precision == "fp32" else 2
+        return 16 * self.n_params + elem * micro_batch * seq_len * (self.n_layer * self.d_model + self.vocab_size)
+
+
 # Named sizes, from tests to the benchmark model (GPT-2-small-like: 12 layers, d 768, vocab 8192, seq 512),
 # the model the plain-PyTorch reference numbers in reports/anchors were measured on.
 PRESETS: dict[str, ModelConfig] = {

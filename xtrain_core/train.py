@@ -17,8 +17,8 @@ import os
 import sys
 import time
 
-from .cli import (SEED_MAX, Parser, Progress, UsageError, fail, int_at_least, positive_float, resolve_device,
-                  text_file, torchrun_env)
+from .cli import (SEED_MAX, Parser, Progress, UsageError, check_fits, fail, int_at_least, positive_float,
+                  resolve_device, text_file, torchrun_env)
 from .config import (IMPLS, MAX_ACCUM_STEPS, MAX_EFFECTIVE_BATCH, MAX_MICRO_BATCH, MAX_STEPS, PRESETS, OptimConfig,
                      TrainConfig, effective_batch)
 
@@ -127,6 +127,9 @@ def build(args, dist_env=None):
         device = resolve_device(f"cuda:{dist_env[2]}")  # one GPU per rank
     else:
         device = resolve_device(args.device)
+    check_fits(model_cfg.step_bytes_at_least(train.micro_batch, seq_len, train.precision), device,
+               f"--micro-batch {train.micro_batch} of --model {args.model} (S={seq_len}, {train.precision})",
+               "pass a smaller --micro-batch (and a larger --accum-steps: the same effective batch)", at_least=True)
     return model_cfg, train, optim, device
 
 

@@ -95,3 +95,50 @@ def test_threads_auto_is_one_thread_unless_asked(env_threads, flag, want):
                         "--steps", "1", "--seq-len", "8", *flag], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert want in r.stderr, r.stderr
+
+
+def test_a_micro_batch_that_cannot_fit_is_refused_before_anything_allocates():
+    """The advertised maximum on the benchmark model: one line with the estimate and the machine's memory
+    (it was a 47-line allocator traceback), from a lower bound computed before the model is built."""
+    from verify._cli import available_memory
+    from xtrain_core.config import PRESETS
+
+    need = PRESETS["gpt2-ish"].step_bytes_at_least(65536, 512)
+    if need <= available_memory("cpu")[0]:
+        pytest.skip("this machine holds even that")
+    r = train("--model", "gpt2-ish", "--micro-batch", "65536")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"xtrain_core.train: error: --micro-batch 65536 of --model gpt2-ish (S=512, fp32): "
+                               f"needs at least {need / 2**30:,.1f} GiB, the machine has "), r.stderr
+    assert r.stderr.rstrip().endswith("GiB (MemAvailable); pass a smaller --micro-batch (and a larger --accum-steps: "
+                                      "the same effective batch)")
+
+
+def test_the_memory_floor_is_below_what_a_step_holds():
+    """step_bytes_at_least never refuses a run that fits: on the tiny and small models it is below the
+    parameters' 16 bytes an element plus the tensors one forward saves for backward, as counted by
+    verify.memory's probe (saved_tensors_hooks), in fp32 and under bf16 autocast."""
+    import torch
+
+    from verify.memory.probes import saved_activation_bytes
+    from xtrain_core.config import PRESETS
+    from xtrain_core.model import build_model
+
+    for name in ("tiny", "small"):
+        cfg = PRESETS[name]
+        model = build_model(cfg, 0, device=torch.device("cpu"))
+        for B in (1, 3):
+            x = torch.randint(0, cfg.vocab_size, (B, cfg.seq_len))
+            saved = saved_activation_bytes(model, model.loss_batched, x, x)["saved_bytes"]
+            assert cfg.step_bytes_at_least(B, cfg.seq_len) <= 16 * cfg.n_params + saved, (name, B)
+            assert cfg.step_bytes_at_least(B, cfg.seq_len, "bf16") < cfg.step_bytes_at_least(B, cfg.seq_len)
+
+
+def test_check_fits_names_the_estimate_and_the_machine(monkeypatch):
+    from verify import _cli
+
+    monkeypatch.setattr(_cli, "available_memory", lambda device: (2 * 2**30, "MemAvailable"))
+    _cli.check_fits(2**30, "cpu", "--x 1", "pass less")  # fits: nothing
+    with pytest.raises(_cli.UsageError) as e:
+        _cli.check_fits(3 * 2**30, "cpu", "--x 3", "pass less", at_least=True)
+    assert str(e.value) == "--x 3: needs at least 3.0 GiB, the machine has 2.0 GiB (MemAvailable); pass less"

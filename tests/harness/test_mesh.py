@@ -144,6 +144,85 @@ def test_meshes_are_every_factorisation_over_the_declared_axes():
     assert [len(m.axes()) for m in meshes(("dp", "pp", "tp"), 8)][:4] == [1, 1, 1, 2]  # the simplest meshes first
 
 
+def test_mesh_sizes_are_validated_and_bound_what_is_drawn():
+    from verify.mesh import meshes, unsupported
+
+    sizes = {"tp": (2, 4, 8, 16)}
+    assert [str(m) for m in meshes(("dp", "tp"), 3, sizes)] == ["mesh dp=3 pp=1 tp=1"]  # no tp=3
+    assert {(m.dp, m.tp) for m in meshes(("dp", "tp"), 4, sizes)} == {(1, 4), (4, 1), (2, 2)}
+    assert unsupported(Mesh(tp=3), sizes) == "tp=3 is not among the adapter's mesh_sizes['tp'] = (2, 4, 8, 16)"
+    assert unsupported(Mesh(dp=3), sizes) is None and broken_mesh.tp16.declarations()["mesh_sizes"] == \
+        {"tp": [2, 4, 8, 16]}
+    for bad, says in (({"pp": (2,)}, "'pp': (2,)"), ({"tp": (1, 2)}, "'tp': (1, 2)"), ({"tp": ()}, "'tp': ()"),
+                      ((2, 4), "(2, 4)")):
+        with pytest.raises(AdapterError) as e:
+            verify.adapter(data=broken_mesh.DATA, mesh_axes=("dp", "tp"), mesh_sizes=bad)(broken_mesh.Tp)
+        assert str(e.value).startswith("mesh_sizes must map axes among dp, tp to sizes ≥ 2, e.g. {'tp': (2, 4)}; got")
+        assert says in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_an_unsupported_mesh_size_is_a_skip_with_its_reason_not_a_failed_run():
+    """Hidden 16 over tp=3 is torch's refusal (an uneven DTensor shard), no fault of the trainer: asked for
+    anyway, the gate skips saying which size, before any rank starts."""
+    with pytest.raises(GateSkipped, match=r"^mesh_tp16 on mesh dp=1 pp=1 tp=3: tp=3 is not among the adapter's "
+                                          r"mesh_sizes\['tp'\] = \(2, 4, 8, 16\)$"):
+        check_mesh(broken_mesh.tp16, _case(Mesh(tp=3), 2, 1))
+
+
+@pytest.mark.distributed
+@needs_4
+def test_a_tp_model_of_hidden_16_passes_at_world_4():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from verify.strategies import mesh_cases, mesh_worlds
+
+    assert mesh_worlds(broken_mesh.tp16, 2, 4) == [2, 3, 4]  # world 3: dp=3 only
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(mesh_cases(broken_mesh.tp16, max_world=4))
+    def never_tp3(c):
+        assert c.mesh.tp in (1, 2, 4)
+
+    never_tp3()
+    r = check_mesh(broken_mesh.tp16, _case(Mesh(tp=4), 2, 1))
+    assert r.gate is Gate.MESH_EQUIVALENCE and r.ratio < 1
+
+
+def test_counts_are_called_with_no_mesh_in_the_data_parallel_gates_and_must_be_count_rows():
+    """The counts(case) contract (verify.protocol): case.mesh None -> a CountRow, a mesh -> {axis: row}; an
+    adapter that declares data_parallel and mesh_axes gets both calls. A duck-typed row is a one-line error
+    naming what came back, not an AttributeError deep in the counter."""
+    from verify.gates.counts import CountRow, declared_row
+
+    seen = []
+
+    def counts(case):
+        seen.append(case.mesh)
+        row = CountRow("boundary-only", before={}, boundary=None)
+        return row if case.mesh is None else {"tp": row}
+
+    both = verify.adapter(data=broken_mesh.DATA, data_parallel=True, mesh_axes=("dp", "tp"), counts=counts)(broken_mesh.Tp)
+    assert isinstance(declared_row(both, Case(accum_steps=2, micro_batch=1, steps=1, world=2)), CountRow)
+    assert set(declared_row(both, _case(Mesh(tp=2), 2, 1))) == {"tp"} and seen == [None, Mesh(tp=2)]
+
+    class Row:  # a row of the user's own, with CountRow's fields but not its type
+        mode, before, boundary = "mine", {}, None
+
+    duck = verify.adapter(data=broken_mesh.DATA, data_parallel=True, counts=lambda case: Row(), name="duck")(broken_mesh.Tp)
+    with pytest.raises(AdapterError) as e:
+        declared_row(duck, Case(accum_steps=2, micro_batch=1, steps=1, world=2))
+    line = str(e.value)
+    assert line.startswith("duck: counts(case) for a data-parallel case (case.mesh is None): counts= must return "
+                           "verify.CountRow, got Row <") and line.endswith("; build the row with verify.CountRow("
+                                                                           "mode, before=..., boundary=...)")
+    from verify.gates.mesh_counts import _row
+
+    with pytest.raises(AdapterError, match=r"^counts\(case\)\['tp'\]\(0, 0, 1\) \(dp_i, pp_i, tp_i\): counts= must "
+                                           r"return verify.CountRow, got Row"):
+        _row({"tp": lambda *c: Row()}, "tp", (0, 0, 1))
+
+
 def test_mesh_cases_draw_valid_meshes_within_the_world():
     from hypothesis import given, settings
     from hypothesis import strategies as st

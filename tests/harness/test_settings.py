@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from verify.settings import KNOBS, Settings, SettingError, check_report_dir, knobs_table
+from verify.settings import KNOBS, Settings, SettingError, check_report_dir, knobs_table, usable_cores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("XTRAIN_")}, "PYTHONPATH": ROOT,
@@ -22,9 +22,11 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible"
 def test_defaults_and_the_environment():
     s = Settings.from_env({})
     assert (s.device, s.backend, s.threads, s.min_world, s.max_world, s.timeout) == ("cpu", "gloo", 1, 1, 4, 120.0)
-    s = Settings.from_env({"XTRAIN_TEST_THREADS": "3", "XTRAIN_DIST_MAX_WORLD": "8", "XTRAIN_DIST_TIMEOUT": "2.5",
-                           "XTRAIN_DIST_BACKEND": "", "XTRAIN_GIT_COMMIT": "abc"})
-    assert (s.threads, s.max_world, s.timeout, s.backend, s.git_commit) == (3, 8, 2.5, "gloo", "abc")
+    n = usable_cores()  # the most threads allowed: one per core this process may use
+    s = Settings.from_env({"XTRAIN_TEST_THREADS": str(n), "XTRAIN_DIST_MAX_WORLD": "8", "XTRAIN_DIST_TIMEOUT": "2.5",
+                           "XTRAIN_DIST_BACKEND": "", "XTRAIN_GIT_COMMIT": "abc", "HYPOTHESIS_PROFILE": "ci"})
+    assert (s.threads, s.max_world, s.timeout, s.backend, s.git_commit, s.hypothesis_profile) == (
+        n, 8, 2.5, "gloo", "abc", "ci")
     s = Settings.from_env({"XTRAIN_RANKS_PER_NODE": "2"})  # emulated nodes of 2 ranks; a smaller pool is one node
     assert (Settings().per_node(4), s.per_node(4), s.per_node(1)) == (4, 2, 1)
 
@@ -53,7 +55,12 @@ def test_export_writes_only_what_options_set():
     ({"XTRAIN_DIST_BACKEND": "mpi"}, {}, "XTRAIN_DIST_BACKEND=mpi: must be gloo or nccl"),
     ({}, {"backend": "mpi"}, "--verify-backend mpi: must be gloo or nccl"),
     ({}, {"device": "tpu"}, "--verify-device tpu: must be cpu or cuda"),
-    ({"XTRAIN_DIST_TIMEOUT": "nan"}, {}, "XTRAIN_DIST_TIMEOUT=nan: must be a number of seconds > 0"),
+    ({"XTRAIN_DIST_TIMEOUT": "nan"}, {}, "XTRAIN_DIST_TIMEOUT=nan: must be a number of seconds ≥ 1"),
+    ({"XTRAIN_DIST_TIMEOUT": "0.001"}, {}, "XTRAIN_DIST_TIMEOUT=0.001: must be a number of seconds ≥ 1"),
+    ({"XTRAIN_TEST_THREADS": "1000"}, {}, f"XTRAIN_TEST_THREADS=1000: exceeds the {usable_cores()} CPU core(s) this "
+                                          f"process may use; set XTRAIN_TEST_THREADS ≤ {usable_cores()}"),
+    ({"HYPOTHESIS_PROFILE": "bogus"}, {}, "HYPOTHESIS_PROFILE=bogus: unknown profile; use dev, ci, gpu (or one "
+                                          "registered with hypothesis' register_profile)"),
     ({"XTRAIN_POOL_START": "fork"}, {}, "XTRAIN_POOL_START=fork: must be forkserver or spawn"),
     ({"XTRAIN_DIST_MIN_WORLD": "8"}, {}, "XTRAIN_DIST_MIN_WORLD=8: exceeds max_world=4; set XTRAIN_DIST_MAX_WORLD ≥ 8 too"),
 ])
@@ -169,12 +176,27 @@ def test_the_plugin_refuses_a_bad_option_in_one_line(tmp_path, args, line):
 
 
 @pytest.mark.slow
-def test_a_bad_knob_stops_any_pytest_run_in_one_line(tmp_path):
+@pytest.mark.parametrize("env,line", [
+    ({"XTRAIN_DIST_TIMEOUT": "soon"}, "ERROR: XTRAIN_DIST_TIMEOUT=soon: must be a number of seconds ≥ 1"),
+    ({"HYPOTHESIS_PROFILE": "bogus"}, "ERROR: HYPOTHESIS_PROFILE=bogus: unknown profile; use dev, ci, gpu (or one "
+                                      "registered with hypothesis' register_profile)"),
+])
+def test_a_bad_knob_stops_any_pytest_run_in_one_line(tmp_path, env, line):
     """The plugin is loaded by every pytest run of the environment: a bad variable is its usage error (it
-    was a traceback at import before the plugin checked the settings first)."""
-    r = _pytest_verify(tmp_path, env={"XTRAIN_DIST_TIMEOUT": "soon"})
-    _one_usage_line(r, "ERROR: XTRAIN_DIST_TIMEOUT=soon: must be a number of seconds > 0")
+    was a traceback at import before the plugin checked the settings first; a bogus profile ran the
+    default budget, saying nothing)."""
+    r = _pytest_verify(tmp_path, env=env)
+    _one_usage_line(r, line)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_profile_registered_with_hypothesis_is_accepted():
+    """A user's own profile (their conftest's register_profile) is theirs to load: not refused as unknown."""
+    from hypothesis import settings
+
+    settings.register_profile("xtrain-test-own", max_examples=2)
+    assert Settings.from_env({"HYPOTHESIS_PROFILE": "xtrain-test-own"}).hypothesis_profile == "xtrain-test-own"
+    assert Settings.from_env({"HYPOTHESIS_PROFILE": "default"}).hypothesis_profile == "default"
 
 
 NOT_A_TRAINER = '''
@@ -225,6 +247,41 @@ def test_the_factory_check_in_process(tmp_path, monkeypatch):
         with pytest.raises(AdapterError, match=r"makes a Half without grads\(\), optimizer_step\(\)"):
             a(Spec(accum_steps=1))
     load_adapter("examples.mlp_regressor:factory").check_factory()  # a real trainer passes
+
+
+RAISES = '''
+import verify
+
+
+@verify.adapter(data=verify.data.regression(features=4))
+def factory(spec):
+    open("no-such-checkpoint.pt")  # line 7: a factory whose file is missing
+'''
+
+
+def test_a_factory_that_raises_is_named_with_its_line_in_process(tmp_path, monkeypatch):
+    from verify.protocol import AdapterError, load_adapter
+
+    (tmp_path / "mine3.py").write_text(RAISES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    a = load_adapter("mine3:factory")
+    a.check_factory()  # not asked: the gates report it, with their case
+    with pytest.raises(AdapterError) as e:
+        a.check_factory(raises=True)
+    assert str(e.value) == ("--verify-trainer mine3:factory: mine3.factory raised building a trainer (accum_steps=1, "
+                            "float32, its defaults): FileNotFoundError: [Errno 2] No such file or directory: "
+                            "'no-such-checkpoint.pt' (mine3.py:7); fix the factory or what it reads")
+
+
+@pytest.mark.slow
+def test_a_factory_that_raises_is_a_usage_error_not_a_gate_failure(tmp_path):
+    (tmp_path / "mine.py").write_text(RAISES)
+    r = _pytest_verify(tmp_path, "--verify-trainer", "mine:factory")
+    _one_usage_line(r, "ERROR: --verify-trainer mine:factory: mine.factory raised building a trainer (accum_steps=1, "
+                       "float32, its defaults): FileNotFoundError: [Errno 2] No such file or directory: "
+                       "'no-such-checkpoint.pt' (mine.py:7); fix the factory or what it reads")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.py"]
 
 
 def test_the_selftest_refuses_a_bad_option_in_one_line(tmp_path, capsys):

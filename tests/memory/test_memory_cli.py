@@ -246,3 +246,36 @@ def test_gpu_planted_leak_exits_1(tmp_path):
                    "--trainer", "leaky_graph", "--out", str(tmp_path))
     assert r.returncode == 1 and "(b1) FAIL" in r.stdout, r.stdout + r.stderr
 
+
+
+def test_an_effective_batch_that_cannot_fit_is_refused_with_the_estimate(capsys, tmp_path):
+    """Inside its documented bound (≤ 65536) yet far beyond the machine: refused up front from the adapter's
+    own memory model at B=1 and 2 (it was OOM-killed after taking all the memory, leaving an empty --out)."""
+    from verify._cli import available_memory
+
+    out = tmp_path / "reports"
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(out), "--effective-batch", "65536", "--device", "cpu"])
+    err = capsys.readouterr()
+    if e.value.code != 2 and available_memory("cpu")[0] > 2**40:
+        pytest.skip("this machine holds even that")
+    assert e.value.code == 2 and err.out == "" and err.err.count("\n") == 1, err.err
+    assert err.err.startswith("verify.memory: error: --effective-batch 65536 (sweep A runs N=1, B=65536): needs about ")
+    assert "GiB (MemAvailable); pass a smaller --effective-batch (the adapter's memory model, single, at B=1 and 2, " \
+           "linear in B)" in err.err and not out.exists()
+
+
+def test_the_up_front_estimate_is_the_memory_models_own_prediction():
+    """The linear extrapolation from B=1, 2 is what the model predicts at B=E itself (its activations and
+    logits are linear in the rows): the refusal is the model's number, not a tuned one."""
+    import torch
+
+    from verify.adapters.xtrain import adapter
+    from verify.memory.prediction import PeakQuery
+
+    q = lambda Bs: adapter.predicted_peak(PeakQuery(adapter=adapter, options=adapter.defaults,  # noqa: E731
+                                                    configs=tuple((1, B) for B in Bs), world=1,
+                                                    device=torch.device("cpu"), probe="cuda", trainer_class=None))
+    p = q((1, 2, 16)).peaks
+    one, two, direct = p[(1, 1)]["bytes"], p[(1, 2)]["bytes"], p[(1, 16)]["bytes"]
+    assert abs(one + 15 * (two - one) - direct) <= 0.02 * direct, (one, two, direct)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ..comm import LINKS, family, link_of
 
-__all__ = ["CountRow", "family", "families", "check_row", "check_step", "excused", "SCALARS", "DEFAULT_MODE"]
+__all__ = ["CountRow", "declared_row", "family", "families", "check_row", "check_step", "excused", "SCALARS", "DEFAULT_MODE"]
 
 SCALARS = 8  # side-channel floats allowed to ride with the gradients (xtrain: Σ raw·B_local and N·B_local)
 DEFAULT_MODE = "the default rule"  # CountRow.default's mode
@@ -104,6 +104,40 @@ class CountRow:
         if self.carriers is None:
             return [c for c in cs if c.kind == "gradient"]
         return [c for c in cs if c.floating and family(c.op) in self.carriers]
+
+
+def declared_row(adapter, case):
+    """adapter.counts(case), checked: a data-parallel case (case.mesh None) gets a CountRow, a mesh case a dict
+    axis -> CountRow (or coords -> CountRow, checked per rank by mesh_counts); None without a declaration.
+    Anything else is an AdapterError naming what came back (a duck-typed row fails here, not as an
+    AttributeError deep in the counter)."""
+    if adapter.counts is None:
+        return None
+    row = adapter.counts(case)
+    if case.mesh is None:
+        return as_row(row, f"{adapter.name}: counts(case) for a data-parallel case (case.mesh is None)")
+    if not isinstance(row, dict):
+        from ..protocol import AdapterError
+
+        raise AdapterError(f"{adapter.name}: counts(case) for a mesh case ({case.mesh}) must return a dict axis -> "
+                           f"verify.CountRow, got {_short(row)}")
+    return {a: r if r is None or callable(r) else as_row(r, f"{adapter.name}: counts(case)[{a!r}] ({case.mesh})")
+            for a, r in row.items()}
+
+
+def as_row(row, what: str) -> "CountRow":
+    """`row` if it is a CountRow; else the one-line AdapterError "counts= must return verify.CountRow, got …"."""
+    if isinstance(row, CountRow):
+        return row
+    from ..protocol import AdapterError
+
+    raise AdapterError(f"{what}: counts= must return verify.CountRow, got {_short(row)}; build the row with "
+                       f"verify.CountRow(mode, before=..., boundary=...)")
+
+
+def _short(v) -> str:
+    text = " ".join(repr(v).split())
+    return f"{type(v).__name__} {text[:80] + '…' if len(text) > 80 else text}"
 
 
 def _fmt(v) -> str:

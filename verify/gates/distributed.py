@@ -30,7 +30,7 @@ from ..comm import INTER, INTRA, Collective, Windows, group_links, link_of
 from ..pool import get_pool, launched
 from ..settings import Settings
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
-from .counts import SCALARS, CountRow, check_step
+from .counts import SCALARS, CountRow, check_step, declared_row
 from .diagnose import determinism
 from .tolerance import Judge, condition, measured_floor
 
@@ -292,7 +292,7 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     if not adapter.data_parallel:
         raise GateSkipped(f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))")
     outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
-    row = adapter.counts(case) if adapter.counts is not None else None
+    row = declared_row(adapter, case)
     report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row)
     kpool = (pool if case.world == 1 else ref_pool) or get_pool(1)  # where the reference ran
     ref64 = outcomes[0].refs["ref64"]

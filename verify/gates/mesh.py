@@ -18,10 +18,11 @@ from __future__ import annotations
 import functools
 
 from ..case import Case, Trace
-from ..mesh import MeshError, assemble, meshes, missing
+from ..mesh import MeshError, assemble, meshes, missing, unsupported
 from ..pool import get_pool
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .distributed import F32, F64, kappa_job, reference_job, run_distributed
+from .counts import declared_row
 from .mesh_counts import check_mesh_counts
 from .tolerance import Judge, measured_floor
 
@@ -97,8 +98,11 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
     extra = [a for a in case.mesh.axes() if a not in adapter.mesh_axes]
     if extra:
         raise ValueError(f"{case.mesh} uses axes {extra} that {adapter.name} does not declare ({adapter.mesh_axes})")
+    why = unsupported(case.mesh, adapter.mesh_sizes)
+    if why:  # a size the model cannot shard (hidden 16 over tp=3) is no failure of the trainer
+        raise GateSkipped(f"{adapter.name} on {case.mesh}: {why}")
     outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool, gate=GATE)
-    counted = check_mesh_counts(outcomes, case, adapter.counts(case) if adapter.counts is not None else None)
+    counted = check_mesh_counts(outcomes, case, declared_row(adapter, case))
     big, ref = outcomes[0].refs["big32"], outcomes[0].refs["ref64"]
     runs = {dt: assemble_traces([o.runs[dt].trace for o in outcomes], case, ref.grads0) for dt in (F32, F64)}
     stages = _stage_of([o.runs[F32].trace for o in outcomes], case)
@@ -144,7 +148,7 @@ def check_mesh_splits(adapter, case: Case, world: int) -> GateResult:
     N·B·dp / (N·dp')), with case's chunks where pp > 1, each through the mesh gate against the same 1×1×1
     reference: every factorisation gives the big batch's step. A failure names the mesh."""
     E, worst, n = case.effective_batch, ("", 0.0), 0
-    for m in meshes(adapter.mesh_axes, world):
+    for m in meshes(adapter.mesh_axes, world, adapter.mesh_sizes):
         if E % (case.accum_steps * m.dp):
             continue
         c = case.replace(mesh=m, world=m.dp, micro_batch=E // (case.accum_steps * m.dp),

@@ -25,7 +25,7 @@ from ..case import Case
 from ..comm import Collective, family
 from ..mesh import AXES, Mesh
 from ..verdict import Gate, GateFailure
-from .counts import CountRow, check_step
+from .counts import CountRow, as_row, check_step
 from .distributed import _split
 
 __all__ = ["axis_of", "check_mesh_counts", "outer_units", "DP_ROW"]
@@ -56,7 +56,9 @@ def outer_units(micro: list, boundary: list, chunks: int) -> tuple[list, list]:
 
 def _row(rows: dict, axis: str, coords) -> CountRow | None:
     r = rows.get(axis)
-    return r(*coords) if callable(r) else r
+    if not callable(r):
+        return r
+    return as_row(r(*coords), f"counts(case)[{axis!r}]{tuple(coords)} (dp_i, pp_i, tp_i)")
 
 
 def check_mesh_counts(outcomes, case: Case, rows: dict | None, expected=()) -> dict:

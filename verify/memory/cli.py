@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .._cli import Parser, Progress, UsageError, fail, int_at_least, positive_int, resolve_device, writable_dir
+from .._cli import (Parser, Progress, UsageError, check_fits, fail, int_at_least, positive_int, resolve_device,
+                    writable_dir)
 from .plan import Plan, plan_configs
 
 
@@ -221,6 +222,26 @@ def _device(name: str, world: int):
     return device
 
 
+def _check_fits(adapter, options, e_local: int, world: int, device) -> None:
+    """Before anything is measured or written: sweep A's largest configuration (N=1, B=E per rank) estimated
+    from the adapter's own memory model at B=1 and B=2, extrapolated linearly in B (activations and logits
+    grow with the rows, the parameters and optimizer state do not), against the device's available memory.
+    Without a model, or where it declines, nothing is estimated (the run goes ahead as before)."""
+    if adapter.predicted_peak is None or e_local <= 2:
+        return
+    from .prediction import PeakQuery, Prediction
+
+    q = PeakQuery(adapter=adapter, options=options, configs=((1, 1), (1, 2)), world=world, device=device,
+                  probe="cuda", trainer_class=None)  # "cuda": every tensor, the parameters included
+    p = adapter.predicted_peak(q)
+    if not isinstance(p, Prediction):
+        return
+    one, two = p.peaks[(1, 1)]["bytes"], p.peaks[(1, 2)]["bytes"]
+    check_fits(one + (e_local - 1) * max(0, two - one), device,
+               f"--effective-batch {e_local * world} (sweep A runs N=1, B={e_local}{' per rank' if world > 1 else ''})",
+               f"pass a smaller --effective-batch (the adapter's memory model, {p.mode}, at B=1 and 2, linear in B)")
+
+
 def build_plan(args, wing: Wing | None = None) -> Plan:
     """Flags -> Plan, or UsageError naming the flag. Runs nothing."""
     import pickle
@@ -259,6 +280,7 @@ def build_plan(args, wing: Wing | None = None) -> Plan:
         raise UsageError(f"--anchor {args.anchor}: no such file")
     if not applies:
         anchor = None  # an anchor is one model in one setting: nothing to compare elsewhere
+    _check_fits(adapter, options, E // world, world, device)
     out = Path(args.out)
     if rank == 0:
         writable_dir("--out", args.out)

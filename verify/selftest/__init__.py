@@ -98,7 +98,7 @@ def selftest_cases(adapter, *, worlds=(1, 2, 3), device: str = "cpu"):
 def mesh_cases(adapter, top: int, device: str = "cpu") -> list:
     """The fixed mesh cases of an adapter with mesh_axes, on at most `top` ranks (module docstring)."""
     from ..case import Case
-    from ..mesh import Mesh
+    from ..mesh import Mesh, unsupported
 
     axes, out = adapter.mesh_axes or (), []
     if "pp" in axes:
@@ -110,7 +110,7 @@ def mesh_cases(adapter, top: int, device: str = "cpu") -> list:
         out.append(wide if wide and top >= 4 else (Mesh(dp=2), 1, 3))
     return [Case(accum_steps=n, micro_batch=2, steps=2, world=m.dp, mesh=m, pipeline_chunks=ch, seed=30 + i,
                  data_seed=40 + i, device=device, options=adapter.defaults)
-            for i, (m, ch, n) in enumerate(out) if m.size <= top]
+            for i, (m, ch, n) in enumerate(out) if m.size <= top and unsupported(m, adapter.mesh_sizes) is None]
 
 
 def _column(check: Gate, failure: GateFailure) -> Gate:
