@@ -53,10 +53,10 @@ LOSS = "loss of step 0"  # the gate's name for the loss check (verify/gates/tole
 XTRAIN, BUFFER = xtrain.single, broken_numerics.bf16_accumulation_buffer
 
 
-def _ratios(acc, big, ref, kappa: dict) -> dict:
+def _ratios(acc, big, ref, kappa: dict, N: int) -> dict:
     """error / bound of every check the gate makes (tolerance.step0_checks: the step-0 loss, each gradient),
-    as the gate reports it: κ only where the check needs it (tolerance.needs_kappa)."""
-    return {LOSS if name is None else name: a / bound(b, k if needs_kappa(a, b, o) else 1.0, o)
+    as the gate reports it: κ only where the check needs it (tolerance.needs_kappa), bf16's term over N blocks."""
+    return {LOSS if name is None else name: a / bound(b, k if needs_kappa(a, b, o) else 1.0, o, "bf16", N)
             for _, name, a, b, k, o in step0_checks(acc, big, ref, kappa, "bf16")}
 
 
@@ -84,8 +84,8 @@ def measure(opts, N: int, B: int, seed: int, data_seed: int, *, gate: bool) -> d
     # κ as the gate computes it. The blocks are float64 runs (no autocast), where the buffer trainer IS
     # xtrain's, so one set serves both adapters.
     kappa = condition(block_grads(XTRAIN, case, "cpu") if N > 1 else [], ref.grads0)
-    ra, rb = _ratios(acc, big, ref, kappa), _ratios(buf, big_buf, ref, kappa)
-    rbx = _ratios(buf, big, ref, kappa)  # (b) held to xtrain's big batch (d) instead of its own
+    ra, rb = _ratios(acc, big, ref, kappa, N), _ratios(buf, big_buf, ref, kappa, N)
+    rbx = _ratios(buf, big, ref, kappa, N)  # (b) held to xtrain's big batch (d) instead of its own
     wa, wb, wbx = _worst(ra), _worst(rb), _worst(rbx)
     row = dict(N=N, rows=N * B, seed=seed, data_seed=data_seed,
                err_fp32_accum=overall_error(acc.grads0, ref.grads0), err_bf16_buffer=overall_error(buf.grads0, ref.grads0),
@@ -146,7 +146,8 @@ def render_png(doc) -> bytes:
     if top == LOSS:
         top = max(rows[-1]["per_parameter"], key=lambda k: rows[-1]["per_parameter"][k]["ratio_bf16_buffer"])
     per = [r["per_parameter"][top] for r in rows]
-    bound_ = [bound(p["err_big_bf16_buffer"], p["kappa"], r["overall_big_bf16_buffer"]) for p, r in zip(per, rows)]
+    bound_ = [bound(p["err_big_bf16_buffer"], p["kappa"], r["overall_big_bf16_buffer"], "bf16", r["N"])
+              for p, r in zip(per, rows)]
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
     blue, red, grey = "tab:blue", "tab:red", "0.45"

@@ -45,9 +45,9 @@ TRAINERS = {"bf16": {"xtrain": xtrain.single, "buffer": broken_lowprec.low_preci
                      "low params": broken_lowprec.half_model}}
 
 
-def worst_ratio(acc, big, ref, kappa: dict, precision: str) -> tuple[float, str]:
+def worst_ratio(acc, big, ref, kappa: dict, precision: str, N: int = 1) -> tuple[float, str]:
     """The gate's worst error / bound (lazy κ as the gate: tolerance.needs_kappa) and its check."""
-    out = [(a / bound(b, k if needs_kappa(a, b, o) else 1.0, o), what)
+    out = [(a / bound(b, k if needs_kappa(a, b, o) else 1.0, o, precision, N), what)
            for what, _, a, b, k, o in step0_checks(acc, big, ref, kappa, precision)]
     return max(out)
 
@@ -65,7 +65,7 @@ def measure(opts, N: int, seed: int, data_seed: int) -> dict:
     out = {}
     for p, trainers in TRAINERS.items():
         c = case.replace(precision=p)
-        out[p] = {name: worst_ratio(run(a, c, N, torch.float32), run(a, c, 1, torch.float32), ref, kappa, p)
+        out[p] = {name: worst_ratio(run(a, c, N, torch.float32), run(a, c, 1, torch.float32), ref, kappa, p, N)
                   for name, a in trainers.items()}
     return out
 

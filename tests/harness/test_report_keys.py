@@ -73,15 +73,15 @@ def test_a_buggy_trainers_saved_examples_survive_a_correct_trainers_run(tmp_path
                                "-k", "big_batch", "--verify-trainer", ref], capture_output=True, text=True,
                               cwd=here, env={**ENV, "XDG_CACHE_HOME": str(cache)}, timeout=600)
 
-    bad = run("verify.adapters.broken:missing_1_over_N")
+    bad = run("tests.helpers.corner_blind:adapter")  # found by a random draw (a corner's failure is never saved)
     assert bad.returncode == 1, bad.stdout[-3000:]
     db = cache / "xtrain-verify" / "hypothesis"
-    saved = _files(db / "verify.adapters.broken_missing_1_over_N")
+    saved = _files(db / "tests.helpers.corner_blind_adapter")
     assert any(p.startswith("examples" + os.sep) for p in saved), saved  # the shrunk failure, kept for next time
     good = run("examples.mlp_regressor:factory")
     assert good.returncode == 0, good.stdout[-3000:]
-    assert _files(db / "verify.adapters.broken_missing_1_over_N") == saved  # neither replayed away nor deleted
-    assert sorted(os.listdir(db)) == ["examples.mlp_regressor_factory", "verify.adapters.broken_missing_1_over_N"]
-    assert ("; it replaced the report of verify.adapters.broken:missing_1_over_N (" in good.stdout
+    assert _files(db / "tests.helpers.corner_blind_adapter") == saved  # neither replayed away nor deleted
+    assert sorted(os.listdir(db)) == ["examples.mlp_regressor_factory", "tests.helpers.corner_blind_adapter"]
+    assert ("; it replaced the report of tests.helpers.corner_blind:adapter (" in good.stdout
             and "(--verify-report DIR keeps one per trainer)" in good.stdout), good.stdout[-2000:]
     assert report.read(str(here / "reports"))["trainer"] == "examples.mlp_regressor:factory"

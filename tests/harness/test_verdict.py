@@ -139,8 +139,9 @@ NOT_GATES = {
     ("gates/diagnose.py", "determinism"): "the function `determinism`, named in __all__",
 }
 # verify/strategies.py keys the example budget by gate TEST (one budget covers both data-parallel gates); the
-# plugin's gate tests pass those keys to gate_budget(). Their names are tests', not gates'.
-BUDGET_CALL = "gate_budget"
+# plugin's gate tests pass those keys to gate_budget(), and to corners() / random_budget() (each test's hard
+# corners, strategies.corners branching on the same keys). Their names are tests', not gates'.
+BUDGET_CALLS = ("gate_budget", "corners", "random_budget")
 
 
 def _spellings(name: str) -> set:
@@ -157,8 +158,11 @@ def _string_constants(tree):
             skip.add(id(body[0].value))  # a docstring
         if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets):
             skip |= {id(c) for c in ast.walk(n.value)}
-        if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == BUDGET_CALL:
+        if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) in BUDGET_CALLS:
             skip |= {id(c) for a in n.args for c in ast.walk(a)}
+        if isinstance(n, ast.FunctionDef) and n.name in BUDGET_CALLS:  # keyed by budget key inside
+            skip |= {id(c) for c in ast.walk(n) if isinstance(c, ast.Compare)} | {
+                id(x) for c in ast.walk(n) if isinstance(c, ast.Compare) for x in ast.walk(c)}
         if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "GATE_BUDGETS" for t in n.targets):
             skip |= {id(c) for c in ast.walk(n.value)}
     return [(n, n.value) for n in ast.walk(tree)
