@@ -11,7 +11,7 @@ from verify.case import Case
 from verify.gates import GateFailure, check_equivalence
 from verify.gates import tolerance
 
-CASES = 2000
+CASES = 1000
 # the held-out case that found it (issue 26): error 4.26e-3 against a bound of about 4.1e-3 before
 FOUND = Case(accum_steps=8, micro_batch=4, steps=2, precision="fp16", seed=60519, data_seed=32275)
 

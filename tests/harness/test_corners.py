@@ -67,15 +67,9 @@ def test_dev_profile_rejects_a_skip_decided_by_rank_0(tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_dev_profile_passes_found_inf_all_reduced(tmp_path):
-    r = _plugin(tmp_path, "verify.adapters.broken_overflow:found_inf_all_reduced_float", "overflow")
-    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:]
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
 def test_dev_profile_rejects_scale_grads_under_outer_accumulation(tmp_path):
     r = _plugin(tmp_path, "verify.adapters.broken_mesh:pipe_ema", "mesh_equivalent")
     assert r.returncode == 1, r.stdout[-3000:]
     assert "[mesh equivalence] mesh dp=1 pp=2 tp=1, chunks=2, outer=2" in r.stdout, r.stdout[-3000:]
-    assert _plugin(tmp_path, "verify.adapters.broken_mesh:pipe", "mesh_equivalent").returncode == 0
+    # the correct controls pass the same corners: found_inf_all_reduced_* (test_overflow.py, on both ranks) and
+    # the pipeline recipe with scale_grads=False (the example tests run its mesh gates through the plugin)
