@@ -14,7 +14,7 @@ plus one look at the float64 runs of the case itself: parameters after every ste
 batch's while grads() is a constant factor c ≠ 1 of its gradient → the trainer normalises in its step. A
 token-mean failure (judged against the harness's counts, not a big batch) is re-run with the gradient read
 where the optimizer reads it (grads_from="optimizer"): passing so, it names the same class and its factor.
-The classes (and each planted bug's) are tested in tests/harness/test_hints.py.
+The classes (and each planted bug's) are tested in tests/harness/test_rerun.py.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..hints import hint as pattern_hint
 from ..verdict import Gate, GateFailure, GateSkipped
 from .diagnose import first_difference
 
-__all__ = ["diagnose", "diagnosed", "factor_of", "KNOBS"]
+__all__ = ["diagnose", "diagnosed", "relation", "KNOBS"]
 
 KNOBS = ("K=1", "W=1", "N=1", "unclipped")
 GATES = (Gate.EQUIVALENCE, Gate.DP_EQUIVALENCE, Gate.SPLIT_INVARIANCE, Gate.LONG_WINDOW, Gate.MESH_EQUIVALENCE,
@@ -100,13 +100,6 @@ def _f64_traces(adapter, case: Case, gate=None):
     return run(case.accum_steps), run(1)
 
 
-def factor_of(got, ref) -> float | None:
-    """c when got's step-0 gradient is c × ref's (every parameter, c ≠ 1) while its parameters after every step
-    equal ref's: a trainer whose updates are right and whose grads() is read before its normalisation."""
-    c, same = relation(got, ref)
-    return c if c is not None and abs(c - 1) >= 1e-6 and same else None
-
-
 def relation(got, ref) -> tuple[float | None, bool]:
     """(c where got's step-0 gradient is c × ref's for every parameter, else None; whether the parameters
     after every step equal ref's), both in float64 and far below any real bug's size."""
@@ -114,7 +107,7 @@ def relation(got, ref) -> tuple[float | None, bool]:
     for k, r in ref.grads0.items():
         g = got.grads0.get(k)
         if g is None or g.shape != r.shape:
-            return None
+            return None, False
         num, den = num + float((g.double() * r.double()).sum()), den + float((r.double() ** 2).sum())
     c = num / den if den else None
     for k, r in ref.grads0.items():
@@ -150,9 +143,9 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
         return None, {}
     try:
         c, same = relation(*_f64_traces(adapter, case, gate))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001  (the float64 look could not run: the knobs still can)
         c, same = None, True
-    if c is not None and abs(c - 1) >= 1e-6 and same:
+    if c is not None and abs(c - 1) >= 1e-6 and same:  # the updates right, grads() read before the normalisation
         return "re-run: the parameters after every step equal the big batch's while " + _normalises(c, "its gradient"), {}
     seen = {}
     for knob in KNOBS:
