@@ -33,46 +33,34 @@ def _other_verify() -> None:
 
 _other_verify()
 __all__ = [
-    # the trainer protocol and how to declare an adapter
-    "Trainer", "Spec", "Adapter", "adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "load_adapter",
-    "AdapterError", "data",
-    # cases and the gates
-    "Case", "check_equivalence", "check_bit_exact", "check_distributed", "Gate", "GateFailure", "GateSkipped",
-    "GateResult", "check_token_mean", "check_empty_window", "check_overflow",
-    # hypothesis strategies
-    "cases", "dist_cases",
-    # the run report
-    "write_report",
-    # the collective counter, and a sync mode's exact counts (Adapter(counts=case -> CountRow))
-    "Recorder", "Collective", "Windows", "CountRow",
-    # the memory probe
-    "measure_memory",
-    # the fault-injection self-test
-    "run_selftest", "OPERATORS",
+    # the protocol your trainer implements, and how to declare its adapter
+    "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data",
+    # what a sync mode may communicate: expected collectives, a mode's exact counts, a mesh's axes
+    "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "CountRow", "Windows", "Mesh",
     # loops the framework owns (HF Trainer, Lightning): the pull-mode driver
     "Pull", "PullError",
-    # every knob of a run, from the environment (verify/settings.py)
-    "Settings", "SettingError",
-    # mesh axes: dp × pp × tp (verify/mesh.py) and their gate
-    "Mesh", "check_mesh",
+    # a gate's verdict, as a test or a script sees it
+    "Gate", "GateFailure",
+    # every knob of a run (the knob table: docs/verify-your-trainer.md)
+    "Settings",
+    # the studies beside the gates, and the header every report carries
+    "run_selftest", "measure_memory", "report_header",
 ]
 
+# name -> (module, attribute); modules are absolute so a reader finds them with one search
 _WHERE = {
-    "Trainer": "protocol", "Spec": "protocol", "Adapter": "protocol", "adapter": "protocol",
-    "Expected": "protocol", "DDP_EXPECTED": "protocol", "DDP_WORLD1_EXPECTED": "protocol", "load_adapter": "protocol",
-    "AdapterError": "protocol",
-    "Case": "case",
-    "check_equivalence": "gates", "check_bit_exact": "gates", "check_distributed": "gates",
-    "Gate": "verdict", "GateFailure": "verdict", "GateSkipped": "verdict", "GateResult": "verdict",
-    "check_token_mean": "gates", "check_empty_window": "gates", "check_overflow": "gates.overflow",
-    "cases": "strategies", "dist_cases": "strategies",
-    "write_report": ("report", "write"),
-    "Recorder": "comm", "Collective": "comm", "Windows": "comm", "CountRow": "gates.counts",
-    "measure_memory": ("memory", "measure"),
-    "run_selftest": ("selftest", "run_selftest"), "OPERATORS": ("selftest", "OPERATORS"),
-    "Pull": "pull", "PullError": "pull",
-    "Settings": "settings", "SettingError": "settings",
-    "Mesh": "mesh", "check_mesh": "gates.mesh",
+    "Trainer": ("verify.protocol", "Trainer"), "Spec": ("verify.protocol", "Spec"),
+    "Adapter": ("verify.protocol", "Adapter"), "adapter": ("verify.protocol", "adapter"),
+    "AdapterError": ("verify.protocol", "AdapterError"),
+    "Expected": ("verify.protocol", "Expected"), "DDP_EXPECTED": ("verify.protocol", "DDP_EXPECTED"),
+    "DDP_WORLD1_EXPECTED": ("verify.protocol", "DDP_WORLD1_EXPECTED"),
+    "CountRow": ("verify.gates.counts", "CountRow"), "Windows": ("verify.comm", "Windows"),
+    "Mesh": ("verify.mesh", "Mesh"),
+    "Pull": ("verify.pull", "Pull"), "PullError": ("verify.pull", "PullError"),
+    "Gate": ("verify.verdict", "Gate"), "GateFailure": ("verify.verdict", "GateFailure"),
+    "Settings": ("verify.settings", "Settings"),
+    "run_selftest": ("verify.selftest", "run_selftest"), "measure_memory": ("verify.memory", "measure"),
+    "report_header": ("verify._meta", "header"),
 }
 
 
@@ -82,8 +70,8 @@ def __getattr__(name: str):
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'verify' has no attribute {name!r}")
-    module, attr = where if isinstance(where, tuple) else (where, name)
-    value = getattr(importlib.import_module(f".{module}", __name__), attr)
+    module, attr = where
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
 

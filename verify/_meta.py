@@ -138,6 +138,8 @@ def versions_text(found: dict | None = None) -> str:
 
 
 def header(kind: str, device=None) -> dict:
+    """The header every report carries (verify.report_header): schema_version, kind, the machine (of `device`),
+    the git commit, UTC time, and the releases of xtrain-verify and of each dependency found."""
     return dict(schema_version=SCHEMA_VERSION, kind=kind, machine_info=machine_info(device),
                 git_commit=git_commit(), utc=utc_now(), xtrain_version=version(), versions=versions())
 
