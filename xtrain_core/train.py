@@ -63,7 +63,7 @@ def threads_arg(text: str):
 def set_threads(args) -> None:
     """Before torch loads its OpenMP runtime (which reads the environment once): auto is ONE intra-op thread
     unless OMP_NUM_THREADS says otherwise (torchrun's own default for each rank). Measured on a 2-core box
-    (docs/performance.md §7, benchmarks/cpu_threads.py): torch's default, one spinning thread per core, is
+    (reports/cpu/cpu-threads.md): torch's default, one spinning thread per core, is
     fastest on an idle box and collapses 4-6x with two busy neighbours; sleeping idle threads
     (OMP_WAIT_POLICY=PASSIVE) do not collapse but are 2-3x slower when idle; one thread is within 10 % of
     the best on the default model idle and does not collapse. `--threads N` asks for N."""

@@ -87,7 +87,7 @@ def test_short_data_file_is_usage_error(tmp_path):
 ])
 def test_threads_auto_is_one_thread_unless_asked(env_threads, flag, want):
     """torch's default, one spinning OpenMP thread per core, collapsed 4-6x on a 2-core box with two busy
-    neighbours (docs/performance.md §7); auto runs one thread (as torchrun does per rank)."""
+    neighbours (reports/cpu/cpu-threads.md); auto runs one thread (as torchrun does per rank)."""
     env = {k: v for k, v in ENV.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     if env_threads:
         env["OMP_NUM_THREADS"] = env_threads

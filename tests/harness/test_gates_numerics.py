@@ -102,7 +102,7 @@ def test_equivalence_rejects_grad_scaler_misuse(name, data):
 
 @pytest.mark.slow  # N up to 64 in bf16: ~6 s
 def test_xtrain_passes_where_a_bf16_accumulation_buffer_is_rejected():
-    """Rounding in a bf16 buffer grows with N (benchmarks/bf16_accumulation.py plots it): on the long window
+    """Rounding in a bf16 buffer grows with N (reports/cpu/bf16-accumulation.md plots it): on the long window
     where the planted bf16_accumulation_buffer is rejected (its case in verify/adapters/planted.py),
     xtrain's fp32 accumulation of the same bf16 micro-steps passes."""
     case = planted.BY_NAME["bf16_accumulation_buffer"].case

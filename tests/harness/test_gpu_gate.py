@@ -96,7 +96,7 @@ def test_the_tools_default_outputs_are_ignored_so_a_run_never_dirties_the_refere
     if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
         pytest.skip("not a git checkout")
     for path in ("reports/memory-E32.json", "reports/memory-E32.png", "reports/verify-report.md",
-                 "reports/bf16-accumulation.json", "reports/bench_dist_pools_gloo.json"):
+                 "reports/bench-single.json", "reports/bench_dist_pools_gloo.json"):
         r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
         assert r.returncode == 0, f"{path} would be tracked: a user's run would dirty the repo"
     r = subprocess.run(["git", "check-ignore", "-q", "reports/cpu/memory-E32.json"], cwd=ROOT)

@@ -3,7 +3,7 @@ xtrain's trainer and its float64 run (the references and the float64 checks see 
 its low precision does `.grad` hold a bf16 / fp16 running sum, whose rounding grows with N (each micro-step
 adds a term rounded to 8 or 11 significant bits, relative to the running sum). The long-window gate, which
 draws every declared precision (verify/test_gates.py), must reject each from the N where that error crosses
-the bound; docs/performance.md gives the N measured (benchmarks/lowprec_detection.py).
+the bound; reports/cpu/lowprec-detection.md gives the N measured.
 
     half_model      fp16: the model converted with `.half()` (fp16 parameters, gradients, AdamW), a static
                     loss scale (torch's GradScaler refuses fp16 gradients), unscaled once at the boundary

@@ -251,7 +251,7 @@ class Judge:
         """bf16 / fp16 autocast keeps parameters, so `.grad`, in `dtype` (the protocol's precisions): a boundary
         gradient held in the autocast dtype after N ≥ 2 micro-steps (a `.half()` model, bf16 parameters) was
         summed in 11 / 8 significant bits. Its own big batch reduces over rows in those bits too, so its error
-        grows with N as fast and no C·err(big) bound separates them (docs/performance.md): the dtype is the
+        grows with N as fast and no C·err(big) bound separates them (reports/cpu/lowprec-detection.md): the dtype is the
         evidence, named here rather than waited for."""
         if self.case.accum_steps < 2 or self.case.precision == "fp32":
             return

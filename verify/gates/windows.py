@@ -68,7 +68,7 @@ def check_long_window(adapter, case: Case) -> list[GateResult]:
     """The equivalence gate on one long window (world 1) in every low precision the adapter declares (bf16,
     fp16; the caller draws its fp32 windows): a gradient summed in 8 / 11 significant bits across micro-steps
     rounds relative to the running sum, so its error grows with N while the big batch's does not, and
-    crosses C·err(big) + F·κ at some N (docs/performance.md: the N measured). A failure names the precision
+    crosses C·err(big) + F·κ at some N (reports/cpu/lowprec-detection.md: the N measured). A failure names the precision
     and N. Returns one GateResult per precision run (none where the adapter declares fp32 only).
     The partial-sum gate stays float64: its question (does each micro-step land exactly once) has no
     precision, and a low-precision partial sum after n micro-steps carries the error of a window of n, which
