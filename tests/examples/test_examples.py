@@ -154,7 +154,7 @@ CAPPED = ("verify.adapters.xtrain", "examples.ddp_no_sync", "examples.accelerate
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("ref,score", [
-    ("verify.adapters.xtrain:adapter", "12/12"),  # + overflow_decided_on_one_rank (fp16), low_precision_accumulation (bf16)
+    ("verify.adapters.xtrain:adapter", "12/12"),  # + skip_decided_on_one_rank (fp16), low_precision_accumulation (bf16)
     ("examples.mlp_regressor:factory", "8/8"),  # single-process: the two data-parallel operators do not apply
     # mesh recipes: the eight operators wrap the plain model at Mesh() (single-process gates); the mesh operators
     # run on the mesh cases (the mesh gate): pipeline_micro_batch_dropped on pp=2 (chunks 2); on tp=2 and dp=2 × tp=2

@@ -73,3 +73,15 @@ def test_every_planted_adapter_is_registered():
 def test_the_design_doc_carries_the_registry_table():
     doc = (ROOT / "docs" / "design.md").read_text()
     assert planted.table() in doc, "docs/design.md §4: paste verify.adapters.planted.table() in place of the old table"
+
+
+# The self-test's operators that inject a bug the registry also plants (the same fault, applied by a wrapper to
+# any trainer instead of planted in xtrain's): one bug, one name, in both tables.
+SAME_BUG = ("optimizer_step_every_micro", "zero_grad_in_micro_loop", "divide_by_world_twice", "per_micro_mean",
+            "count_from_first_micro", "per_rank_mean", "all_positions", "sequences", "skip_decided_on_one_rank")
+
+
+def test_a_bug_in_both_the_registry_and_the_selftest_has_one_name():
+    from verify.selftest.operators import OPERATORS
+
+    assert [n for n in SAME_BUG if n not in OPERATORS or n not in planted.BY_NAME] == []

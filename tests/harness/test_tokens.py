@@ -178,8 +178,8 @@ def test_an_all_empty_draw_stays_possible_by_default():
 
 # -- the self-test's token operators (verify/selftest/operators.py) --------------------------------------
 
-TOKEN_OPS = ["per_micro_mean", "count_from_one_micro_step", "count_from_one_rank", "padding_counted_as_valid",
-             "loss_over_sequences"]
+TOKEN_OPS = ["per_micro_mean", "count_from_first_micro", "per_rank_mean", "all_positions",
+             "sequences"]
 # one process, no plain step: only the token-mean gate can see a count that every split keeps
 alone_no_plain = xtrain.tokens_adapter.replace(factory=xtrain.single_factory, data_parallel=False, plain=None,
                                                precisions=("fp32",), name="xtrain tokens, one process, no plain step",
@@ -206,10 +206,10 @@ def test_only_the_token_mean_gate_sees_split_consistent_counts():
     from verify.selftest import run_selftest
 
     res = run_selftest(alone_no_plain, operators=TOKEN_OPS, every_case=True)  # "passes" needs every case run
-    assert res.ok and res.score == "4/4" and res.worlds == [], res.table()  # count_from_one_rank: no ranks here
-    for op in ("padding_counted_as_valid", "loss_over_sequences"):
+    assert res.ok and res.score == "4/4" and res.worlds == [], res.table()  # per_rank_mean: no ranks here
+    for op in ("all_positions", "sequences"):
         assert res.rows[op][Gate.TOKEN_MEAN] == "rejects" and res.rows[op]["equivalence"] == "passes", res.table()
-    assert res.rows["count_from_one_rank"]["verdict"] == "n/a"
+    assert res.rows["per_rank_mean"]["verdict"] == "n/a"
 
 
 def test_token_operators_do_not_apply_without_an_ignore_index():
@@ -332,7 +332,7 @@ def test_a_float32_loss_in_float64_runs_passes_undeclared_and_a_wrong_count_stil
 
 
 def test_two_runs_that_both_end_in_nan_are_not_nondeterminism():
-    """Found by count_from_one_rank at W=4 (a rank with no valid target divides by 0): the diagnosis called
+    """Found by per_rank_mean at W=4 (a rank with no valid target divides by 0): the diagnosis called
     two NaN runs different, and reported [determinism] instead of the data-parallel verdict."""
     from verify.case import Trace
     from verify.gates.diagnose import first_difference

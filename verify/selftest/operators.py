@@ -8,23 +8,23 @@ batches, the tensors grads() returns, and torch.distributed.
     grads_times_N              boundary gradients × N (the 1/N scale missing)
     grads_over_N               boundary gradients ÷ N (the 1/N scale applied twice)
     optimizer_step_every_micro the optimizer steps after every micro-step (inner accum_steps=1)
-    keep_only_last_micro_batch zero_grad inside the micro-loop: only the last micro-batch survives
+    zero_grad_in_micro_loop zero_grad inside the micro-loop: only the last micro-batch survives
     stale_micro_batch          micro-step 0 of step k gets step k-1's last micro-batch (off-by-one loader)
     loss_sum_not_mean          the reported step loss is the sum of the micro-losses, not their mean
     extra_collective_micro_0   one 1-element all_reduce on micro-step 0 (numerically invisible)
-    divide_by_world_again      boundary gradients ÷ W once more (/world applied twice)
+    divide_by_world_twice      boundary gradients ÷ W once more (/world applied twice)
     low_precision_accumulation the window's gradient summed in bf16 / fp16, rounded after every micro-step
                                (the self-test's long-window case: N = 256 in the adapter's first low precision)
 token weighting (adapters with an ignore_index, on padded windows; counts over the whole window and
 every rank unless said otherwise):
     per_micro_mean             each micro-batch's own token mean, averaged over the N micro-steps
-    count_from_one_micro_step  the window's count taken as N × micro-step 0's
-    count_from_one_rank        each rank takes the window's count as W × its own
-    padding_counted_as_valid   divided by every target position, padding included (also at N = 1)
-    loss_over_sequences        divided by the window's number of sequences (also at N = 1)
+    count_from_first_micro  the window's count taken as N × micro-step 0's
+    per_rank_mean        each rank takes the window's count as W × its own
+    all_positions   divided by every target position, padding included (also at N = 1)
+    sequences        divided by the window's number of sequences (also at N = 1)
 
 fp16 (adapters with a way to overflow, verify/gates/overflow.py; run on the data-parallel cases):
-    overflow_decided_on_one_rank  ranks ≥ 1 never see an overflow: where the boundary gradient is
+    skip_decided_on_one_rank  ranks ≥ 1 never see an overflow: where the boundary gradient is
                                non-finite their inner trainer skips, and the wrapper steps them anyway
 
 mesh (adapters with mesh_axes; run on the self-test's mesh cases only, where they are the only operators;
@@ -354,7 +354,7 @@ OPERATORS = {op.name: op for op in [
              scale=lambda w: 1.0 / w.N),
     Operator("optimizer_step_every_micro", "the optimizer steps after every micro-step", N2,
              inner_accum=lambda n: 1, micro=_every_micro),
-    Operator("keep_only_last_micro_batch", "zero_grad inside the loop: only the last micro-batch counts", N2,
+    Operator("zero_grad_in_micro_loop", "zero_grad inside the loop: only the last micro-batch counts", N2,
              inner_accum=lambda n: 1, micro=_last_only),
     Operator("stale_micro_batch", "micro-step 0 of step k gets step k-1's last micro-batch",
              lambda c: c.steps >= 2, micro=_stale, at_n1=True),
@@ -362,7 +362,7 @@ OPERATORS = {op.name: op for op in [
              loss=lambda w, loss: loss * w.N),
     Operator("extra_collective_micro_0", "one extra 1-element all_reduce on micro-step 0",
              lambda c: c.world >= 2 and c.accum_steps >= 2, micro=_extra_collective, dist_only=True),
-    Operator("divide_by_world_again", "boundary gradients ÷ W once more (/world applied twice)",
+    Operator("divide_by_world_twice", "boundary gradients ÷ W once more (/world applied twice)",
              lambda c: c.world >= 2, scale=lambda w: 1.0 / _world(), dist_only=True, at_n1=True),
     # -- precision: the self-test's long-window case only (operator.long) ------------------------------------
     Operator("low_precision_accumulation", "the window's gradient summed in bf16 / fp16 (the autocast dtype), "
@@ -372,18 +372,18 @@ OPERATORS = {op.name: op for op in [
     Operator("per_micro_mean", "each micro-batch's own token mean, averaged over the N micro-steps",
              lambda c: UNEVEN_MICRO(c) and c.world == 1, micro=_per_micro, scale=lambda w: 1.0,
              replace_grads=_mean_of_micro_means, loss=_micro_mean_loss, aux=True),
-    Operator("count_from_one_micro_step", "the window's valid count taken as N × micro-step 0's",
+    Operator("count_from_first_micro", "the window's valid count taken as N × micro-step 0's",
              FIRST_MICRO, scale=_count_factor(lambda c, w: w.N * c[3]),
              loss=lambda w, loss: loss * w.factor),
-    Operator("count_from_one_rank", "each rank takes the window's valid count as W × its own",
+    Operator("per_rank_mean", "each rank takes the window's valid count as W × its own",
              UNEVEN_RANKS, scale=_one_rank_factor, loss=lambda w, loss: loss * w.factor,
              dist_only=True, at_n1=True),
-    Operator("padding_counted_as_valid", "divided by every target position of the window, padding included",
+    Operator("all_positions", "divided by every target position of the window, padding included",
              PADDED, scale=_count_factor(lambda c, w: c[1]), loss=lambda w, loss: loss * w.factor, at_n1=True),
-    Operator("loss_over_sequences", "divided by the window's number of sequences, not of valid targets",
+    Operator("sequences", "divided by the window's number of sequences, not of valid targets",
              PADDED, scale=_count_factor(lambda c, w: c[2]), loss=lambda w, loss: loss * w.factor, at_n1=True),
     # -- fp16 overflow -------------------------------------------------------------------------------------
-    Operator("overflow_decided_on_one_rank", "ranks ≥ 1 never see an overflow: they step an overflowing window",
+    Operator("skip_decided_on_one_rank", "ranks ≥ 1 never see an overflow: they step an overflowing window",
              lambda c: c.world >= 2, scale=lambda w: 1.0, replace_grads=_seen_non_finite, loss=_step_anyway,
              dist_only=True, at_n1=True, fp16=True),
     # -- mesh: the self-test's mesh cases (adapters with mesh_axes) ------------------------------------------
