@@ -81,14 +81,25 @@ __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1
 
 @runtime_checkable
 class Trainer(Protocol):
-    """The four methods the harness drives. The contract of grads(), in one sentence: after the window's last
-    micro_step(), it returns the gradient the optimizer will step with — after every normalisation (÷ N, ÷ W,
-    ÷ the token count) and before clipping — so a trainer that divides inside optimizer_step() must either do
-    that division before grads() or declare Adapter(grads_from="optimizer")."""
-    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> None: ...
-    def grads(self) -> dict[str, torch.Tensor]: ...
-    def optimizer_step(self) -> torch.Tensor | float: ...
-    def params(self) -> dict[str, torch.Tensor]: ...
+    """The four methods the harness drives, in this order per window of N = Spec.accum_steps micro-steps:
+    micro_step() × N, grads(), optimizer_step(), params(). Optional: partial_grads() (what grads() would return
+    if the window ended now, as new tensors) and loss_scale() (the fp16 GradScaler's scale now)."""
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
+        """One micro-batch (micro = 0..N-1): forward, loss, backward; accumulate, never step. inputs / targets are
+        this rank's rows, rows first, on Spec.device, floating ones in Spec.dtype, the trainer's own copies: never
+        write into them. Data parallel: communicate only in micro-step N-1 (or as Adapter expected / counts say)."""
+    def grads(self) -> dict[str, torch.Tensor]:
+        """{name: tensor}, once per window after micro-step N-1: the accumulated gradient the optimizer will step
+        with, after every normalisation (÷ N, ÷ W, ÷ the token count) and BEFORE clipping (pre-clip). Live .grad
+        tensors are fine. A trainer that divides inside optimizer_step() declares Adapter(grads_from="optimizer")."""
+    def optimizer_step(self) -> torch.Tensor | float | None:
+        """Clip, step, schedule, zero_grad, once per window; returns the step loss, the mean over the whole window
+        and every rank: a python float or a 0-d tensor of any floating dtype (read as float(loss); float64 in a
+        float64 run). NaN for a window without a valid target; None only on a rank that lacks it (a pipeline's
+        earlier stages)."""
+    def params(self) -> dict[str, torch.Tensor]:
+        """{name: tensor} of every parameter, any time; the names of grads(). On a mesh: what the rank owns,
+        under the full model's names (DTensors are fine)."""
 
 
 @dataclass(frozen=True, kw_only=True)

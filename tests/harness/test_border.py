@@ -8,7 +8,7 @@ pattern (an `__init__` re-exporting a submodule that imports a sibling) would ot
     generic   every verify module outside verify/adapters/ imports nothing from xtrain_core or
               verify.adapters: a user's trainer is verified by the same code as xtrain's
     cycles    no module reaches itself through imports
-    layers    LAYERS below, lowest first: no module imports one of a higher layer (docs/design.md §7)
+    layers    LAYERS below, lowest first: no module imports one of a higher layer (docs/design/layout.md)
     size      every verify module has ≤ 400 lines
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ LAYERS = [
     ("wing entries", ["verify.memory.__main__"]),
 ]
 
-# Front ends that are xtrain's wing (docs/design.md §5): `python -m verify.memory` defaults to xtrain's trainer,
+# Front ends that are xtrain's wing (docs/design/memory.md): `python -m verify.memory` defaults to xtrain's trainer,
 # its short trainer names, --model/--seq-len and the H200 anchor; the library under it is generic, and
 # nothing imports the entry (memory's own modules are held like every other generic module).
 WING_ENTRIES = {"verify.memory.__main__"}
@@ -94,7 +94,7 @@ EDGES = {(a, b) for a, targets in GRAPH.items() for b in targets}
 def layer(module: str) -> int:
     best = max(((len(pat), i) for i, (_, pats) in enumerate(LAYERS) for pat in pats
                 if fnmatch.fnmatchcase(module, pat)), default=None)
-    assert best is not None, f"{module} is in no layer: add it to LAYERS (and docs/design.md)"
+    assert best is not None, f"{module} is in no layer: add it to LAYERS (and docs/design/layout.md)"
     return best[1]
 
 
@@ -183,7 +183,7 @@ def test_the_checks_can_fail():
 def test_the_design_doc_lists_the_layers():
     import re
 
-    text = (ROOT / "docs" / "design.md").read_text()
+    text = (ROOT / "docs" / "design" / "layout.md").read_text()
     section = text[text.index("**The border and the layers**"):]
     section = section[:section.index("\n\n**")]
     listed = re.findall(r"(?m)^\d+\. (.+?) — ", section)

@@ -1,6 +1,6 @@
 """The one registry of planted bugs (verify/adapters/planted.py): every entry is rejected by its gate, on
 its case, with its message; every planted adapter of verify/adapters/ is in it (or a named control); and
-docs/design.md §4 carries its table as the registry draws it."""
+docs/design/self-test.md carries its table as the registry draws it."""
 import re
 from pathlib import Path
 
@@ -71,8 +71,8 @@ def test_every_planted_adapter_is_registered():
 
 
 def test_the_design_doc_carries_the_registry_table():
-    doc = (ROOT / "docs" / "design.md").read_text()
-    assert planted.table() in doc, "docs/design.md §4: paste verify.adapters.planted.table() in place of the old table"
+    doc = (ROOT / "docs" / "design" / "self-test.md").read_text()
+    assert planted.table() in doc, "docs/design/self-test.md: paste verify.adapters.planted.table() in place of the old table"
 
 
 # The self-test's operators that inject a bug the registry also plants (the same fault, applied by a wrapper to

@@ -192,7 +192,7 @@ tokens_small = xtrain.tokens_adapter.replace(defaults=SMALL, name="xtrain, loss_
                                              ref="tests.harness.test_tokens:tokens_small")
 
 
-@pytest.mark.slow  # the self-test's cases at worlds 1 and 2 (the full-size run: docs/verify-your-trainer.md §7)
+@pytest.mark.slow  # the self-test's cases at worlds 1 and 2 (the full-size run: docs/verify-your-trainer.md, the self-test)
 @pytest.mark.distributed
 def test_selftest_kills_every_token_operator_on_xtrains_token_trainer():
     from verify.selftest import run_selftest
