@@ -1,63 +1,10 @@
 """What the harness drives, and how a user hands it their trainer.
 
-A trainer implements four methods; the harness owns the loop around them:
-
-    for micro in range(N): trainer.micro_step(inputs, targets, micro)   # one micro-batch, rows first
-    grads = trainer.grads()             # the gradient the optimizer will step with, before clipping
-    loss  = trainer.optimizer_step()    # clip, optimizer, schedule, zero_grad; returns the step loss
-    trainer.params()                    # name -> tensor, any time
-
-An `Adapter` tells the harness everything else it needs about a trainer, without the harness knowing
-its model, loss or optimizer:
-
-    @verify.adapter(data=verify.data.regression(features=8), plain=my_plain_factory)
-    def factory(spec: verify.Spec) -> Trainer:      # builds the model in spec.dtype on spec.device
-        ...
-
-* `data(rows, seed[, options]) -> (inputs, targets)`: the harness draws each optimizer step's whole
-  batch once, splits it into micro-batches and rank shards along dim 0, and casts floating tensors to
-  the run's dtype. Built-ins: `verify.data`.
-* `plain`: a factory of the textbook no-accumulation step (loss.backward(); step; zero_grad) of the
-  same model and optimizer. Declared: the bit-exact gate proves accum_steps=1 is that step, bit for bit.
-  Not declared: that gate is skipped, saying why.
-* `options`: a hypothesis strategy of the adapter's own knobs (model size, learning rate, ...), drawn
-  into every case and handed to the factory as `spec.options`; `defaults` is the value used where
-  nothing is drawn (the self-test, the memory probe).
-* `data_parallel`: the trainer reduces gradients over torch.distributed's default group when one
-  exists; the distributed gates run it on 1..W ranks. `process_group`: it needs a group even alone
-  (DDP, Accelerate), so its single-process gates run on a one-rank group. `subgroups`: it reduces over
-  `spec.group` when that is not None (and makes no group of its own: new_group is collective over the
-  whole world), so a launched world (verify.run) also runs the worlds below its own, on its subgroups.
-* `expected`: collectives the trainer legitimately issues on micro-steps 0..N-2 (by op, dtype class
-  and count). Anything else there fails the boundary-only gate.
-* `precisions`: the autocast precisions the trainer supports ("fp32", "bf16", "fp16"); the gates draw
-  among them and judge each against float64 with that precision's own rounding.
-* `ignore_index`: the target value that marks padding (e.g. -100). Declared, the gates also draw padded,
-  variable-length batches — empty sequences, micro-batches and ranks included — and expect the token
-  mean: Σ loss over valid targets / their count, over the whole window and every rank. The token-mean
-  gate checks that claim against the valid counts the harness knows (verify/gates/tokens.py).
-* `empty_windows`: with an ignore_index, whether the trainer takes a window without a single valid
-  target (default True: it must then be no step at all, parameters bit-unchanged). False declares "never
-  feed me an empty window" (e.g. a loss divided by a count of 0): no drawn window is empty, and the
-  token-mean gate's empty-window check is skipped, saying why.
-* `counts`: a function case -> CountRow (verify.gates.counts) declaring the exact collectives of the
-  trainer's sync mode, by family, per micro-step and at the boundary; checked instead of the default rule.
-  It is called once per judged case: with `case.mesh is None` in the data-parallel gates (return a
-  verify.CountRow), with a verify.Mesh in the mesh gates (return {axis: CountRow, or (dp_i, pp_i, tp_i)
-  -> CountRow}). An adapter that declares both data_parallel and mesh_axes gets both calls, so it
-  branches on `case.mesh is None`; anything else returned is a one-line AdapterError.
-* `overflow`: optional, (trainer, inputs, targets, rows) -> (inputs, targets) just before the overflowing
-  micro_step (verify/gates/overflow.py); without it the harness writes an inf into that backward itself.
-* `mesh_axes`: mesh axes beyond plain data parallel, e.g. ("pp",), ("tp",), ("pp", "tp"), ("dp", "tp"):
-  the mesh gate runs it on mesh.size ranks with Spec.mesh / Spec.pipeline_chunks (verify/mesh.py).
-  `mesh_sizes`, e.g. {"tp": (2, 4)}: the only sizes drawn; another is a skip with its reason.
-* `predicted_peak`: the adapter's memory model for `python -m verify.memory` (PeakQuery -> Prediction | str).
-* `grads_from`: "grads" (default) reads the boundary gradient from grads(); "optimizer" reads it where the
-  optimizer does, as each parameter's .grad when its optimizer's step() begins inside optimizer_step()
-  (verify/atstep.py): for a trainer that normalises in its step (divides by the window's token count just
-  before opt.step()). Those are post-clip gradients; grads() is then not called.
-* optional trainer methods: `loss_scale()` (GradScaler.get_scale(): the overflow gate checks it moves as the
-  big batch's), `partial_grads()` (grads() had the window ended now: the partial-sum gate, per micro-step).
+A trainer implements four methods and the harness owns the loop around them (`Trainer` below: each
+method's contract). An `Adapter` declares everything else the harness needs — the data, the plain step,
+options, data parallelism, expected collectives, precisions, padding, meshes, the memory model — without
+the harness knowing the model, loss or optimizer. Every declaration is described once, in the guide's
+"Declarations" (docs/verify-your-trainer.md); the layout of the harness in docs/design/protocol.md.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ Every error names the field and the offending value, so a CLI can print it as on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 
 def _positive_int(owner: str, name: str, value) -> None:
@@ -97,13 +98,31 @@ MAX_MICRO_BATCH = 2**16
 MAX_STEPS = 10**9
 MAX_EFFECTIVE_BATCH = 2**24  # sequences per optimizer step, over all ranks
 
-IMPLS = ("xtrain", "torch", "fsdp2")
-"""Data-parallel trainers under torchrun (--ddp-impl): xtrain's flat buffer, torch DDP no_sync, FSDP2."""
+class DDPImpl(StrEnum):
+    """Data-parallel trainers under torchrun (--ddp-impl): xtrain's flat buffer, torch DDP no_sync, FSDP2."""
+    XTRAIN = "xtrain"
+    TORCH = "torch"
+    FSDP2 = "fsdp2"
 
-LOSS_NORMS = ("mean", "tokens")
-"""mean: CE mean per micro-batch × 1/N (exact for fixed-length data). tokens: Σ CE over valid tokens / the
-window's valid-token count, across micro-steps and ranks (exact for padded / variable-length data)."""
-PRECISIONS = ("fp32", "bf16", "fp16")
+
+class LossNorm(StrEnum):
+    """mean: CE mean per micro-batch × 1/N (exact for fixed-length data). tokens: Σ CE over valid tokens / the
+    window's valid-token count, across micro-steps and ranks (exact for padded / variable-length data)."""
+    MEAN = "mean"
+    TOKENS = "tokens"
+
+
+class Precision(StrEnum):
+    """fp32; bf16 autocast; fp16 autocast with a GradScaler (parameters and gradients stay fp32)."""
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+# the values, for argparse choices and messages (a StrEnum member equals its value)
+IMPLS = tuple(e.value for e in DDPImpl)
+LOSS_NORMS = tuple(e.value for e in LossNorm)
+PRECISIONS = tuple(e.value for e in Precision)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,10 +138,10 @@ class TrainConfig:
     seq_len: int = 64
     """S: tokens per sequence; at most model.seq_len."""
     seed: int = 0
-    loss_norm: str = "mean"
-    """How the step's loss and gradient are normalized: see LOSS_NORMS."""
-    precision: str = "fp32"
-    """fp32; bf16 autocast; fp16 autocast with a GradScaler (parameters and gradients stay fp32)."""
+    loss_norm: LossNorm = LossNorm.MEAN
+    """How the step's loss and gradient are normalized: see LossNorm (a plain string is taken)."""
+    precision: Precision = Precision.FP32
+    """See Precision (a plain string is taken)."""
 
     def __post_init__(self):
         for f in ("accum_steps", "micro_batch", "steps", "seq_len"):
@@ -136,6 +155,8 @@ class TrainConfig:
             raise ValueError(f"train.loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        object.__setattr__(self, "loss_norm", LossNorm(self.loss_norm))
+        object.__setattr__(self, "precision", Precision(self.precision))
 
 
 

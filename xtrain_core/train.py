@@ -13,13 +13,14 @@ NCCL on CUDA with one GPU per rank, cuda:LOCAL_RANK).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import sys
 import time
 
 from .cli import (SEED_MAX, Parser, Progress, UsageError, check_fits, fail, int_at_least, positive_float,
                   resolve_device, text_file, torchrun_env)
-from .config import (IMPLS, MAX_ACCUM_STEPS, MAX_EFFECTIVE_BATCH, MAX_MICRO_BATCH, MAX_STEPS, PRESETS, OptimConfig,
+from .config import (IMPLS, DDPImpl, MAX_ACCUM_STEPS, MAX_EFFECTIVE_BATCH, MAX_MICRO_BATCH, MAX_STEPS, PRESETS, OptimConfig,
                      TrainConfig, effective_batch)
 
 
@@ -133,23 +134,20 @@ def build(args, dist_env=None):
     return model_cfg, train, optim, device
 
 
+# --ddp-impl -> (module, class), imported when chosen: fsdp.py pulls in torch.distributed.fsdp
+_TRAINERS = {DDPImpl.XTRAIN: ("distributed", "DistAccumTrainer"), DDPImpl.TORCH: ("distributed", "TorchDDPTrainer"),
+             DDPImpl.FSDP2: ("fsdp", "FSDP2Trainer")}
+
+
 def make_trainer(impl: str, model, optim: OptimConfig, accum_steps: int, *, group=None, **numerics):
     """--ddp-impl xtrain|torch|fsdp2 -> a trainer over `group` (None: the default group); numerics: loss_norm,
     precision. It lives here, where the CLI builds trainers: in distributed.py it closed an import cycle
     with fsdp.py, whose FSDP2Trainer builds on distributed.RankAveraged."""
-    if impl == "xtrain":
-        from .distributed import DistAccumTrainer
-
-        return DistAccumTrainer(model, optim, accum_steps, group=group, **numerics)
-    if impl == "torch":
-        from .distributed import TorchDDPTrainer
-
-        return TorchDDPTrainer(model, optim, accum_steps, group=group, **numerics)
-    if impl == "fsdp2":
-        from .fsdp import FSDP2Trainer
-
-        return FSDP2Trainer(model, optim, accum_steps, group=group, **numerics)
-    raise ValueError(f"ddp impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in _TRAINERS:
+        raise ValueError(f"ddp impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    module, name = _TRAINERS[DDPImpl(impl)]
+    trainer_class = getattr(importlib.import_module(f"xtrain_core.{module}"), name)
+    return trainer_class(model, optim, accum_steps, group=group, **numerics)
 
 
 def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, out=sys.stdout, *,
