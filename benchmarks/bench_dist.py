@@ -33,12 +33,12 @@ import time
 
 
 def _meta() -> dict:
-    """The common report header (verify/_meta.py): schema_version, machine_info, git commit, UTC time."""
+    """The common report header (verify.report_header): schema_version, machine_info, git commit, UTC time."""
     import torch
 
-    from verify._meta import header
+    from verify import report_header
 
-    return header("bench_dist", "cuda" if torch.cuda.is_available() else None)
+    return report_header("bench_dist", "cuda" if torch.cuda.is_available() else None)
 
 
 def _write(out_dir: str, name: str, payload: dict) -> str:

@@ -24,7 +24,9 @@ from xtrain_core.config import PRESETS, OptimConfig
 from xtrain_core.model import build_model
 from xtrain_core.trainer import AccumTrainer
 
-from verify._meta import atomic_write, fp32_only, header
+from verify._meta import atomic_write, fp32_only
+
+from verify import report_header
 
 from . import plain_torch
 
@@ -102,7 +104,7 @@ def main(argv=None):
         print(f"{N:>3} {B:>3} {r['anchor_ms']:>10.2f} {r['xtrain_ms']:>10.2f} {r['ratio']:>6.3f} {r['tok_s']:>9,.0f}", flush=True)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    doc = dict(**header("bench_single", dev), model=a.model,
+    doc = dict(**report_header("bench_single", dev), model=a.model,
                seq_len=S, rounds=a.rounds, rows=rows)
     os.makedirs(a.out, exist_ok=True)
     atomic_write(os.path.join(a.out, "bench-single.json"), json.dumps(doc, indent=1))

@@ -16,7 +16,9 @@ import math
 
 import torch
 
-from verify._meta import atomic_write, header
+from verify._meta import atomic_write
+
+from verify import report_header
 from verify.adapters import planted
 from verify.gates import GateFailure, tolerance
 from verify.gates.tolerance import C, EPS32, Judge
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
         print(f"{b.name:28s} {verdict:18s} " + ("—" if dev is None else f"{dev:.2e} {dev / (C * EPS32):9.3g}×")
               + ("" if ratio is None else f"  verdict {ratio:.3g}×"))
     Judge._float64 = original
-    atomic_write(a.out, json.dumps({**header("float64-margins"), "bound": C * EPS32, "rows": rows}, indent=1))
+    atomic_write(a.out, json.dumps({**report_header("float64-margins"), "bound": C * EPS32, "rows": rows}, indent=1))
     print(f"wrote {a.out}")
     return 0
 

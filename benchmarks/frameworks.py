@@ -28,7 +28,7 @@ import sys
 import time
 
 from verify.verdict import Gate
-from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
+from verify._cli import Parser, UsageError, fail, positive_int, writable_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "examples.hf_trainer:factory"
@@ -214,7 +214,8 @@ def main(argv=None) -> int:
         writable_dir("--cache", a.cache)
     except UsageError as e:
         fail(str(e))
-    from verify._meta import atomic_write_all, header
+    from verify._meta import atomic_write_all
+    from verify import report_header
 
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
                              summary=run["summary"], failures=failure_rows(run["report"], run.get("test_seconds")),
                              gates=run["report"].get("gates"), settings=run["report"].get("settings")))
             print(f"transformers {installed['transformers']}: {v} (expected {want}) in {run['seconds']} s", flush=True)
-    doc = dict(header("frameworks"), recipe=RECIPE, profile=a.profile, max_world=a.max_world,
+    doc = dict(report_header("frameworks"), recipe=RECIPE, profile=a.profile, max_world=a.max_world,
                command="python -m benchmarks.frameworks " + " ".join(argv if argv is not None else sys.argv[1:]),
                versions=rows)
     atomic_write_all({os.path.join(a.out, "frameworks.json"): json.dumps(doc, indent=1, default=str),

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from xtrain_core.cli import Parser, UsageError, fail, positive_int, writable_dir
+from verify._cli import Parser, UsageError, fail, positive_int, writable_dir
 from xtrain_core.config import PRESETS
 
 from verify.memory.__main__ import MODE_TRAINERS

@@ -43,9 +43,10 @@ def _flat(rep: dict) -> dict:
 
 
 def assemble(args, results: list[dict], argv, wall: float) -> dict:
-    from verify._meta import git_state, header
+    from verify._meta import git_state
+    from verify import report_header
 
-    head = header("memory-modes")
+    head = report_header("memory-modes")
     first = next((r["report"] for r in results if r["report"] is not None), None)
     s = first["settings"] if first else {}
     modes = []

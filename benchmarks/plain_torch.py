@@ -258,7 +258,8 @@ def measure_ddp(device: torch.device, n: int, b: int, steps: int, model_kw: dict
 
 
 def main(argv=None) -> int:
-    from verify._meta import atomic_write, fp32_only, header
+    from verify._meta import atomic_write, fp32_only
+    from verify import report_header
 
     p = argparse.ArgumentParser(prog="benchmarks.plain_torch", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["single", "ddp"])
@@ -285,7 +286,7 @@ def main(argv=None) -> int:
             rows.append(measure_single(device, n, b, a.steps, model_kw))
             print(json.dumps(rows[-1]), flush=True)
         path = os.path.join(a.out, "plain_torch_single.json")
-        atomic_write(path, json.dumps({**header("plain_torch_single", device), "model": model_kw,
+        atomic_write(path, json.dumps({**report_header("plain_torch_single", device), "model": model_kw,
                                        "steps": a.steps, "rows": rows}, indent=1))
         print("wrote", path)
         return 0
@@ -299,7 +300,7 @@ def main(argv=None) -> int:
     res = measure_ddp(device, a.accum_steps, a.micro_batch, a.steps, model_kw)
     if dist.get_rank() == 0:
         path = os.path.join(a.out, f"plain_torch_ddp_w{res['world']}.json")
-        atomic_write(path, json.dumps({**header("plain_torch_ddp", device), "model": model_kw,
+        atomic_write(path, json.dumps({**report_header("plain_torch_ddp", device), "model": model_kw,
                                        "steps": a.steps, "results": res}, indent=1))
         print(json.dumps(res), "\nwrote", path, flush=True)
     dist.barrier()  # every rank finished before the group goes away

@@ -49,6 +49,9 @@ def int_at_least(lo: int, hi: int | None = None):
     return parse
 
 
+positive_int = int_at_least(1)
+
+
 
 
 class Progress:
