@@ -178,6 +178,7 @@ def test_a_rank_killed_mid_step_ends_every_agent(tmp_path):
     print(f"killed run: every agent ended {seconds:.1f} s after the start")
 
 
+@pytest.mark.slow  # a verify.run subprocess (~10-30 s on 2 cores); the test below proves the same branch in-process
 def test_alone_it_runs_world_1_and_says_how_to_launch_more():
     """No launcher in the environment: world 1, and the one line on how to launch more (collect-only here)."""
     env = {k: v for k, v in _env("alone").items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
@@ -186,3 +187,28 @@ def test_alone_it_runs_world_1_and_says_how_to_launch_more():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "the gates run at world 1" in r.stderr and "torchrun --nnodes" in r.stderr, r.stderr
     assert "test_data_parallel_boundary_only_and_equivalent" in r.stdout, r.stdout
+
+
+def test_alone_main_runs_pytest_at_world_1_and_says_how_to_launch_more(monkeypatch, capsys):
+    """The no-launcher branch of verify.run.main in this process: the one line, worlds 1..1, pytest on the gate."""
+    import faulthandler
+
+    import verify.run
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", verify.run.CONTROLLER):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("XTRAIN_DIST_MIN_WORLD", "XTRAIN_DIST_MAX_WORLD"):
+        monkeypatch.setenv(k, "4")  # restored after; main sets both to 1
+    monkeypatch.setattr(faulthandler, "enable", lambda *a, **k: None)
+    monkeypatch.setattr(faulthandler, "register", lambda *a, **k: None)
+    seen = {}
+
+    def main(args):
+        seen.update(args=args, worlds=(os.environ["XTRAIN_DIST_MIN_WORLD"], os.environ["XTRAIN_DIST_MAX_WORLD"]))
+        return 0
+
+    monkeypatch.setattr(pytest, "main", main)
+    assert verify.run.main(["--co", "-q", GATE]) == 0
+    err = capsys.readouterr().err
+    assert "the gates run at world 1" in err and "torchrun --nnodes" in err, err
+    assert seen["worlds"] == ("1", "1") and seen["args"][-1] == GATE and "no:xdist" in seen["args"], seen
