@@ -14,11 +14,17 @@ Every gate test draws its known-hard cases first, in every profile: corners(adap
 (explicit @example's, run before any random case and never shrunk, so a failing corner is reported as it is),
 with_corners() attaches them, and random_budget() gives the random draws what is left of the gate's budget.
 
+A gate's draws are a function of the seed alone (seed_only_draws, which with_corners applies): hypothesis would
+otherwise mix the constants of every local module the drawing process has imported into its draws, so the
+same seed drew other cases under `python -m verify.run` (a launched world) than under pytest.
+
 An adapter's own options come from its `options` hook (a strategy, or a zero-argument callable giving one):
 xtrain's are verify/adapters/xtrain_strategies.py.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 
 from hypothesis import example
 from hypothesis import strategies as st
@@ -27,7 +33,7 @@ from .case import Case
 from .mesh import meshes
 
 __all__ = ["cases", "dist_cases", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding", "corners",
-           "with_corners", "random_budget", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+           "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
 # must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
@@ -203,7 +209,8 @@ def _corner_options(adapter):
 
     quiet = settings(database=None, max_examples=10, phases=(Phase.generate, Phase.shrink),
                      suppress_health_check=list(HealthCheck))
-    return find(_options_strategy(adapter), lambda _: True, settings=quiet)
+    with seed_only_draws():
+        return find(_options_strategy(adapter), lambda _: True, settings=quiet)
 
 
 def _hard_padding(case: Case, seq_len: int) -> tuple:
@@ -279,11 +286,44 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
     return []
 
 
+@contextlib.contextmanager
+def seed_only_draws():
+    """Within it, hypothesis draws from the seed and the strategies alone. hypothesis (6.170 here) also picks, in ~5% of its
+    integer, float and string draws, one of the constants of the LOCAL modules (not stdlib or site-packages)
+    the process has imported so far (hypothesis.internal.conjecture.providers._get_local_constants; no setting
+    turns it off). That pool differs between processes (the controller of `python -m verify.run` has imported
+    verify.run, verify.pool_launched and verify._meta's 0o644 by its first draw; a pytest run of the same gate
+    has not) and grows as a run imports more: with one --hypothesis-seed a launched world and a pooled run drew
+    different cases, and a printed seed need not replay its cases elsewhere. Here the pool is empty (hypothesis'
+    own constants stay); a hypothesis without the hook is left as it is."""
+    try:
+        from hypothesis.internal.conjecture import providers
+
+        real, cache, empty = providers._get_local_constants, providers.CONSTANTS_CACHE.cache, providers.Constants()
+    except (ImportError, AttributeError):
+        yield
+        return
+    providers._get_local_constants = lambda: empty
+    cache.clear()  # allowed constants per (type, bounds), cached from the pool: none may outlive a switch
+    try:
+        yield
+    finally:
+        providers._get_local_constants = real
+        cache.clear()
+
+
 def with_corners(test, values, arg: str = "case"):
-    """`test` (a @given function) with each corner as an explicit example of its argument `arg`."""
+    """`test` (a @given function) with each corner as an explicit example of its argument `arg`, drawing from
+    the seed alone (seed_only_draws)."""
     for v in reversed(values):  # hypothesis runs explicit examples in decorator order: keep corners' order
         test = example(**{arg: v})(test)
-    return test
+
+    @functools.wraps(test)
+    def seeded(*args, **kwargs):
+        with seed_only_draws():
+            return test(*args, **kwargs)
+
+    return seeded
 
 
 def random_budget(gate: str, values) -> int:

@@ -15,7 +15,7 @@ from . import report
 from ._gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
 from .gates import check_bit_exact, check_equivalence
 from .gates.windows import LONG_N
-from .strategies import cases, corners, gate_budget, overflow_cases, random_budget, with_corners
+from .strategies import cases, corners, gate_budget, overflow_cases, random_budget, seed_only_draws, with_corners
 from .verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]
@@ -45,7 +45,8 @@ def test_accum1_bit_identical_to_plain(verify_adapter):
         case = data.draw(cases(verify_adapter, max_accum=1, max_micro_batch=8), label="case")
         report.record(check_bit_exact(verify_adapter, case))
 
-    bit_exact()
+    with seed_only_draws():  # no corners: the seed alone draws its cases, as with_corners' gates do
+        bit_exact()
 
 
 @pytest.mark.distributed
@@ -149,7 +150,8 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
         for r in check_long_window(verify_adapter, low):
             report.record(r)
 
-    long_windows()
+    with seed_only_draws():
+        long_windows()
 
 
 def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):

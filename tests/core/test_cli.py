@@ -22,7 +22,7 @@ def test_effective_batch_line_and_summary():
     assert "3/3" in r.stderr and "tok/s" in r.stderr  # progress bar
 
 
-@pytest.mark.parametrize("args,needle", [
+BAD_INPUT = [
     (["--accum-steps", "0"], "argument --accum-steps: must be ≥ 1, got 0"),
     (["--accum-steps", "-1"], "argument --accum-steps: must be ≥ 1, got -1"),
     (["--accum-steps", "x"], "argument --accum-steps: must be an integer ≥ 1, got 'x'"),
@@ -45,8 +45,28 @@ def test_effective_batch_line_and_summary():
     (["--data", "/tmp"], "--data /tmp: is a directory; pass a UTF-8 text file or omit --data"),
     (["--data", "/bin/ls"], "--data /bin/ls: not UTF-8 text (byte "),
     (["--device", "cuda:7"], "--device cuda:7: "),
-])
-def test_bad_input_is_one_line_exit_2(args, needle):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs():
+    """Every row's main(argv) in one subprocess (tests/helpers/cli_batch.py): 20 usage errors, one torch import."""
+    from tests.helpers.cli_batch import run_all
+
+    return dict(zip((tuple(a) for a, _ in BAD_INPUT), run_all("xtrain_core.train", [a for a, _ in BAD_INPUT], env=ENV)))
+
+
+@pytest.mark.parametrize("args,needle", BAD_INPUT)
+def test_bad_input_is_one_line_exit_2(args, needle, bad_input_runs):
+    code, stdout, stderr = bad_input_runs[tuple(args)]
+    assert code == 2
+    assert stderr.count("\n") == 1 and needle in stderr, stderr
+    assert "Traceback" not in stderr and stdout == ""
+
+
+@pytest.mark.slow  # a launch per row (~3-7 s each on 2 cores): the rows above run the whole table in one process
+@pytest.mark.parametrize("args,needle", BAD_INPUT[:3] + BAD_INPUT[7:8])
+def test_bad_input_is_one_line_exit_2_in_its_own_process(args, needle):
     r = train(*args)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr

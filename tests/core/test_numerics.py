@@ -176,7 +176,7 @@ def test_cli_docs_tokens_and_precision(tmp_path):
     assert "done: 2 steps (2 skipped), 0 tokens" in r.stdout and "nan" not in r.stdout.lower()
 
 
-@pytest.mark.parametrize("args,needle", [
+BAD_NUMERICS = [
     (["--docs", "DOCS", "--loss-norm", "mean"], "--docs pads sequences, and --loss-norm mean weighs every "
                                                 "micro-batch alike"),
     (["--docs", "DOCS", "--data", "DOCS"], "--data and --docs: pass one"),
@@ -185,13 +185,41 @@ def test_cli_docs_tokens_and_precision(tmp_path):
     (["--docs", "BLANK"], "holds no non-empty line"),
     (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     (["--loss-norm", "sum"], "argument --loss-norm: invalid choice: 'sum'"),
-])
-def test_cli_bad_numerics_input_is_one_line_exit_2(tmp_path, args, needle):
-    files = {"DOCS": "a document\n", "BLANK": "\n  \n"}
-    for k, v in files.items():
-        (tmp_path / k).write_text(v)
-    (tmp_path / "BINARY").write_bytes(b"\x00\xff\xfe text")
-    args = [str(tmp_path / a) if a in ("DOCS", "BLANK", "BINARY") else a for a in args]
-    r = cli(*args)
+]
+
+
+def _files(folder) -> None:
+    for k, v in {"DOCS": "a document\n", "BLANK": "\n  \n"}.items():
+        (folder / k).write_text(v)
+    (folder / "BINARY").write_bytes(b"\x00\xff\xfe text")
+
+
+def _argv(folder, args) -> list:
+    return [str(folder / a) if a in ("DOCS", "BLANK", "BINARY") else a for a in args]
+
+
+@pytest.fixture(scope="module")
+def bad_numerics_runs(tmp_path_factory):
+    """Every row's main(argv) in one subprocess (tests/helpers/cli_batch.py): one torch import for the table."""
+    from tests.helpers.cli_batch import run_all
+
+    folder = tmp_path_factory.mktemp("bad-numerics")
+    _files(folder)
+    rows = [_argv(folder, a) for a, _ in BAD_NUMERICS]
+    return dict(zip((tuple(a) for a, _ in BAD_NUMERICS), run_all("xtrain_core.train", rows, env=ENV, cwd=ROOT)))
+
+
+@pytest.mark.parametrize("args,needle", BAD_NUMERICS)
+def test_cli_bad_numerics_input_is_one_line_exit_2(args, needle, bad_numerics_runs):
+    code, stdout, stderr = bad_numerics_runs[tuple(args)]
+    assert code == 2 and stdout == "" and stderr.count("\n") == 1, stderr
+    assert needle in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.slow  # a launch per row (~3-7 s each on 2 cores): the rows above run the whole table in one process
+@pytest.mark.parametrize("args,needle", BAD_NUMERICS[:1] + BAD_NUMERICS[3:4])
+def test_cli_bad_numerics_input_is_one_line_exit_2_in_its_own_process(tmp_path, args, needle):
+    _files(tmp_path)
+    r = cli(*_argv(tmp_path, args))
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr

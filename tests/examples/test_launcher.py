@@ -116,9 +116,6 @@ def _verdicts(doc: dict) -> dict:
 
 
 @pytest.mark.slow  # two torchrun agents of 4 ranks: ~35-60 s on a 2-core box
-@pytest.mark.xfail(strict=False, reason="issue 26 left open: since the gates draw their hard corners first, the launched "
-                   "run's data-parallel examples (4, worst at W=3) differ from the pooled run's (3, worst the W=4 corner) "
-                   "on the same seed; both pass. Not yet found why the launched world runs one more random draw")
 def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
     reference = pooled("verify.adapters.xtrain:adapter", tmp_path / "pooled")
     codes, outs, seconds, mark = launch("verify.adapters.xtrain:adapter", tmp_path / "launched")
@@ -135,6 +132,8 @@ def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
     assert min(how["launched_worlds"]) < 4, how  # seed 1 draws a sub-world: it ran on the launched ranks
     assert ref.returncode == 0, ref.stdout + ref.stderr
     pool_doc = _report(tmp_path / "pooled")
+    # the same cases by construction: a gate draws from the seed alone, not from the constants of the modules its
+    # process imported (verify.strategies.seed_only_draws; the controller has imported verify.run and more)
     assert _verdicts(doc) == _verdicts(pool_doc)
     # counts split by link: a group of ranks 0..W-1 spans both nodes from W = 3 on (world 2 is node 0's ranks);
     # a pool's ranks are one host's. Each example's bytes go to one link, so the largest is the pool's largest.
@@ -179,6 +178,7 @@ def test_a_rank_killed_mid_step_ends_every_agent(tmp_path):
     print(f"killed run: every agent ended {seconds:.1f} s after the start")
 
 
+@pytest.mark.slow  # a verify.run subprocess (~10-30 s on 2 cores); the test below proves the same branch in-process
 def test_alone_it_runs_world_1_and_says_how_to_launch_more():
     """No launcher in the environment: world 1, and the one line on how to launch more (collect-only here)."""
     env = {k: v for k, v in _env("alone").items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
@@ -187,3 +187,28 @@ def test_alone_it_runs_world_1_and_says_how_to_launch_more():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "the gates run at world 1" in r.stderr and "torchrun --nnodes" in r.stderr, r.stderr
     assert "test_data_parallel_boundary_only_and_equivalent" in r.stdout, r.stdout
+
+
+def test_alone_main_runs_pytest_at_world_1_and_says_how_to_launch_more(monkeypatch, capsys):
+    """The no-launcher branch of verify.run.main in this process: the one line, worlds 1..1, pytest on the gate."""
+    import faulthandler
+
+    import verify.run
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", verify.run.CONTROLLER):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("XTRAIN_DIST_MIN_WORLD", "XTRAIN_DIST_MAX_WORLD"):
+        monkeypatch.setenv(k, "4")  # restored after; main sets both to 1
+    monkeypatch.setattr(faulthandler, "enable", lambda *a, **k: None)
+    monkeypatch.setattr(faulthandler, "register", lambda *a, **k: None)
+    seen = {}
+
+    def main(args):
+        seen.update(args=args, worlds=(os.environ["XTRAIN_DIST_MIN_WORLD"], os.environ["XTRAIN_DIST_MAX_WORLD"]))
+        return 0
+
+    monkeypatch.setattr(pytest, "main", main)
+    assert verify.run.main(["--co", "-q", GATE]) == 0
+    err = capsys.readouterr().err
+    assert "the gates run at world 1" in err and "torchrun --nnodes" in err, err
+    assert seen["worlds"] == ("1", "1") and seen["args"][-1] == GATE and "no:xdist" in seen["args"], seen

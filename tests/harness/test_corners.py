@@ -73,3 +73,37 @@ def test_dev_profile_rejects_scale_grads_under_outer_accumulation(tmp_path):
     assert "[mesh equivalence] mesh dp=1 pp=2 tp=1, chunks=2, outer=2" in r.stdout, r.stdout[-3000:]
     # the correct controls pass the same corners: found_inf_all_reduced_* (test_overflow.py, on both ranks) and
     # the pipeline recipe with scale_grads=False (the example tests run its mesh gates through the plugin)
+
+
+def _drawn(adapter, at_seed: int, n: int = 30) -> list:
+    from hypothesis import Phase, given, seed, settings
+
+    from verify.strategies import dist_cases, with_corners
+
+    got = []
+
+    @seed(at_seed)
+    @settings(max_examples=n, database=None, deadline=None, phases=(Phase.generate,))
+    @given(case=dist_cases(adapter, min_world=1, max_world=4))
+    def draw(case):
+        got.append(case)
+
+    with_corners(draw, [])()
+    return got
+
+
+def test_a_seed_draws_the_same_cases_whatever_the_process_has_imported(tmp_path, monkeypatch):
+    """hypothesis mixes the constants of the local modules a process has imported into its draws; a gate's draws
+    leave them out (verify.strategies.seed_only_draws), so a launched world's controller (which has imported
+    verify.run and more) draws the same cases as a pytest run on the same seed (tests/examples/test_launcher.py)."""
+    seeds = (2, 6)  # seeds whose 30 draws pick a local constant (seed 1's do not, here)
+    before = [_drawn(xtrain.adapter, s) for s in seeds]
+    (tmp_path / "xtrain_probe_constants.py").write_text(  # a new local module full of seed-range integers
+        "K = [" + ", ".join(str(101 + 97 * i) for i in range(600)) + "]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import xtrain_probe_constants  # noqa: F401
+
+    try:
+        assert [_drawn(xtrain.adapter, s) for s in seeds] == before
+    finally:
+        sys.modules.pop("xtrain_probe_constants", None)
