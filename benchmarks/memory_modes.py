@@ -29,7 +29,7 @@ from pathlib import Path
 from verify._cli import Parser, UsageError, fail, positive_int, writable_dir
 from xtrain_core.config import PRESETS
 
-from verify.memory.__main__ import MODE_TRAINERS
+from verify.adapters.xtrain_memory_preset import MODE_TRAINERS
 from verify.memory.plan import GiB, MiB
 
 MODES = tuple(MODE_TRAINERS)

@@ -22,7 +22,7 @@ import os
 
 import pytest
 
-from .settings import Settings, SettingError, check_report_dir, env_of
+from .settings import Settings, SettingError, check_report_dir, default_trainer, env_of
 
 OPT_TRAINER, OPT_REPORT, OPT_BACKEND, OPT_DEVICE = "--verify-trainer", "--verify-report", "--verify-backend", "--verify-device"
 _KEY = pytest.StashKey[dict]()
@@ -63,7 +63,7 @@ except ImportError:  # hypothesis absent: the gates cannot run, the plugin stays
 def pytest_addoption(parser):
     g = parser.getgroup("verify", "xtrain verify: prove a trainer's gradient accumulation")
     g.addoption(OPT_TRAINER, metavar="MODULE:FACTORY", default=None,
-                help="the adapter to prove (default: verify.adapters.xtrain:adapter, xtrain's trainer)")
+                help="the adapter to prove (default: the configured default trainer, xtrain's)")
     g.addoption(OPT_REPORT, metavar="DIR", default=None,
                 help="where verify-report.json/.md go (default: ./reports of the invoking directory)")
     # no `choices=`: a bad value is one line from Settings, not pytest's usage block
@@ -82,9 +82,10 @@ def cache_home() -> str:
 def example_dir(home: str, trainer: str | None) -> str:
     """hypothesis' storage per trainer (its database keys by test alone): one trainer's saved failures are never
     replayed against, or deleted by a passing run of, another."""
-    from .protocol import DEFAULT_REF
+    from .settings import default_trainer
 
-    return os.path.join(home, "hypothesis", "".join(c if c.isalnum() or c in "._-" else "_" for c in trainer or DEFAULT_REF))
+    key = trainer or default_trainer() or "default"
+    return os.path.join(home, "hypothesis", "".join(c if c.isalnum() or c in "._-" else "_" for c in key))
 
 
 def _verify_run(config) -> bool:
@@ -209,9 +210,9 @@ def verify_adapter(request):
 
     state = request.config.stash[_KEY]
     if state["adapter"] is None:
-        from .protocol import DEFAULT_REF
+        from .settings import trainer_ref
 
-        state["adapter"] = _load(state["trainer"] or DEFAULT_REF, Settings.from_env())
+        state["adapter"] = _load(trainer_ref(state["trainer"]), Settings.from_env())
     # CPU results depend on the intra-op thread count: candidate and reference run with the same one,
     # and one thread per xdist worker keeps 2-core boxes from oversubscribing.
     torch.set_num_threads(Settings.from_env().threads)
@@ -294,7 +295,7 @@ class _Reporter:
 
         folder = state["report"] or os.path.join(str(config.invocation_params.dir), "reports")
         adapter = state["adapter"]
-        trainer = state["trainer"] or (adapter.ref if adapter is not None else None) or "verify.adapters.xtrain:adapter"
+        trainer = state["trainer"] or (adapter.ref if adapter is not None else None) or default_trainer() or "default"
         tr = config.pluginmanager.get_plugin("terminalreporter")
         try:
             replaced = rep.replaces(folder, trainer)

@@ -141,6 +141,9 @@ class Adapter:
     predicted_peak: Callable | None = None
     """verify.memory.PeakQuery -> verify.memory.Prediction | str: the predicted peak per configuration of
     `python -m verify.memory` (the adapter's memory model; xtrain's: verify/adapters/xtrain_memory.py)."""
+    memory_preset: Any = None
+    """What `python -m verify.memory` adds for this trainer's family when it is the configured default trainer
+    (a verify.memory.cli.Wing: short --trainer names, flags, options, the anchor); None: none."""
 
     def __post_init__(self):
         for what in ("factory", "data"):
@@ -294,7 +297,8 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
             empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
-            subgroups: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None):
+            subgroups: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None,
+            memory_preset=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
     declared = dict(locals())  # every keyword above is an Adapter field of the same name
@@ -303,9 +307,6 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
         return Adapter(factory=fn, **{**declared, "name": name or f"{fn.__module__}.{fn.__qualname__}"})
 
     return wrap
-
-
-DEFAULT_REF = "verify.adapters.xtrain:adapter"
 
 
 _LOADED: list[str] = []  # the modules load_adapter imported, in order

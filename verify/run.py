@@ -42,7 +42,7 @@ def _option(argv: list[str], name: str) -> str | None:
 
 
 def _factory(arg: str) -> bool:
-    """MODULE:FACTORY (an option's value, e.g. --verify-trainer verify.adapters.xtrain:adapter), not a test id
+    """MODULE:FACTORY (an option's value, e.g. --verify-trainer mypkg.train:factory), not a test id
     (which separates with '::')."""
     return ":" in arg and "::" not in arg
 

@@ -59,7 +59,7 @@ def test_cpu_sweep_passes_and_writes_the_reports(tmp_path):
 @pytest.mark.slow
 def test_planted_leak_exits_1_naming_the_rows(tmp_path):
     """LeakyGraph keeps each micro-step's graph alive to the boundary: numerically correct, memory O(N)."""
-    r = memory_cli(*SMALL, "--trainer", "leaky_graph", "--out", str(tmp_path))
+    r = memory_cli(*SMALL, "--trainer", "verify.adapters.broken:leaky_graph", "--out", str(tmp_path))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "(a2) FAIL" in r.stdout and "(b1) FAIL" in r.stdout and "verdict: FAIL" in r.stdout
     assert "peak(N=4,B=1)" in r.stdout and "N=4 peak" in r.stdout  # the offending rows are named
@@ -139,7 +139,7 @@ def test_a_users_own_memory_model_is_judged(tmp_path):
     (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
     (["--seq-len", "999", "--device", "cpu"], "--seq-len 999 exceeds --model small's limit of 256"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:K, got 'tpu'"),
-    (["--trainer", "nope", "--device", "cpu"], "--trainer nope: unknown trainer; use one of xtrain, torch_ddp, fsdp2, fsdp2_keep, leaky_graph or MODULE:FACTORY"),
+    (["--trainer", "nope", "--device", "cpu"], "--trainer nope: unknown trainer; use one of xtrain, torch_ddp, fsdp2, fsdp2_keep or MODULE:FACTORY"),
     (["--trainer", "no.such:f", "--device", "cpu"], "--trainer no.such:f: cannot import 'no.such'"),
     (["--verify-trainer", "no.such:f", "--device", "cpu"], "--verify-trainer no.such:f: cannot import 'no.such'"),
     (["--trainer", "tests.helpers.memory_adapters:nothing", "--device", "cpu"],
@@ -149,7 +149,7 @@ def test_a_users_own_memory_model_is_judged(tmp_path):
      "--model applies to xtrain's trainer only; --trainer tests.helpers.memory_adapters:mlp (position-wise MLP (tests))"),
     (["--trainer", "tests.helpers.memory_adapters:mlp", "--model", "tiny", "--seq-len", "8", "--device", "cpu"],
      "--model and --seq-len apply to xtrain's trainer only"),
-    (["--trainer", "leaky_graph", "--seq-len", "999", "--device", "cpu"], "--seq-len 999 exceeds --model small's limit"),
+    (["--trainer", "verify.adapters.broken:leaky_graph", "--seq-len", "999", "--device", "cpu"], "--seq-len 999 exceeds --model small's limit"),
     (["--anchor", "/no/such.json", "--device", "cpu"], "--anchor /no/such.json: no such file"),
     (["--steps", "0"], "argument --steps: must be ≥ 1, got 0"),
     (["--device", "cpu", "--out", "/proc/no-such-dir"], "--out /proc/no-such-dir: cannot write there"),
@@ -243,7 +243,7 @@ def test_gpu_sweep_small_model(tmp_path):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_planted_leak_exits_1(tmp_path):
     r = memory_cli("--effective-batch", "8", "--device", "cuda", "--model", "small", "--steps", "1",
-                   "--trainer", "leaky_graph", "--out", str(tmp_path))
+                   "--trainer", "verify.adapters.broken:leaky_graph", "--out", str(tmp_path))
     assert r.returncode == 1 and "(b1) FAIL" in r.stdout, r.stdout + r.stderr
 
 

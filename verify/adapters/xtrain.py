@@ -18,6 +18,7 @@ from xtrain_core.model import IGNORE, build_model
 
 from ..protocol import DDP_EXPECTED, Adapter, Spec
 from .xtrain_memory import predicted_peak as peak
+from .xtrain_memory_preset import PRESET
 from .xtrain_options import XtrainOptions, unclipped
 
 __all__ = ["XtrainOptions", "overflow_grad", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "fsdp2", "fsdp2_keep",
@@ -234,7 +235,7 @@ _COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions(), precisi
 
 # subgroups: DistAccumTrainer and TorchDDPTrainer take group=; FSDP2Trainer shards over the default group only
 adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", predicted_peak=peak(None),
-                  subgroups=True, **_COMMON)
+                  subgroups=True, memory_preset=PRESET, **_COMMON)
 tokens_adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, ignore_index=IGNORE, subgroups=True,
                          name="xtrain, loss_norm=tokens", predicted_peak=peak(None),
                          **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})

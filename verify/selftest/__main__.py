@@ -22,8 +22,8 @@ def parse_args(argv=None):
 
     d = Settings()  # the defaults, for the help
     p = Parser(prog="verify.selftest", description=__doc__.split("\n\n")[1])
-    p.add_argument("--verify-trainer", metavar="MODULE:FACTORY", default="verify.adapters.xtrain:adapter",
-                   help="the adapter to test (default: xtrain's trainer)")
+    p.add_argument("--verify-trainer", metavar="MODULE:FACTORY", default=None,
+                   help="the adapter to test (default: the configured default trainer, xtrain's)")
     p.add_argument("--verify-report", metavar="DIR", default="reports",
                    help="directory of verify-report.json/.md (default ./reports)")
     p.add_argument("--verify-backend", metavar="gloo|nccl", default=None,
@@ -56,7 +56,7 @@ def max_world_bound(s) -> tuple[int, str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from ..protocol import AdapterError, load_adapter
-    from ..settings import Settings, SettingError, check_report_dir
+    from ..settings import Settings, SettingError, check_report_dir, trainer_ref
 
     try:  # every option checked here, before anything runs or is written
         s = Settings.from_env(device=args.verify_device, backend=args.verify_backend)
@@ -66,6 +66,7 @@ def main(argv=None) -> int:
             bound, why = max_world_bound(s)
             if args.max_world > bound:
                 fail(f"--max-world {args.max_world}: {why}; pass --max-world ≤ {bound}")
+        args.verify_trainer = trainer_ref(args.verify_trainer)
         adapter = load_adapter(args.verify_trainer)
         adapter.check_factory(s.device)
     except (SettingError, AdapterError) as e:
