@@ -6,9 +6,15 @@ warm-up scheduler and accelerator.clip_grad_norm_.
     python -m verify.selftest --verify-trainer examples.accelerate_accumulate:factory
 """
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 
 import verify
+
+
+def warmup(step):
+    """The LR factor of a 3-step linear warm-up."""
+    return min(1.0, (step + 1) / 3)
 
 
 class Trainer:
@@ -17,26 +23,34 @@ class Trainer:
         torch.manual_seed(spec.seed)
         net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(spec.dtype)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 3))  # LR warm-up: 3 steps
-        self.model, self.opt, self.sched = self.acc.prepare(net, opt, warmup)
-        # a prepared scheduler advances num_processes times per step(): one process stands in for W ranks
-        self.sched_calls, self.losses = max(1, spec.schedule_world // self.acc.num_processes), []
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+        self.model, self.opt, self.sched = self.acc.prepare(net, opt, sched)
+        # A prepared scheduler advances num_processes times per step() call (scheduler_per_rank below):
+        # 1 call in a real W-rank run; the harness's one-process reference of that run makes W.
+        self.scheduler_calls = spec.scheduler_calls
+        self.losses = []
 
     def micro_step(self, x, y, micro):
-        with self.acc.accumulate(self.model):  # no_sync() and loss / N until the window's last micro-step
-            self.acc.backward(loss := torch.nn.functional.mse_loss(self.model(x), y))
-        self.losses = self.losses[:micro] + [loss.detach()]  # micro-step 0 starts the window's list
+        if micro == 0:
+            self.losses = []  # a new window
+        # accumulate(): no_sync() and loss / N until the window's last micro-step
+        with self.acc.accumulate(self.model):
+            loss = F.mse_loss(self.model(x), y)
+            self.acc.backward(loss)
+        self.losses.append(loss.detach())
 
     def grads(self):
-        return {k: p.grad for k, p in self.acc.unwrap_model(self.model).named_parameters()}
+        return {name: p.grad for name, p in self.acc.unwrap_model(self.model).named_parameters()}
 
     def optimizer_step(self):
         self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()  # Accelerate's optimizer and scheduler step only once the window is complete
-        for _ in range(self.sched_calls):
+        # Accelerate's optimizer and scheduler wrappers step only once the window is complete
+        self.opt.step()
+        for _ in range(self.scheduler_calls):
             self.sched.step()
         self.opt.zero_grad()
-        return self.acc.reduce(torch.stack(self.losses).mean(), "mean")
+        window_loss = torch.stack(self.losses).mean()
+        return self.acc.reduce(window_loss, "mean")
 
     def params(self):
         return dict(self.acc.unwrap_model(self.model).named_parameters())

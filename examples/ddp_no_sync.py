@@ -18,27 +18,35 @@ class Trainer:
     def __init__(self, spec):
         torch.manual_seed(spec.seed)
         net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-        # spec.group: None (the default group), or under `python -m verify.run` a sub-world's (subgroups=True below)
+        # spec.group: None (the default group), or a sub-world's group under `python -m verify.run`
         self.ddp = DDP(net.to(spec.device, spec.dtype), process_group=spec.group)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-2)
-        self.n, self.loss = spec.accum_steps, 0.0
+        self.n = spec.accum_steps
+        self.loss_sum = 0.0
 
     def micro_step(self, x, y, micro):
-        # DDP decides at FORWARD whether the coming backward all-reduces: no_sync() must cover both
-        with self.ddp.no_sync() if micro < self.n - 1 else contextlib.nullcontext():
+        last = micro == self.n - 1
+        # DDP decides at the FORWARD whether the coming backward all-reduces, so no_sync() must cover both
+        sync = contextlib.nullcontext() if last else self.ddp.no_sync()
+        with sync:
             loss = F.mse_loss(self.ddp(x), y)
-            (loss if self.n == 1 else loss / self.n).backward()
-        self.loss = self.loss + loss.detach()
+            if self.n == 1:
+                loss.backward()
+            else:
+                (loss / self.n).backward()
+        self.loss_sum = self.loss_sum + loss.detach()
 
     def grads(self):
-        return {k: p.grad for k, p in self.ddp.module.named_parameters()}
+        return {name: p.grad for name, p in self.ddp.module.named_parameters()}
 
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        # the global batch's mean loss (every rank holds equal micro-batches), over DDP's group
-        loss, self.loss = self.loss / (self.n * dist.get_world_size(self.ddp.process_group)), 0.0
-        dist.all_reduce(loss, group=self.ddp.process_group)
+        # the global batch's mean loss, over DDP's group (every rank holds equal micro-batches)
+        group = self.ddp.process_group
+        loss = self.loss_sum / (self.n * dist.get_world_size(group))
+        self.loss_sum = 0.0
+        dist.all_reduce(loss, group=group)
         return loss
 
     def params(self):

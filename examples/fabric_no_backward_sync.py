@@ -4,14 +4,10 @@
     pip install "xtrain[examples]"      # lightning
     pytest --pyargs verify --verify-trainer examples.fabric_no_backward_sync:factory -n auto
     python -m verify.selftest --verify-trainer examples.fabric_no_backward_sync:factory
-
-fabric.launch() spawns nothing here: the harness's rank processes carry LOCAL_RANK like torchrun's, so
-Fabric's LightningEnvironment knows the processes exist and joins the process group already set up.
-"64-true" casts the forward's OUTPUT to float32 (Fabric's DoublePrecision.convert_output): the loss of a
-float64 run is computed in float32, which the float64 checks see through their measured rounding floor.
 """
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.fabric import Fabric
 
 import verify
@@ -19,28 +15,46 @@ import verify
 
 class Trainer:
     def __init__(self, spec):
-        W = dist.get_world_size() if dist.is_initialized() else 0  # 0: alone, Fabric's single-device strategy
-        self.fabric = Fabric(accelerator=spec.device.split(":")[0], strategy="ddp" if W else "auto", devices=W or 1,
-                             precision="64-true" if spec.dtype == torch.float64 else "32-true")
+        if dist.is_initialized():
+            # the harness's rank processes carry LOCAL_RANK like torchrun's: Fabric's LightningEnvironment
+            # sees them, and fabric.launch() joins the process group already set up (it spawns nothing)
+            strategy = "ddp"
+            devices = dist.get_world_size()
+        else:
+            strategy = "auto"  # alone: Fabric's single-device strategy
+            devices = 1
+        accelerator = spec.device.split(":")[0]  # "cpu" or "cuda"
+        precision = "64-true" if spec.dtype == torch.float64 else "32-true"
+        self.fabric = Fabric(accelerator=accelerator, strategy=strategy, devices=devices, precision=precision)
         self.fabric.launch()
         torch.manual_seed(spec.seed)
         net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-        self.model, self.opt = self.fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
-        self.n, self.loss = spec.accum_steps, 0.0
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        self.model, self.opt = self.fabric.setup(net, opt)
+        self.n = spec.accum_steps
+        self.loss_sum = 0.0
 
     def micro_step(self, x, y, micro):
-        with self.fabric.no_backward_sync(self.model, enabled=micro < self.n - 1):  # covers forward and backward
-            loss = torch.nn.functional.mse_loss(self.model(x), y.to(torch.get_default_dtype()))
-            self.fabric.backward(loss if self.n == 1 else loss / self.n)
-        self.loss = self.loss + loss.detach()
+        last = micro == self.n - 1
+        # like DDP's no_sync(), it must cover the forward as well as the backward
+        with self.fabric.no_backward_sync(self.model, enabled=not last):
+            # "64-true" casts the forward's OUTPUT to the default dtype, float32 (DoublePrecision.convert_output),
+            # so the targets follow: a float64 run's loss is float32, within the float64 checks' measured floor
+            loss = F.mse_loss(self.model(x), y.to(torch.get_default_dtype()))
+            if self.n == 1:
+                self.fabric.backward(loss)
+            else:
+                self.fabric.backward(loss / self.n)
+        self.loss_sum = self.loss_sum + loss.detach()
 
     def grads(self):
-        return {k: p.grad for k, p in self.model.module.named_parameters()}
+        return {name: p.grad for name, p in self.model.module.named_parameters()}
 
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.loss = self.fabric.all_reduce(self.loss / self.n, reduce_op="mean"), 0.0
+        loss = self.fabric.all_reduce(self.loss_sum / self.n, reduce_op="mean")
+        self.loss_sum = 0.0
         return loss
 
     def params(self):

@@ -6,6 +6,7 @@ off on micro-steps 0..N-2 (set_requires_gradient_sync), so its reduce-scatter ov
 """
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -17,27 +18,34 @@ class Trainer:
     def __init__(self, spec):
         torch.manual_seed(spec.seed)  # every rank builds the full model; TP, then FSDP2, keep their shards
         net = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 1))
-        self.model, self.n, self.dp, self.loss = net.to(spec.device, spec.dtype), spec.accum_steps, spec.mesh.dp, 0.0
-        if spec.mesh.size > 1:  # at Mesh() (the 1×1×1 reference) the plain model: no process group needed
+        self.model = net.to(spec.device, spec.dtype)
+        self.n = spec.accum_steps
+        self.dp = spec.mesh.dp
+        self.loss = 0.0
+        # at Mesh() (the 1×1×1 reference) the plain model: no process group needed
+        self.fsdp = spec.mesh.size > 1
+        if self.fsdp:
             self.mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"): TP within a replica, FSDP2 across replicas
             parallelize_module(self.model, self.mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
             fully_shard(self.model, mesh=self.mesh["dp"])  # one unit, the root; its reduce-scatter averages over dp
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def micro_step(self, x, y, micro):
-        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (a mesh): before the forward, read in backward
+        if self.fsdp:
+            # set before the forward, read in the backward: sync only on the window's last micro-step
             self.model.set_requires_gradient_sync(micro == self.n - 1)
-        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        loss = F.mse_loss(self.model(x), y)
         (loss / self.n).backward()
         self.loss += loss.item() / (self.n * self.dp)
 
     def grads(self):
-        return {k: p.grad for k, p in self.model.named_parameters()}  # 2-D DTensors: the harness gathers them
+        return {name: p.grad for name, p in self.model.named_parameters()}  # 2-D DTensors: the harness gathers them
 
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.loss = torch.tensor(self.loss, dtype=torch.float64), 0.0
+        loss = torch.tensor(self.loss, dtype=torch.float64)
+        self.loss = 0.0
         if self.dp > 1:
             dist.all_reduce(loss, group=self.mesh["dp"].get_group())  # the global batch's mean loss
         return loss
@@ -49,11 +57,16 @@ class Trainer:
 def counts(case):
     """Each micro-step: FSDP2's all-gather of its one unit over dp, Rowwise's all-reduce over tp. The boundary
     adds FSDP2's reduce-scatter over dp (gloo has none: an all-reduce) and the loss's all-reduce."""
-    tp, gather = {"all_reduce": 1} if case.mesh.tp > 1 else {}, {"all_gather": 1}
-    nccl = verify.Settings.from_env().backend == "nccl"
-    end = {**gather, **({"reduce_scatter": 1, "all_reduce": 1} if nccl else {"all_reduce": 2})}
-    dp = verify.CountRow("FSDP2, root unit", before=gather, boundary=end) if case.mesh.dp > 1 else None
-    return {"tp": verify.CountRow("Rowwise", before=tp, boundary=tp), **({"dp": dp} if dp else {})}
+    tp = {"all_reduce": 1} if case.mesh.tp > 1 else {}  # a one-rank tp group reaches no c10d
+    rows = {"tp": verify.CountRow("Rowwise", before=tp, boundary=tp)}
+    if case.mesh.dp > 1:
+        gather = {"all_gather": 1}
+        if verify.Settings.from_env().backend == "nccl":
+            boundary = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
+        else:
+            boundary = {"all_gather": 1, "all_reduce": 2}
+        rows["dp"] = verify.CountRow("FSDP2, root unit", before=gather, boundary=boundary)
+    return rows
 
 
 factory = verify.adapter(data=verify.data.regression(features=8), mesh_axes=("dp", "tp"), counts=counts)(Trainer)

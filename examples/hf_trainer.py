@@ -1,13 +1,12 @@
 """Hugging Face transformers.Trainer, its own loop (train()), gradient_accumulation_steps=N: a tiny GPT-2
 built from its config (no download), padded data with labels -100, clipping at the default
-max_grad_norm=1.0, DDP under the harness's process group at world > 1.
+max_grad_norm=1.0, DDP under the harness's process group at world > 1. verify.Pull runs train() in a
+thread, feeds it the harness's micro-batches and reads the gradient before HF clips it
+(docs/verify-your-trainer.md, "The framework owns the loop").
 
     pip install "xtrain[examples]"      # transformers, accelerate
     pytest --pyargs verify --verify-trainer examples.hf_trainer:factory -n auto
     python -m verify.selftest --verify-trainer examples.hf_trainer:factory
-
-verify.Pull runs `trainer.train()` in a thread, feeds it the harness's micro-batches through its dataset,
-and reads the gradient before HF clips it (docs/verify-your-trainer.md, "The framework owns the loop").
 """
 import tempfile
 
@@ -16,10 +15,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import verify
 
-VOCAB, SEQ = 64, 8
+VOCAB = 64
+SEQ = 8
 
 
-def batch(x, y):  # HF shifts labels inside the model: position 0 is no target (verify.data.shifted_labels)
+def batch(x, y):
+    """A micro-batch as the model takes it. HF shifts the labels inside the model, so position 0 is no
+    target (verify.data.shifted_labels)."""
     return {"input_ids": x, "labels": verify.data.shifted_labels(y)}
 
 
@@ -37,13 +39,15 @@ BUFFERS = verify.Expected("broadcast", count=2, why="DDP's buffer broadcast at e
                 expected=(ALONE, *verify.DDP_EXPECTED, BUFFERS), empty_windows=False)
 def factory(spec):
     torch.manual_seed(spec.seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ + 1, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ + 1, n_embd=16, n_layer=1, n_head=2,
+                        bos_token_id=0, eos_token_id=0,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: two runs must agree
     model = GPT2LMHeadModel(config).to(spec.device, spec.dtype)
+    # per_device_train_batch_size=1: each item of the Pull dataset is already a whole micro-batch
     args = TrainingArguments(output_dir=tempfile.gettempdir(), gradient_accumulation_steps=spec.accum_steps,
                              per_device_train_batch_size=1, max_steps=10**6, learning_rate=1e-3,
                              use_cpu=spec.device == "cpu", report_to="none", save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
-    pull = verify.Pull(spec, batch=batch)  # the dataset's items are whole micro-batches: batch size 1
+    pull = verify.Pull(spec, batch=batch)
     trainer = Trainer(model=model, args=args, train_dataset=pull.dataset, data_collator=pull.collate)
     return pull.start(trainer.train, model)

@@ -1,12 +1,10 @@
 """Lightning's Trainer, its own loop (fit()), Trainer(accumulate_grad_batches=N): an MLP regressor with MSE
-and AdamW in a LightningModule, run as users run it.
+and AdamW in a LightningModule, run as users run it. verify.Pull runs fit() in a thread and feeds it the
+harness's micro-batches through its dataset (docs/verify-your-trainer.md, "The framework owns the loop").
 
     pip install "xtrain[examples]"      # lightning
     pytest --pyargs verify --verify-trainer examples.lightning_trainer:factory -n auto
     python -m verify.selftest --verify-trainer examples.lightning_trainer:factory
-
-verify.Pull runs `trainer.fit()` in a thread and feeds it the harness's micro-batches through its dataset
-(docs/verify-your-trainer.md, "The framework owns the loop").
 """
 import logging
 
@@ -16,7 +14,8 @@ import torch.nn.functional as F
 
 import verify
 
-logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no start-up notes: the gates build hundreds
+# no start-up notes: the gates build hundreds of trainers
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
 
 class Regressor(L.LightningModule):
@@ -40,11 +39,21 @@ SIGTERM = verify.Expected("broadcast", count=1, dtype="integer", why="Lightning'
 
 @verify.adapter(data=verify.data.regression(features=8), data_parallel=True, expected=(SIGTERM, *verify.DDP_EXPECTED))
 def factory(spec):
-    module, pull = Regressor(spec), verify.Pull(spec)
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    module = Regressor(spec)
+    pull = verify.Pull(spec)
+    if torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+    else:
+        world = 1
+    accelerator = "cpu" if spec.device == "cpu" else "gpu"
+    strategy = "ddp" if world > 1 else "auto"
     trainer = L.Trainer(accumulate_grad_batches=spec.accum_steps, max_epochs=1, devices=world,
-                        accelerator="cpu" if spec.device == "cpu" else "gpu", strategy="ddp" if world > 1 else "auto",
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        accelerator=accelerator, strategy=strategy, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    # the dataset's items are whole micro-batches, hence batch size 1
     loader = torch.utils.data.DataLoader(pull.dataset, batch_size=1, collate_fn=pull.collate)
-    return pull.start(lambda: trainer.fit(module, loader), module)
+
+    def fit():
+        trainer.fit(module, loader)
+
+    return pull.start(fit, module)

@@ -5,7 +5,7 @@ axis stays boundary-only, the pp traffic runs on every schedule step.
 
     XTRAIN_DIST_MAX_WORLD=4 pytest --pyargs verify --verify-trainer examples.pipeline_dp:factory -n auto
 """
-import torch
+import torch.distributed as dist
 
 import verify
 from examples import pipeline_schedule
@@ -14,13 +14,24 @@ from examples import pipeline_schedule
 class Trainer(pipeline_schedule.Trainer):
     def __init__(self, spec):
         super().__init__(spec)
-        self.dp = verify.mesh.device_mesh(spec)["dp"].get_group() if spec.mesh.dp > 1 else None
+        self.dp_group = None
+        if spec.mesh.dp > 1:
+            self.dp_group = verify.mesh.device_mesh(spec)["dp"].get_group()
 
     def micro_step(self, x, y, micro):
         super().micro_step(x, y, micro)
-        for t in [*self.grads().values(), self.loss] if micro == self.n - 1 and self.dp else ():
-            torch.distributed.all_reduce(t.div_(self.dp.size()), group=self.dp)  # the boundary: dp's mean, once
+        if micro == self.n - 1 and self.dp_group is not None:
+            self.average_over_dp()
+
+    def average_over_dp(self):
+        """The boundary: this stage's gradients and loss, the dp group's mean, reduced once."""
+        replicas = self.dp_group.size()
+        for t in [*self.grads().values(), self.loss]:
+            t.div_(replicas)
+            dist.all_reduce(t, group=self.dp_group)
 
 
-factory = verify.adapter(data=pipeline_schedule.factory.data, mesh_axes=("dp", "pp"), defaults=pipeline_schedule.factory.defaults,
+# the pipeline recipe's data and schedule options, on a dp × pp mesh
+factory = verify.adapter(data=pipeline_schedule.factory.data, mesh_axes=("dp", "pp"),
+                         defaults=pipeline_schedule.factory.defaults,
                          options=pipeline_schedule.factory.options)(Trainer)

@@ -6,6 +6,7 @@ on a dp × tp mesh: tp's collectives run on every micro-step, the dp reduction o
 """
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 import verify
@@ -15,9 +16,15 @@ from verify.mesh import device_mesh
 class Trainer:
     def __init__(self, spec):
         torch.manual_seed(spec.seed)  # every rank builds the full model; parallelize_module keeps its shards
-        L, T = torch.nn.Linear, torch.nn.Tanh
-        self.model = torch.nn.Sequential(L(8, 24), T(), L(24, 24), T(), L(24, 12)).to(spec.device, spec.dtype)
-        self.n, self.dp, self.loss = spec.accum_steps, spec.mesh.dp, torch.zeros((), dtype=torch.float64)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 24), torch.nn.Tanh(),
+            torch.nn.Linear(24, 24), torch.nn.Tanh(),
+            torch.nn.Linear(24, 12),
+        )
+        self.model = model.to(spec.device, spec.dtype)
+        self.n = spec.accum_steps
+        self.dp = spec.mesh.dp
+        self.loss = torch.zeros((), dtype=torch.float64)
         if spec.mesh.size > 1:  # at Mesh() (the 1×1×1 reference) the plain model: no process group needed
             self.mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"); the harness gives each dp replica its rows
             # the head's logits stay a DTensor sharded over the classes: loss_parallel's cross entropy reads them so
@@ -26,23 +33,31 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def micro_step(self, x, y, micro):
-        with loss_parallel():  # the backward too: the loss's gradient flows into the sharded logits
-            loss = torch.nn.functional.cross_entropy(self.model(x), y)  # the replica's mean, on every tp rank
+        # loss_parallel() covers the backward too: the loss's gradient flows into the sharded logits
+        with loss_parallel():
+            loss = F.cross_entropy(self.model(x), y)  # the replica's mean, on every tp rank
             (loss / self.n).backward()
         self.loss += loss.item() / (self.n * self.dp)
-        if micro == self.n - 1 and self.dp > 1:  # the boundary: the replicas' means, one all-reduce over dp each
-            for p in self.model.parameters():  # a DTensor's local shard: each tp rank reduces its own
-                dist.all_reduce(p.grad.to_local(), group=self.mesh["dp"].get_group())
-                p.grad.div_(self.dp)
-            dist.all_reduce(self.loss, group=self.mesh["dp"].get_group())  # the global batch's mean loss
+        if micro == self.n - 1 and self.dp > 1:
+            self.average_over_dp()
+
+    def average_over_dp(self):
+        """The boundary: the replicas' means, one all-reduce over dp per gradient, and the global batch's loss."""
+        group = self.mesh["dp"].get_group()
+        for p in self.model.parameters():
+            # a DTensor's local shard: each tp rank reduces its own
+            dist.all_reduce(p.grad.to_local(), group=group)
+            p.grad.div_(self.dp)
+        dist.all_reduce(self.loss, group=group)
 
     def grads(self):
-        return {k: p.grad for k, p in self.model.named_parameters()}  # DTensors: the harness gathers them
+        return {name: p.grad for name, p in self.model.named_parameters()}  # DTensors: the harness gathers them
 
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.loss = self.loss, torch.zeros((), dtype=torch.float64)
+        loss = self.loss
+        self.loss = torch.zeros((), dtype=torch.float64)
         return loss
 
     def params(self):
@@ -57,5 +72,6 @@ def counts(case):
     return {"tp": verify.CountRow("Colwise/Rowwise + loss parallel", before=tp, boundary=tp)}
 
 
+# mesh_sizes: tp shards the widths 24 and 12 evenly
 factory = verify.adapter(data=verify.data.classification(features=8, classes=12), mesh_axes=("dp", "tp"),
-                         counts=counts, mesh_sizes={"tp": (2, 3, 4, 6)})(Trainer)  # shards 24 and 12 evenly
+                         counts=counts, mesh_sizes={"tp": (2, 3, 4, 6)})(Trainer)

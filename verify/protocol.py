@@ -66,7 +66,8 @@ class Spec:
     schedule_world: int = 1
     """For adapters that declare `scheduler_per_rank`: the world size W whose per-rank scheduler stepping
     this trainer must show (its LR scheduler advances W times per optimizer step). It is W in a W-rank run
-    AND in the one-process reference that run is compared with; 1 for adapters that declare nothing."""
+    AND in the one-process reference that run is compared with; 1 for adapters that declare nothing. A trainer
+    reads `scheduler_calls` (below): the step() calls per optimizer step that follow from it."""
     mesh: Mesh = Mesh()  # dp × pp × tp ranks (Adapter.mesh_axes, verify/mesh.py); Mesh() in every reference
     pipeline_chunks: int = 1  # micro-batches per pipeline schedule.step (buffered micro_steps); divides accum_steps
     group: Any = field(default=None, compare=False, repr=False)
@@ -78,6 +79,17 @@ class Spec:
 
     def __getstate__(self):
         return {**self.__dict__, "group": None}
+
+    @property
+    def scheduler_calls(self) -> int:
+        """For adapters that declare `scheduler_per_rank`: how many times to call the per-rank scheduler's
+        step() per optimizer step. Each call advances it once per process (Accelerate: num_processes times),
+        so it is schedule_world // this run's processes (torch.distributed's world, of `group` if given):
+        1 in a W-rank run, W in its one-process reference, 1 for adapters that declare nothing."""
+        import torch.distributed as dist
+
+        processes = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        return max(1, self.schedule_world // processes)
 
 
 class AdapterError(ValueError):
@@ -121,7 +133,8 @@ class Adapter:
     scheduler_per_rank: bool = False
     """The trainer's LR scheduler advances once per RANK per optimizer step (Accelerate's prepared scheduler,
     split_batches=False): W ranks equal one process whose scheduler steps W times. The harness then builds
-    every trainer with Spec.schedule_world = the world it is compared at."""
+    every trainer with Spec.schedule_world = the world it is compared at; the trainer calls its scheduler's
+    step() Spec.scheduler_calls times per optimizer step (1 in its own W-rank run)."""
     empty_windows: bool = True
     """With an ignore_index: the trainer takes windows without a valid target (and must leave the parameters
     and its state alone on them). False: the harness never draws such a window, and says so."""
