@@ -63,7 +63,8 @@ def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tm
     assert serial.returncode == 0, serial.stdout[-3000:]
     assert sorted(os.listdir(here)) == ["reports"], os.listdir(here)
     # + pytest-benchmark's storage where that plugin is installed (it makes ./.benchmarks otherwise)
-    assert {"hypothesis", "pytest"} <= set(os.listdir(cache / "xtrain-verify")) <= {"benchmarks", "hypothesis", "pytest"}
+    # hypothesis' folder appears once it has something to keep (a failure; a passing run may leave none)
+    assert {"pytest"} <= set(os.listdir(cache / "xtrain-verify")) <= {"benchmarks", "hypothesis", "pytest"}
     one = _report(here / "reports")
     assert one["trainer"] == "examples.mlp_regressor:factory" and one["exitstatus"] == 0 and one["failures"] == []
     assert one["schema_version"] == 1 and one["utc"] and "torch" in one["machine_info"]

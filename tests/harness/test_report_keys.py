@@ -82,7 +82,8 @@ def test_a_buggy_trainers_saved_examples_survive_a_correct_trainers_run(tmp_path
     good = run("examples.mlp_regressor:factory")
     assert good.returncode == 0, good.stdout[-3000:]
     assert _files(db / "tests.helpers.corner_blind_adapter") == saved  # neither replayed away nor deleted
-    assert sorted(os.listdir(db)) == ["examples.mlp_regressor_factory", "tests.helpers.corner_blind_adapter"]
+    # the correct trainer's run keeps its own folder, if it keeps anything (a passing run may keep nothing)
+    assert set(os.listdir(db)) - {"examples.mlp_regressor_factory"} == {"tests.helpers.corner_blind_adapter"}
     assert ("; it replaced the report of tests.helpers.corner_blind:adapter (" in good.stdout
             and "(--verify-report DIR keeps one per trainer)" in good.stdout), good.stdout[-2000:]
     assert report.read(str(here / "reports"))["trainer"] == "examples.mlp_regressor:factory"
