@@ -11,6 +11,7 @@ import sys
 
 from xtrain_core.config import PRESETS
 
+from ..settings import launcher_var
 from .._cli import UsageError, positive_int
 from ..adapters.broken import MEMORY_BROKEN
 from ..adapters.xtrain_memory import ANCHOR, ANCHOR_NAME, anchor_applies
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(launcher_var("WORLD_SIZE", "1")) > 1:
         # gloo's teardown at interpreter exit sometimes aborts the process after a clean run; the group is
         # already destroyed and the report written, so leave without running it
         sys.stdout.flush()
