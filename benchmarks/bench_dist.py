@@ -110,12 +110,11 @@ def pools(args) -> dict:
     from verify.adapters import xtrain as adapters
     from tests.helpers.dist_jobs import whoami  # a no-op job (test plumbing, repo root on the path)
     from verify.gates import check_distributed
-    from verify.pool import ENV_START, RankPool, get_pool
-    from verify.settings import Settings
+    from verify.pool import RankPool, get_pool
+    from verify.settings import Settings, install, using
 
-    settings = Settings.from_env(backend=args.backend)
+    settings = install(Settings.from_env(backend=args.backend))  # the backend: the reference's get_pool(1) too
     torch.set_num_threads(settings.threads)
-    settings.export()  # the backend: the reference's one-rank pool (get_pool(1)) too
     xtrain = adapters.adapter
     rows = []
     worlds = sorted({int(w) for w in args.worlds.split(",")}) if args.worlds else range(1, args.max_world + 1)
@@ -125,9 +124,7 @@ def pools(args) -> dict:
         row = dict(world=world)
         # cold: new pools + one example (+ shutdown not counted); spawn vs forkserver start
         for method in args.cold:
-            old = os.environ.get(ENV_START)
-            os.environ[ENV_START] = method
-            try:
+            with using(settings.replace(pool_start=method)):
                 t0 = time.perf_counter()
                 pool = RankPool(world, args.backend)
                 ref_pool = RankPool(1, args.backend) if world > 1 else None  # the reference runs beside it
@@ -136,8 +133,6 @@ def pools(args) -> dict:
                 pool.close()
                 if ref_pool is not None:
                     ref_pool.close()
-            finally:
-                os.environ.pop(ENV_START) if old is None else os.environ.__setitem__(ENV_START, old)
             row[f"cold_{method}_s"] = startup + ex
             row[f"pool_start_{method}_s"] = startup
         warm = get_pool(world, args.backend)

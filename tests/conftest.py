@@ -4,6 +4,18 @@ import torch
 torch.set_num_threads(1)
 
 from verify._gpulock import gpu_lock  # noqa: E402
+from verify.settings import current, using  # noqa: E402
+
+
+@pytest.fixture
+def settings_with():
+    """`settings_with(timeout=2, ...)`: the rest of the test runs under this process's Settings with those fields
+    changed (what the knobs set for a run would give; verify.settings.using), the run's own again after it. Pools
+    started under them are pools of their own (verify.pool keys pools by their Settings)."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(using(current().replace(**changes)))
 
 
 @pytest.fixture(autouse=True)

@@ -16,11 +16,11 @@ from contextlib import contextmanager
 
 import pytest
 
-from .settings import Settings
+from .settings import current
 
 
 def lock_path() -> str:
-    return Settings.from_env().gpu_lock
+    return current().gpu_lock
 
 
 @contextmanager
@@ -41,7 +41,7 @@ def gpu_lock(exclusive: bool):
 @pytest.fixture
 def gpu_shared():
     """For gate tests: a shared hold on the GPU while they run on CUDA (memory probes wait for none)."""
-    if Settings.from_env().device != "cuda":
+    if current().device != "cuda":
         yield
         return
     with gpu_lock(exclusive=False):

@@ -9,7 +9,7 @@ import platform
 import subprocess
 import tempfile
 
-from .settings import Settings, env_of, fp32_only  # noqa: F401  (fp32_only: its home is the device set-up)
+from .settings import current, env_of, fp32_only  # noqa: F401  (fp32_only: its home is the device set-up)
 
 # The distribution's name on the package index ("xtrain" there is an unrelated project); the import names
 # are verify and xtrain_core. Code that looks the installed distribution up uses this constant.
@@ -27,7 +27,7 @@ def _git(*args: str, where: str | None = None) -> str | None:
 def git_commit(where: str | None = None) -> str | None:
     """HEAD's sha of the repository at `where` (default: the invoking directory, i.e. the code under
     test, not this installed package); XTRAIN_GIT_COMMIT wins (GPU machines get trees without .git)."""
-    return Settings.from_env().git_commit or _git("rev-parse", "HEAD", where=where) or None
+    return current().git_commit or _git("rev-parse", "HEAD", where=where) or None
 
 
 def git_state(where: str | None = None) -> dict:
@@ -35,7 +35,7 @@ def git_state(where: str | None = None) -> dict:
     where there is no git repository: a copied tree names its commit through XTRAIN_GIT_COMMIT)."""
     head = _git("rev-parse", "HEAD", where=where)
     status = _git("status", "--porcelain", "--untracked-files=no", where=where) if head else None
-    source = env_of("git_commit") if Settings.from_env().git_commit else ("git" if head else None)
+    source = env_of("git_commit") if current().git_commit else ("git" if head else None)
     return dict(commit=git_commit(where), commit_source=source,
                 branch=_git("rev-parse", "--abbrev-ref", "HEAD", where=where) if head else None,
                 dirty=None if status is None else bool(status))

@@ -19,11 +19,12 @@ each micro-step; an entry belongs to the last mark at or before its `time_create
 """
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import time
 from dataclasses import dataclass
+
+from .settings import launcher_var, set_library_env
 
 DEFAULT_RING = 512  # entries; a dump costs ~12 µs per entry held, so keep it small
 
@@ -53,10 +54,10 @@ def enable(ring: int | None = None, *, nccl: bool = False) -> int:
     """Turn the recorder on for process groups created from now on; returns the ring size.
     TORCH_FR_BUFFER_SIZE is read by gloo and (torch 2.11, checked on 2×H200) NCCL; older NCCL builds read only
     TORCH_NCCL_TRACE_BUFFER_SIZE, so NCCL users get both (newer torch warns that it is deprecated)."""
-    ring = int(os.environ.get("TORCH_FR_BUFFER_SIZE") or ring or DEFAULT_RING)
-    os.environ["TORCH_FR_BUFFER_SIZE"] = str(ring)
+    ring = int(launcher_var("TORCH_FR_BUFFER_SIZE") or ring or DEFAULT_RING)
+    set_library_env({"TORCH_FR_BUFFER_SIZE": ring})  # torch reads it in this process, making the group
     if nccl:
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(ring))
+        set_library_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": ring}, keep_set=True)
     return ring
 
 
@@ -148,7 +149,7 @@ def record_p2p() -> None:
 
     if _P2P:
         return
-    _P2P.update(ring=collections.deque(maxlen=int(os.environ.get("TORCH_FR_BUFFER_SIZE") or DEFAULT_RING)), next=0)
+    _P2P.update(ring=collections.deque(maxlen=int(launcher_var("TORCH_FR_BUFFER_SIZE") or DEFAULT_RING)), next=0)
     PG = torch._C._distributed_c10d.ProcessGroup
     names = {v: k for k, v in _TORCH_NAME.items()}
     for op in ("send", "recv", "recv_anysource"):
@@ -209,7 +210,7 @@ def group_links(per_node: int | None = None) -> dict[str, str]:
     that knob emulates nodes (verify/pool_worker.py)."""
     import torch.distributed as dist
 
-    per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
+    per_node = per_node or int(launcher_var("LOCAL_WORLD_SIZE") or dist.get_world_size())
     out = {}
     for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
         nodes = {r // per_node for r in dist.get_process_group_ranks(pg)}
@@ -243,7 +244,7 @@ class Recorder:
             if first > last + 1:
                 raise RecorderError(
                     f"flight recorder ({source}) lost entries {last + 1}..{first - 1}: its ring of "
-                    f"{os.environ.get('TORCH_FR_BUFFER_SIZE', '?')} entries overflowed between two reads; "
+                    f"{launcher_var('TORCH_FR_BUFFER_SIZE', '?')} entries overflowed between two reads; "
                     f"raise TORCH_FR_BUFFER_SIZE or read more often")
             for e in new:
                 if _P2P and source != "p2p" and family(str(e.get("profiling_name", "")).partition(":")[2]) in ("send", "recv"):

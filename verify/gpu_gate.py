@@ -36,7 +36,7 @@ import time
 
 from ._cli import Parser, UsageError, fail, plugin_args, positive_int, writable_dir
 
-from .settings import Settings, SettingError, env_of
+from .settings import Settings, SettingError, child_environ, env_of, install
 
 STEP_TIMEOUT = {"gates": 900, "gpu-tests": 600, "memory": 600, "nccl": 1200, "launched": 1800}
 GO = "gpu-gate/go"  # torchrun's store key rank 0 sets when the launched world may start (pool_launched.connect's prefix)
@@ -120,7 +120,7 @@ def step_environ(name: str) -> dict:
     (a node's own steps are no launched ranks: Accelerate, for one, would take them for a world of W)."""
     from .pool_launched import LAUNCH_VARS
 
-    return {k: v for k, v in os.environ.items() if name == "launched" or k not in LAUNCH_VARS}
+    return child_environ(drop=() if name == "launched" else LAUNCH_VARS)
 
 
 def run_steps(steps, out: str, root: str | None, before=None) -> list[dict]:
@@ -182,15 +182,15 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def serve_launch(args, out: str, root: str | None, env: dict) -> int:
+def serve_launch(args, out: str, root: str | None, env: dict, s: Settings) -> int:
     """A launched rank other than 0: wait on torchrun's store (no deadline, no GPU touched) until rank 0 has run
     its node's steps, then be a rank of the launched world (verify.run), its output torchrun's."""
     from . import pool_launched
 
-    store = pool_launched.connect(Settings.from_env().timeout)
+    store = pool_launched.connect(s.timeout)
     pool_launched._wait(store, GO, None)  # a store that is gone (rank 0's node failed) raises: this rank ends
     _, cmd, step_env = plan(0, out, args, root, pool_launched.describe(env, args.backend))[-1]
-    return subprocess.run(cmd, cwd=root or os.getcwd(), env={**os.environ, **step_env},
+    return subprocess.run(cmd, cwd=root or os.getcwd(), env={**child_environ(), **step_env},
                           preexec_fn=_die_with_parent if sys.platform == "linux" else None).returncode
 
 
@@ -200,16 +200,18 @@ def main(argv=None) -> int:
     from . import pool_launched
 
     env = pool_launched.launched_env()
+    try:  # this process's Settings, once: a bad knob fails here, in one line, not in every step's subprocess
+        s = install(Settings.from_env())
+    except SettingError as e:
+        fail(str(e))
     if env is not None and int(env["RANK"]) != 0:
         try:
-            Settings.from_env()
             if not _cuda_available():
                 raise UsageError("no CUDA GPU is visible to torch on this launched rank")
-        except (UsageError, SettingError) as e:
+        except UsageError as e:
             fail(str(e))
-        return serve_launch(args, out, None if args.trainer else _checkout(), env)
+        return serve_launch(args, out, None if args.trainer else _checkout(), env, s)
     try:
-        Settings.from_env()  # a bad knob fails here, in one line, not in every step's subprocess
         if not _cuda_available():
             raise UsageError("no CUDA GPU is visible to torch: this gate is for GPU runners (on a CPU box run "
                              "`HYPOTHESIS_PROFILE=ci python -m pytest -n auto`)")
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
 
     def go(name: str) -> None:  # the other ranks join now (the store is reached then: no connection idles for an hour)
         if name == "launched":
-            pool_launched.connect(Settings.from_env().timeout).set(GO, "1")
+            pool_launched.connect(s.timeout).set(GO, "1")
 
     steps = run_steps(plan(gpus, out, args, root, launch), out, root, go)
     doc = dict(header("gpu-gate", "cuda"), out=out, gpus=gpus, profile=args.profile, steps=steps,

@@ -12,6 +12,8 @@ Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (or hypothesis' --hypothesis-p
     dev  random, 10 examples a test (verify.strategies.budget scales floors down; each gate ≥ 3): fast feedback
     ci   extends hypothesis' built-in ci profile: derandomized, no deadline, print_blob
     gpu  ci plus more examples, for GPU runners
+Settings are built once here, from the options (the environment under them), and installed as the process's
+(verify.settings.install): xdist workers build theirs from the same options; rank pools get a pickled copy.
 Unset, hypothesis' own default profile stays in force (the plugin is loaded in every pytest run of an
 environment that has xtrain installed, so it changes nothing until asked). Loading it costs no torch
 import: the adapter is loaded when a gate test first asks for it, or at start-up when the option is given.
@@ -22,7 +24,7 @@ import os
 
 import pytest
 
-from .settings import Settings, SettingError, check_report_dir, default_trainer, env_of
+from .settings import Settings, SettingError, check_report_dir, default_trainer, env_of, install, launcher_var
 
 OPT_TRAINER, OPT_REPORT, OPT_BACKEND, OPT_DEVICE = "--verify-trainer", "--verify-report", "--verify-backend", "--verify-device"
 _KEY = pytest.StashKey[dict]()
@@ -46,12 +48,15 @@ def _profiles() -> None:
     settings.register_profile("ci", parent=ci, max_examples=100, deadline=None, phases=phases,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=150)
-    try:
-        profile = Settings.from_env().hypothesis_profile
-    except SettingError:  # a bad knob: pytest_configure says so in one line, before anything runs
-        return
-    if profile in ("dev", "ci", "gpu"):
-        settings.load_profile(profile)
+
+
+def load_profile(s: Settings) -> None:
+    """HYPOTHESIS_PROFILE of `s`, where it names one of ours (before collection: budgets read it when tests
+    are defined; hypothesis' --hypothesis-profile, loaded after this, still wins)."""
+    if s.hypothesis_profile in ("dev", "ci", "gpu"):
+        from hypothesis import settings
+
+        settings.load_profile(s.hypothesis_profile)
 
 
 try:
@@ -74,9 +79,9 @@ def pytest_addoption(parser):
                 help=f"device of the gates (default ${env_of('device')} or cpu)")
 
 
-def cache_home() -> str:
+def cache_home(s: Settings) -> str:
     """Where a verify run keeps its tools' state: $XDG_CACHE_HOME/xtrain-verify (default ~/.cache/...)."""
-    return os.path.join(Settings.from_env().cache_home, "xtrain-verify")
+    return os.path.join(s.cache_home, "xtrain-verify")
 
 
 def example_dir(home: str, trainer: str | None) -> str:
@@ -104,7 +109,8 @@ def pytest_configure_verify_caches(config):  # a second pytest_configure (specna
     still persist across runs, and so does pytest-benchmark's storage where that plugin is installed. Runs
     before pytest's cacheprovider reads cache_dir (tryfirst, registered later); a cache_dir,
     --benchmark-storage or HYPOTHESIS_STORAGE_DIRECTORY the user set wins. First of all, every option and
-    knob is checked (Settings): a bad one is pytest's one-line usage error before anything is written."""
+    knob is checked (Settings): a bad one is pytest's one-line usage error before anything is written. The
+    Settings built here are this process's (install), read once: nothing of them goes through the environment."""
     o = config.option
     try:
         s = Settings.from_env(device=getattr(o, "verify_device", None), backend=getattr(o, "verify_backend", None))
@@ -113,18 +119,22 @@ def pytest_configure_verify_caches(config):  # a second pytest_configure (specna
             check_report_dir(o.verify_report, OPT_REPORT)
     except SettingError as e:
         raise pytest.UsageError(str(e)) from None
-    config.stash[_SETTINGS] = s
-    if not _verify_run(config):
-        return
-    home = cache_home()
-    if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:  # xdist workers and their children inherit it
-        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = example_dir(home, getattr(o, "verify_trainer", None))
+    config.stash[_SETTINGS] = install(s)
     try:
-        from hypothesis.configuration import set_hypothesis_home_dir
-
-        set_hypothesis_home_dir(os.environ["HYPOTHESIS_STORAGE_DIRECTORY"])
+        load_profile(s)
     except ImportError:
         pass
+    if not _verify_run(config):
+        return
+    home = cache_home(s)
+    # hypothesis reads its own variable when set (the user's wins); xdist workers run this hook alike
+    if launcher_var("HYPOTHESIS_STORAGE_DIRECTORY") is None:
+        try:
+            from hypothesis.configuration import set_hypothesis_home_dir
+
+            set_hypothesis_home_dir(example_dir(home, getattr(o, "verify_trainer", None)))
+        except ImportError:
+            pass
     inicache = getattr(config, "_inicache", None)  # pytest has no public setter for an ini value
     if (config.pluginmanager.hasplugin("cacheprovider") and isinstance(inicache, dict)
             and config.getini("cache_dir") == ".pytest_cache"):
@@ -149,9 +159,7 @@ def pytest_configure(config):
     state = dict(trainer=getattr(o, "verify_trainer", None), report=getattr(o, "verify_report", None),
                  adapter=None, stats={}, failures=[])
     config.stash[_KEY] = state
-    s = config.stash[_SETTINGS]  # checked first thing (pytest_configure_verify_caches)
-    # The library reads these (pools, strategies), in this process and in xdist workers and ranks it starts.
-    s.export()
+    s = config.stash[_SETTINGS]  # checked and installed first thing (pytest_configure_verify_caches)
     s.setup_device()
     if state["trainer"] is not None:  # named explicitly: fail now, not in the middle of the run
         state["adapter"] = _load(state["trainer"], s)
@@ -192,10 +200,10 @@ def _load(ref: str, settings: Settings):
 def settings_of(config) -> dict:
     from .gates.distributed import max_world, min_world
 
-    s = Settings.from_env()
+    s = config.stash[_SETTINGS]
     profile = s.hypothesis_profile or config.getoption("hypothesis_profile", None) or "default"
     out = dict(hypothesis_profile=profile, device=s.device, backend=s.backend,
-               worlds=[min_world(config.stash[_KEY]["adapter"]), max_world()], threads=s.threads)
+               worlds=[min_world(config.stash[_KEY]["adapter"], s), max_world(s)], threads=s.threads)
     from .pool import launched
 
     if launched() is not None:  # under `python -m verify.run`: the launch itself, and the worlds run on its ranks
@@ -204,7 +212,13 @@ def settings_of(config) -> dict:
 
 
 @pytest.fixture(scope="session")
-def verify_adapter(request):
+def verify_settings(request) -> Settings:
+    """The run's Settings: built once from the options and the environment (pytest_configure_verify_caches)."""
+    return request.config.stash[_SETTINGS]
+
+
+@pytest.fixture(scope="session")
+def verify_adapter(request, verify_settings):
     """The adapter under proof (--verify-trainer, default xtrain's)."""
     import torch
 
@@ -212,10 +226,10 @@ def verify_adapter(request):
     if state["adapter"] is None:
         from .settings import trainer_ref
 
-        state["adapter"] = _load(trainer_ref(state["trainer"]), Settings.from_env())
+        state["adapter"] = _load(trainer_ref(state["trainer"]), verify_settings)
     # CPU results depend on the intra-op thread count: candidate and reference run with the same one,
     # and one thread per xdist worker keeps 2-core boxes from oversubscribing.
-    torch.set_num_threads(Settings.from_env().threads)
+    torch.set_num_threads(verify_settings.threads)
     return state["adapter"]
 
 
@@ -301,7 +315,7 @@ class _Reporter:
             replaced = rep.replaces(folder, trainer)
             written = rep.write(folder, trainer=trainer, settings=settings_of(config), gates=state["stats"],
                                 failures=state["failures"], exitstatus=int(exitstatus),
-                                device=Settings.from_env().device,
+                                device=config.stash[_SETTINGS].device,
                                 declarations=adapter.declarations() if adapter is not None else None)
         except OSError as e:
             if tr is not None:

@@ -10,6 +10,8 @@ model, N=4). So the suite keeps ONE pool per (world, backend) per process (= per
   forkserver that has imported torch once (a world-4 pool starts in ~0.1 s instead of 9–16 s on a
   2-core box), and on the cpu the trainer's module too (a framework imported once, not by every rank);
   NCCL pools use plain spawn (CUDA and forks); XTRAIN_POOL_START=spawn|forkserver.
+* Settings: a pool is built with the parent's Settings (an argument, else settings.current()) and sends them
+  to every rank pickled: a rank installs that copy and never reads the knobs from its own environment.
 * Rendezvous: a FileStore in a fresh `tempfile.mkdtemp()` directory — no ports, so parallel xdist
   workers never collide.
 * Jobs: a picklable top-level callable + args, sent to each rank over its own duplex pipe as plain
@@ -44,7 +46,7 @@ import time
 from multiprocessing import connection
 
 from .pool_worker import RankContext, worker_main  # noqa: F401  (RankContext: re-exported)
-from .settings import Settings, env_of
+from .settings import Settings, current, env_of
 
 ENV_TIMEOUT, ENV_START = env_of("timeout"), env_of("pool_start")
 # What the forkserver imports once, so each rank starts in ~0.1 s instead of ~3 s (import torch, and
@@ -52,33 +54,33 @@ ENV_TIMEOUT, ENV_START = env_of("timeout"), env_of("pool_start")
 PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel"]
 
 
-def _preload() -> list[str]:
+def _preload(settings: Settings | None = None) -> list[str]:
     """PRELOAD, plus on the cpu the trainer modules verify.protocol.load_adapter imported: a rank then does not
     import its framework again (Lightning or transformers cost each rank 1.5-2.5 s of CPU). Not on cuda: a module
     that touches CUDA when imported would break every child forked after it. Read when this process starts its
     forkserver, i.e. at its first gloo pool."""
     from .protocol import loaded_modules
 
-    return PRELOAD + (loaded_modules() if Settings.from_env().device == "cpu" else [])
+    return PRELOAD + (loaded_modules() if (settings or current()).device == "cpu" else [])
 
 
-def start_method(backend: str = "gloo") -> str:
+def start_method(backend: str = "gloo", settings: Settings | None = None) -> str:
     """gloo: forkserver (torch preloaded) where available, else spawn. NCCL: spawn — a server that has
     imported torch might have touched the CUDA runtime, which a forked child cannot use. Override with
     XTRAIN_POOL_START=spawn|forkserver."""
     import multiprocessing as mp
 
     fork_ok = backend != "nccl" and "forkserver" in mp.get_all_start_methods()
-    return Settings.from_env().pool_start or ("forkserver" if fork_ok else "spawn")
+    return (settings or current()).pool_start or ("forkserver" if fork_ok else "spawn")
 
 
-def job_timeout() -> float:
-    return Settings.from_env().timeout
+def job_timeout(settings: Settings | None = None) -> float:
+    return (settings or current()).timeout
 
 
-def default_backend() -> str:
+def default_backend(settings: Settings | None = None) -> str:
     """XTRAIN_DIST_BACKEND, else by the device: nccl on cuda, gloo on the cpu (verify/settings.py)."""
-    return Settings.from_env().backend
+    return (settings or current()).backend
 
 
 class DistJobError(AssertionError):
@@ -92,23 +94,25 @@ class DistTimeout(DistJobError):
 # -- the parent side ------------------------------------------------------------------------------
 
 class RankPool:
-    """`world` spawned ranks in one process group (gloo on CPU, or NCCL with rank r on cuda:r)."""
+    """`world` spawned ranks in one process group (gloo on CPU, or NCCL with rank r on cuda:r), under `settings`
+    (default: this process's, settings.current()), which every rank gets as its own."""
 
     def __init__(self, world: int, backend: str | None = None, *, threads: int | None = None,
-                 start_timeout: float | None = None, per_node: int | None = None):
+                 start_timeout: float | None = None, per_node: int | None = None, settings: Settings | None = None):
         import multiprocessing as mp
 
-        self.world, self.backend = world, backend or default_backend()
+        self.settings = s = settings or current()
+        self.world, self.backend = world, backend or s.backend
         # ranks per (emulated) node: each rank's LOCAL_WORLD_SIZE, whence comm.group_links' nodes
-        self.per_node = per_node or Settings.from_env().per_node(world)
-        self.threads = threads or Settings.from_env().threads
+        self.per_node = per_node or s.per_node(world)
+        self.threads = threads or s.threads
         reclaim_stale()
         # The owner's pid is in the name: a later pool can tell whether this folder's owner still lives.
         self.dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}w{world}-{os.getpid()}-")
-        self.start_method = start_method(self.backend)
+        self.start_method = start_method(self.backend, s)
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
-            ctx.set_forkserver_preload(_preload())
+            ctx.set_forkserver_preload(_preload(s))
         self.procs, self.conns, self.dumps = [], [], []
         self.broken = False
         self._pending: str | None = None  # the job in flight (one at a time)
@@ -118,13 +122,13 @@ class RankPool:
                 dump = os.path.join(self.dir, f"stacks-rank{r}.txt")
                 p = ctx.Process(target=worker_main, name=f"xtrain-rank{r}-of-{world}", daemon=True,
                                 args=(r, world, self.backend, os.path.join(self.dir, "store"), there, dump,
-                                      self.threads, os.getpid(), max(600.0, 2 * job_timeout()), self.per_node))
+                                      self.threads, os.getpid(), max(600.0, 2 * s.timeout), self.per_node, s))
                 p.start()
                 there.close()
                 self.procs.append(p)
                 self.conns.append(here)
                 self.dumps.append(dump)
-            replies = self._collect("start-up", start_timeout or max(180.0, job_timeout()))
+            replies = self._collect("start-up", start_timeout or max(180.0, s.timeout))
         except BaseException:
             self.kill()
             raise
@@ -160,7 +164,7 @@ class RankPool:
         if what is None:
             raise RuntimeError("result() without a submitted job")
         try:
-            return self._collect(what, timeout or job_timeout())
+            return self._collect(what, timeout or self.settings.timeout)
         except BaseException:
             self.kill()  # KeyboardInterrupt included: ranks may be mid-collective
             raise
@@ -293,7 +297,7 @@ def reclaim_stale() -> list[str]:
     return out
 
 
-_POOLS: dict[tuple[int, str, int], RankPool] = {}
+_POOLS: dict[tuple, RankPool] = {}
 _LOCK = threading.Lock()
 
 
@@ -311,23 +315,31 @@ def launched():
     return _LAUNCHED
 
 
-def get_pool(world: int, backend: str | None = None, *, subgroups: bool = False) -> RankPool:
-    """This process's pool for (world, backend, ranks per node: XTRAIN_RANKS_PER_NODE), spawned on first use and
+def get_pool(world: int, backend: str | None = None, *, subgroups: bool = False,
+             settings: Settings | None = None) -> RankPool:
+    """This process's pool for (world, backend, ranks per node: XTRAIN_RANKS_PER_NODE) under `settings` (default
+    settings.current(); pools under other Settings are other pools), spawned on first use and
     replaced if it broke. Under a launcher the launched world's pool for its world (a broken one is not
     replaced: its jobs say why), and for 2 ≤ world below it, when `subgroups` (the adapter declares it honours
     Spec.group), the launched ranks 0..world-1 on a subgroup (LaunchedPool.sub); else a pool spawned here."""
     L = _LAUNCHED
     if L is not None and (backend or L.backend) == L.backend and (world == L.world or subgroups and 2 <= world < L.world):
         return L if world == L.world else L.sub(world)
-    key = (world, backend or default_backend(), Settings.from_env().per_node(world))
+    s = settings or current()
+    key = (world, backend or s.backend, s.per_node(world), _key_of(s))
     with _LOCK:
         pool = _POOLS.get(key)
         if pool is None or not pool.alive:
             if pool is not None:
                 pool.kill()
             _install_sigterm()
-            pool = _POOLS[key] = RankPool(world, key[1], per_node=key[2])
+            pool = _POOLS[key] = RankPool(world, key[1], per_node=key[2], settings=s)
         return pool
+
+
+def _key_of(s: Settings) -> tuple:
+    """What of `s` a pool's ranks were started with: another value of any of these is another pool."""
+    return (s.device, s.threads, s.timeout, s.pool_start, s.gpu_lock, s.git_commit)
 
 
 def close_all() -> None:

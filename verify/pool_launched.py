@@ -34,7 +34,7 @@ import time
 import traceback
 
 from .pool_worker import RankContext
-from .settings import Settings
+from .settings import Settings, current, launcher_var
 
 PREFIX = "xtrain-verify/"
 # torchrun's variables: the launch, as the report describes it
@@ -45,10 +45,10 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
 def launched_env(environ=None) -> dict | None:
     """torchrun's variables when this process is a launched rank (RANK, WORLD_SIZE and LOCAL_WORLD_SIZE
     set), else None."""
-    environ = os.environ if environ is None else environ
-    if not all(environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")):
+    get = launcher_var if environ is None else environ.get
+    if not all(get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")):
         return None
-    return {k: environ[k] for k in LAUNCH_VARS if k in environ}
+    return {k: get(k) for k in LAUNCH_VARS if get(k) is not None}
 
 
 def _agent_argv() -> list[str]:
@@ -80,11 +80,12 @@ def describe(env: dict, backend: str) -> dict:
     standalone = "--standalone" in _agent_argv()
     rdzv = _agent_option("rdzv-backend") or ("c10d" if standalone else "static" if "TORCHELASTIC_RUN_ID" in env
                                               else "unknown")
-    out = dict(launcher="srun torchrun" if os.environ.get("SLURM_JOB_ID") else "torchrun", nodes=nodes,
+    slurm = launcher_var("SLURM_JOB_ID")
+    out = dict(launcher="srun torchrun" if slurm else "torchrun", nodes=nodes,
                ranks_per_node=per_node, world=world, backend=backend, rendezvous=rdzv,
                endpoint=_agent_option("rdzv-endpoint") or f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}")
-    if os.environ.get("SLURM_JOB_ID"):
-        out["slurm_job"] = os.environ["SLURM_JOB_ID"]
+    if slurm:
+        out["slurm_job"] = slurm
     return out
 
 
@@ -99,9 +100,10 @@ def hang_limit(timeout: float) -> float:
     return 2 * timeout + 30.0
 
 
-def start(backend: str) -> tuple[RankContext, object]:
+def start(backend: str, settings: Settings | None = None) -> tuple[RankContext, object]:
     """Join the launched world (call after comm.enable(), before anything else loads torch.distributed):
-    init_process_group from torchrun's env, the flight recorder checked, the store of the control plane."""
+    init_process_group from torchrun's env, the flight recorder checked, the store of the control plane.
+    `settings`: the rank's (default settings.current())."""
     import datetime
 
     import torch
@@ -109,9 +111,9 @@ def start(backend: str) -> tuple[RankContext, object]:
 
     from . import comm
 
-    s = Settings.from_env()
+    s = settings or current()
     torch.set_num_threads(s.threads)
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    rank, world, local = (int(launcher_var(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -130,7 +132,7 @@ def connect(timeout: float):
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+    store = dist.TCPStore(launcher_var("MASTER_ADDR"), int(launcher_var("MASTER_PORT")), is_master=False,
                           timeout=datetime.timedelta(seconds=timeout))
     return dist.PrefixStore(PREFIX, store)
 
@@ -199,12 +201,12 @@ def _on_default_group(recorder) -> str:
         return ""
 
 
-def serve(ctx, store, alive=None) -> int | None:
+def serve(ctx, store, alive=None, settings: Settings | None = None) -> int | None:
     """Every rank: run each job the controller publishes, in order, until told to stop (returns the run's exit
     status, which close() published), or, on rank 0, until its controller child is gone without saying so
     (`alive`; None). Waiting for the next job has no deadline: the controller may spend minutes on gates of one
     process; a store that goes away (its agent or host died) raises and ends the rank."""
-    timeout = Settings.from_env().timeout
+    timeout = (settings or current()).timeout
     seq = 0
     while True:
         if not _wait(store, f"job/{seq}", None, alive):
@@ -231,10 +233,11 @@ def _shutdown() -> None:
 
 class LaunchedPool:
     """RankPool's interface over the launched world, in the controller; `launch` is describe()'s dict, from
-    rank 0 (the controller's parent is rank 0, not the agent)."""
+    rank 0 (the controller's parent is rank 0, not the agent); `settings`: the controller's (default
+    settings.current())."""
 
-    def __init__(self, store, launch: dict):
-        self.store, self.launch = store, launch
+    def __init__(self, store, launch: dict, settings: Settings | None = None):
+        self.store, self.launch, self.settings = store, launch, settings or current()
         self.world, self.backend = launch["world"], launch["backend"]
         self.broken: str | None = None
         self._seq = 0
@@ -273,7 +276,7 @@ class LaunchedPool:
         self.worlds.add(world)
 
     def result(self, timeout: float | None = None) -> list:
-        return self._collect(timeout or Settings.from_env().timeout)
+        return self._collect(timeout or self.settings.timeout)
 
     def _collect(self, timeout: float) -> list:
         """Every launched rank's reply to the pending job, by rank; a job of a sub-world of W keeps ranks < W's."""
@@ -346,7 +349,7 @@ class SubWorld:
     def result(self, timeout: float | None = None) -> list:
         """Past the process group's own timeout: a collective the idle ranks never join (a trainer that ignores
         Spec.group) raises on its ranks first, with the diagnosis of _sub_job, before the controller gives up."""
-        return self.launched._collect((timeout or Settings.from_env().timeout) + 15.0)
+        return self.launched._collect((timeout or self.launched.settings.timeout) + 15.0)
 
     def close(self, timeout: float = 10.0) -> None:
         """Nothing of its own to stop: the launched world's close() ends every rank."""

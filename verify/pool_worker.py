@@ -63,7 +63,13 @@ def _release_forkserver_pipe() -> None:
 
 
 def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump_path: str, threads: int,
-            owner_pid: int, pg_timeout: float, per_node: int | None = None) -> None:
+            owner_pid: int, pg_timeout: float, per_node: int | None = None, settings=None) -> None:
+    """`settings`: the parent's Settings (pickled with the process's arguments), installed as this rank's own
+    before anything runs: a rank never reads the knobs from its environment."""
+    from . import settings as knobs
+
+    if settings is not None:
+        knobs.install(settings)
     _release_forkserver_pipe()
     _die_with_parent(owner_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -74,7 +80,6 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump
     from . import comm
 
     comm.enable(nccl=backend == "nccl")  # before torch.distributed sets up its recorder
-    from .settings import cuda_setup
     import datetime
 
     import torch
@@ -85,12 +90,12 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump
     # parallelism from it); the group itself comes from the FileStore below. Nodes of `per_node` ranks
     # (XTRAIN_RANKS_PER_NODE emulates them; default: the whole pool) number ranks as torchrun does, node by node.
     per_node = per_node or world
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
-                      LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS=str(threads))
+    knobs.set_library_env(dict(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank % per_node, LOCAL_WORLD_SIZE=per_node,
+                               OMP_NUM_THREADS=threads))
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        cuda_setup(deterministic=False)  # a job that asks for deterministic algorithms can have them
+        knobs.cuda_setup(deterministic=False)  # a job that asks for deterministic algorithms can have them
     else:
         device = torch.device("cpu")
     try:
@@ -115,7 +120,7 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump
             break
         fn, args, kwargs = job
         try:
-            reply = pickle.dumps(("ok", fn(ctx, *args, **kwargs)))
+            reply = pickle.dumps(("ok", fn(ctx, *args, **kwargs)))  # a gate job's value: its verdict object
         except BaseException:
             reply = pickle.dumps(("err", traceback.format_exc()))
         conn.send_bytes(reply)

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import collections
 import gc
-import os
 import threading
 import traceback
 import weakref
 from collections.abc import Mapping
 
 import torch
+
+from .settings import child_environ, set_library_env
 
 __all__ = ["Pull", "PullError"]
 
@@ -58,9 +59,9 @@ class _Stopped(BaseException):
 
 
 def _timeout() -> float:
-    from .settings import Settings
+    from .settings import current
 
-    return Settings.from_env().timeout
+    return current().timeout
 
 
 class _Channel:
@@ -253,7 +254,7 @@ def _install() -> None:
 
 def _run(channel: _Channel, run, cuda_device) -> None:
     _LOCAL.channel = channel
-    env = dict(os.environ)
+    env = child_environ()  # a copy: what the loop may remove
     try:
         if cuda_device is not None:  # CUDA's current device is per thread: the loop's is the harness's (rank r's)
             torch.cuda.set_device(cuda_device)
@@ -265,7 +266,7 @@ def _run(channel: _Channel, run, cuda_device) -> None:
     finally:
         # a framework's teardown may edit the process's environment (Lightning deletes WORLD_SIZE): a rank
         # process of the harness runs other trainers after this one, so what the loop removed is put back
-        os.environ.update({k: v for k, v in env.items() if k not in os.environ})
+        set_library_env(env, keep_set=True)
         with channel.cv:
             channel.fw = "done"
             channel.cv.notify_all()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -57,7 +56,7 @@ def pytest_args(argv: list[str]) -> list[str]:
     return ["-p", "no:xdist", *plugin_args(argv), "--pyargs"] + ([] if named else ["verify"]) + argv
 
 
-CONTROLLER = "XTRAIN_RUN_CONTROLLER"  # set in the controller's environment: the launch, as JSON
+CONTROLLER = "XTRAIN_RUN_CONTROLLER"  # set in the controller's environment: the launch and rank 0's Settings, as JSON
 
 
 def _die_with_parent() -> None:
@@ -71,15 +70,16 @@ def _die_with_parent() -> None:
             pass
 
 
-def controller(argv: list[str], launch: dict) -> int:
+def controller(argv: list[str], launch: dict, settings: dict) -> int:
     """Rank 0's child, outside the process group: pytest on the gate tests, the launched world as the pool of
-    its world, the one report."""
+    its world (under rank 0's Settings, sent as `settings`: Settings.to_dict), the one report."""
     _die_with_parent()
     from . import pool, pool_launched
     from .settings import Settings
 
     pool.keep_sigterm()
-    world = pool_launched.LaunchedPool(pool_launched.connect(Settings.from_env().timeout), launch)
+    s = Settings.from_dict(settings)
+    world = pool_launched.LaunchedPool(pool_launched.connect(s.timeout), launch, s)
     pool.set_launched(world)
     import pytest
 
@@ -98,40 +98,36 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun stops a failed run's ranks with SIGTERM: print where each was first (chain: then die of it)
     faulthandler.enable()
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-    if os.environ.get(CONTROLLER):
-        return controller(argv, json.loads(os.environ[CONTROLLER]))
+    from .settings import Settings, SettingError, child_environ, env_of, install, launcher_var
+
+    if launcher_var(CONTROLLER):
+        sent = json.loads(launcher_var(CONTROLLER))
+        return controller(argv, sent["launch"], sent["settings"])
     from . import pool_launched
 
     env = pool_launched.launched_env()
     if env is None:
         print(HOW, file=sys.stderr)
-        from .settings import KNOBS
-
-        env = {k.field: k.env for k in KNOBS}  # alone: world 1 only (the knobs' names have one home)
-        os.environ[env["min_world"]] = os.environ[env["max_world"]] = "1"
-        import pytest
-
-        return int(pytest.main(pytest_args(argv)))
-    from .settings import Settings, SettingError
-
+        # alone: world 1 only, in a pytest of its own whose environment says so (this one's is left as it is)
+        one = {env_of("min_world"): "1", env_of("max_world"): "1"}
+        return subprocess.run([sys.executable, "-m", "pytest", *pytest_args(argv)], env={**child_environ(), **one}).returncode
     try:
-        backend = Settings.from_env(backend=_option(argv, "--verify-backend"),
-                                    device=_option(argv, "--verify-device")).backend
+        s = install(Settings.from_env(backend=_option(argv, "--verify-backend"), device=_option(argv, "--verify-device")))
     except SettingError as e:
         print(f"verify.run: error: {e}", file=sys.stderr)
         return 4
     from . import comm
 
-    comm.enable(nccl=backend == "nccl")  # before torch.distributed creates the group
-    ctx, store = pool_launched.start(backend)
+    comm.enable(nccl=s.backend == "nccl")  # before torch.distributed creates the group
+    ctx, store = pool_launched.start(s.backend, s)
     if ctx.rank != 0:
-        return pool_launched.serve(ctx, store) or 0
+        return pool_launched.serve(ctx, store, settings=s) or 0
     # The controller: a fresh process with no process group (the gates of one process build their trainers in
     # it, and a trainer that sees an initialized world of W would join it) and no launched rank's variables.
-    child_env = {k: v for k, v in os.environ.items() if k not in pool_launched.LAUNCH_VARS[:6]}
-    child_env[CONTROLLER] = json.dumps(pool_launched.describe(env, backend))
+    child_env = child_environ(drop=pool_launched.LAUNCH_VARS[:6])
+    child_env[CONTROLLER] = json.dumps(dict(launch=pool_launched.describe(env, s.backend), settings=s.to_dict()))
     child = subprocess.Popen([sys.executable, "-m", "verify.run", *argv], env=child_env)
-    if pool_launched.serve(ctx, store, alive=lambda: child.poll() is None) is None:
+    if pool_launched.serve(ctx, store, alive=lambda: child.poll() is None, settings=s) is None:
         print(f"verify.run: the controller ended ({child.returncode}) without stopping the ranks", file=sys.stderr)
         return child.returncode or 1
     return child.wait()

@@ -1,9 +1,20 @@
 """One settings object: every knob a verify run reads from the environment, defined once, checked up front.
 
-    s = Settings.from_env()                               # the environment (os.environ)
-    s = Settings.from_env(backend="nccl", device=None)    # a command-line option wins over its variable
+    s = Settings.from_env(backend="nccl", device=None)    # the entry point: an option wins over its variable
     s.check_machine()                                     # cuda / nccl need a GPU: a SettingError now
-    s.export()                                            # children (xdist workers, ranks, subprocesses)
+    install(s)                                            # this process's one Settings, set once
+    current()                                             # what the library reads (or an argument it was given)
+
+Settings are built ONCE per process, by its entry point: the pytest plugin (from pytest's options, the
+environment under them), the CLIs (verify.selftest, verify.run, verify.gpu_gate), and a pool rank from the
+parent's Settings pickled into it (verify/pool.py: never re-read from the rank's environment). Everything
+below takes them as an argument where its caller has them, else `current()`. A process no entry point
+started (a script calling verify's API) gets the environment's on first use of current(), once.
+A child process gets them as command-line options or in the fresh `env=` mapping built for it
+(`child_environ`, `Settings.export(mapping)`); nothing writes this process's environment to steer another
+module. This module is the one that touches os.environ: the knobs, the launcher's variables
+(`launcher_var`), a child's mapping, and `set_library_env`, the one writer, for what torch and friends read
+in-process.
 
 KNOBS is the table (field, variable, default, what it does) the user guide lists; tests/harness/test_settings.py
 holds the guide to it. Bad values raise SettingError (a ValueError) whose message is one line naming the
@@ -20,12 +31,15 @@ Bottom layer: stdlib only; torch is imported inside the functions that need it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
-__all__ = ["Settings", "SettingError", "Knob", "KNOBS", "check_report_dir", "env_of", "knobs_table", "usable_cores", "cuda_setup", "fp32_only", "DEVICES", "BACKENDS", "POOL_STARTS"]
+__all__ = ["Settings", "SettingError", "Knob", "KNOBS", "check_report_dir", "env_of", "knobs_table", "usable_cores",
+           "cuda_setup", "fp32_only", "DEVICES", "BACKENDS", "POOL_STARTS", "install", "current", "using",
+           "launcher_var", "child_environ", "set_library_env"]
 
 DEVICES, BACKENDS, POOL_STARTS = ("cpu", "cuda"), ("gloo", "nccl"), ("forkserver", "spawn")
 
@@ -69,6 +83,7 @@ KNOBS = (
     Knob("git_commit", "XTRAIN_GIT_COMMIT", "git rev-parse HEAD", "the commit a report names (a copied tree has no .git)"),
 )
 _BY_FIELD = {k.field: k for k in KNOBS}
+_BY_ENV = {k.env: k for k in KNOBS}
 
 
 def env_of(name: str) -> str:
@@ -200,15 +215,29 @@ class Settings:
         by the world; else the whole pool, one host."""
         return min(self.ranks_per_node or world, world)
 
-    def export(self, environ=None) -> None:
-        """Write the knobs set by command-line options into their variables in `environ` (default os.environ):
-        xdist workers, pool ranks and subprocesses read them from there. Derived values (the backend that
-        follows the device) are not written: a child derives them alike, and a child given another device
-        must not inherit this one's backend."""
-        environ = os.environ if environ is None else environ
+    def to_dict(self) -> dict:
+        """Every field as resolved, and where each came from: JSON-able, what a child process of an entry point
+        gets (from_dict) instead of reading the knobs again."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"},
+                "sources": dict(self.sources)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Settings":
+        return cls(**d)
+
+    def replace(self, **changes) -> "Settings":
+        """A copy with `changes` (by field name), checked as any Settings; each named as set by its field."""
+        return replace(self, **changes, sources={**self.sources, **{k: k for k in changes}})
+
+    def export(self, environ: dict) -> dict:
+        """Write the knobs set by command-line options into their variables in `environ`, a child process's fresh
+        env mapping (never this process's: nothing here steers another module through os.environ); returns it.
+        Derived values (the backend that follows the device) are not written: a child derives them alike, and a
+        child given another device must not inherit this one's backend."""
         for name, src in self.sources.items():
             if src.startswith("--"):
                 environ[_BY_FIELD[name].env] = str(getattr(self, name))
+        return environ
 
     def setup_device(self) -> None:
         """The CUDA set-up of a gate run (plugin and self-test): deterministic algorithms (the bit-exact gates
@@ -217,10 +246,80 @@ class Settings:
             cuda_setup(deterministic=True)
 
 
+# -- this process's one Settings ------------------------------------------------------------------------------
+
+_CURRENT: Settings | None = None
+
+
+def install(s: Settings) -> Settings:
+    """Make `s` this process's Settings: called by the entry point that built them (the plugin's configure, a
+    CLI's main, a pool rank's start with its parent's copy), once. Returns `s`."""
+    global _CURRENT
+    if not isinstance(s, Settings):
+        raise TypeError(f"install() takes a Settings, got {type(s).__name__}")
+    _CURRENT = s
+    return s
+
+
+def current() -> Settings:
+    """This process's Settings, as its entry point installed them. In a process no entry point started (a script
+    that calls verify's API directly) the environment's, built on this first call and installed: once, never
+    re-read (a later change of os.environ changes nothing)."""
+    if _CURRENT is None:
+        install(Settings.from_env())
+    return _CURRENT
+
+
+@contextlib.contextmanager
+def using(s: Settings):
+    """`s` as this process's Settings inside the block, the previous ones after (tests; a benchmark comparing
+    pool start methods). Pools started inside keep `s`: a pool is built with its Settings."""
+    global _CURRENT
+    before = _CURRENT
+    install(s)
+    try:
+        yield s
+    finally:
+        _CURRENT = before
+
+
+# -- the process environment beyond the knobs: read here, written only by set_library_env --------------------
+
+def launcher_var(name: str, default: str | None = None) -> str | None:
+    """A variable a launcher or the system sets for this process (torchrun's RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR...; SLURM_JOB_ID; CUDA_VISIBLE_DEVICES; hypothesis' own HYPOTHESIS_STORAGE_DIRECTORY), or
+    `default`. Never a knob: those are Settings' fields (a TypeError says so)."""
+    if name in _BY_ENV:
+        raise TypeError(f"{name} is the variable of knob {_BY_ENV[name].field!r}: read Settings.{_BY_ENV[name].field}")
+    return os.environ.get(name, default)
+
+
+def child_environ(drop=(), drop_prefixes=()) -> dict:
+    """A fresh copy of this process's environment, for a child process's `env=` (less the names in `drop` and
+    those starting with `drop_prefixes`): a subprocess is steered through its own mapping, never os.environ."""
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(tuple(drop_prefixes))}
+
+
+def set_library_env(values: dict, *, keep_set: bool = False) -> None:
+    """The one writer of this process's environment, for variables a library reads IN-PROCESS, where no argument
+    reaches it: in a freshly started rank, torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (Accelerate
+    decides on data parallelism from them) and OMP_NUM_THREADS (verify/pool_worker.py); TORCH_FR_BUFFER_SIZE
+    (torch sizes the flight recorder from it when a process group is made: verify/comm.py); CUBLAS_WORKSPACE_CONFIG
+    (cuBLAS, which is not deterministic without it: cuda_setup); a probe's rendezvous variables (env:// init,
+    verify/memory/_zygote.py); what a framework's teardown removed from a rank (verify/pull.py). Never a knob, never
+    to steer verify's own modules. keep_set: a variable already set keeps its value."""
+    for k, v in values.items():
+        if keep_set and k in os.environ:
+            continue
+        if k in _BY_ENV:
+            raise TypeError(f"{k} is the variable of knob {_BY_ENV[k].field!r}: pass Settings, not the environment")
+        os.environ[k] = str(v)
+
+
 def cuda_setup(deterministic: bool) -> None:
     """The one CUDA set-up (a gate run's process, a NCCL pool rank): cuBLAS's workspace setting, without which
     it cannot be deterministic; deterministic algorithms where asked; TF32 off (fp32_only)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    set_library_env({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, keep_set=True)
     import torch
 
     if deterministic:

@@ -66,11 +66,12 @@ def gate_budget(gate: str, n: int | None = None) -> int:
     return max(GATE_MIN_EXAMPLES, budget(*GATE_BUDGETS[gate], n=n))
 
 
-def gate_device() -> str:
-    """--verify-device / XTRAIN_TEST_DEVICE: cuda runs the gates on the GPU; default cpu."""
-    from .settings import Settings
+def gate_device(settings=None) -> str:
+    """--verify-device / XTRAIN_TEST_DEVICE of `settings` (default this process's, settings.current()): cuda runs
+    the gates on the GPU; default cpu. Every strategy takes `device=` to draw another."""
+    from .settings import current
 
-    return Settings.from_env().device
+    return (settings or current()).device
 
 
 def _options_strategy(adapter):

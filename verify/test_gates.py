@@ -50,7 +50,7 @@ def test_accum1_bit_identical_to_plain(verify_adapter):
 
 
 @pytest.mark.distributed
-def test_split_invariance_on_padded_windows(verify_adapter):
+def test_split_invariance_on_padded_windows(verify_adapter, verify_settings):
     """Adapters with an ignore_index: a padded window (empty sequences, micro-batches, ranks included) gives
     the float64 big batch's token mean under every (N, B, W) split of its rows."""
     from .gates.distributed import max_world
@@ -61,7 +61,7 @@ def test_split_invariance_on_padded_windows(verify_adapter):
                   f"(declare @verify.adapter(ignore_index=-100) for a token-weighted trainer)")
         report.skip(Gate.SPLIT_INVARIANCE, reason)
         pytest.skip(reason)
-    worlds = max_world() if verify_adapter.data_parallel else 1
+    worlds = max_world(verify_settings) if verify_adapter.data_parallel else 1
     hard = corners(verify_adapter, "split_invariance")
 
     # N ≥ 2 so the window has a split; some padding, so its micro-batches' valid-target counts differ

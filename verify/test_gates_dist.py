@@ -29,9 +29,9 @@ def _data_parallel(adapter):
 
 
 
-def test_data_parallel_boundary_only_and_equivalent(verify_adapter):
+def test_data_parallel_boundary_only_and_equivalent(verify_adapter, verify_settings):
     _data_parallel(verify_adapter)
-    lo, hi = min_world(verify_adapter), max_world()
+    lo, hi = min_world(verify_adapter, verify_settings), max_world(verify_settings)
     hard = corners(verify_adapter, "data_parallel", min_world=lo, max_world=hi)
 
     @settings(max_examples=random_budget("data_parallel", hard), deadline=None)
@@ -43,16 +43,16 @@ def test_data_parallel_boundary_only_and_equivalent(verify_adapter):
     with_corners(gates, hard)()
 
 
-def test_bytes_per_step_independent_of_N(verify_adapter):
+def test_bytes_per_step_independent_of_N(verify_adapter, verify_settings):
     """The same case at N and at N=1 over the SAME global window (N·B rows per rank in one micro-step;
     padded cases keep their lengths): the same boundary collectives and bytes in every step."""
     _data_parallel(verify_adapter)
-    if max_world() < 2:
+    if max_world(verify_settings) < 2:
         reason = "needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)"
         report.skip(Gate.BYTES_PER_STEP, reason)
         pytest.skip(reason)
 
-    lo, hi = max(2, min_world(verify_adapter)), max_world()
+    lo, hi = max(2, min_world(verify_adapter, verify_settings)), max_world(verify_settings)
     hard = corners(verify_adapter, "bytes_per_step", min_world=lo, max_world=hi)
 
     @settings(max_examples=random_budget("bytes_per_step", hard), deadline=None)
@@ -63,7 +63,7 @@ def test_bytes_per_step_independent_of_N(verify_adapter):
     with_corners(same_bytes, hard)()
 
 
-def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapter):
+def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapter, verify_settings):
     """fp16: window 0 of K=2 overflows in ONE drawn micro-step on ONE drawn rank (verify/gates/overflow.py).
     One process (the GPU gate's CUDA step) runs it in test_gates.py."""
     hook, why = overflow_hook(verify_adapter)
@@ -72,8 +72,8 @@ def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapte
         pytest.skip(why)
     if not verify_adapter.data_parallel:
         pytest.skip("not data-parallel: test_gates.py runs the overflow gate in one process")
-    top = max_world()
-    lo = min(min_world(verify_adapter), top)
+    top = max_world(verify_settings)
+    lo = min(min_world(verify_adapter, verify_settings), top)
     # first the overflow on the LAST rank of the top world: drawn, the rank shrinks to 0, where a skip decided
     # by rank 0 alone is right
     hard = corners(verify_adapter, "overflow", min_world=lo, max_world=top)

@@ -20,25 +20,25 @@ from .verdict import Gate
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
 
 
-def _mesh(adapter, gate: Gate):
+def _mesh(adapter, gate: Gate, s):
     if not adapter.mesh_axes:
         reason = f"{adapter.name} declares no mesh axes (Adapter(mesh_axes=('pp',) | ('tp',) | ...))"
         report.skip(gate, reason)
         pytest.skip(reason)
-    if max_world() < 2:
+    if max_world(s) < 2:
         reason = "needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)"
         report.skip(gate, reason)
         pytest.skip(reason)
-    if not mesh_worlds(adapter, max(2, min_world()), max_world()):
-        reason = (f"{adapter.name}: no mesh of {max(2, min_world())}..{max_world()} ranks over {adapter.mesh_axes} "
+    if not mesh_worlds(adapter, max(2, min_world(settings=s)), max_world(s)):
+        reason = (f"{adapter.name}: no mesh of {max(2, min_world(settings=s))}..{max_world(s)} ranks over {adapter.mesh_axes} "
                   f"within its mesh_sizes {adapter.mesh_sizes} (XTRAIN_DIST_MAX_WORLD)")
         report.skip(gate, reason)
         pytest.skip(reason)
 
 
-def test_mesh_equivalent(verify_adapter):
-    _mesh(verify_adapter, Gate.MESH_EQUIVALENCE)
-    lo, hi = max(2, min_world()), max_world()
+def test_mesh_equivalent(verify_adapter, verify_settings):
+    _mesh(verify_adapter, Gate.MESH_EQUIVALENCE, verify_settings)
+    lo, hi = max(2, min_world(settings=verify_settings)), max_world(verify_settings)
     hard = corners(verify_adapter, "mesh", min_world=lo, max_world=hi)
 
     @settings(max_examples=random_budget("mesh", hard), deadline=None)
@@ -50,11 +50,11 @@ def test_mesh_equivalent(verify_adapter):
     with_corners(gates, hard)()
 
 
-def test_mesh_split_invariance(verify_adapter):
+def test_mesh_split_invariance(verify_adapter, verify_settings):
     """One window (N = chunks × outer micro-steps of B rows per rank of the world) on every mesh of one
     world over the adapter's axes: each gives the 1×1×1 big batch's step."""
-    _mesh(verify_adapter, Gate.MESH_SPLIT_INVARIANCE)
-    lo, hi = max(2, min_world()), max_world()
+    _mesh(verify_adapter, Gate.MESH_SPLIT_INVARIANCE, verify_settings)
+    lo, hi = max(2, min_world(settings=verify_settings)), max_world(verify_settings)
     hard = corners(verify_adapter, "mesh_split", min_world=lo, max_world=hi)
 
     @settings(max_examples=random_budget("mesh_split", hard), deadline=None)

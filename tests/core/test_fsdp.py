@@ -53,12 +53,12 @@ def test_a_window_without_a_valid_token_skips_clippings_all_reduce():
     assert m and int(m[2]) == int(m[1]) + 1, str(e.value)
 
 
-def test_the_row_names_reduce_scatter_on_nccl_and_all_reduce_on_gloo(monkeypatch):
+def test_the_row_names_reduce_scatter_on_nccl_and_all_reduce_on_gloo(settings_with):
     case = Case(accum_steps=4, micro_batch=2, steps=1, world=2, options=TWO_BLOCKS)
-    monkeypatch.setenv("XTRAIN_DIST_BACKEND", "gloo")  # the row follows the backend the run uses
+    settings_with(backend="gloo")  # the row follows the backend the run uses
     gloo = xtrain.fsdp2_row(case)
     assert gloo.before == {"all_gather": 6} and gloo.boundary == {"all_gather": 6, "all_reduce": 4}
-    monkeypatch.setenv("XTRAIN_DIST_BACKEND", "nccl")
+    settings_with(backend="nccl")
     nccl = xtrain.fsdp2_keep_row(case)
     assert nccl.before == {"all_gather": 3} and nccl.boundary == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 1}
     P = TWO_BLOCKS.model.n_params

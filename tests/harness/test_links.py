@@ -8,15 +8,14 @@ from tests.helpers import hsdp_adapters
 from verify.case import Case
 from verify.gates import check_distributed
 from verify.gates.distributed import max_world
-from verify.settings import env_of
 
 pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(max_world() < 4, reason="needs world ≥ 4 (XTRAIN_DIST_MAX_WORLD / GPUs)")]
 CASE = Case(accum_steps=3, micro_batch=1, steps=2, world=4)  # 2 nodes × 2 ranks
 
 
-def test_hsdp_passes_its_per_link_row_and_its_boundary_bytes_split_by_link(monkeypatch):
-    monkeypatch.setenv(env_of("ranks_per_node"), "2")
+def test_hsdp_passes_its_per_link_row_and_its_boundary_bytes_split_by_link(settings_with):
+    settings_with(ranks_per_node=2)
     r = check_distributed(hsdp_adapters.hsdp, CASE)  # boundary-only by its row, then data-parallel equivalence
     P = r.extra["comm"].grad_elements
     # at the boundary: one all-reduce within the node and one across nodes, each the gradient + the loss, fp32

@@ -14,7 +14,6 @@ from verify.gates.distributed import max_world
 from verify.gates.mesh import check_mesh
 from verify.gates.windows import check_long_window, check_partial_sums, check_split_invariance
 from verify.protocol import Adapter
-from verify.settings import env_of
 from verify.verdict import Gate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,11 +38,10 @@ def _param(b):
 
 
 @pytest.mark.parametrize("bug", [_param(b) for b in planted.PLANTED if b.gate in RUN])
-def test_its_gate_rejects_it(bug, monkeypatch):
+def test_its_gate_rejects_it(bug, settings_with):
     if bug.needs:
         pytest.importorskip(bug.needs)
-    for name, value in bug.knobs:  # read where the gate runs (pools are keyed by them)
-        monkeypatch.setenv(env_of(name), str(value))
+    settings_with(**dict(bug.knobs))  # the Settings the gate runs under (pools are keyed by them)
     adapter = bug.load()  # tests/helpers/ ones by reference
     with pytest.raises(GateFailure) as e:
         (check_mesh if bug.case.mesh is not None else RUN[bug.gate])(adapter, bug.case, *bug.args)  # one mesh gate

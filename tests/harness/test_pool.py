@@ -53,8 +53,8 @@ def test_failing_rank_traceback_in_the_error():
 
 
 @pytest.mark.slow  # waits out a job timeout
-def test_hung_job_times_out_with_stack_dumps(monkeypatch):
-    monkeypatch.setenv("XTRAIN_DIST_TIMEOUT", "2")
+def test_hung_job_times_out_with_stack_dumps(settings_with):
+    settings_with(timeout=2)
     pool = RankPool(2)
     t0 = time.monotonic()
     with pytest.raises(DistTimeout) as e:
@@ -159,7 +159,7 @@ def test_folders_of_sigkilled_owners_are_reclaimed_by_the_next_pool(tmp_path):
         live.communicate()
 
 
-def test_ranks_fork_with_the_trainer_module_already_imported(monkeypatch):
+def test_ranks_fork_with_the_trainer_module_already_imported():
     """On the cpu the gloo pool's forkserver imports the module load_adapter imported, so no rank imports a framework
     again; on cuda it does not (a module touching CUDA at import would break its forks). A fresh process: the
     forkserver's preload is fixed when it starts."""
@@ -174,5 +174,6 @@ def test_ranks_fork_with_the_trainer_module_already_imported(monkeypatch):
     assert r.stdout.split() == ["True", "examples.mlp_regressor"], r.stdout
     from verify.pool import PRELOAD, _preload
 
-    monkeypatch.setenv("XTRAIN_TEST_DEVICE", "cuda")
-    assert _preload() == PRELOAD
+    from verify.settings import current
+
+    assert _preload(current().replace(device="cuda")) == PRELOAD

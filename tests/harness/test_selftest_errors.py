@@ -63,10 +63,10 @@ def test_a_mutant_that_raises_is_an_error_and_never_a_kill():
 
 @pytest.mark.slow  # ~25 s: pools of worlds 1 and 2, and a 3 s timeout with its stack dumps
 @pytest.mark.distributed
-def test_a_pool_job_that_times_out_is_an_error(monkeypatch):
+def test_a_pool_job_that_times_out_is_an_error(settings_with):
     """Rank 1 hangs at world 2: the job's DistTimeout (XTRAIN_DIST_TIMEOUT=3) is the unwrapped trainer's error at
     W=2, and divide_by_world_twice (which exists only at W ≥ 2) is an error, not a kill."""
-    monkeypatch.setenv("XTRAIN_DIST_TIMEOUT", "3")
+    settings_with(timeout=3)
     res = run_selftest(erring_adapters.hangs, max_world=2, operators=["divide_by_world_twice"])
     assert res.score == "0/1" and res.exit_code == 3 and res.rows["divide_by_world_twice"]["verdict"] == ERROR
     (line,) = res.error_lines()

@@ -120,3 +120,24 @@ def has_module(ctx, name="examples.mlp_regressor"):
     import sys
 
     return name in sys.modules
+
+
+def settings_seen(ctx) -> tuple:
+    """The Settings a rank runs under (settings.current(), as a dict) and the knob variables of its own
+    environment: a rank uses its parent's Settings whatever its environment says."""
+    import os
+
+    from verify.settings import KNOBS, current
+
+    return current().to_dict(), {k.env: os.environ.get(k.env) for k in KNOBS}
+
+
+def verdict_of(adapter, case, device):
+    """A single-process "gate" (verify.gates.single.gate_job's callable): its verdict as `adapter` names it."""
+    from verify.verdict import Gate, GateFailure, GateResult, GateSkipped
+
+    if adapter == "skip":
+        raise GateSkipped("does not apply here")
+    if adapter == "fail":
+        raise GateFailure("[equivalence] differs", gate=Gate.EQUIVALENCE, error=2.0, bound=1.0, hint="a hint")
+    return GateResult(Gate.EQUIVALENCE, case, "loss", 0.5)

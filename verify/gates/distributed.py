@@ -28,7 +28,7 @@ import torch
 from ..case import Case, Trace, block_grads, drive, twin
 from ..comm import INTER, INTRA, Collective, Windows, group_links, link_of
 from ..pool import get_pool, launched
-from ..settings import Settings
+from ..settings import Settings, current
 from ..verdict import Gate, GateFailure, GateResult, GateSkipped
 from .counts import SCALARS, CountRow, check_step, declared_row
 from .diagnose import determinism
@@ -41,14 +41,15 @@ DTYPES = (torch.float32, torch.float64)
 F32, F64 = str(torch.float32), str(torch.float64)
 
 
-def max_world() -> int:
-    """World sizes the suite draws up to: XTRAIN_DIST_MAX_WORLD (default 4), capped by GPUs under NCCL; under
-    a launcher (verify.run) the launched world, whatever the box's GPUs."""
+def max_world(settings: Settings | None = None) -> int:
+    """World sizes the suite draws up to under `settings` (default settings.current()): XTRAIN_DIST_MAX_WORLD
+    (default 4), capped by GPUs under NCCL; under a launcher (verify.run) the launched world, whatever the box's
+    GPUs. A value the gate tests pass on to the strategies (dist_cases(max_world=...))."""
     world = getattr(launched(), "world", None)
-    return world or Settings.from_env().world_cap()
+    return world or (settings or current()).world_cap()
 
 
-def min_world(adapter=None) -> int:
+def min_world(adapter=None, settings: Settings | None = None) -> int:
     """The smallest world the suite draws: XTRAIN_DIST_MIN_WORLD (default 1), e.g. 8 to run only world 8. Under
     a launcher the launched world too, unless `adapter` declares subgroups (it reduces over Spec.group): then
     the worlds below run on subgroups of the launched ranks (LaunchedPool.sub), world 1 in a one-rank pool on
@@ -56,7 +57,8 @@ def min_world(adapter=None) -> int:
     world = getattr(launched(), "world", None)
     if world and not getattr(adapter, "subgroups", False):
         return world
-    return min(Settings.from_env().min_world, max_world())
+    s = settings or current()
+    return min(s.min_world, max_world(s))
 
 
 # -- what runs on the ranks ----------------------------------------------------------------------------

@@ -75,13 +75,13 @@ _GATES = {Gate.EQUIVALENCE: _equivalence, Gate.BIT_EXACT: _bit_exact}
 
 def gate_job(ctx, name, adapter, case: Case):
     """On a pool rank: run one single-process gate there (a Gate of _GATES, or a module-level function
-    (adapter, case, device) -> GateResult); failures come back as values, not tracebacks."""
+    (adapter, case, device) -> GateResult). Returns the verdict itself, pickled back to the parent: the
+    GateResult, or the GateFailure (with its fields: gate, case, error, bound, hint) or GateSkipped it raised —
+    a value, not a traceback."""
     try:
-        return "ok", _GATES.get(name, name)(adapter, case, str(ctx.device))
-    except GateFailure as e:
-        return "fail", e  # pickles with its fields (gate, case, error, bound, hint)
-    except GateSkipped as e:
-        return "skip", str(e)
+        return _GATES.get(name, name)(adapter, case, str(ctx.device))
+    except (GateFailure, GateSkipped) as e:
+        return e
 
 
 def run_alone(name, adapter, case: Case, pool=None) -> GateResult:
@@ -93,12 +93,10 @@ def run_alone(name, adapter, case: Case, pool=None) -> GateResult:
         return _GATES.get(name, name)(adapter, case, case.device)
     from ..pool import get_pool
 
-    kind, value = (pool or get_pool(1)).run(gate_job, name, adapter, case)[0]
-    if kind == "fail":
-        raise value
-    if kind == "skip":
-        raise GateSkipped(value)
-    return value
+    verdict = (pool or get_pool(1)).run(gate_job, name, adapter, case)[0]
+    if isinstance(verdict, (GateFailure, GateSkipped)):
+        raise verdict  # raised here as in one process: the same message, the same fields
+    return verdict
 
 
 def check_equivalence(adapter, case: Case, *, pool=None) -> GateResult:

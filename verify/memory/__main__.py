@@ -8,7 +8,7 @@ import sys
 
 from .._cli import fail
 from ..protocol import AdapterError, load_adapter
-from ..settings import default_trainer
+from ..settings import default_trainer, launcher_var
 from .cli import Wing
 from .cli import main as _main
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(launcher_var("WORLD_SIZE", "1")) > 1:
         # gloo's teardown at interpreter exit sometimes aborts the process after a clean run; the group is
         # already destroyed and the report written, so leave without running it
         sys.stdout.flush()

@@ -33,18 +33,20 @@ import sys
 import time
 import traceback
 
+from verify.settings import launcher_var, set_library_env
+
 MARK = "MEMPROBE_RESULT "
 
 
 def measure_request(req: dict) -> dict:
     """Measure one configuration in the current (fresh) process."""
-    os.environ.update(req.get("env") or {})
+    set_library_env(req.get("env") or {})  # a fresh probe process: torch.distributed's env:// reads them
     import torch
 
     torch.set_num_threads(req["threads"])
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(launcher_var("WORLD_SIZE", "1"))
     if world > 1:
         import datetime
 

@@ -31,7 +31,6 @@ per-rank peaks. Thresholds and what each figure includes: docs/design.md, "Peak 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import time
@@ -42,6 +41,7 @@ from typing import Callable
 
 from .._cli import (Parser, Progress, UsageError, check_fits, fail, int_at_least, positive_int, resolve_device,
                     writable_dir)
+from ..settings import launcher_var
 from .plan import Plan, plan_configs
 
 
@@ -148,7 +148,7 @@ def main(argv=None, wing: Wing | None = None) -> int:
     """The command line: `python -m verify.memory` is main(wing=xtrain's)."""
     wing = wing or Wing()
     args = parse_args(argv, wing)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(launcher_var("RANK", "0"))
     try:
         plan = build_plan(args, wing)
     except UsageError as e:
@@ -209,7 +209,7 @@ def resolve_adapter(name: str, wing: Wing, flag: str = "--trainer"):
 def _device(name: str, world: int):
     import torch
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = int(launcher_var("LOCAL_RANK", "0"))
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local if world > 1 else 0)
@@ -254,8 +254,8 @@ def build_plan(args, wing: Wing | None = None) -> Plan:
     flag = getattr(args, "trainer_flag", None) or "--trainer"
     if args.trainer is None:
         raise UsageError("--trainer MODULE:FACTORY is required: name the adapter to measure (e.g. mypkg.train:adapter)")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    world = int(launcher_var("WORLD_SIZE", "1"))
+    rank = int(launcher_var("RANK", "0"))
     device = _device(args.device, world)
     E = args.effective_batch
     if E % world:

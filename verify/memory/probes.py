@@ -16,13 +16,14 @@ A probe has `start()` and `stop() -> dict` (its figures; `peak_bytes` is the one
 from __future__ import annotations
 
 import gc
-import os
 import resource
 import sys
 import threading
 import time
 
 import torch
+
+from ..settings import launcher_var
 
 __all__ = ["ProbeUnavailable", "RssProbe", "CudaProbe", "NvmlSampler", "cuda_full_reset", "probe_definition",
            "tensor_bytes", "optimizer_info", "optimizer_state_bytes", "one_line", "saved_activation_bytes"]
@@ -131,7 +132,7 @@ def nvml_index_for(device: torch.device):
             return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
         except Exception:  # noqa: BLE001
             pass
-    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+    if launcher_var("CUDA_VISIBLE_DEVICES") is not None:
         raise ProbeUnavailable(f"cannot map torch device {device} to an NVML device (CUDA_VISIBLE_DEVICES is set)")
     return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
 

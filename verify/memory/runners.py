@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..settings import child_environ, launcher_var
 from .plan import Config, Plan, byte_unit
 
 
@@ -28,10 +29,9 @@ def package_root() -> str:
 def _zygote_env(plan: Plan) -> dict:
     # nothing of torchrun's rendezvous: a probe process that needs a group gets its own (request env);
     # TORCHELASTIC_USE_AGENT_STORE in particular would make it wait for a store nobody serves
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith(("LOCAL_", "GROUP_", "ROLE_", "TORCHELASTIC_"))}
-    env["PYTHONPATH"] = os.pathsep.join([package_root(), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = child_environ(drop=("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+                        drop_prefixes=("LOCAL_", "GROUP_", "ROLE_", "TORCHELASTIC_"))
+    env["PYTHONPATH"] = os.pathsep.join([package_root(), *filter(None, [launcher_var("PYTHONPATH")])])
     # glibc: a fixed mmap threshold stops it raising the threshold after large frees, so tensor-sized
     # blocks are always mmap'ed and unmapped on free: RSS follows live tensors (see RssProbe).
     env["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
@@ -90,7 +90,7 @@ class CpuProbeServer:
                    data_seed=1 + p.rank, threads=p.threads, timeout=self.timeout)
         if p.world > 1:
             req["env"] = dict(RANK=str(p.rank), WORLD_SIZE=str(p.world), LOCAL_RANK=str(p.rank),
-                              MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
+                              MASTER_ADDR=launcher_var("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port))
         return req
 
     def run(self, c: Config, port: int | None = None) -> dict:

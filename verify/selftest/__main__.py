@@ -56,7 +56,7 @@ def max_world_bound(s) -> tuple[int, str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from ..protocol import AdapterError, load_adapter
-    from ..settings import Settings, SettingError, check_report_dir, trainer_ref
+    from ..settings import Settings, SettingError, check_report_dir, install, trainer_ref
 
     try:  # every option checked here, before anything runs or is written
         s = Settings.from_env(device=args.verify_device, backend=args.verify_backend)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     except (SettingError, AdapterError) as e:
         fail(str(e))
     out, device = os.path.abspath(args.verify_report), s.device
-    s.export()
+    install(s)  # this process's Settings: its pools (and their ranks, pickled) and strategies read these
     s.setup_device()
     import torch
 
