@@ -61,7 +61,7 @@ def counts(case):
     rows = {"tp": verify.CountRow("Rowwise", before=tp, boundary=tp)}
     if case.mesh.dp > 1:
         gather = {"all_gather": 1}
-        if verify.Settings.from_env().backend == "nccl":
+        if verify.Settings.current().backend == "nccl":
             boundary = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
         else:
             boundary = {"all_gather": 1, "all_reduce": 2}

@@ -1,33 +1,12 @@
-"""One settings object: every knob a verify run reads from the environment, defined once, checked up front.
+"""One settings object: every knob of a verify run, defined once (KNOBS), checked up front, built ONCE per process
+by its entry point and passed down; this module is the only one that touches os.environ.
 
     s = Settings.from_env(backend="nccl", device=None)    # the entry point: an option wins over its variable
     s.check_machine()                                     # cuda / nccl need a GPU: a SettingError now
-    install(s)                                            # this process's one Settings, set once
-    current()                                             # what the library reads (or an argument it was given)
+    install(s)                                            # this process's one Settings
+    current()                                             # what the library reads, where no argument brings them
 
-Settings are built ONCE per process, by its entry point: the pytest plugin (from pytest's options, the
-environment under them), the CLIs (verify.selftest, verify.run, verify.gpu_gate), and a pool rank from the
-parent's Settings pickled into it (verify/pool.py: never re-read from the rank's environment). Everything
-below takes them as an argument where its caller has them, else `current()`. A process no entry point
-started (a script calling verify's API) gets the environment's on first use of current(), once.
-A child process gets them as command-line options or in the fresh `env=` mapping built for it
-(`child_environ`, `Settings.export(mapping)`); nothing writes this process's environment to steer another
-module. This module is the one that touches os.environ: the knobs, the launcher's variables
-(`launcher_var`), a child's mapping, and `set_library_env`, the one writer, for what torch and friends read
-in-process.
-
-KNOBS is the table (field, variable, default, what it does) the user guide lists; tests/harness/test_settings.py
-holds the guide to it. Bad values raise SettingError (a ValueError) whose message is one line naming the
-option or variable, the value and the fix; entry points turn it into their usage error (the CLIs: exit 2;
-the pytest plugin: pytest's usage error, exit 4, like pytest's own options).
-
-The backend follows the device, for the plugin and the self-test alike: NCCL on CUDA, gloo on the CPU.
-A gloo rank runs on the CPU (verify/pool_worker.py), so gloo under `--verify-device cuda` would prove
-the data-parallel gates, and any adapter that needs a process group even alone, on the CPU while the
-user asked for the GPU. torch's own default (`init_process_group()` with no backend) pairs them the
-same way. `--verify-backend` / XTRAIN_DIST_BACKEND still choose either.
-
-Bottom layer: stdlib only; torch is imported inside the functions that need it.
+The flow, the backend pairing and the knob table's docs: docs/design/layout.md ("Settings").
 """
 from __future__ import annotations
 
@@ -163,6 +142,11 @@ class Settings:
         if src is None:
             return f"{name}={v!r}"
         return f"{src} {v}" if src.startswith("--") else f"{src}={v}"
+
+    @staticmethod
+    def current() -> "Settings":
+        """This process's Settings (what a run was started with): for an adapter that branches on a knob."""
+        return current()
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "Settings":
