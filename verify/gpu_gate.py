@@ -1,30 +1,11 @@
 """python -m verify.gpu_gate [--out DIR] [--profile gpu|ci|dev] [--max-world W] [--no-memory] [--backend nccl|gloo]
                             [--trainer MODULE:FACTORY]
 
-The CI gate on a GPU box, one command a workflow or a person runs: it looks at the GPUs torch sees and runs
-
-  gates     the gates on CUDA (hypothesis profile gpu; deterministic algorithms, TF32 off)
-  gpu-tests the harness's own GPU tests (tests/ -m gpu), from a checkout
-  memory    python -m verify.memory --effective-batch 32 on the first GPU (peak follows one micro-batch)
-  nccl      with ≥ 2 GPUs: the data-parallel gates over NCCL, worlds 1..min(GPUs, W), rank r on cuda:r
-            (from a checkout: also xtrain's DDP, DDP-option, FSDP2 and planted-bug tests)
-
-each as a subprocess with its own log, then writes DIR/gpu-gate.json (the one report header, every step's
-exit status, time and last line) and DIR/summary.md (for $GITHUB_STEP_SUMMARY), and exits 1 if any step
-failed, 2 on bad input (no GPU, an unwritable DIR). `--trainer MODULE:FACTORY` proves your trainer instead of
-xtrain's: the gates, nccl and launched steps get it (--verify-trainer), run from the current directory; the
-steps of xtrain's own (its GPU tests, the memory probe, the checkout's NCCL tests) are left out.
-
-Under torchrun (`torchrun --nnodes M --nproc-per-node G ... -m verify.gpu_gate --out DIR`) it adds the worlds
-above the box's GPUs: rank 0 runs the steps above on its node while the other ranks wait on torchrun's store,
-touching no GPU; then every rank starts `python -m verify.run` (verify/run.py) in the launched world:
-
-  launched  the data-parallel gates at the launched world (M·G ranks, rank r on cuda:LOCAL_RANK; the worlds below
-            it on its subgroups for adapters that declare subgroups, xtrain's included), --backend
-            nccl (default), or gloo for a dry run of the launch itself on CPU ranks
-
-and gpu-gate.json records the launch (nodes, ranks per node, backend, rendezvous). Rank 0's exit status is
-the gate's; torchrun stops every rank when one fails.
+The CI gate on a GPU box: the shipped gates on CUDA (profile gpu), the memory probe on the first GPU, and with
+≥ 2 GPUs the data-parallel gates over NCCL; each step a subprocess with its own log, then DIR/gpu-gate.json and
+DIR/summary.md; exit 1 if a step failed, 2 on bad input. `--trainer` proves your trainer (the memory step is
+then left out). Under torchrun it adds the launched world (verify.run) above the box's GPUs. A repository adds
+its own steps through main(extra=...) (this one's: tools/gpu_gate.py). Details: docs/design/distributed.md.
 """
 from __future__ import annotations
 
@@ -38,7 +19,7 @@ from ._cli import Parser, UsageError, fail, plugin_args, positive_int, writable_
 
 from .settings import Settings, SettingError, child_environ, env_of, install
 
-STEP_TIMEOUT = {"gates": 900, "gpu-tests": 600, "memory": 600, "nccl": 1200, "launched": 1800}
+STEP_TIMEOUT = {"gates": 900, "memory": 600, "nccl": 1200, "launched": 1800}  # seconds; another step: 1200
 GO = "gpu-gate/go"  # torchrun's store key rank 0 sets when the launched world may start (pool_launched.connect's prefix)
 
 
@@ -55,36 +36,26 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _checkout() -> str | None:
-    """The repository root when verify runs from a checkout (tests/ beside it), else None (installed)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return root if os.path.isdir(os.path.join(root, "tests")) and os.path.isfile(os.path.join(root, "pyproject.toml")) else None
-
-
-def plan(gpus: int, out: str, args, root: str | None, launch: dict | None = None) -> list[tuple[str, list[str], dict]]:
-    """The steps, in order: (name, command, environment). `launch` (pool_launched.describe's dict, under torchrun)
-    adds the launched step last: the command every rank runs, verify.run in the launched world."""
+def plan(gpus: int, out: str, args, launch: dict | None = None, extra=None) -> list[tuple[str, list[str], dict]]:
+    """The steps, in order: (name, command, environment). `extra(gpus, out, args, pytest, env)` adds steps of the
+    caller's own (a repository's tests: tools/gpu_gate.py) after the shipped ones; `launch` (pool_launched.describe's
+    dict, under torchrun) adds the launched step last: the command every rank runs, verify.run in the launched world."""
     py = sys.executable
     pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", *plugin_args(), "-q", "-rs"]
     trainer = getattr(args, "trainer", None)
-    root = None if trainer else root  # a user's trainer: the installed plan, from the user's directory
     pytest += ["--verify-trainer", trainer] if trainer else []
-    here = ["verify"] if root else ["--pyargs", "verify"]
     env = {env_of("hypothesis_profile"): args.profile}
-    steps = [("gates", [*pytest, *here, "-m", "not distributed", "--verify-device", "cuda", "-n", "4",
+    steps = [("gates", [*pytest, "--pyargs", "verify", "-m", "not distributed", "--verify-device", "cuda", "-n", "4",
                         "--verify-report", os.path.join(out, "gates"), "--junitxml", os.path.join(out, "gates.xml")], env)]
-    if root:
-        steps.append(("gpu-tests", [*pytest, "tests", "-m", "gpu", "--junitxml", os.path.join(out, "gpu-tests.xml")], env))
-    if not args.no_memory and not trainer:  # the probe measures xtrain's trainer
+    if not args.no_memory and not trainer:  # the probe's own default: the configured default trainer
         steps.append(("memory", [py, "-m", "verify.memory", "--effective-batch", "32", "--device", "cuda:0",
                                  "--out", os.path.join(out, "memory")], {}))
     if gpus >= 2:
-        targets = here + (["tests/harness/test_gates_dist.py", "tests/core/test_fsdp.py", "tests/harness/test_ddp_modes.py"] if root else [])
-        targets = [t for t in targets if root is None or t.startswith("-") or os.path.exists(os.path.join(root, t))]
-        steps.append(("nccl", [*pytest, *targets, "-m", "distributed", "--verify-backend", "nccl", "--verify-device",
-                               "cuda", "-n", "2", "--verify-report", os.path.join(out, "nccl"),
-                               "--junitxml", os.path.join(out, "nccl.xml")],
-                      {**env, env_of("max_world"): str(min(gpus, args.max_world))}))
+        steps.append(("nccl", [*pytest, "--pyargs", "verify", "-m", "distributed", "--verify-backend", "nccl",
+                               "--verify-device", "cuda", "-n", "2", "--verify-report", os.path.join(out, "nccl"),
+                               "--junitxml", os.path.join(out, "nccl.xml")], {**env, **nccl_world(gpus, args)}))
+    if extra is not None:
+        steps += extra(gpus, out, args, pytest, env)
     if launch is not None:  # verify.run adds --pyargs verify and turns xdist off; its world is the launch's
         steps.append(("launched", [py, "-m", "verify.run", *pytest[3:],
                                    "-m", "distributed", "--verify-backend", launch["backend"],  # gloo ranks: the CPU
@@ -92,6 +63,11 @@ def plan(gpus: int, out: str, args, root: str | None, launch: dict | None = None
                                    "--verify-report", os.path.join(out, "launched"),
                                    "--junitxml", os.path.join(out, "launched.xml")], env))
     return steps
+
+
+def nccl_world(gpus: int, args) -> dict:
+    """A step's environment for the largest NCCL world: the box's GPUs, at most --max-world."""
+    return {env_of("max_world"): str(min(gpus, args.max_world))}
 
 
 def _last_line(path: str) -> str:
@@ -123,7 +99,7 @@ def step_environ(name: str) -> dict:
     return child_environ(drop=() if name == "launched" else LAUNCH_VARS)
 
 
-def run_steps(steps, out: str, root: str | None, before=None) -> list[dict]:
+def run_steps(steps, out: str, cwd: str, before=None) -> list[dict]:
     """Each step as a subprocess logging to DIR/<step>.log; `before(name)` is called as each one starts."""
     results = []
     for i, (name, cmd, env) in enumerate(steps):
@@ -134,13 +110,13 @@ def run_steps(steps, out: str, root: str | None, before=None) -> list[dict]:
         t0 = time.monotonic()
         with open(log, "w") as f:
             try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=root or os.getcwd(),
-                                    env={**step_environ(name), **env}, timeout=STEP_TIMEOUT[name],
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
+                                    env={**step_environ(name), **env}, timeout=STEP_TIMEOUT.get(name, 1200),
                                     preexec_fn=_die_with_parent if name == "launched" and sys.platform == "linux"
                                     else None).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
-                f.write(f"\nverify.gpu_gate: step {name} timed out after {STEP_TIMEOUT[name]} s\n")
+                f.write(f"\nverify.gpu_gate: step {name} timed out after {STEP_TIMEOUT.get(name, 1200)} s\n")
         dt = time.monotonic() - t0
         results.append(dict(step=name, command=" ".join(cmd), returncode=rc, seconds=round(dt, 1), log=log,
                             last_line=_last_line(log)))
@@ -182,19 +158,20 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def serve_launch(args, out: str, root: str | None, env: dict, s: Settings) -> int:
+def serve_launch(args, out: str, env: dict, s: Settings) -> int:
     """A launched rank other than 0: wait on torchrun's store (no deadline, no GPU touched) until rank 0 has run
     its node's steps, then be a rank of the launched world (verify.run), its output torchrun's."""
     from . import pool_launched
 
     store = pool_launched.connect(s.timeout)
     pool_launched._wait(store, GO, None)  # a store that is gone (rank 0's node failed) raises: this rank ends
-    _, cmd, step_env = plan(0, out, args, root, pool_launched.describe(env, args.backend))[-1]
-    return subprocess.run(cmd, cwd=root or os.getcwd(), env={**child_environ(), **step_env},
+    _, cmd, step_env = plan(0, out, args, pool_launched.describe(env, args.backend))[-1]
+    return subprocess.run(cmd, cwd=os.getcwd(), env={**child_environ(), **step_env},
                           preexec_fn=_die_with_parent if sys.platform == "linux" else None).returncode
 
 
-def main(argv=None) -> int:
+def main(argv=None, extra=None) -> int:
+    """The gate; `extra` adds a caller's own steps (plan()), run from the current directory."""
     args = parse_args(argv)
     out = os.path.abspath(args.out)
     from . import pool_launched
@@ -210,7 +187,7 @@ def main(argv=None) -> int:
                 raise UsageError("no CUDA GPU is visible to torch on this launched rank")
         except UsageError as e:
             fail(str(e))
-        return serve_launch(args, out, None if args.trainer else _checkout(), env, s)
+        return serve_launch(args, out, env, s)
     try:
         if not _cuda_available():
             raise UsageError("no CUDA GPU is visible to torch: this gate is for GPU runners (on a CPU box run "
@@ -226,7 +203,7 @@ def main(argv=None) -> int:
 
     from ._meta import atomic_write, header
 
-    gpus, root = torch.cuda.device_count(), None if args.trainer else _checkout()
+    gpus = torch.cuda.device_count()
     launch = pool_launched.describe(env, args.backend) if env is not None else None
     print(f"verify.gpu_gate: {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), reports in {out}"
           + (f"; launched: {_launch_text(launch)}" if launch else ""), file=sys.stderr)
@@ -235,7 +212,7 @@ def main(argv=None) -> int:
         if name == "launched":
             pool_launched.connect(s.timeout).set(GO, "1")
 
-    steps = run_steps(plan(gpus, out, args, root, launch), out, root, go)
+    steps = run_steps(plan(gpus, out, args, launch, extra), out, os.getcwd(), go)
     doc = dict(header("gpu-gate", "cuda"), out=out, gpus=gpus, profile=args.profile, steps=steps,
                passed=all(s["returncode"] == 0 for s in steps), **({"launch": launch} if launch else {}))
     atomic_write(os.path.join(out, "gpu-gate.json"), json.dumps(doc, indent=1))

@@ -9,9 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tools import gpu_gate as repo_gate
 from verify import gpu_gate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = repo_gate.repo_steps  # this checkout's steps, added by tools/gpu_gate.py
 
 
 def _names(steps):
@@ -19,18 +21,20 @@ def _names(steps):
 
 
 def test_the_plan_follows_the_gpus(tmp_path):
-    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=False)
-    one = gpu_gate.plan(1, str(tmp_path), args, ROOT)
-    assert _names(one) == ["gates", "gpu-tests", "memory"]
+    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=False, trainer=None)
+    one = gpu_gate.plan(1, str(tmp_path), args, extra=REPO)
+    assert _names(one) == ["gates", "memory", "gpu-tests"]
     gates = one[0][1]
     assert "--verify-device" in gates and "cuda" in gates and one[0][2]["HYPOTHESIS_PROFILE"] == "gpu"
-    two = gpu_gate.plan(2, str(tmp_path), args, ROOT)
-    assert _names(two) == ["gates", "gpu-tests", "memory", "nccl"]
-    name, cmd, env = two[-1]
+    two = gpu_gate.plan(2, str(tmp_path), args, extra=REPO)
+    assert _names(two) == ["gates", "memory", "nccl", "gpu-tests", "nccl-tests"]
+    name, cmd, env = two[2]
     assert "--verify-backend" in cmd and "nccl" in cmd and env["XTRAIN_DIST_MAX_WORLD"] == "2"
-    assert "tests/core/test_fsdp.py" in cmd and "tests/harness/test_ddp_modes.py" in cmd
-    installed = gpu_gate.plan(8, str(tmp_path), SimpleNamespace(profile="ci", max_world=4, no_memory=True), None)
+    name, cmd, env = two[-1]
+    assert "tests/core/test_fsdp.py" in cmd and "tests/harness/test_ddp_modes.py" in cmd and env["XTRAIN_DIST_MAX_WORLD"] == "2"
+    installed = gpu_gate.plan(8, str(tmp_path), SimpleNamespace(profile="ci", max_world=4, no_memory=True))
     assert _names(installed) == ["gates", "nccl"] and "--pyargs" in installed[0][1]
+    assert not any("tests" in " ".join(cmd) for _, cmd, _ in installed)  # the shipped gate runs only what ships
     assert installed[-1][2]["XTRAIN_DIST_MAX_WORLD"] == "4"
 
 
@@ -40,13 +44,13 @@ def test_a_bare_tree_loads_the_plugin_by_hand_and_an_installed_one_does_not(tmp_
     # registered would load it twice.
     import importlib.metadata as md
 
-    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=True)
+    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=True, trainer=None)
     monkeypatch.setattr(md, "entry_points", lambda group=None: [])
-    assert all("_xtrain_pytest.entry" in cmd for _, cmd, _ in gpu_gate.plan(2, str(tmp_path), args, ROOT)
+    assert all("_xtrain_pytest.entry" in cmd for _, cmd, _ in gpu_gate.plan(2, str(tmp_path), args, extra=REPO)
                if "pytest" in cmd)
     ep = SimpleNamespace(value="_xtrain_pytest.entry")
     monkeypatch.setattr(md, "entry_points", lambda group=None: [ep])
-    assert not any("_xtrain_pytest.entry" in cmd for _, cmd, _ in gpu_gate.plan(2, str(tmp_path), args, ROOT))
+    assert not any("_xtrain_pytest.entry" in cmd for _, cmd, _ in gpu_gate.plan(2, str(tmp_path), args, extra=REPO))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
@@ -78,7 +82,7 @@ def test_workflows_pass_actionlint():
         assert "run: bash .ci/run" in f.read()
     with open(flows[1]) as f:
         gpu = f.read()
-    assert "runs-on: [self-hosted, linux, gpu]" in gpu and "python3 -m verify.gpu_gate --out gpu-reports" in gpu
+    assert "runs-on: [self-hosted, linux, gpu]" in gpu and "python3 tools/gpu_gate.py --out gpu-reports" in gpu
     assert "GITHUB_STEP_SUMMARY" in gpu and "upload-artifact" in gpu
 
 
@@ -110,21 +114,21 @@ LAUNCH = dict(launcher="torchrun", nodes=2, ranks_per_node=4, world=8, backend="
 
 
 def test_the_plan_under_torchrun_ends_with_the_launched_world(tmp_path):
-    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=True)
-    steps = gpu_gate.plan(4, str(tmp_path), args, ROOT, LAUNCH)
-    assert _names(steps) == ["gates", "gpu-tests", "nccl", "launched"]  # the box's pools first, up to its 4 GPUs
+    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=True, trainer=None)
+    steps = gpu_gate.plan(4, str(tmp_path), args, LAUNCH, extra=REPO)
+    assert _names(steps) == ["gates", "nccl", "gpu-tests", "nccl-tests", "launched"]  # the box's pools first
     name, cmd, env = steps[-1]
     assert cmd[1:3] == ["-m", "verify.run"] and env["HYPOTHESIS_PROFILE"] == "gpu"
     assert " -m distributed --verify-backend nccl --verify-device cuda " in " ".join(cmd)
     assert "XTRAIN_DIST_MAX_WORLD" not in env  # the launched world is the world
-    gloo = gpu_gate.plan(1, str(tmp_path), args, ROOT, {**LAUNCH, "backend": "gloo"})
+    gloo = gpu_gate.plan(1, str(tmp_path), args, {**LAUNCH, "backend": "gloo"}, extra=REPO)
     assert _names(gloo) == ["gates", "gpu-tests", "launched"]
     assert "--verify-backend gloo --verify-device cpu" in " ".join(gloo[-1][1])  # gloo ranks run on the CPU
 
 
 def test_a_users_trainer_goes_to_every_gate_step_and_xtrains_own_steps_drop_out(tmp_path):
     args = SimpleNamespace(profile="gpu", max_world=4, no_memory=False, trainer="mypkg.train:factory")
-    steps = gpu_gate.plan(2, str(tmp_path), args, ROOT, LAUNCH)
+    steps = gpu_gate.plan(2, str(tmp_path), args, LAUNCH, extra=REPO)
     assert _names(steps) == ["gates", "nccl", "launched"]
     for _, cmd, _ in steps:
         assert "--verify-trainer mypkg.train:factory" in " ".join(cmd) and "tests/core/test_fsdp.py" not in cmd
@@ -195,7 +199,7 @@ def test_rank_0_runs_its_steps_then_the_launched_world_and_records_the_launch(tm
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
     monkeypatch.setattr(_meta, "header", lambda kind, device=None: dict(kind=kind, machine_info={}, utc="now"))
     out = tmp_path / "out"
-    assert gpu_gate.main(["--out", str(out), "--backend", "gloo", "--no-memory"]) == 0
+    assert gpu_gate.main(["--out", str(out), "--backend", "gloo", "--no-memory"], extra=REPO) == 0
     assert store.log == [("run", "pytest"), ("run", "pytest"), ("set", gpu_gate.GO), ("run", "verify.run")]
     doc = json.loads((out / "gpu-gate.json").read_text())
     assert [s["step"] for s in doc["steps"]] == ["gates", "gpu-tests", "launched"] and doc["passed"]
