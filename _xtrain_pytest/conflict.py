@@ -18,7 +18,7 @@ FIX = ("the import name 'verify' is also installed by PyPI's `verify` (an assert
        "mix with or shadow xtrain-verify's; fix: pip uninstall -y verify xtrain-verify, then reinstall "
        "xtrain-verify as you installed it")
 _THEIRS = "__meta__.py"  # verify 1.1.1's metadata module: no file of ours has that name
-_OURS = "plugin.py"
+_OURS = os.path.join("_internal", "plugin.py")  # a file only ours has
 
 
 def check(folder: str | None = None) -> str | None:

@@ -1,16 +1,16 @@
-"""The pytest11 entry point of xtrain's verify plugin; the plugin itself is verify/plugin.py.
+"""The pytest11 entry point of xtrain's verify plugin; the plugin itself is verify/_internal/plugin.py.
 
 Why a shim in a namespace package (no __init__.py) outside `verify`: pytest rewrites the asserts of
 every module of a distribution that registers a pytest11 plugin and caches the rewritten bytecode next
 to the source, which for an installed package is site-packages. pytest marks only top-level modules and
 packages that have an __init__.py, so importing this module is plain Python. Before any module of
 xtrain-verify is imported it asks pytest's import hook to leave `verify` and `xtrain_core` alone (they raise
-GateFailure, never bare asserts, so nothing is lost), and verify/plugin.py keeps pytest from caching
+GateFailure, never bare asserts, so nothing is lost), and verify/_internal/plugin.py keeps pytest from caching
 bytecode next to the gate test modules it collects from the installed package.
 """
 import sys
 
-_OURS = ("verify", "xtrain_core")
+_OURS = ("verify", "xtrain_core", "xtrain_proof")
 
 
 def _leave_our_packages_alone() -> None:
@@ -43,4 +43,4 @@ def _other_verify() -> None:
 
 _other_verify()
 
-from verify.plugin import *  # noqa: E402,F401,F403  (the hooks and the verify_adapter fixture)
+from verify._internal.plugin import *  # noqa: E402,F401,F403  (the hooks and the verify_adapter fixture)

@@ -42,7 +42,7 @@ def _meta() -> dict:
 
 
 def _write(out_dir: str, name: str, payload: dict) -> str:
-    from verify._meta import atomic_write
+    from verify._internal.header import atomic_write
 
     path = os.path.join(out_dir, name)
     atomic_write(path, json.dumps(payload, indent=1, default=str))
@@ -52,8 +52,8 @@ def _write(out_dir: str, name: str, payload: dict) -> str:
 # -- pool mode -------------------------------------------------------------------------------------
 
 def _fixed_cases(world: int):
-    from verify.adapters.xtrain import XtrainOptions
-    from verify.case import Case
+    from xtrain_proof.adapters import XtrainOptions
+    from verify._internal.cases.case import Case
     from xtrain_core.config import PRESETS, ModelConfig, OptimConfig
 
     small = Case(accum_steps=4, micro_batch=2, steps=2, world=world, options=XtrainOptions(
@@ -68,8 +68,8 @@ def _drawn_cases(world: int, n: int):
     """The ci profile's draws: derandomized, as the suite sees them."""
     from hypothesis import HealthCheck, given, settings
 
-    from verify.adapters import xtrain
-    from verify.strategies import dist_cases
+    from xtrain_proof import adapters as xtrain
+    from verify._internal.cases.strategies import dist_cases
 
     got = []
 
@@ -84,7 +84,7 @@ def _drawn_cases(world: int, n: int):
 
 
 def _time_example(adapter, case, pool, ref_pool=None) -> float:
-    from verify.gates import check_distributed
+    from verify._internal.gates import check_distributed
 
     t0 = time.perf_counter()
     check_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
@@ -96,7 +96,7 @@ def _other(c) -> str:
 
 
 def _step_row(s) -> dict:
-    """One optimizer step as the counter saw it (verify.gates.distributed.StepComm)."""
+    """One optimizer step as the counter saw it (verify._internal.gates.distributed.StepComm)."""
     non_grad = [c for c in [*(c for cs in s.micro for c in cs), *s.boundary] if c.kind != "gradient"]
     return dict(gradient_collectives=len(s.reduced), boundary_bytes=s.boundary_bytes,
                 boundary_elements=s.boundary_elements, ops=[f"{c.backend}:{c.op}" for c in s.reduced],
@@ -107,11 +107,11 @@ def _step_row(s) -> dict:
 def pools(args) -> dict:
     import torch
 
-    from verify.adapters import xtrain as adapters
+    from xtrain_proof import adapters
     from tests.helpers.dist_jobs import whoami  # a no-op job (test plumbing, repo root on the path)
-    from verify.gates import check_distributed
-    from verify.pool import RankPool, get_pool
-    from verify.settings import Settings, install, using
+    from verify._internal.gates import check_distributed
+    from verify._internal.ranks.pool import RankPool, get_pool
+    from verify._internal.settings import Settings, install, using
 
     settings = install(Settings.from_env(backend=args.backend))  # the backend: the reference's get_pool(1) too
     torch.set_num_threads(settings.threads)
@@ -186,8 +186,8 @@ def _pool_row(r: dict) -> str:
 # -- step-time mode (under torchrun) ---------------------------------------------------------------
 
 def steps_mode(args) -> dict | None:
-    from verify import comm
-    from verify._meta import fp32_only
+    from verify._internal.ranks import comm
+    from verify._internal.header import fp32_only
 
     comm.enable(nccl=args.device == "cuda")  # before the process group: the flight recorder counts collectives
     import torch
@@ -251,7 +251,7 @@ def steps_mode(args) -> dict | None:
             plain_torch.finish_step(self.model, self.opt)
 
     def fsdp2(sync_every_micro: bool):
-        from verify.adapters.broken_dist import FSDP2SyncAlways
+        from planted.broken_dist import FSDP2SyncAlways
         from xtrain_core.fsdp import FSDP2Trainer
 
         cls = FSDP2SyncAlways if sync_every_micro else FSDP2Trainer  # the same trainer, the gate never shut
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
     args.reps = args.reps or 15
     res = pools(args)
     print("wrote", _write(args.out, f"bench_dist_pools_{args.backend}.json", {**_meta(), "results": res}))
-    from verify.pool import close_all
+    from verify._internal.ranks.pool import close_all
 
     close_all()
     return 0

@@ -24,7 +24,7 @@ from xtrain_core.config import PRESETS, OptimConfig
 from xtrain_core.model import build_model
 from xtrain_core.trainer import AccumTrainer
 
-from verify._meta import atomic_write, fp32_only
+from verify._internal.header import atomic_write, fp32_only
 
 from verify import report_header
 

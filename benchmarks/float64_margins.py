@@ -1,4 +1,4 @@
-"""How far every planted bug of verify/adapters/planted.py lands above the float64 bound (docs/design.md §3):
+"""How far every planted bug of planted/registry.py lands above the float64 bound (docs/design.md §3):
 the float64 checks judge at C·eps32 (what an fp32 run resolves) since issue 26, where a true float64 trainer was
 judged at 1e-9 before, so a structural bug must err well above C·eps32 ≈ 9.5e-7. For each planted bug that a
 gate rejects in one process (world 1: the float64 checks run there in this process), its largest float64
@@ -16,12 +16,12 @@ import math
 
 import torch
 
-from verify._meta import atomic_write
+from verify._internal.header import atomic_write
 
 from verify import report_header
-from verify.adapters import planted
-from verify.gates import GateFailure, tolerance
-from verify.gates.tolerance import C, EPS32, Judge
+from planted import registry as planted
+from verify._internal.gates import GateFailure, tolerance
+from verify._internal.gates.tolerance import C, EPS32, Judge
 
 
 def deviation(acc64, ref64) -> float:
@@ -51,9 +51,9 @@ def main(argv=None) -> int:
         return original(self, acc64, ref64, floor, what)
 
     Judge._float64 = record
-    from verify.gates import check_empty_window, check_equivalence, check_token_mean
-    from verify.gates.windows import check_long_window, check_partial_sums, check_split_invariance
-    from verify.verdict import Gate
+    from verify._internal.gates import check_empty_window, check_equivalence, check_token_mean
+    from verify._internal.gates.windows import check_long_window, check_partial_sums, check_split_invariance
+    from verify._internal.verdict import Gate
 
     RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.PARTIAL_SUMS: check_partial_sums,
            Gate.SPLIT_INVARIANCE: lambda adapter, case, *_: check_split_invariance(adapter, case, max_world=1),

@@ -27,8 +27,8 @@ import subprocess
 import sys
 import time
 
-from verify.verdict import Gate
-from verify._cli import Parser, UsageError, fail, positive_int, writable_dir
+from verify._internal.verdict import Gate
+from verify._internal.cli import Parser, UsageError, fail, positive_int, writable_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "examples.hf_trainer:factory"
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         writable_dir("--cache", a.cache)
     except UsageError as e:
         fail(str(e))
-    from verify._meta import atomic_write_all
+    from verify._internal.header import atomic_write_all
     from verify import report_header
 
     os.makedirs(a.out, exist_ok=True)

@@ -6,7 +6,7 @@ Peak memory per data-parallel mode: runs `torch.distributed.run --standalone --n
 verify.memory --trainer MODE ...` once per mode (xtrain, torch_ddp, fsdp2, fsdp2_keep by default), each
 with the same model, data, E and protocol, and writes one combined report, OUT/STEM.json/.md/.png
 (default STEM memory-modes): every mode's invariants (is the peak flat in N at fixed B?), its measured
-peaks per rank beside the memory model's prediction (verify/adapters/xtrain_memory.py) and their ratio, and each
+peaks per rank beside the memory model's prediction (xtrain_proof/memory.py) and their ratio, and each
 mode's full verify.memory report inside the JSON.
 
 Progress is one line per mode on stderr. Exit status: 0 every mode PASS, 1 a mode fails (an invariant,
@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from verify._cli import Parser, UsageError, fail, positive_int, writable_dir
+from verify._internal.cli import Parser, UsageError, fail, positive_int, writable_dir
 from xtrain_core.config import PRESETS
 
-from verify.adapters.xtrain_memory_preset import MODE_TRAINERS
+from xtrain_proof.memory_preset import MODE_TRAINERS
 from verify.memory.plan import GiB, MiB
 
 MODES = tuple(MODE_TRAINERS)

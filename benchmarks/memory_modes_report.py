@@ -43,7 +43,7 @@ def _flat(rep: dict) -> dict:
 
 
 def assemble(args, results: list[dict], argv, wall: float) -> dict:
-    from verify._meta import git_state
+    from verify._internal.header import git_state
     from verify import report_header
 
     head = report_header("memory-modes")
@@ -106,7 +106,7 @@ def text_table(report) -> str:
 def render_md(report, stem: str) -> str:
     s, mi = report["settings"], report["machine_info"]
     unit, _ = _unit(report)
-    from verify._meta import commit_text
+    from verify._internal.header import commit_text
 
     commit = commit_text(report, 12)
     dev = mi["gpu"] if mi.get("gpu") and s["device"] == "cuda" else f"CPU ({mi.get('cpu_model') or 'unknown'}, {mi['cpu_count']} cores)"
@@ -150,7 +150,7 @@ def render_md(report, stem: str) -> str:
                          + f" = {_f(r['predicted_bytes'], report)} {unit}")
     pr = report.get("probe") or {}
     L += ["", "## What the figures are", "", f"- **measured**: {pr.get('primary')}. {pr.get('includes')}",
-          f"- **predicted** (`verify/adapters/xtrain_memory.py`): {report.get('prediction_quantity')}.",
+          f"- **predicted** (`xtrain_proof/memory.py`): {report.get('prediction_quantity')}.",
           "- **model check**: measured / predicted outside [0.25, 4] (for predictions ≥ 4 × the noise floor) fails "
           "the run; inside, the ratio is reported, not judged. The invariants (a1, a2, b1, b2) are the verdict.",
           "- Each mode's full verify.memory report is inside the JSON (`modes[].report`).", "",
@@ -159,7 +159,7 @@ def render_md(report, stem: str) -> str:
 
 
 def write_all(report, out: Path, stem: str) -> list[Path]:
-    from verify._meta import atomic_write_all
+    from verify._internal.header import atomic_write_all
 
     files = {out / f"{stem}.json": json.dumps(report, indent=1, default=str) + "\n", out / f"{stem}.md": render_md(report, stem)}
     try:

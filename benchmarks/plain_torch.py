@@ -258,7 +258,7 @@ def measure_ddp(device: torch.device, n: int, b: int, steps: int, model_kw: dict
 
 
 def main(argv=None) -> int:
-    from verify._meta import atomic_write, fp32_only
+    from verify._internal.header import atomic_write, fp32_only
     from verify import report_header
 
     p = argparse.ArgumentParser(prog="benchmarks.plain_torch", description=__doc__.split("\n\n")[0])

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import verify
-from verify.mesh import device_mesh
+from verify._internal.ranks.mesh import device_mesh
 
 
 class Trainer:

@@ -44,7 +44,7 @@ class Trainer:
         self.opt = torch.optim.SGD(self.own.values(), lr=0.05, momentum=0.9)
 
     def build_schedule(self, spec, model):
-        mesh = verify.mesh.device_mesh(spec)
+        mesh = verify._internal.ranks.mesh.device_mesh(spec)
         pp = spec.mesh.pp
         looped = spec.options is ScheduleInterleaved1F1B
         n_stages = 2 * pp if looped else pp

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 import verify
-from verify.mesh import device_mesh
+from verify._internal.ranks.mesh import device_mesh
 
 
 class Trainer:

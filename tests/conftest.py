@@ -3,15 +3,15 @@ import torch
 
 torch.set_num_threads(1)
 
-from verify._gpulock import gpu_lock  # noqa: E402
-from verify.settings import current, using  # noqa: E402
+from verify._internal.gpulock import gpu_lock  # noqa: E402
+from verify._internal.settings import current, using  # noqa: E402
 
 
 @pytest.fixture
 def settings_with():
     """`settings_with(timeout=2, ...)`: the rest of the test runs under this process's Settings with those fields
-    changed (what the knobs set for a run would give; verify.settings.using), the run's own again after it. Pools
-    started under them are pools of their own (verify.pool keys pools by their Settings)."""
+    changed (what the knobs set for a run would give; verify._internal.settings.using), the run's own again after it. Pools
+    started under them are pools of their own (verify._internal.ranks.pool keys pools by their Settings)."""
     import contextlib
 
     with contextlib.ExitStack() as stack:
@@ -20,7 +20,7 @@ def settings_with():
 
 @pytest.fixture(autouse=True)
 def _gpu_sharing(request):
-    """A test marked `gpu` holds the GPU lock (verify/_gpulock.py) while it runs: shared, or exclusive when
+    """A test marked `gpu` holds the GPU lock (verify/_internal/gpulock.py) while it runs: shared, or exclusive when
     it is also marked `memory` (NVML's figures are device-wide)."""
     if request.node.get_closest_marker("gpu") is None:
         yield

@@ -49,18 +49,18 @@ __all__ = [
 
 # name -> (module, attribute); modules are absolute so a reader finds them with one search
 _WHERE = {
-    "Trainer": ("verify.protocol", "Trainer"), "Spec": ("verify.protocol", "Spec"),
-    "Adapter": ("verify.protocol", "Adapter"), "adapter": ("verify.protocol", "adapter"),
-    "AdapterError": ("verify.protocol", "AdapterError"),
-    "Expected": ("verify.protocol", "Expected"), "DDP_EXPECTED": ("verify.protocol", "DDP_EXPECTED"),
-    "DDP_WORLD1_EXPECTED": ("verify.protocol", "DDP_WORLD1_EXPECTED"),
-    "CountRow": ("verify.gates.counts", "CountRow"), "Windows": ("verify.comm", "Windows"),
-    "Mesh": ("verify.mesh", "Mesh"),
-    "Pull": ("verify.pull", "Pull"), "PullError": ("verify.pull", "PullError"),
-    "Gate": ("verify.verdict", "Gate"), "GateFailure": ("verify.verdict", "GateFailure"),
-    "Settings": ("verify.settings", "Settings"),
+    "Trainer": ("verify._internal.protocol", "Trainer"), "Spec": ("verify._internal.protocol", "Spec"),
+    "Adapter": ("verify._internal.protocol", "Adapter"), "adapter": ("verify._internal.protocol", "adapter"),
+    "AdapterError": ("verify._internal.protocol", "AdapterError"),
+    "Expected": ("verify._internal.protocol", "Expected"), "DDP_EXPECTED": ("verify._internal.protocol", "DDP_EXPECTED"),
+    "DDP_WORLD1_EXPECTED": ("verify._internal.protocol", "DDP_WORLD1_EXPECTED"),
+    "CountRow": ("verify._internal.gates.counts", "CountRow"), "Windows": ("verify._internal.ranks.comm", "Windows"),
+    "Mesh": ("verify._internal.ranks.mesh", "Mesh"),
+    "Pull": ("verify._internal.cases.pull", "Pull"), "PullError": ("verify._internal.cases.pull", "PullError"),
+    "Gate": ("verify._internal.verdict", "Gate"), "GateFailure": ("verify._internal.verdict", "GateFailure"),
+    "Settings": ("verify._internal.settings", "Settings"),
     "run_selftest": ("verify.selftest", "run_selftest"), "measure_memory": ("verify.memory", "measure"),
-    "report_header": ("verify._meta", "header"),
+    "report_header": ("verify._internal.header", "header"),
 }
 
 

@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 
-from ._cli import Parser, UsageError, fail, plugin_args, positive_int, writable_dir
+from verify._internal.cli import Parser, UsageError, fail, plugin_args, positive_int, writable_dir
 
-from .settings import Settings, SettingError, child_environ, env_of, install
+from verify._internal.settings import Settings, SettingError, child_environ, env_of, install
 
 STEP_TIMEOUT = {"gates": 900, "memory": 600, "nccl": 1200, "launched": 1800}  # seconds; another step: 1200
 GO = "gpu-gate/go"  # torchrun's store key rank 0 sets when the launched world may start (pool_launched.connect's prefix)
@@ -94,7 +94,7 @@ def _die_with_parent() -> None:
 def step_environ(name: str) -> dict:
     """The environment a step starts from: this one, less torchrun's variables unless it is the launched step
     (a node's own steps are no launched ranks: Accelerate, for one, would take them for a world of W)."""
-    from .pool_launched import LAUNCH_VARS
+    from verify._internal.ranks.launched import LAUNCH_VARS
 
     return child_environ(drop=() if name == "launched" else LAUNCH_VARS)
 
@@ -126,7 +126,7 @@ def run_steps(steps, out: str, cwd: str, before=None) -> list[dict]:
 
 
 def summary_md(doc: dict) -> str:
-    from ._meta import commit_text
+    from verify._internal.header import commit_text
 
     mi = doc["machine_info"]
     ok = all(s["returncode"] == 0 for s in doc["steps"])
@@ -138,7 +138,7 @@ def summary_md(doc: dict) -> str:
     for s in doc["steps"]:
         lines.append(f"| {s['step']} | {'passed' if s['returncode'] == 0 else 'FAILED (%d)' % s['returncode']} | "
                      f"{s['seconds']:.0f} | {s['last_line'].replace('|', '/')} |")
-    from . import report
+    from verify._internal import report
 
     for sub in ("gates", "nccl", "launched"):
         md = report.paths(os.path.join(doc["out"], sub))[1]
@@ -161,7 +161,7 @@ def _cuda_available() -> bool:
 def serve_launch(args, out: str, env: dict, s: Settings) -> int:
     """A launched rank other than 0: wait on torchrun's store (no deadline, no GPU touched) until rank 0 has run
     its node's steps, then be a rank of the launched world (verify.run), its output torchrun's."""
-    from . import pool_launched
+    from verify._internal.ranks import launched as pool_launched
 
     store = pool_launched.connect(s.timeout)
     pool_launched._wait(store, GO, None)  # a store that is gone (rank 0's node failed) raises: this rank ends
@@ -174,7 +174,7 @@ def main(argv=None, extra=None) -> int:
     """The gate; `extra` adds a caller's own steps (plan()), run from the current directory."""
     args = parse_args(argv)
     out = os.path.abspath(args.out)
-    from . import pool_launched
+    from verify._internal.ranks import launched as pool_launched
 
     env = pool_launched.launched_env()
     try:  # this process's Settings, once: a bad knob fails here, in one line, not in every step's subprocess
@@ -194,14 +194,14 @@ def main(argv=None, extra=None) -> int:
                              "`HYPOTHESIS_PROFILE=ci python -m pytest -n auto`)")
         writable_dir("--out", args.out)
         if args.trainer:  # one line now, rather than a usage error in every step's log
-            from .protocol import load_adapter
+            from verify._internal.protocol import load_adapter
 
             load_adapter(args.trainer, option="--trainer")
     except (UsageError, SettingError, ValueError) as e:
         fail(str(e))
     import torch
 
-    from ._meta import atomic_write, header
+    from verify._internal.header import atomic_write, header
 
     gpus = torch.cuda.device_count()
     launch = pool_launched.describe(env, args.backend) if env is not None else None

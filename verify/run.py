@@ -9,7 +9,7 @@ Every rank joins the launched process group (gloo, or --verify-backend nccl with
 and serves jobs. Rank 0 also starts the controller, a child outside the process group, which runs pytest
 on verify's gate tests (no xdist; the plugin, the report, the verdicts as ever): the data-parallel gates
 draw the launched world, and the worlds below it on subgroups for adapters that declare subgroups, and run
-their jobs on the launched ranks through the store torchrun provides (verify/pool_launched.py); the float64 single-process reference and the one-process gates run on rank 0's
+their jobs on the launched ranks through the store torchrun provides (verify/_internal/ranks/launched.py); the float64 single-process reference and the one-process gates run on rank 0's
 node, as in any pytest run. The controller writes the one report, the launch described in it (nodes,
 ranks per node, backend, rendezvous), and its exit status is rank 0's.
 
@@ -51,7 +51,7 @@ def pytest_args(argv: list[str]) -> list[str]:
     themselves (e.g. verify.test_gates_dist::test_...); never xdist (the launched world is the parallelism)."""
     named = any(a.split("::")[0].split(".")[0].split("/")[0] == "verify" and not _factory(a)
                 for a in argv if not a.startswith("-"))
-    from ._cli import plugin_args
+    from verify._internal.cli import plugin_args
 
     return ["-p", "no:xdist", *plugin_args(argv), "--pyargs"] + ([] if named else ["verify"]) + argv
 
@@ -74,8 +74,8 @@ def controller(argv: list[str], launch: dict, settings: dict) -> int:
     """Rank 0's child, outside the process group: pytest on the gate tests, the launched world as the pool of
     its world (under rank 0's Settings, sent as `settings`: Settings.to_dict), the one report."""
     _die_with_parent()
-    from . import pool, pool_launched
-    from .settings import Settings
+    from verify._internal.ranks import pool, launched as pool_launched
+    from verify._internal.settings import Settings
 
     pool.keep_sigterm()
     s = Settings.from_dict(settings)
@@ -98,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun stops a failed run's ranks with SIGTERM: print where each was first (chain: then die of it)
     faulthandler.enable()
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-    from .settings import Settings, SettingError, child_environ, env_of, install, launcher_var
+    from verify._internal.settings import Settings, SettingError, child_environ, env_of, install, launcher_var
 
     if launcher_var(CONTROLLER):
         sent = json.loads(launcher_var(CONTROLLER))
         return controller(argv, sent["launch"], sent["settings"])
-    from . import pool_launched
+    from verify._internal.ranks import launched as pool_launched
 
     env = pool_launched.launched_env()
     if env is None:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingError as e:
         print(f"verify.run: error: {e}", file=sys.stderr)
         return 4
-    from . import comm
+    from verify._internal.ranks import comm
 
     comm.enable(nccl=s.backend == "nccl")  # before torch.distributed creates the group
     ctx, store = pool_launched.start(s.backend, s)

@@ -3,20 +3,20 @@
 The single-process gates on the adapter under proof (--verify-trainer; default xtrain's trainer):
 big-batch equivalence over drawn (N, B, K, seeds, options), and accum_steps=1 bit-identical to the
 adapter's declared plain step; for adapters with an ignore_index, split invariance on padded windows, the
-token-mean claim and empty windows (verify/gates/tokens.py); long windows (in every declared precision) and
-partial sums. Each gate draws its known-hard cases first (verify.strategies.corners), then random ones.
+token-mean claim and empty windows (verify/_internal/gates/tokens.py); long windows (in every declared precision) and
+partial sums. Each gate draws its known-hard cases first (verify._internal.cases.strategies.corners), then random ones.
 Each passed example goes into the run report.
 """
 import pytest
 from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from . import report
-from ._gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
-from .gates import check_bit_exact, check_equivalence
-from .gates.windows import LONG_N
-from .strategies import cases, corners, gate_budget, overflow_cases, random_budget, seed_only_draws, with_corners
-from .verdict import Gate
+from verify._internal import report
+from verify._internal.gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
+from verify._internal.gates import check_bit_exact, check_equivalence
+from verify._internal.gates.windows import LONG_N
+from verify._internal.cases.strategies import (cases, corners, gate_budget, overflow_cases, random_budget, seed_only_draws, with_corners)
+from verify._internal.verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]
 
@@ -53,8 +53,8 @@ def test_accum1_bit_identical_to_plain(verify_adapter):
 def test_split_invariance_on_padded_windows(verify_adapter, verify_settings):
     """Adapters with an ignore_index: a padded window (empty sequences, micro-batches, ranks included) gives
     the float64 big batch's token mean under every (N, B, W) split of its rows."""
-    from .gates.distributed import max_world
-    from .gates.windows import check_split_invariance
+    from verify._internal.gates.distributed import max_world
+    from verify._internal.gates.windows import check_split_invariance
 
     if verify_adapter.ignore_index is None:
         reason = (f"{verify_adapter.name} declares no ignore_index: padded, variable-length windows do not apply "
@@ -80,8 +80,8 @@ def _token_cases(adapter):
 
 def test_token_mean_claim(verify_adapter):
     """Adapters with an ignore_index: the claim itself, Σ loss over valid targets / their number, against the
-    counts the harness knows — windows add up, padding changes nothing (verify/gates/tokens.py)."""
-    from .gates import check_token_mean
+    counts the harness knows — windows add up, padding changes nothing (verify/_internal/gates/tokens.py)."""
+    from verify._internal.gates import check_token_mean
 
     if verify_adapter.ignore_index is None:
         reason = (f"{verify_adapter.name} declares no ignore_index: it claims no token mean (declare "
@@ -102,7 +102,7 @@ def test_token_mean_claim(verify_adapter):
 def test_empty_window_is_no_step(verify_adapter):
     """Adapters with an ignore_index: a window without a valid target leaves the parameters bit-unchanged and
     the next window as if it had not been there — unless the adapter declares empty_windows=False."""
-    from .gates import check_empty_window
+    from verify._internal.gates import check_empty_window
 
     reason = (f"{verify_adapter.name} declares no ignore_index: it has no empty windows"
               if verify_adapter.ignore_index is None else
@@ -126,8 +126,8 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
     """N = 64..256 micro-steps: the equivalence gate, and — for trainers with partial_grads() — each
     micro-step's contribution landing exactly once (the gradient after micro-step n vs the float64 big
     batch of micro-batches 0..n)."""
-    from .gates import GateSkipped
-    from .gates.windows import check_long_window, check_partial_sums
+    from verify._internal.gates import GateSkipped
+    from verify._internal.gates.windows import check_long_window, check_partial_sums
 
     # No shrink phase: a window cannot shrink below N=64 here, and each attempt replays 64..256 micro-steps
     # plus the float64 references, so hypothesis' shrinker ran into its 300 s cap (transformers 4.45.2:
@@ -156,8 +156,8 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
 
 def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):
     """fp16, one process on the gate's device: window 0 of K=2 overflows in ONE drawn micro-step
-    (verify/gates/overflow.py; every world, on rank pools: test_gates_dist.py)."""
-    from .gates.overflow import check_overflow, overflow_hook
+    (verify/_internal/gates/overflow.py; every world, on rank pools: test_gates_dist.py)."""
+    from verify._internal.gates.overflow import check_overflow, overflow_hook
 
     hook, why = overflow_hook(verify_adapter)
     if hook is None:

@@ -2,21 +2,21 @@
 
 The data-parallel gates on the adapter under proof, when it declares data parallelism: boundary-only
 communication and equivalence to its own one-rank big batch over drawn (N, B_local, world, K, options),
-and, for a data-parallel fp16 adapter, the injected-overflow gate at every world (verify/gates/overflow.py),
+and, for a data-parallel fp16 adapter, the injected-overflow gate at every world (verify/_internal/gates/overflow.py),
 on warm rank pools (gloo on CPU; --verify-backend nccl on GPUs, rank r on cuda:r). Worlds from
 XTRAIN_DIST_MIN_WORLD (default 1) to XTRAIN_DIST_MAX_WORLD (default 4, capped by GPUs under NCCL). Each gate
-draws its known-hard cases first (verify.strategies.corners: N ≥ 2 at W ≥ 2, the overflow on the last rank).
+draws its known-hard cases first (verify._internal.cases.strategies.corners: N ≥ 2 at W ≥ 2, the overflow on the last rank).
 """
 import pytest
 from hypothesis import assume, event, given, settings
 
-from . import report
-from ._gpulock import gpu_shared  # noqa: F401
-from .gates import check_distributed, check_same_bytes
-from .gates.overflow import check_overflow, overflow_hook
-from .gates.distributed import max_world, min_world
-from .strategies import corners, dist_cases, overflow_cases, random_budget, with_corners
-from .verdict import Gate
+from verify._internal import report
+from verify._internal.gpulock import gpu_shared  # noqa: F401
+from verify._internal.gates import check_distributed, check_same_bytes
+from verify._internal.gates.overflow import check_overflow, overflow_hook
+from verify._internal.gates.distributed import max_world, min_world
+from verify._internal.cases.strategies import corners, dist_cases, overflow_cases, random_budget, with_corners
+from verify._internal.verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
 
@@ -64,7 +64,7 @@ def test_bytes_per_step_independent_of_N(verify_adapter, verify_settings):
 
 
 def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapter, verify_settings):
-    """fp16: window 0 of K=2 overflows in ONE drawn micro-step on ONE drawn rank (verify/gates/overflow.py).
+    """fp16: window 0 of K=2 overflows in ONE drawn micro-step on ONE drawn rank (verify/_internal/gates/overflow.py).
     One process (the GPU gate's CUDA step) runs it in test_gates.py."""
     hook, why = overflow_hook(verify_adapter)
     if hook is None:

@@ -2,20 +2,20 @@
 
 The mesh gates on the adapter under proof, when it declares mesh axes (Adapter(mesh_axes=("pp",) |
 ("tp",) | ...)): every drawn dp × pp × tp mesh of 2..XTRAIN_DIST_MAX_WORLD ranks (default 4; 8 opt-in)
-with its pipeline chunks and outer steps against the adapter's own 1×1×1 big batch (verify/gates/mesh.py),
+with its pipeline chunks and outer steps against the adapter's own 1×1×1 big batch (verify/_internal/gates/mesh.py),
 and split invariance over mesh shapes: one window on every factorisation of one world. Each draws its
-known-hard cases first (verify.strategies.corners: pp=2 with 2 chunks × 2 outer steps, tp=2). Skipped,
+known-hard cases first (verify._internal.cases.strategies.corners: pp=2 with 2 chunks × 2 outer steps, tp=2). Skipped,
 saying why, for adapters without mesh axes.
 """
 import pytest
 from hypothesis import event, given, settings
 
-from . import report
-from ._gpulock import gpu_shared  # noqa: F401
-from .gates.distributed import max_world, min_world
-from .gates.mesh import check_mesh, check_mesh_splits
-from .strategies import corners, mesh_cases, mesh_split_cases, mesh_worlds, random_budget, with_corners
-from .verdict import Gate
+from verify._internal import report
+from verify._internal.gpulock import gpu_shared  # noqa: F401
+from verify._internal.gates.distributed import max_world, min_world
+from verify._internal.gates.mesh import check_mesh, check_mesh_splits
+from verify._internal.cases.strategies import (corners, mesh_cases, mesh_split_cases, mesh_worlds, random_budget, with_corners)
+from verify._internal.verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
 

@@ -120,7 +120,7 @@ def test_threads_auto_is_one_thread_unless_asked(env_threads, flag, want):
 def test_a_micro_batch_that_cannot_fit_is_refused_before_anything_allocates():
     """The advertised maximum on the benchmark model: one line with the estimate and the machine's memory
     (it was a 47-line allocator traceback), from a lower bound computed before the model is built."""
-    from verify._cli import available_memory
+    from verify._internal.cli import available_memory
     from xtrain_core.config import PRESETS
 
     need = PRESETS["gpt2-ish"].step_bytes_at_least(65536, 512)
@@ -155,7 +155,7 @@ def test_the_memory_floor_is_below_what_a_step_holds():
 
 
 def test_check_fits_names_the_estimate_and_the_machine(monkeypatch):
-    from verify import _cli
+    from verify._internal import cli as _cli
 
     monkeypatch.setattr(_cli, "available_memory", lambda device: (2 * 2**30, "MemAvailable"))
     _cli.check_fits(2**30, "cpu", "--x 1", "pass less")  # fits: nothing

@@ -7,11 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verify.adapters import broken_dist, xtrain
-from verify.case import Case
-from verify.gates import GateFailure, check_distributed
-from verify.gates.distributed import max_world
-from verify.strategies import budget, dist_cases
+from planted import broken_dist
+from xtrain_proof import adapters as xtrain
+from verify._internal.cases.case import Case
+from verify._internal.gates import GateFailure, check_distributed
+from verify._internal.gates.distributed import max_world
+from verify._internal.cases.strategies import budget, dist_cases
 from xtrain_core.config import ModelConfig, OptimConfig
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(max_world() < 2, reason="needs world ≥ 2")]

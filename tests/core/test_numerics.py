@@ -91,8 +91,8 @@ def test_fp16_grads_are_unscaled_before_clipping_and_reading():
 
 
 def _pool_run(world, *args):
-    from verify.adapters.broken_numerics import poisoned_window_job
-    from verify.pool import get_pool
+    from planted.broken_numerics import poisoned_window_job
+    from verify._internal.ranks.pool import get_pool
 
     return get_pool(world).run(poisoned_window_job, *args)
 

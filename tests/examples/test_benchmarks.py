@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from verify._meta import SCHEMA_VERSION
+from verify._internal.header import SCHEMA_VERSION
 
 
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
@@ -106,7 +106,7 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
 
     rejected = {"failures": [{"test": "verify/test_gates.py::test_split_invariance", "hint": "a per-micro-batch mean",
                               "gate": "split invariance",
-                              "message": "verify.gates.tolerance.GateFailure: [split invariance] split N=2 B=1 of a "
+                              "message": "verify._internal.gates.tolerance.GateFailure: [split invariance] split N=2 B=1 of a "
                                          "window of 2 rows: loss 4.1 vs 4.0; case N=1 B=2 K=1 seed=0 data_seed=0 "
                                          "lengths=[8, 7]\nmore lines"}],
                 "gates": {"split invariance": {"examples": 3, "worst_ratio": None}}}

@@ -10,7 +10,7 @@ import sys
 import pytest
 from hypothesis import settings
 
-from verify.strategies import gate_budget
+from verify._internal.cases.strategies import gate_budget
 
 
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
@@ -137,13 +137,13 @@ def selftest(tmp_path, ref, *args, timeout=600):
 # ranks' start-up at worlds 3-4 on 2 cores cost ~4 min of CI (worlds 1..4: `python -m verify.selftest` by default).
 # The mesh recipes keep 4 ranks: dp=2 × tp=2 (or × pp=2) is where dp_reduction_skipped and the wrong group show.
 EVERY_CASE = ("examples.mlp_regressor:factory", "examples.ddp_no_sync:factory")  # --every-case on two cheap ones
-CAPPED = ("verify.adapters.xtrain", "examples.ddp_no_sync", "examples.accelerate_accumulate",
+CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_accumulate",
           "examples.fabric_no_backward_sync", "examples.hf_trainer", "examples.lightning_trainer")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("ref,score", [
-    ("verify.adapters.xtrain:adapter", "12/12"),  # + skip_decided_on_one_rank (fp16), low_precision_accumulation (bf16)
+    ("xtrain_proof.adapters:adapter", "12/12"),  # + skip_decided_on_one_rank (fp16), low_precision_accumulation (bf16)
     ("examples.mlp_regressor:factory", "8/8"),  # single-process: the two data-parallel operators do not apply
     # mesh recipes: the eight operators wrap the plain model at Mesh() (single-process gates); the mesh operators
     # run on the mesh cases (the mesh gate): pipeline_micro_batch_dropped on pp=2 (chunks 2); on tp=2 and dp=2 × tp=2
@@ -168,7 +168,7 @@ def test_selftest_kills_every_operator(tmp_path, ref, score):
     st = json.loads((tmp_path / "verify-report.json").read_text())["selftest"]
     assert st["ok"] and st["score"] == score and "| drop_micro_step |" in st["table_md"]
     assert not capped or st["worlds"] == [1, 2], st["worlds"]  # the cap holds (the data-parallel ops still ran)
-    if ref == "verify.adapters.xtrain:adapter":  # the long window (N = 256, bf16) alone kills low-precision accumulation
+    if ref == "xtrain_proof.adapters:adapter":  # the long window (N = 256, bf16) alone kills low-precision accumulation
         low = st["operators"]["low_precision_accumulation"]
         assert low["long window"] == "rejects" and low["equivalence"] == "n/a" and low["verdict"] == "killed", low
     if "examples.pipeline" in ref or "examples.tensor" in ref or "examples.fsdp2" in ref:  # the mesh cases ran
@@ -176,7 +176,7 @@ def test_selftest_kills_every_operator(tmp_path, ref, score):
             "pipeline_micro_batch_dropped"]["verdict"] and " on mesh dp=1 " in st["verdict"]
     assert "## Self-test" in (tmp_path / "verify-report.md").read_text()
     cells = [v for op in st["operators"].values() for g, v in op.items() if g != "verdict"]
-    assert "not run" not in cells if every else ref != "verify.adapters.xtrain:adapter" or "not run" in cells, \
+    assert "not run" not in cells if every else ref != "xtrain_proof.adapters:adapter" or "not run" in cells, \
         st["table_md"]  # xtrain's N=3 case kills drop_micro_step: N=4 and the data-parallel cases are not run
     if ref == "examples.ddp_no_sync:factory":  # every case: a gate blind to a bug says so (DDP's counter: the numbers)
         assert st["operators"]["grads_times_N"]["boundary-only"] == "passes", st["table_md"]

@@ -24,8 +24,8 @@ import uuid
 
 import pytest
 
-from verify.adapters import planted
-from verify.report import LINK_KEYS
+from planted import registry as planted
+from verify._internal.report import LINK_KEYS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GATE = "verify.test_gates_dist::test_data_parallel_boundary_only_and_equivalent"
@@ -117,8 +117,8 @@ def _verdicts(doc: dict) -> dict:
 
 @pytest.mark.slow  # two torchrun agents of 4 ranks: ~35-60 s on a 2-core box
 def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
-    reference = pooled("verify.adapters.xtrain:adapter", tmp_path / "pooled")
-    codes, outs, seconds, mark = launch("verify.adapters.xtrain:adapter", tmp_path / "launched")
+    reference = pooled("xtrain_proof.adapters:adapter", tmp_path / "pooled")
+    codes, outs, seconds, mark = launch("xtrain_proof.adapters:adapter", tmp_path / "launched")
     ref = finish(reference)
     assert codes == [0, 0], outs
     assert sorted(p.name for p in (tmp_path / "launched").iterdir()) == ["verify-report.json", "verify-report.md"]
@@ -133,7 +133,7 @@ def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
     assert ref.returncode == 0, ref.stdout + ref.stderr
     pool_doc = _report(tmp_path / "pooled")
     # the same cases by construction: a gate draws from the seed alone, not from the constants of the modules its
-    # process imported (verify.strategies.seed_only_draws; the controller has imported verify.run and more)
+    # process imported (verify._internal.cases.strategies.seed_only_draws; the controller has imported verify.run and more)
     assert _verdicts(doc) == _verdicts(pool_doc)
     # counts split by link: a group of ranks 0..W-1 spans both nodes from W = 3 on (world 2 is node 0's ranks);
     # a pool's ranks are one host's. Each example's bytes go to one link, so the largest is the pool's largest.
@@ -150,7 +150,7 @@ def test_two_agents_pass_with_one_report_and_the_pools_verdicts(tmp_path):
 @pytest.mark.slow  # two torchrun agents of 4 ranks: ~35-60 s on a 2-core box
 def test_a_planted_bug_fails_with_the_pools_message(tmp_path):
     bug = next(b for b in planted.PLANTED if b.name == "all_reduce_every_micro_step")
-    ref_ = "verify.adapters.broken_dist:all_reduce_every_micro"
+    ref_ = "planted.broken_dist:all_reduce_every_micro"
     reference = pooled(ref_, tmp_path / "pooled")
     codes, outs, seconds, mark = launch(ref_, tmp_path / "launched")
     ref = finish(reference)
@@ -167,7 +167,7 @@ def test_a_planted_bug_fails_with_the_pools_message(tmp_path):
 @pytest.mark.slow  # two torchrun agents of 4 ranks: ~35-60 s on a 2-core box
 def test_a_rank_killed_mid_step_ends_every_agent(tmp_path):
     bug = next(b for b in planted.PLANTED if b.gate == "launcher")
-    codes, outs, seconds, mark = launch("verify.adapters.broken_dist:dies_mid_step", tmp_path / "r", limit=4 * TIMEOUT)
+    codes, outs, seconds, mark = launch("planted.broken_dist:dies_mid_step", tmp_path / "r", limit=4 * TIMEOUT)
     assert all(c != 0 for c in codes), (codes, outs)
     assert re.search(bug.pattern, "\n".join(outs)), outs  # torchrun names the dead rank's exit code
     assert seconds < 4 * TIMEOUT

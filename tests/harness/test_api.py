@@ -27,7 +27,7 @@ def test_all_is_the_public_api_and_resolves():
 
 
 def test_import_verify_loads_neither_hypothesis_nor_the_harness():
-    code = "import sys, verify; print(sorted(m for m in ('hypothesis', 'verify.gates', 'verify.strategies') if m in sys.modules))"
+    code = "import sys, verify; print(sorted(m for m in ('hypothesis', 'verify._internal.gates', 'verify._internal.cases.strategies') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 

@@ -1,56 +1,52 @@
-"""The border between the generic harness and xtrain's wing, held by the import graph (issue 17 item 1).
+"""The three places and their borders, held by the import graph read from the source (docs/design/layout.md).
 
-The graph is read from the source (ast), every `import` counted wherever it stands: a function-local import
-is still an arrow (it runs at call time, and a cycle closed lazily is still a cycle). Importing `a.b.c`
-also runs `a/__init__` and `a/b/__init__`; those implied edges are left out, as the standard package
-pattern (an `__init__` re-exporting a submodule that imports a sibling) would otherwise read as a cycle.
+    xtrain_core    the trainer: imports nothing of verify, xtrain_proof or the planted bench
+    verify         the generic harness: imports nothing of xtrain (xtrain_core, xtrain_proof), of the planted
+                   bench or of this repository's tests, and names none of them in a "MODULE:NAME" string
+    xtrain_proof   xtrain's wing: the one shipped package that imports both
 
-    generic   every verify module outside verify/adapters/ imports nothing from xtrain_core or
-              verify.adapters: a user's trainer is verified by the same code as xtrain's
-    cycles    no module reaches itself through imports
-    layers    LAYERS below, lowest first: no module imports one of a higher layer (docs/design/layout.md)
-    size      every verify module has ≤ 400 lines
+Every `import` counts wherever it stands (a function-local import runs at call time; a cycle closed lazily is
+still a cycle). Importing `a.b.c` also runs `a/__init__` and `a/b/__init__`; those implied edges are left out.
+Beyond the borders: no cycle, no arrow up the LAYERS, no shipped module over 400 lines.
 """
 from __future__ import annotations
 
 import ast
 import fnmatch
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("verify", "xtrain_core")
+SHIPPED = ("verify", "xtrain_core", "xtrain_proof")
+PACKAGES = (*SHIPPED, "planted")
 MAX_LINES = 400
+# what the generic harness must not reach: xtrain, the bench, and the repository's own folders
+NOT_GENERIC = ("xtrain_core", "xtrain_proof", "planted", "tests", "examples", "benchmarks", "tools")
 
-# Lowest first; a module may import modules of its own layer and of lower ones. Patterns are fnmatch'ed
-# on the dotted name; the most specific (longest) pattern that matches a module decides its layer.
+# Lowest first; a module may import modules of its own layer and of lower ones. Patterns are fnmatch'ed on
+# the dotted name; the most specific (longest) pattern that matches a module decides its layer.
 LAYERS = [
-    # one-line usage errors, exit 2: the plumbing every command line shares (xtrain_core/cli.py re-exports it)
-    ("CLI plumbing", ["verify._cli"]),
     ("xtrain core", ["xtrain_core", "xtrain_core.*"]),
     ("xtrain CLI", ["xtrain_core.train"]),
+    ("CLI plumbing", ["verify._internal.cli"]),
     # the façade (`verify`: lazy, imports nothing at load) and what every part of the harness shares
-    ("harness base", ["verify", "verify._meta", "verify.settings", "verify.verdict", "verify.comm",
-                      "verify.protocol", "verify.expected", "verify.data", "verify.hints", "verify.mesh",
-                      "verify.atstep"]),
-    # running a case: the driving loop, rank pools, the pull driver, strategies, the GPU lock
-    ("harness runtime", ["verify.case", "verify.pool", "verify.pool_*", "verify.pull", "verify.strategies",
-                         "verify._gpulock"]),
-    ("gates", ["verify.gates", "verify.gates.*"]),
+    ("harness base", ["verify", "verify.data", "verify._internal", "verify._internal.header", "verify._internal.settings",
+                      "verify._internal.verdict", "verify._internal.protocol", "verify._internal.expected",
+                      "verify._internal.hints", "verify._internal.atstep", "verify._internal.ranks",
+                      "verify._internal.ranks.comm", "verify._internal.ranks.mesh"]),
+    # running a case: cases and strategies, the pull driver, rank pools, the GPU lock
+    ("harness runtime", ["verify._internal.cases", "verify._internal.cases.*", "verify._internal.ranks.*",
+                         "verify._internal.gpulock"]),
+    ("gates", ["verify._internal.gates", "verify._internal.gates.*"]),
     # the run report prints each gate's bound in words from the tolerance policy's constants
-    ("report", ["verify.report"]),
+    ("report", ["verify._internal.report"]),
     ("studies", ["verify.selftest", "verify.selftest.*", "verify.memory", "verify.memory.*"]),
-    ("front ends", ["verify.plugin", "verify._failure_view", "verify.run", "verify.selftest.__main__", "verify.gpu_gate", "verify.memory.cli",
-                    "verify.test_gates", "verify.test_gates_*"]),
-    # adapters: xtrain's trainers and the planted bugs, built on the harness and on xtrain_core
-    ("adapters", ["verify.adapters", "verify.adapters.*"]),
-    # xtrain's wing entry (WING_ENTRIES): the generic memory CLI run with xtrain's defaults
-    ("wing entries", ["verify.memory.__main__"]),
+    ("front ends", ["verify._internal.plugin", "verify._internal.failure_view", "verify.run", "verify.gpu_gate",
+                    "verify.selftest.__main__", "verify.memory.cli", "verify.memory.__main__", "verify.test_gates",
+                    "verify.test_gates_*"]),
+    ("xtrain's wing", ["xtrain_proof", "xtrain_proof.*"]),
+    ("planted bench", ["planted", "planted.*"]),
 ]
-
-# Front ends that are xtrain's wing (docs/design/memory.md): `python -m verify.memory` defaults to xtrain's trainer,
-# its short trainer names, --model/--seq-len and the H200 anchor; the library under it is generic, and
-# nothing imports the entry (memory's own modules are held like every other generic module).
-WING_ENTRIES = {"verify.memory.__main__"}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -62,8 +58,9 @@ def modules() -> dict[str, pathlib.Path]:
     return out
 
 
-def imports(name: str, path: pathlib.Path, known) -> set[str]:
-    """The package modules `name` imports anywhere in its source (the module itself left out)."""
+def imported(name: str, path: pathlib.Path, known) -> set[str]:
+    """Every module `name` imports anywhere in its source, as the nearest known module where there is one
+    (`import a.b.c` where c is an attribute: a.b), else as written (another distribution, or a repository folder)."""
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -79,16 +76,22 @@ def imports(name: str, path: pathlib.Path, known) -> set[str]:
         else:
             continue
         for t in targets:
-            while t and t not in known:  # `import a.b.c` where c is an attribute: the nearest module
-                t = t.rpartition(".")[0]
-            if t and t != name:
-                out.add(t)
+            near = t
+            while near and near not in known:
+                near = near.rpartition(".")[0]
+            out.add(near or t)
+    out.discard(name)
     return out
 
 
 MODULES = modules()
-GRAPH = {m: imports(m, p, MODULES) for m, p in MODULES.items()}
+IMPORTS = {m: imported(m, p, MODULES) for m, p in MODULES.items()}
+GRAPH = {m: {t for t in ts if t in MODULES} for m, ts in IMPORTS.items()}
 EDGES = {(a, b) for a, targets in GRAPH.items() for b in targets}
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
 
 
 def layer(module: str) -> int:
@@ -98,13 +101,19 @@ def layer(module: str) -> int:
     return best[1]
 
 
-def generic(module: str) -> bool:
-    return (module.split(".")[0] == "verify" and not (module + ".").startswith("verify.adapters.")
-            and module not in WING_ENTRIES)
+def crossings(source: str, forbidden) -> list[str]:
+    """Imports from package `source` of a top-level name in `forbidden`."""
+    return sorted(f"{a} -> {b}" for a, ts in IMPORTS.items() if top(a) == source for b in ts if top(b) in forbidden)
 
 
-def wing(module: str) -> bool:
-    return module.split(".")[0] == "xtrain_core" or (module + ".").startswith("verify.adapters.")
+# "MODULE:NAME" naming xtrain, the bench or a repository folder (a reference the harness would import by string)
+REF = re.compile(r"\b(?:%s)(?:\.\w+)*:\w+" % "|".join(NOT_GENERIC))
+
+
+def named_refs(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{path.relative_to(ROOT)}:{n.lineno}: {m.group(0)}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) for m in REF.finditer(n.value)]
 
 
 def cycles(graph) -> list[list[str]]:
@@ -141,15 +150,31 @@ def cycles(graph) -> list[list[str]]:
 
 def test_the_graph_is_read():
     # the reader must see the arrows that are known to exist, or every check below passes vacuously
-    assert "verify.protocol" in GRAPH["verify.case"]
-    assert "xtrain_core.trainer" in GRAPH["verify.adapters.broken"]
-    assert "verify.comm" in GRAPH["verify.case"]
-    assert "verify.report" in GRAPH["verify.selftest.__main__"]  # `from .. import report`, function-local
+    assert "verify._internal.protocol" in GRAPH["verify._internal.cases.case"]
+    assert "xtrain_core.trainer" in GRAPH["planted.broken"]
+    assert "verify._internal.report" in GRAPH["verify.selftest.__main__"]  # function-local
+    assert {"verify._internal.protocol", "xtrain_core.trainer"} <= {t for t in IMPORTS["xtrain_proof.adapters"]}
+    assert "torch" in IMPORTS["xtrain_core.trainer"]  # an import of another distribution is kept, as written
 
 
-def test_generic_harness_imports_nothing_of_xtrain():
-    bad = sorted((a, b) for a, b in EDGES if generic(a) and wing(b))
-    assert not bad, "generic harness modules importing xtrain's wing:\n" + "\n".join(f"  {a} -> {b}" for a, b in bad)
+def test_xtrain_core_imports_nothing_of_the_harness():
+    bad = crossings("xtrain_core", ("verify", "xtrain_proof", "planted", "_xtrain_pytest"))
+    assert not bad, "xtrain_core importing the harness:\n  " + "\n  ".join(bad)
+
+
+def test_the_generic_harness_imports_nothing_of_xtrain_or_the_bench():
+    bad = crossings("verify", NOT_GENERIC)
+    assert not bad, "generic harness modules importing xtrain or the repository:\n  " + "\n  ".join(bad)
+
+
+def test_no_module_reference_to_xtrain_or_the_repository_inside_the_harness():
+    bad = [hit for m, p in MODULES.items() if top(m) == "verify" for hit in named_refs(p)]
+    assert not bad, "'MODULE:NAME' strings naming xtrain or the repository in the harness:\n  " + "\n  ".join(bad)
+
+
+def test_the_wing_is_the_one_shipped_package_importing_both():
+    both = sorted(pkg for pkg in SHIPPED if crossings(pkg, ("verify",)) and crossings(pkg, ("xtrain_core",)))
+    assert both == ["xtrain_proof"], both
 
 
 def test_no_import_cycles():
@@ -163,26 +188,23 @@ def test_no_lower_layer_imports_a_higher_one():
         f"  {a} ({LAYERS[layer(a)][0]}) -> {b} ({LAYERS[layer(b)][0]})" for a, b in bad)
 
 
-def test_every_verify_module_is_at_most_400_lines():
-    long = {m: n for m, p in MODULES.items() if m.split(".")[0] == "verify"
-            and (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"verify modules over {MAX_LINES} lines: {long}"
+def test_every_shipped_module_is_at_most_400_lines():
+    long = {m: len(p.read_text().splitlines()) for m, p in MODULES.items() if top(m) in SHIPPED}
+    long = {m: n for m, n in long.items() if n > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
 def test_the_checks_can_fail():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
-    assert generic("verify.gates.single") and generic("verify") and not generic("verify.adapters.xtrain")
-    assert generic("verify.memory.report") and generic("verify.memory.cli") and not generic("verify.memory.__main__")
-    assert layer("verify.memory.__main__") > layer("verify.adapters.xtrain_memory") > layer("verify.memory.cli")
-    assert wing("xtrain_core.config") and wing("verify.adapters") and not wing("verify.case")
-    assert layer("verify.gates.single") > layer("verify.case") > layer("verify.protocol")
-    assert layer("verify.selftest.__main__") > layer("verify.selftest") and layer("verify.pool_worker") == layer("verify.pool")
+    assert REF.search("--verify-trainer xtrain_proof.adapters:adapter") and REF.search("tests.helpers.x:y")
+    assert not REF.search("mypkg.train:factory") and not REF.search("xtrain's trainer: the default")
+    assert layer("verify._internal.gates.single") > layer("verify._internal.cases.case") > layer("verify._internal.protocol")
+    assert layer("planted.broken") > layer("xtrain_proof.adapters") > layer("verify.memory.__main__")
+    assert layer("verify._internal.ranks.worker") == layer("verify._internal.ranks.pool")
 
 
 def test_the_design_doc_lists_the_layers():
-    import re
-
     text = (ROOT / "docs" / "design" / "layout.md").read_text()
     section = text[text.index("**The border and the layers**"):]
     section = section[:section.index("\n\n**")]

@@ -1,15 +1,15 @@
-"""One boundary rule (verify/gates/counts.py): a trainer without a count table row is judged by the default
+"""One boundary rule (verify/_internal/gates/counts.py): a trainer without a count table row is judged by the default
 row, built from its gradient size, through the same check as a declared row; one op-name normaliser
-(verify.comm.family) for rows, declarations and the counter. Fake collectives, no process group."""
+(verify._internal.ranks.comm.family) for rows, declarations and the counter. Fake collectives, no process group."""
 import ast
 import itertools
 import pathlib
 import re
 
 import pytest
-from verify.comm import Collective, family
-from verify.gates.counts import SCALARS, CountRow, check_step, excused
-from verify.protocol import Expected
+from verify._internal.ranks.comm import Collective, family
+from verify._internal.gates.counts import SCALARS, CountRow, check_step, excused
+from verify._internal.protocol import Expected
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _ids = itertools.count()
@@ -103,7 +103,7 @@ def _folds_op_names(tree) -> list[int]:
 
 
 def test_one_op_normaliser():
-    """Only verify/comm.py folds op names (case, underscores): everything else calls comm.family."""
+    """Only verify/_internal/ranks/comm.py folds op names (case, underscores): everything else calls comm.family."""
     bad = [f"{p.relative_to(ROOT)}:{line}" for p in sorted((ROOT / "verify").rglob("*.py")) if p.name != "comm.py"
            for line in _folds_op_names(ast.parse(p.read_text(encoding="utf-8")))]
     assert not bad, bad

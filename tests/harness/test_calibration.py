@@ -1,20 +1,20 @@
 """The float64 checks judge a trainer at what an fp32 run of the case resolves (eps32), or at the precision its
-float64 run really has where that is coarser (the twin floor of verify/gates/tolerance.py), with nothing
+float64 run really has where that is coarser (the twin floor of verify/_internal/gates/tolerance.py), with nothing
 declared; declarations change what is expected without turning a gate off, and a real 1e-5 accumulation error
-still fails. Trainers: tests/helpers/calib_adapters.py."""
+still fails. Trainers: planted/calib_adapters.py."""
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import calib_adapters as ca
-from verify.case import Case
-from verify.gates import GateFailure, check_distributed, check_equivalence
-from verify.gates.tolerance import C, EPS32, FLOOR, bound64, twin_floor
-from verify.gates.windows import check_partial_sums
-from verify.strategies import cases
-from verify.verdict import Gate
+from planted import calib_adapters as ca
+from verify._internal.cases.case import Case
+from verify._internal.gates import GateFailure, check_distributed, check_equivalence
+from verify._internal.gates.tolerance import C, EPS32, FLOOR, bound64, twin_floor
+from verify._internal.gates.windows import check_partial_sums
+from verify._internal.cases.strategies import cases
+from verify._internal.verdict import Gate
 
 PRECISE = ["hf_style", "fabric_64_true"]  # float32 inside the float64 run, revealed by the twin
 
@@ -96,13 +96,13 @@ def test_the_data_parallel_gate_uses_the_same_floor():
 
 
 def test_the_report_shows_the_floor_and_the_declarations(tmp_path, monkeypatch):
-    from verify import report
+    from verify._internal import report
 
     monkeypatch.setattr(report, "_STATS", {})  # this test's tallies only (the plugin writes the real ones)
     report.record(check_equivalence(ca.per_rank_sched, Case(accum_steps=2, micro_batch=1, steps=1)))
     gates = json.loads(report.dump())
     assert gates["equivalence"]["float64_floor"] == EPS32
-    report.write(str(tmp_path), trainer="tests.helpers.calib_adapters:per_rank_sched", settings={}, gates=gates,
+    report.write(str(tmp_path), trainer="planted.calib_adapters:per_rank_sched", settings={}, gates=gates,
                  declarations=ca.per_rank_sched.declarations())
     md = (tmp_path / "verify-report.md").read_text()
     assert "`scheduler_per_rank=True`" in md and "| 1.19e-07 |" in md
@@ -132,7 +132,7 @@ def test_a_scheduler_stepped_per_rank_passes_declared():
 # Undeclared, W ranks step the schedule W times where the big batch steps it once: rejected. Declared but not
 # emulated in the one-process reference (it ignores Spec.schedule_world): rejected too — the declaration changes
 # the expectation, it does not switch the comparison off. Both are planted bugs on SCHED: per_rank_undeclared,
-# per_rank_unemulated (verify/adapters/planted.py, driven by tests/harness/test_planted.py).
+# per_rank_unemulated (planted/registry.py, driven by tests/harness/test_planted.py).
 
 
 # -- diagnose before judging ---------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def test_the_partial_sum_gate_diagnoses_too():
 
 
 # A real bug is deterministic: the rerun agrees and the gate's own verdict stands (off_by_1e5 is rejected by
-# equivalence, GateFailure.gate EQUIVALENCE: a planted bug (verify/adapters/planted.py, driven by tests/harness/test_planted.py)).
+# equivalence, GateFailure.gate EQUIVALENCE: a planted bug (planted/registry.py, driven by tests/harness/test_planted.py)).
 
 
 @pytest.mark.distributed
@@ -170,7 +170,7 @@ def _traces(err: float):
     """(acc, big, ref): one parameter whose accumulation error is `err`, the big batch's 0."""
     import torch
 
-    from verify.case import Trace
+    from verify._internal.cases.case import Trace
 
     g = torch.ones(4, dtype=torch.float64)
     t = lambda d: Trace([1.0], {"w": g * (1 + d)}, [{"w": g}])  # noqa: E731
@@ -181,7 +181,7 @@ def _traces(err: float):
 def test_kappa_is_computed_only_near_the_bound(share, computed):
     """κ costs one float64 run per micro-block: computed once a check's error reaches KAPPA_EXACT_ABOVE (0.5)
     of its κ = 1 bound, never below; and a large κ then rescues a check that cancels."""
-    from verify.gates.tolerance import KAPPA_EXACT_ABOVE, Judge, bound
+    from verify._internal.gates.tolerance import KAPPA_EXACT_ABOVE, Judge, bound
 
     calls = []
     acc, big, ref = _traces(share * bound(0.0))
@@ -192,7 +192,7 @@ def test_kappa_is_computed_only_near_the_bound(share, computed):
 
 
 def test_a_case_that_fails_in_float64_computes_no_kappa():
-    from verify.gates.tolerance import Judge, bound
+    from verify._internal.gates.tolerance import Judge, bound
 
     acc, big, ref = _traces(2 * bound(0.0))
     j = Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1))
@@ -201,7 +201,7 @@ def test_a_case_that_fails_in_float64_computes_no_kappa():
 
 
 def test_an_error_no_floor_allows_is_judged_without_a_twin():
-    from verify.gates.tolerance import Judge
+    from verify._internal.gates.tolerance import Judge
 
     acc, _, ref = _traces(0.0)
     acc.losses = [1.0 + 1e-4]

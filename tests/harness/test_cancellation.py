@@ -1,4 +1,4 @@
-"""The cancellation allowance is each precision's own epsilon (verify/gates/tolerance.py, F_p): a correct
+"""The cancellation allowance is each precision's own epsilon (verify/_internal/gates/tolerance.py, F_p): a correct
 autocast trainer whose head-bias gradient cancels across micro-batches (κ 10–1000) passes thousands of drawn
 cases, where the fp32 allowance in every precision (8·eps32·κ) rejected it on many of them."""
 import random
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.helpers.cancel_adapter import cancelling_bias
-from verify.case import Case
-from verify.gates import GateFailure, check_equivalence
-from verify.gates import tolerance
+from verify._internal.cases.case import Case
+from verify._internal.gates import GateFailure, check_equivalence
+from verify._internal.gates import tolerance
 
 CASES = 1000
 # the held-out case that found it (issue 26): error 4.26e-3 against a bound of about 4.1e-3 before

@@ -1,11 +1,11 @@
-"""The collective counter (verify/comm.py): it must see every path a trainer could use, attribute to
+"""The collective counter (verify/_internal/ranks/comm.py): it must see every path a trainer could use, attribute to
 the harness's windows, classify DDP's non-gradient traffic, and refuse to undercount."""
 import pytest
 
-from verify.comm import Collective, Windows, _parse
+from verify._internal.ranks.comm import Collective, Windows, _parse
 from tests.helpers.dist_jobs import overflow_recorder, probe_counter, recorder_reads_clean
-from verify.gates.distributed import max_world
-from verify.pool import get_pool
+from verify._internal.gates.distributed import max_world
+from verify._internal.ranks.pool import get_pool
 
 pytestmark = pytest.mark.distributed
 

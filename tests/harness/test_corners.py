@@ -1,4 +1,4 @@
-"""Every profile starts with its hard corners (verify.strategies.corners): each gate test draws its known-hard
+"""Every profile starts with its hard corners (verify._internal.cases.strategies.corners): each gate test draws its known-hard
 cases first, as explicit examples (never shrunk), then random ones within the same budget. Under the dev profile
 the plugin's gate tests reject the bugs only a corner shows — found_inf broadcast from rank 0 (the overflow on the
 last rank; float data and token data) and a pipeline schedule's scale_grads=True under outer accumulation (chunks
@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from verify.adapters import broken_mesh, broken_overflow, xtrain
-from verify.strategies import GATE_BUDGETS, corners, gate_budget, random_budget
+from planted import broken_mesh, broken_overflow
+from xtrain_proof import adapters as xtrain
+from verify._internal.cases.strategies import GATE_BUDGETS, corners, gate_budget, random_budget
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,7 +61,7 @@ def _plugin(tmp_path, trainer, keyword):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["found_inf_of_rank_0_float", "found_inf_of_rank_0_tokens"])
 def test_dev_profile_rejects_a_skip_decided_by_rank_0(tmp_path, name):
-    r = _plugin(tmp_path, f"verify.adapters.broken_overflow:{name}", "overflow")
+    r = _plugin(tmp_path, f"planted.broken_overflow:{name}", "overflow")
     assert r.returncode == 1, r.stdout[-3000:]
     assert "[overflow] rank 0, window 0: parameter" in r.stdout and "on rank 1 of 2" in r.stdout, r.stdout[-3000:]
 
@@ -68,7 +69,7 @@ def test_dev_profile_rejects_a_skip_decided_by_rank_0(tmp_path, name):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dev_profile_rejects_scale_grads_under_outer_accumulation(tmp_path):
-    r = _plugin(tmp_path, "verify.adapters.broken_mesh:pipe_ema", "mesh_equivalent")
+    r = _plugin(tmp_path, "planted.broken_mesh:pipe_ema", "mesh_equivalent")
     assert r.returncode == 1, r.stdout[-3000:]
     assert "[mesh equivalence] mesh dp=1 pp=2 tp=1, chunks=2, outer=2" in r.stdout, r.stdout[-3000:]
     # the correct controls pass the same corners: found_inf_all_reduced_* (test_overflow.py, on both ranks) and
@@ -78,7 +79,7 @@ def test_dev_profile_rejects_scale_grads_under_outer_accumulation(tmp_path):
 def _drawn(adapter, at_seed: int, n: int = 30) -> list:
     from hypothesis import Phase, given, seed, settings
 
-    from verify.strategies import dist_cases, with_corners
+    from verify._internal.cases.strategies import dist_cases, with_corners
 
     got = []
 
@@ -94,7 +95,7 @@ def _drawn(adapter, at_seed: int, n: int = 30) -> list:
 
 def test_a_seed_draws_the_same_cases_whatever_the_process_has_imported(tmp_path, monkeypatch):
     """hypothesis mixes the constants of the local modules a process has imported into its draws; a gate's draws
-    leave them out (verify.strategies.seed_only_draws), so a launched world's controller (which has imported
+    leave them out (verify._internal.cases.strategies.seed_only_draws), so a launched world's controller (which has imported
     verify.run and more) draws the same cases as a pytest run on the same seed (tests/examples/test_launcher.py)."""
     seeds = (2, 6)  # seeds whose 30 draws pick a local constant (seed 1's do not, here)
     before = [_drawn(xtrain.adapter, s) for s in seeds]

@@ -4,11 +4,11 @@ passes boundary-only, data-parallel equivalence and bytes per step; undeclared, 
 another world, the same traffic fails. (The plugin run of every gate on them: tests/examples/test_examples.py.)"""
 import pytest
 
-from tests.helpers import count_adapters as ca
-from verify.adapters import xtrain
-from verify.case import Case
-from verify.gates import check_distributed, check_same_bytes
-from verify.gates.distributed import max_world
+from planted import count_adapters as ca
+from xtrain_proof import adapters as xtrain
+from verify._internal.cases.case import Case
+from verify._internal.gates import check_distributed, check_same_bytes
+from verify._internal.gates.distributed import max_world
 from xtrain_core.config import ModelConfig, OptimConfig
 
 pytestmark = pytest.mark.distributed
@@ -28,7 +28,7 @@ def test_declared_count_traffic_passes_boundary_only_equivalence_and_bytes(adapt
 
 
 # Undeclared, the same traffic fails boundary-only; declared for world 1 only, it fails at world 2: the planted
-# bugs count_reduced_undeclared and declared_at_world_1_only on PADDED (verify/adapters/planted.py, driven by tests/harness/test_planted.py).
+# bugs count_reduced_undeclared and declared_at_world_1_only on PADDED (planted/registry.py, driven by tests/harness/test_planted.py).
 
 
 @needs_2
@@ -50,7 +50,7 @@ def test_bytes_per_step_reruns_the_same_window_at_n1():
 @needs_2
 def test_boundary_traffic_that_grows_with_n_fails_bytes_per_step():
     """N logging all-reduces at the boundary pass boundary-only (side-channel scalars) but not bytes per step,
-    which fails naming both runs (the planted bug logs_each_micro_loss (verify/adapters/planted.py, driven by tests/harness/test_planted.py))."""
+    which fails naming both runs (the planted bug logs_each_micro_loss (planted/registry.py, driven by tests/harness/test_planted.py))."""
     case = PADDED.replace(steps=1, lengths=PADDED.lengths[:6])
     check_distributed(ca.logs_each_micro_loss, case)
 
@@ -67,7 +67,7 @@ def test_declared_count_traffic_passes_every_gate_through_the_plugin(tmp_path, n
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
-                        "--verify-trainer", f"tests.helpers.count_adapters:{name}"], capture_output=True, text=True,
+                        "--verify-trainer", f"planted.count_adapters:{name}"], capture_output=True, text=True,
                        cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     gates = json.loads((tmp_path / "reports" / "verify-report.json").read_text())["gates"]

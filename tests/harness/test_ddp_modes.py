@@ -1,4 +1,4 @@
-"""torch DDP's options through the public protocol (verify/adapters/ddp_modes.py): each mode passes the
+"""torch DDP's options through the public protocol (planted/ddp_modes.py): each mode passes the
 data-parallel gates against its own count table row, the planted bugs are rejected naming the row, and
 what the installed torch does where upstream reports say DDP misbehaves (static_graph + no_sync, a
 compiled DDP module + no_sync, find_unused + no_sync with an unused set that changes per micro-step)."""
@@ -9,14 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verify.adapters import ddp_modes, planted
-from verify.adapters.ddp_modes import MODES, P_MLP, P_ROUTER, Router
-from verify.case import Case, shard
-from verify.gates import GateFailure, check_distributed
-from verify.gates.counts import families
-from verify.gates.distributed import max_world, min_world
-from verify.pool import DistJobError, get_pool
-from verify.strategies import budget, dist_cases
+from planted import ddp_modes, registry as planted
+from planted.ddp_modes import MODES, P_MLP, P_ROUTER, Router
+from verify._internal.cases.case import Case, shard
+from verify._internal.gates import GateFailure, check_distributed
+from verify._internal.gates.counts import families
+from verify._internal.gates.distributed import max_world, min_world
+from verify._internal.ranks.pool import DistJobError, get_pool
+from verify._internal.cases.strategies import budget, dist_cases
 
 pytestmark = pytest.mark.distributed
 

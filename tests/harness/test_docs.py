@@ -21,7 +21,7 @@ def _flat(text: str) -> str:
 
 @pytest.mark.parametrize("doc", ["docs/design/tolerance.md", "docs/verify-your-trainer.md"])
 def test_bound_formulas_quoted_as_the_code_computes_them(doc):
-    from verify.gates.tolerance import FLOAT64_TEXT, STEP0_TEXT
+    from verify._internal.gates.tolerance import FLOAT64_TEXT, STEP0_TEXT
 
     text = _flat(DOCS[doc])
     for name, formula in (("STEP0_TEXT", STEP0_TEXT), ("FLOAT64_TEXT", FLOAT64_TEXT)):
@@ -29,8 +29,8 @@ def test_bound_formulas_quoted_as_the_code_computes_them(doc):
 
 
 def test_report_prints_the_bound_the_gates_apply():
-    from verify.gates.tolerance import FLOAT64_TEXT, STEP0_TEXT
-    from verify.report import BOUNDS
+    from verify._internal.gates.tolerance import FLOAT64_TEXT, STEP0_TEXT
+    from verify._internal.report import BOUNDS
 
     eq = next(v for k, v in BOUNDS.items() if "equivalence" in str(k).lower() and "data" not in str(k).lower())
     assert STEP0_TEXT in eq and FLOAT64_TEXT in eq, eq
@@ -40,7 +40,7 @@ def test_report_prints_the_bound_the_gates_apply():
 def test_profile_budgets_in_the_guide_are_the_plugins():
     import hypothesis
 
-    import verify.plugin  # noqa: F401  (registers the profiles)
+    import verify._internal.plugin  # noqa: F401  (registers the profiles)
 
     n = {p: hypothesis.settings.get_profile(p).max_examples for p in ("dev", "ci", "gpu")}
     want = f"a budget of {n['dev']} random examples / {n['ci']} derandomized / {n['gpu']}"
@@ -50,7 +50,7 @@ def test_profile_budgets_in_the_guide_are_the_plugins():
 
 
 def test_long_window_n_in_the_docs():
-    from verify.gates.windows import LONG_N
+    from verify._internal.gates.windows import LONG_N
 
     assert f"N = {LONG_N}" in _flat(DOCS["docs/performance.md"])
 
@@ -73,8 +73,8 @@ def test_gate_budget_table_is_the_codes():
     """The guide's table of cases per gate and profile is what gate_budget computes."""
     import hypothesis
 
-    import verify.plugin  # noqa: F401
-    from verify.strategies import GATE_BUDGETS, gate_budget
+    import verify._internal.plugin  # noqa: F401
+    from verify._internal.cases.strategies import GATE_BUDGETS, gate_budget
 
     rows = dict(re.findall(r"^\| `(\w+)`[^|]*\| (\d+ \| \d+ \| \d+) \|$", DOCS["docs/verify-your-trainer.md"], re.M))
     names = {getattr(g, "value", g): g for g in GATE_BUDGETS}

@@ -7,11 +7,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import fp32_parts as fp
-from verify.case import Case
-from verify.gates import GateFailure, check_distributed, check_empty_window, check_equivalence, check_token_mean
-from verify.gates.tolerance import EPS32
-from verify.gates.windows import check_partial_sums
-from verify.strategies import budget, cases, dist_cases
+from verify._internal.cases.case import Case
+from verify._internal.gates import (GateFailure, check_distributed, check_empty_window, check_equivalence, check_token_mean)
+from verify._internal.gates.tolerance import EPS32
+from verify._internal.gates.windows import check_partial_sums
+from verify._internal.cases.strategies import budget, cases, dist_cases
 
 PARTS = ["constant", "loss32", "count32"]
 

@@ -1,18 +1,19 @@
 """The data-parallel gates on xtrain's own trainers, and proof that they reject the bugs users hit
-(verify/adapters/broken_dist.py) with a message naming the micro-step and the collective.
+(planted/broken_dist.py) with a message naming the micro-step and the collective.
 (The gates' runs on the default adapter are verify/test_gates_dist.py.)"""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verify.adapters import broken_dist, planted, xtrain
-from verify.adapters.xtrain import XtrainOptions
-from verify.case import Case
-from verify.gates import GateFailure, check_boundary_only, check_dist_equivalence, check_distributed, run_distributed
-from verify.gates.distributed import max_world, min_world
-from verify.pool import get_pool
-from verify.strategies import budget, dist_cases
+from planted import broken_dist, registry as planted
+from xtrain_proof import adapters as xtrain
+from xtrain_proof.adapters import XtrainOptions
+from verify._internal.cases.case import Case
+from verify._internal.gates import (GateFailure, check_boundary_only, check_dist_equivalence, check_distributed, run_distributed)
+from verify._internal.gates.distributed import max_world, min_world
+from verify._internal.ranks.pool import get_pool
+from verify._internal.cases.strategies import budget, dist_cases
 from xtrain_core.config import ModelConfig, OptimConfig
 
 pytestmark = pytest.mark.distributed
@@ -52,7 +53,7 @@ def test_torch_ddp_no_sync(data):
 def test_world1_is_the_single_process_path(data):
     """DistAccumTrainer at world 1: no collective, and every loss, step-0 gradient and parameter after
     every step bit-identical (torch.equal) to AccumTrainer's."""
-    from verify.gates.tolerance import Judge
+    from verify._internal.gates.tolerance import Judge
 
     case = data.draw(dist_cases(xtrain.adapter, min_world=1, max_world=1))
     got, want, n = get_pool(1).run(xtrain.world1_job, case)[0]

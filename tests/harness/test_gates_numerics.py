@@ -1,16 +1,17 @@
 """The gates on token-weighted, mixed-precision and long windows: xtrain passes them, and the planted bugs
-of verify/adapters/broken_numerics.py are rejected wherever they can exist."""
+of planted/broken_numerics.py are rejected wherever they can exist."""
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from verify.adapters import broken_numerics as bn
-from verify.adapters import planted, xtrain
-from verify.case import Case
-from verify.gates import GateFailure, check_distributed, check_equivalence
-from verify.gates.distributed import max_world
-from verify.gates.windows import check_partial_sums, check_split_invariance, splits
-from verify.strategies import budget, cases, dist_cases
+from planted import broken_numerics as bn
+from planted import registry as planted
+from xtrain_proof import adapters as xtrain
+from verify._internal.cases.case import Case
+from verify._internal.gates import GateFailure, check_distributed, check_equivalence
+from verify._internal.gates.distributed import max_world
+from verify._internal.gates.windows import check_partial_sums, check_split_invariance, splits
+from verify._internal.cases.strategies import budget, cases, dist_cases
 from xtrain_core.config import ModelConfig, OptimConfig
 
 WORLDS = min(3, max_world())
@@ -58,7 +59,7 @@ def _uneven(case) -> bool:
 
 def _ranks_uneven(case) -> bool:
     """Some split (N, B, W ≥ 2) of some step's window gives two ranks different valid-token counts (rank r
-    takes rows [(n·W + r)·B, (n·W + r + 1)·B) of micro-step n: verify.case.shard)."""
+    takes rows [(n·W + r)·B, (n·W + r + 1)·B) of micro-step n: verify._internal.cases.case.shard)."""
     E = case.effective_batch
     for k in range(case.steps):
         rows = case.lengths[k * E:(k + 1) * E]
@@ -103,7 +104,7 @@ def test_equivalence_rejects_grad_scaler_misuse(name, data):
 @pytest.mark.slow  # N up to 64 in bf16: ~6 s
 def test_xtrain_passes_where_a_bf16_accumulation_buffer_is_rejected():
     """Rounding in a bf16 buffer grows with N (reports/cpu/bf16-accumulation.md plots it): on the long window
-    where the planted bf16_accumulation_buffer is rejected (its case in verify/adapters/planted.py),
+    where the planted bf16_accumulation_buffer is rejected (its case in planted/registry.py),
     xtrain's fp32 accumulation of the same bf16 micro-steps passes."""
     case = planted.BY_NAME["bf16_accumulation_buffer"].case
     assert case.accum_steps == 256 and case.precision == "bf16"

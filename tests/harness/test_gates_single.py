@@ -1,15 +1,16 @@
-"""The single-process gates reject the bugs users hit (verify/adapters/broken.py), pass a harmless
+"""The single-process gates reject the bugs users hit (planted/broken.py), pass a harmless
 control, and say what differs. (The gates' runs on xtrain's trainer are verify/test_gates.py.)"""
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from verify.adapters import broken, planted, xtrain
-from verify.adapters.xtrain import XtrainOptions
-from verify.case import Case
-from verify.gates import GateFailure, GateSkipped, check_bit_exact, check_equivalence
-from verify.protocol import Adapter
-from verify.strategies import cases
+from planted import broken, registry as planted
+from xtrain_proof import adapters as xtrain
+from xtrain_proof.adapters import XtrainOptions
+from verify._internal.cases.case import Case
+from verify._internal.gates import GateFailure, GateSkipped, check_bit_exact, check_equivalence
+from verify._internal.protocol import Adapter
+from verify._internal.cases.strategies import cases
 from xtrain_core.config import ModelConfig, OptimConfig
 
 SMALL = ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16)

@@ -159,7 +159,7 @@ class _Store:
 
 
 def _launched(monkeypatch, rank: int):
-    from verify import pool_launched
+    from verify._internal.ranks import launched as pool_launched
 
     for k, v in dict(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                      MASTER_ADDR="localhost", MASTER_PORT="1").items():
@@ -192,7 +192,7 @@ def test_a_launched_rank_waits_for_rank_0_then_joins_the_launched_world(tmp_path
 def test_rank_0_runs_its_steps_then_the_launched_world_and_records_the_launch(tmp_path, monkeypatch):
     import json
 
-    from verify import _meta
+    from verify._internal import header as _meta
 
     store = _launched(monkeypatch, rank=0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

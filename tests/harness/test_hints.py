@@ -1,9 +1,9 @@
-"""verify/hints.py: one line per class of failure, read from GateFailure's fields."""
-from verify.case import Case
-from verify.gates import GateFailure
-from verify.hints import hint
-from verify.mesh import Mesh
-from verify.verdict import Gate
+"""verify/_internal/hints.py: one line per class of failure, read from GateFailure's fields."""
+from verify._internal.cases.case import Case
+from verify._internal.gates import GateFailure
+from verify._internal.hints import hint
+from verify._internal.ranks.mesh import Mesh
+from verify._internal.verdict import Gate
 
 
 def _fail(gate=Gate.EQUIVALENCE, N=4, W=1, error=None, **kw):
@@ -44,5 +44,5 @@ def test_a_mesh_failure_at_n1_is_not_read_as_nondeterminism():
                       case=Case(accum_steps=1, micro_batch=1, steps=1, mesh=Mesh(tp=2)))
     assert "tp − 1" in hint(tp2) and "dropout" not in hint(tp2)
     ruled_out = _fail(N=1, error=1e-3)
-    ruled_out.deterministic = True  # a re-run found two identical runs equal (verify/gates/rerun.py)
+    ruled_out.deterministic = True  # a re-run found two identical runs equal (verify/_internal/gates/rerun.py)
     assert "dropout" not in (hint(ruled_out) or "")

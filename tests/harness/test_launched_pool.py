@@ -1,4 +1,4 @@
-"""The launched world's sub-worlds (verify/pool_launched.py), without torchrun: three ranks serve a LaunchedPool
+"""The launched world's sub-worlds (verify/_internal/ranks/launched.py), without torchrun: three ranks serve a LaunchedPool
 over a TCPStore this test hosts (as a torchrun agent hosts its store: TORCHELASTIC_USE_AGENT_STORE), as two
 "nodes" (LOCAL_WORLD_SIZE 2). The two-agent torchrun runs are tests/examples/test_launcher.py."""
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import dist_jobs
-from verify import pool, pool_launched
-from verify.adapters import planted
-from verify.comm import INTER, INTRA, family
-from verify.gates.distributed import rank_job
-from verify.pool import DistJobError
+from verify._internal.ranks import pool, launched as pool_launched
+from planted import registry as planted
+from verify._internal.ranks.comm import INTER, INTRA, family
+from verify._internal.gates.distributed import rank_job
+from verify._internal.ranks.pool import DistJobError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORLD, TIMEOUT = 3, 5  # XTRAIN_DIST_TIMEOUT of the ranks: how long a collective the idle rank never joins waits
@@ -56,7 +56,7 @@ def test_sub_worlds_run_on_subgroups_and_a_trainer_ignoring_spec_group_fails_nam
         # a user's recipe that declares subgroups (torch DDP over spec.group) runs its window in the sub-world: the
         # one boundary all-reduce on the subgroup, nothing before it
         from examples.ddp_no_sync import factory as ddp
-        from verify.case import Case
+        from verify._internal.cases.case import Case
 
         case = Case(accum_steps=2, micro_batch=1, steps=1, world=2, options=ddp.defaults)
         runs = [o.runs["torch.float32"] for o in sub.run(rank_job, ddp, case, dtypes=(torch.float32,))]
@@ -87,7 +87,7 @@ def _raises(fn) -> str:
 
 
 def test_spec_group_is_never_pickled_nor_compared_and_subgroups_is_validated():
-    from verify.protocol import Adapter, AdapterError, Spec
+    from verify._internal.protocol import Adapter, AdapterError, Spec
     import pickle
 
     spec = Spec(accum_steps=2, group=object())  # a process group lives in one process

@@ -1,13 +1,13 @@
 """Counts split by link (issue 19 item 2): a count table row may name the link of a family
 ("all_reduce@inter-node"), and a spawned pool emulates nodes (XTRAIN_RANKS_PER_NODE), so HSDP's "defer only
 the cross-node reduction" is checked on one host. The row itself: tests/harness/test_boundary_rule.py; the
-planted HSDP that reduces across nodes every micro-step: hsdp_eager_inter_node (verify/adapters/planted.py)."""
+planted HSDP that reduces across nodes every micro-step: hsdp_eager_inter_node (planted/registry.py)."""
 import pytest
 
-from tests.helpers import hsdp_adapters
-from verify.case import Case
-from verify.gates import check_distributed
-from verify.gates.distributed import max_world
+from planted import hsdp_adapters
+from verify._internal.cases.case import Case
+from verify._internal.gates import check_distributed
+from verify._internal.gates.distributed import max_world
 
 pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(max_world() < 4, reason="needs world ≥ 4 (XTRAIN_DIST_MAX_WORLD / GPUs)")]

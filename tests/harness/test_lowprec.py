@@ -2,12 +2,13 @@
 micro-steps are rejected, naming the precision and N; fp32 main gradients under autocast pass."""
 import pytest
 
-from verify.adapters import broken_lowprec as bl
-from verify.adapters import planted, xtrain
-from verify.case import Case
-from verify.gates import check_equivalence
-from verify.gates.windows import check_long_window
-from verify.verdict import Gate
+from planted import broken_lowprec as bl
+from planted import registry as planted
+from xtrain_proof import adapters as xtrain
+from verify._internal.cases.case import Case
+from verify._internal.gates import check_equivalence
+from verify._internal.gates.windows import check_long_window
+from verify._internal.verdict import Gate
 from xtrain_core.config import ModelConfig, OptimConfig
 
 OPTS = xtrain.XtrainOptions(model=ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=1, d_model=32), seq_len=16,
@@ -36,7 +37,7 @@ def test_a_trainer_declaring_fp32_only_runs_no_low_precision_window():
 
 @pytest.mark.slow  # N = 256 in bf16 and fp16: ~10 s
 def test_fp32_main_gradients_pass_where_a_bf16_buffer_is_rejected_at_n_256():
-    """The planted buffer low_precision_grad is rejected at N = 256 in bf16 (its case in verify/adapters/planted.py,
+    """The planted buffer low_precision_grad is rejected at N = 256 in bf16 (its case in planted/registry.py,
     test_planted.py); xtrain's fp32 accumulation passes the same case in both low precisions."""
     case = planted.BY_NAME["low_precision_grad"].case
     assert case == Case(accum_steps=256, micro_batch=1, steps=1, options=OPTS, seed=3, data_seed=4)
@@ -47,7 +48,7 @@ def test_fp32_main_gradients_pass_where_a_bf16_buffer_is_rejected_at_n_256():
 
 
 def test_the_low_precision_operator_runs_only_on_the_long_window_case_of_a_low_precision_adapter():
-    from verify.gates.windows import LONG_N
+    from verify._internal.gates.windows import LONG_N
     from verify.selftest import OPERATORS, selftest_cases
 
     single, _ = selftest_cases(xtrain.single)

@@ -1,17 +1,17 @@
 """The mesh in the protocol (issue 18 item 1): verify.Mesh's layout, Spec / Adapter validation, the assembly of
 what the ranks own (exactly once over pp stages, tp ranks bit-identical), and the mesh gate on a pipelined MLP
-(verify/adapters/broken_mesh.py): the correct trainer passes, each planted bug is rejected naming the axis."""
+(planted/broken_mesh.py): the correct trainer passes, each planted bug is rejected naming the axis."""
 import pytest
 import torch
 
 import verify
-from verify.adapters import broken_mesh
-from verify.case import Case
-from verify.gates.distributed import max_world
-from verify.gates.mesh import check_mesh
-from verify.mesh import Mesh, MeshError, assemble
-from verify.protocol import AdapterError, Spec
-from verify.verdict import Gate, GateFailure, GateSkipped
+from planted import broken_mesh
+from verify._internal.cases.case import Case
+from verify._internal.gates.distributed import max_world
+from verify._internal.gates.mesh import check_mesh
+from verify._internal.ranks.mesh import Mesh, MeshError, assemble
+from verify._internal.protocol import AdapterError, Spec
+from verify._internal.verdict import Gate, GateFailure, GateSkipped
 
 
 def test_mesh_layout_is_init_device_meshs():
@@ -76,7 +76,7 @@ def test_assembly_is_the_union_over_stages_once_and_tp_ranks_agree():
 
 
 def test_a_name_no_stage_owns_fails():
-    from verify.mesh import missing
+    from verify._internal.ranks.mesh import missing
 
     missing({"a": _t(1.0)}, ["a"], Mesh(pp=2), 0, "gradient")  # all there: nothing to say
     with pytest.raises(MeshError, match=r"replica 1: parameter after step 0 of \['b'\] owned by no stage"):
@@ -84,7 +84,7 @@ def test_a_name_no_stage_owns_fails():
 
 
 def test_a_mesh_gate_skips_adapters_without_mesh_axes():
-    from verify.adapters import xtrain
+    from xtrain_proof import adapters as xtrain
 
     with pytest.raises(GateSkipped, match="declares no mesh axes"):
         check_mesh(xtrain.adapter, Case(accum_steps=2, micro_batch=1, steps=1, world=1, mesh=Mesh(pp=2)))
@@ -135,7 +135,7 @@ def test_assembly_failures_name_the_replica_and_stage(adapter, says):
 
 
 def test_meshes_are_every_factorisation_over_the_declared_axes():
-    from verify.mesh import meshes
+    from verify._internal.ranks.mesh import meshes
 
     assert {(m.dp, m.pp, m.tp) for m in meshes(("dp", "pp"), 4)} == {(1, 4, 1), (2, 2, 1), (4, 1, 1)}
     assert {(m.dp, m.pp, m.tp) for m in meshes(("pp", "tp"), 4)} == {(1, 4, 1), (1, 2, 2), (1, 1, 4)}
@@ -145,7 +145,7 @@ def test_meshes_are_every_factorisation_over_the_declared_axes():
 
 
 def test_mesh_sizes_are_validated_and_bound_what_is_drawn():
-    from verify.mesh import meshes, unsupported
+    from verify._internal.ranks.mesh import meshes, unsupported
 
     sizes = {"tp": (2, 4, 8, 16)}
     assert [str(m) for m in meshes(("dp", "tp"), 3, sizes)] == ["mesh dp=3 pp=1 tp=1"]  # no tp=3
@@ -175,7 +175,7 @@ def test_a_tp_model_of_hidden_16_passes_at_world_4():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from verify.strategies import mesh_cases, mesh_worlds
+    from verify._internal.cases.strategies import mesh_cases, mesh_worlds
 
     assert mesh_worlds(broken_mesh.tp16, 2, 4) == [2, 3, 4]  # world 3: dp=3 only
 
@@ -190,10 +190,10 @@ def test_a_tp_model_of_hidden_16_passes_at_world_4():
 
 
 def test_counts_are_called_with_no_mesh_in_the_data_parallel_gates_and_must_be_count_rows():
-    """The counts(case) contract (verify.protocol): case.mesh None -> a CountRow, a mesh -> {axis: row}; an
+    """The counts(case) contract (verify._internal.protocol): case.mesh None -> a CountRow, a mesh -> {axis: row}; an
     adapter that declares data_parallel and mesh_axes gets both calls. A duck-typed row is a one-line error
     naming what came back, not an AttributeError deep in the counter."""
-    from verify.gates.counts import CountRow, declared_row
+    from verify._internal.gates.counts import CountRow, declared_row
 
     seen = []
 
@@ -216,7 +216,7 @@ def test_counts_are_called_with_no_mesh_in_the_data_parallel_gates_and_must_be_c
     assert line.startswith("duck: counts(case) for a data-parallel case (case.mesh is None): counts= must return "
                            "verify.CountRow, got Row <") and line.endswith("; build the row with verify.CountRow("
                                                                            "mode, before=..., boundary=...)")
-    from verify.gates.mesh_counts import _row
+    from verify._internal.gates.mesh_counts import _row
 
     with pytest.raises(AdapterError, match=r"^counts\(case\)\['tp'\]\(0, 0, 1\) \(dp_i, pp_i, tp_i\): counts= must "
                                            r"return verify.CountRow, got Row"):
@@ -227,7 +227,7 @@ def test_mesh_cases_draw_valid_meshes_within_the_world():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from verify.strategies import mesh_cases
+    from verify._internal.cases.strategies import mesh_cases
 
     tp_only = verify.adapter(data=broken_mesh.DATA, mesh_axes=("tp",))(broken_mesh.Pipe)
 
@@ -249,7 +249,7 @@ def test_mesh_cases_draw_valid_meshes_within_the_world():
 def test_split_invariance_over_mesh_shapes():
     """One window of 4·2·2 rows on every mesh of 4 ranks over (dp, pp): each gives the big batch's step; the
     moving average of scale_grads fails on the first pipelined mesh, named."""
-    from verify.gates.mesh import check_mesh_splits
+    from verify._internal.gates.mesh import check_mesh_splits
 
     base = Case(accum_steps=4, micro_batch=4, steps=1, pipeline_chunks=2, seed=1, data_seed=2)
     r = check_mesh_splits(broken_mesh.pipe, base, 4)
@@ -261,17 +261,17 @@ def test_split_invariance_over_mesh_shapes():
                                    "mesh dp=1 pp=4 tp=1, chunks=2, outer=2: "), str(e.value)
 
 
-# -- counts per axis (verify/gates/mesh_counts.py) ----------------------------------------------------------
+# -- counts per axis (verify/_internal/gates/mesh_counts.py) ----------------------------------------------------------
 
 def _c(op, pg, t=0):
-    from verify.comm import Collective
+    from verify._internal.ranks.comm import Collective
 
     return Collective(record_id=t, source="fr", backend="gloo", op=op, sizes=((1,),), dtypes=("Float",), pg=pg,
                       thread="?", time_ns=t)
 
 
 def test_a_collective_is_on_the_axis_of_its_group():
-    from verify.gates.mesh_counts import axis_of
+    from verify._internal.gates.mesh_counts import axis_of
 
     m = Mesh(dp=2, pp=2)
     assert [axis_of(_c("all_reduce", f"{i} 'mesh_{a}'"), m) for i, a in enumerate(("dp", "pp", "tp"))] == ["dp", "pp", "tp"]
@@ -281,7 +281,7 @@ def test_a_collective_is_on_the_axis_of_its_group():
 
 
 def test_outer_steps_group_a_schedules_micro_steps():
-    from verify.gates.mesh_counts import outer_units
+    from verify._internal.gates.mesh_counts import outer_units
 
     micro = [[_c("send", "", m)] for m in range(5)]  # N = 6 micro-steps, chunks 2: outer steps {0,1} {2,3} {4,5}
     units, last = outer_units(micro, [_c("all_reduce", "", 9)], 2)
@@ -292,7 +292,7 @@ def test_outer_steps_group_a_schedules_micro_steps():
 @needs_2
 def test_p2p_is_counted_once_on_gloo():
     """gloo's flight recorder records no send / recv: the hook on ProcessGroup.send / recv does, once."""
-    from verify.pool import get_pool
+    from verify._internal.ranks.pool import get_pool
 
     got = get_pool(2).run(_p2p_job)
     assert got == [["send", "send"], ["recv", "recv"]], got

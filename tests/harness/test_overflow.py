@@ -1,20 +1,20 @@
-"""The injected-overflow gate (verify/gates/overflow.py): correct fp16 trainers skip an overflowing window
+"""The injected-overflow gate (verify/_internal/gates/overflow.py): correct fp16 trainers skip an overflowing window
 whole on every rank; each planted overflow bug is rejected naming the window and the rank
-(verify/adapters/planted.py, driven by test_planted.py)."""
+(planted/registry.py, driven by test_planted.py)."""
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import verify
-from tests.helpers import overflow_adapters as oa
-from verify.adapters import broken_overflow as bo
-from verify.adapters import xtrain
-from verify.case import Case
-from verify.gates import GateSkipped
-from verify.gates.distributed import max_world
-from verify.gates.overflow import BackwardInf, check_overflow
-from verify.strategies import budget, cases
+from planted import overflow_adapters as oa
+from planted import broken_overflow as bo
+from xtrain_proof import adapters as xtrain
+from verify._internal.cases.case import Case
+from verify._internal.gates import GateSkipped
+from verify._internal.gates.distributed import max_world
+from verify._internal.gates.overflow import BackwardInf, check_overflow
+from verify._internal.cases.strategies import budget, cases
 from xtrain_core.config import ModelConfig, OptimConfig
 
 SMALL = xtrain.XtrainOptions(model=ModelConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=1, d_model=8), seq_len=4,

@@ -1,20 +1,19 @@
-"""The one registry of planted bugs (verify/adapters/planted.py): every entry is rejected by its gate, on
-its case, with its message; every planted adapter of verify/adapters/ is in it (or a named control); and
+"""The one registry of planted bugs (planted/registry.py): every entry is rejected by its gate, on
+its case, with its message; every planted adapter of planted/ is in it (or a named control); and
 docs/design/self-test.md carries its table as the registry draws it."""
 import re
 from pathlib import Path
 
 import pytest
 
-from verify.adapters import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens
-from verify.adapters import broken_tp, ddp_modes, planted
-from verify.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence,
-                          check_overflow, check_same_bytes, check_token_mean)
-from verify.gates.distributed import max_world
-from verify.gates.mesh import check_mesh
-from verify.gates.windows import check_long_window, check_partial_sums, check_split_invariance
-from verify.protocol import Adapter
-from verify.verdict import Gate
+from planted import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens
+from planted import broken_tp, ddp_modes, registry as planted
+from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_token_mean)
+from verify._internal.gates.distributed import max_world
+from verify._internal.gates.mesh import check_mesh
+from verify._internal.gates.windows import check_long_window, check_partial_sums, check_split_invariance
+from verify._internal.protocol import Adapter
+from verify._internal.verdict import Gate
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.BIT_EXACT: check_bit_exact, Gate.PARTIAL_SUMS: check_partial_sums,
@@ -65,12 +64,12 @@ def test_every_planted_adapter_is_registered():
     missing = [f"{m.__name__}.{k}" for m in modules for k, a in vars(m).items()
                if isinstance(a, Adapter) and a.name.startswith("broken") and id(a) not in registered
                and id(a) not in CONTROLS]
-    assert not missing, f"planted bugs outside verify/adapters/planted.py: {missing}"
+    assert not missing, f"planted bugs outside planted/registry.py: {missing}"
 
 
 def test_the_design_doc_carries_the_registry_table():
     doc = (ROOT / "docs" / "design" / "self-test.md").read_text()
-    assert planted.table() in doc, "docs/design/self-test.md: paste verify.adapters.planted.table() in place of the old table"
+    assert planted.table() in doc, "docs/design/self-test.md: paste planted.registry.table() in place of the old table"
 
 
 # The self-test's operators that inject a bug the registry also plants (the same fault, applied by a wrapper to

@@ -88,7 +88,7 @@ def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tm
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_a_broken_trainer_fails_with_its_verdict_first_and_whole(tmp_path, workers):
-    r = pytest_verify(tmp_path, "--verify-trainer", "verify.adapters.broken:missing_1_over_N", "-k", "big_batch",
+    r = pytest_verify(tmp_path, "--verify-trainer", "planted.broken:missing_1_over_N", "-k", "big_batch",
                       *workers)
     assert r.returncode == 1, r.stdout[-3000:]
     rep = _report(tmp_path / "reports")
@@ -113,7 +113,7 @@ def test_a_broken_trainer_fails_with_its_verdict_first_and_whole(tmp_path, worke
 
 def test_every_run_names_the_releases_it_resolved(tmp_path):
     """A fresh machine gets the newest releases pyproject allows: the run's header says which (so does the report's
-    header, verify._meta.header), with the version of each dependency that is installed here."""
+    header, verify._internal.header.header), with the version of each dependency that is installed here."""
     from importlib.metadata import version
 
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify.test_gates", "--co", "-p", "no:cacheprovider"],
@@ -131,12 +131,12 @@ def _row_length(case) -> int:
 def test_dev_profile_draws_at_least_3_examples_per_gate_with_padded_split_windows(tmp_path):
     """The fast loop exercises every gate: under the dev profile each gate that runs draws ≥ 3 cases
     (GATE_MIN_EXAMPLES), and split invariance gets windows with a split (N ≥ 2) and some padding."""
-    from verify.strategies import GATE_MIN_EXAMPLES
+    from verify._internal.cases.strategies import GATE_MIN_EXAMPLES
 
     # serial: the examples drawn do not depend on xdist (its report merging is the test above's), and two workers
     # would each start their own rank pools
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-p", "no:xdist",
-                        "--verify-trainer", "verify.adapters.xtrain:tokens_adapter"], capture_output=True, text=True,
+                        "--verify-trainer", "xtrain_proof.adapters:tokens_adapter"], capture_output=True, text=True,
                        cwd=tmp_path, timeout=900, env={**ENV, "XTRAIN_DIST_MAX_WORLD": "1"})  # world 1: the counts, not the ranks
     assert r.returncode == 0, r.stdout[-3000:]
     gates, ran = _report(tmp_path / "reports")["gates"], {}
@@ -155,7 +155,7 @@ def test_dev_profile_draws_at_least_3_examples_per_gate_with_padded_split_window
 def test_the_guides_example_counts_are_the_codes():
     import re
 
-    from verify.strategies import GATE_BUDGETS, gate_budget
+    from verify._internal.cases.strategies import GATE_BUDGETS, gate_budget
 
     with open(os.path.join(ROOT, "docs", "verify-your-trainer.md"), encoding="utf-8") as f:
         rows = {m[1]: [int(m[2]), int(m[3]), int(m[4])] for m in re.finditer(r"^\| `(\w+)`[^|]*\| (\d+) \| (\d+) \| (\d+) \|$",
@@ -170,5 +170,5 @@ def test_a_trainer_that_raises_shows_its_own_frame_and_its_error_whole(tmp_path)
     line = "RuntimeError: this trainer cannot take accum_steps=3: a bug in the user's own micro_step"
     assert f"FAILED test_gates.py::test_accumulation_equals_big_batch - {line}" in r.stdout.splitlines(), r.stdout
     body = r.stdout.split("_ test_accumulation_equals_big_batch _", 1)[1]
-    assert "raising_adapter.py" in body and "verify/case.py" not in body and "hypothesis/" not in body, body[:3000]
+    assert "raising_adapter.py" in body and "verify/_internal/cases/case.py" not in body and "hypothesis/" not in body, body[:3000]
     assert _report(tmp_path / "reports")["failures"][0]["message"] == line

@@ -1,4 +1,4 @@
-"""Rank pools (verify/pool.py): warm reuse, a failing rank's traceback, a hung job's stack dumps and
+"""Rank pools (verify/_internal/ranks/pool.py): warm reuse, a failing rank's traceback, a hung job's stack dumps and
 timeout, and no orphan processes whatever way the owner ends."""
 import os
 import signal
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.helpers import dist_jobs
-from verify.pool import DistJobError, DistTimeout, RankPool, get_pool
+from verify._internal.ranks.pool import DistJobError, DistTimeout, RankPool, get_pool
 
 pytestmark = pytest.mark.distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,7 +70,7 @@ OWNER = """
 import sys
 sys.path.insert(0, {root!r})
 from tests.helpers import dist_jobs
-from verify.pool import get_pool
+from verify._internal.ranks.pool import get_pool
 pool = get_pool(2)
 print(*pool.pids, flush=True)
 pool.run(dist_jobs.sleep, 120)
@@ -119,7 +119,7 @@ def test_a_dead_rank_is_reported_with_its_exit_code_or_signal(code, needle):
 STALE_OWNER = """
 import sys
 sys.path.insert(0, {root!r})
-from verify.pool import RankPool
+from verify._internal.ranks.pool import RankPool
 pool = RankPool(1)
 print(pool.dir, flush=True)
 import time
@@ -164,16 +164,16 @@ def test_ranks_fork_with_the_trainer_module_already_imported():
     again; on cuda it does not (a module touching CUDA at import would break its forks). A fresh process: the
     forkserver's preload is fixed when it starts."""
     code = ("from tests.helpers.dist_jobs import has_module\n"
-            "from verify.pool import RankPool, _preload\n"
-            "from verify.protocol import load_adapter\n"
+            "from verify._internal.ranks.pool import RankPool, _preload\n"
+            "from verify._internal.protocol import load_adapter\n"
             "load_adapter('examples.mlp_regressor:factory')\n"
             "print(RankPool(1, 'gloo').run(has_module)[0], _preload()[-1])\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "XTRAIN_POOL_START": "forkserver"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["True", "examples.mlp_regressor"], r.stdout
-    from verify.pool import PRELOAD, _preload
+    from verify._internal.ranks.pool import PRELOAD, _preload
 
-    from verify.settings import current
+    from verify._internal.settings import current
 
     assert _preload(current().replace(device="cuda")) == PRELOAD

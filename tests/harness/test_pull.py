@@ -1,4 +1,4 @@
-"""verify.Pull: a loop the framework owns, driven as the four-method trainer. Small loops (tests/helpers/pull_loops.py)
+"""verify.Pull: a loop the framework owns, driven as the four-method trainer. Small loops (planted/pull_loops.py)
 that prefetch the window and clip, then the gates on them: a correct loop passes, a ×N loss is rejected
 although the loop clips (the gradient is read before clipping), the framework's errors surface with
 their traceback, and no thread is left behind."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import verify
-from verify.case import Case, drive, split
-from verify.gates import check_equivalence
+from verify._internal.cases.case import Case, drive, split
+from verify._internal.gates import check_equivalence
 
-from tests.helpers import pull_loops
+from planted import pull_loops
 
 
 _BEFORE = set()
@@ -80,7 +80,7 @@ def test_hf_trainer_with_a_per_micro_batch_mean_is_rejected_on_padded_data():
     """The historical HF bug (each micro-batch's own token mean ÷ N): padded micro-batches with 8 and 2
     valid labels. The recipe passes the same case."""
     from examples.hf_trainer import factory
-    from tests.helpers import framework_bugs
+    from planted import framework_bugs
 
     case = Case(accum_steps=2, micro_batch=1, steps=1, lengths=(8, 2))
     assert check_equivalence(factory, case).ratio < 1  # the bug, on this case: planted.py's hf_per_micro_batch_mean
@@ -90,7 +90,7 @@ def test_hf_trainer_with_a_per_micro_batch_mean_is_rejected_on_padded_data():
 @needs("lightning")
 def test_lightning_with_the_loss_divided_by_N_twice_is_rejected():
     from examples.lightning_trainer import factory
-    from tests.helpers import framework_bugs
+    from planted import framework_bugs
 
     case = Case(accum_steps=3, micro_batch=2, steps=2)
     assert check_equivalence(factory, case).ratio < 1  # the bug, on this case: planted.py's lightning_over_n_twice

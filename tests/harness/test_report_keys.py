@@ -1,14 +1,14 @@
 """The terminal and the report agree, and one trainer's state never lands on another's: the skipped-gates list
 names each gate once by its report key (verify.Gate), only where it ran no example; a run over another trainer's
-report says what it replaced; hypothesis' example database is kept per trainer (verify/plugin.py)."""
+report says what it replaced; hypothesis' example database is kept per trainer (verify/_internal/plugin.py)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from verify import plugin, report
-from verify.verdict import Gate
+from verify._internal import plugin, report
+from verify._internal.verdict import Gate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("CI", "HYPOTHESIS_STORAGE_DIRECTORY")},

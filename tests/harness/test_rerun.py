@@ -1,16 +1,16 @@
-"""verify/gates/rerun.py: a failing case re-run with one knob changed names its class — one representative of
-each planted bug class (verify/adapters/planted.py, tests/helpers/), asserted on this project's own hint."""
+"""verify/_internal/gates/rerun.py: a failing case re-run with one knob changed names its class — one representative of
+each planted bug class (planted/registry.py, tests/helpers/), asserted on this project's own hint."""
 import pytest
 
-from verify.adapters.planted import BY_NAME
-from verify.case import Case
-from verify.gates import GateFailure
-from verify.gates.distributed import check_distributed
-from verify.gates.mesh import check_mesh
-from verify.gates.rerun import diagnose, diagnosed
-from verify.gates.single import check_equivalence
-from verify.hints import hint
-from verify.protocol import load_adapter
+from planted.registry import BY_NAME
+from verify._internal.cases.case import Case
+from verify._internal.gates import GateFailure
+from verify._internal.gates.distributed import check_distributed
+from verify._internal.gates.mesh import check_mesh
+from verify._internal.gates.rerun import diagnose, diagnosed
+from verify._internal.gates.single import check_equivalence
+from verify._internal.hints import hint
+from verify._internal.protocol import load_adapter
 
 pytestmark = pytest.mark.distributed
 
@@ -72,7 +72,7 @@ def test_an_undeclared_accelerate_scheduler_gets_the_per_rank_diagnosis_not_the_
 
 
 def test_nondeterminism_is_the_gates_own_diagnosis():
-    adapter = load_adapter("tests.helpers.calib_adapters:dropout")
+    adapter = load_adapter("planted.calib_adapters:dropout")
     failure = _failure(check_equivalence, adapter, SINGLE)
     assert diagnose(adapter, failure) == (None, {}) and "deterministic" in hint(diagnosed(adapter, failure))
 
@@ -99,7 +99,7 @@ def test_a_mesh_failure_shrunk_to_n1_gets_its_mesh_hint_not_nondeterminism():
 
 def test_a_bad_grads_from_or_unclipped_is_one_line_naming_the_field():
     import verify
-    from verify.protocol import AdapterError
+    from verify._internal.protocol import AdapterError
 
     for kw, says in ((dict(grads_from="step"), "grads_from must be one of 'grads', 'optimizer', got 'step'"),
                      (dict(unclipped=0.5), "unclipped= must be callable")):
@@ -109,7 +109,7 @@ def test_a_bad_grads_from_or_unclipped_is_one_line_naming_the_field():
 
 
 def test_a_token_mean_failure_of_a_trainer_normalising_in_its_step_names_the_count():
-    from verify.gates import check_token_mean
+    from verify._internal.gates import check_token_mean
 
     case = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
                 lengths=(4, 1, 2, 1, 3, 1, 2, 3, 4, 4, 1, 2))  # window A: 12 valid targets
@@ -119,5 +119,5 @@ def test_a_token_mean_failure_of_a_trainer_normalising_in_its_step_names_the_cou
     assert "grads() is 12× the gradient the optimizer steps with" in line and 'grads_from="optimizer"' in line, line
     check_token_mean(_helper("normalise_in_step_declared"), case)
     split = Case(accum_steps=2, micro_batch=2, steps=1, seed=1, data_seed=2, lengths=(4, 1, 3, 2))
-    from verify.gates.windows import check_split_invariance
+    from verify._internal.gates.windows import check_split_invariance
     check_split_invariance(_helper("normalise_in_step_declared"), split, max_world=2)

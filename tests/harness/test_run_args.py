@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from verify import pool_launched
+from verify._internal.ranks import launched as pool_launched
 from verify.run import pytest_args
 
 
 @pytest.mark.parametrize("argv,collects_verify", [
     (["--verify-trainer", "mypkg.train:factory"], True),
     # a trainer that lives in verify (a planted bug) is an option's value, not a test to run: the gates still run
-    (["--verify-trainer", "verify.adapters.broken_dist:all_reduce_every_micro"], True),
+    (["--verify-trainer", "planted.broken_dist:all_reduce_every_micro"], True),
     (["--verify-trainer", "m:f", "verify.test_gates_dist::test_data_parallel_boundary_only_and_equivalent"], False),
     (["verify/test_gates.py", "-k", "bit"], False),
 ])

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import erring_adapters
 from verify.selftest import ERROR, run_selftest
-from verify.verdict import Gate
+from verify._internal.verdict import Gate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

@@ -3,8 +3,8 @@ killed on a correct mesh trainer whose unwrapped run passes, and an interpositio
 trainer's reduction leaves the operator SURVIVED — never a kill the gates did not see."""
 import pytest
 
-from verify.adapters import broken_mesh
-from verify.mesh import Mesh
+from planted import broken_mesh
+from verify._internal.ranks.mesh import Mesh
 from verify.selftest import OPERATORS, mesh_cases, run_selftest
 
 MESH_OPS = [n for n, op in OPERATORS.items() if op.mesh]

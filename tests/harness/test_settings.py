@@ -1,4 +1,4 @@
-"""One settings object (verify/settings.py): every knob defined once, the guide's table drawn from it, and
+"""One settings object (verify/_internal/settings.py): every knob defined once, the guide's table drawn from it, and
 every option checked up front — a bad one is one line naming it and the fix, nothing run, nothing written."""
 import os
 import re
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from verify.settings import KNOBS, Settings, SettingError, check_report_dir, knobs_table, usable_cores
+from verify._internal.settings import KNOBS, Settings, SettingError, check_report_dir, knobs_table, usable_cores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("XTRAIN_")}, "PYTHONPATH": ROOT,
@@ -106,10 +106,10 @@ def test_the_guide_lists_exactly_the_knobs():
     with open(os.path.join(ROOT, "docs", "verify-your-trainer.md"), encoding="utf-8") as f:
         doc = f.read()
     block = re.search(r"<!-- knobs:[^\n]*\n(.*?)<!-- /knobs -->", doc, re.S)
-    assert block is not None and block[1] == knobs_table(), "regenerate the table with verify.settings.knobs_table()"
+    assert block is not None and block[1] == knobs_table(), "regenerate the table with verify._internal.settings.knobs_table()"
     from hypothesis import settings
 
-    from verify import plugin  # noqa: F401  (registers the profiles)
+    from verify._internal import plugin  # noqa: F401  (registers the profiles)
 
     doc = next(k.doc for k in KNOBS if k.env == "HYPOTHESIS_PROFILE")
     assert [int(n) for n in re.findall(r"\d+", doc)] == [settings.get_profile(p).max_examples for p in ("dev", "ci", "gpu")]
@@ -238,7 +238,7 @@ def test_a_factory_without_the_protocols_methods_is_a_usage_error(tmp_path):
 def test_the_factory_check_in_process(tmp_path, monkeypatch):
     """Single-process adapters build one trainer; a data-parallel one is checked by its class (never built
     in the invoking process); and every build checks the object (__call__)."""
-    from verify.protocol import AdapterError, Spec, load_adapter
+    from verify._internal.protocol import AdapterError, Spec, load_adapter
 
     (tmp_path / "mine2.py").write_text(NOT_A_TRAINER)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -262,7 +262,7 @@ def factory(spec):
 
 
 def test_a_factory_that_raises_is_named_with_its_line_in_process(tmp_path, monkeypatch):
-    from verify.protocol import AdapterError, load_adapter
+    from verify._internal.protocol import AdapterError, load_adapter
 
     (tmp_path / "mine3.py").write_text(RAISES)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -1,4 +1,4 @@
-"""Settings are read once and passed (issue 27 item 2): the knobs are read from os.environ in verify/settings.py
+"""Settings are read once and passed (issue 27 item 2): the knobs are read from os.environ in verify/_internal/settings.py
 only, built from it (Settings.from_env) at the entry points only, and nothing in verify/ writes os.environ but
 settings.set_library_env (what torch and friends read in-process); a pool rank runs under its parent's Settings,
 whatever its own environment says; a pool job's verdict crosses the process boundary as the verdict object."""
@@ -10,12 +10,12 @@ import pathlib
 import pytest
 
 from tests.helpers import dist_jobs
-from verify.settings import Settings, current, launcher_var, set_library_env
+from verify._internal.settings import Settings, current, launcher_var, set_library_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SETTINGS = "verify/settings.py"
+SETTINGS = "verify/_internal/settings.py"
 # the processes' entry points: each builds its Settings once (the plugin from pytest's options), then installs them
-ENTRIES = {"verify/plugin.py", "verify/run.py", "verify/gpu_gate.py", "verify/selftest/__main__.py", SETTINGS}
+ENTRIES = {"verify/_internal/plugin.py", "verify/run.py", "verify/gpu_gate.py", "verify/selftest/__main__.py", SETTINGS}
 ENV_FUNCS = {"getenv", "putenv", "unsetenv", "environ", "environb", "getenvb"}
 
 
@@ -60,7 +60,7 @@ def _writers(tree) -> set[str]:
 
 def test_only_the_settings_module_touches_os_environ():
     found = {path: lines for path, tree in _modules() if path != SETTINGS and (lines := _env_uses(tree))}
-    assert found == {}, f"these read or write os.environ; go through verify.settings (knobs: Settings): {found}"
+    assert found == {}, f"these read or write os.environ; go through verify._internal.settings (knobs: Settings): {found}"
 
 
 def test_only_set_library_env_writes_os_environ():
@@ -101,7 +101,7 @@ def test_the_settings_cross_a_process_boundary_whole():
 def test_a_pool_rank_uses_its_parents_settings_whatever_its_environment(monkeypatch):
     """A spawned rank inherits this process's environment as it is when the rank starts: the knobs there say
     otherwise (timeout 5, 1 thread), the rank still runs under the Settings its pool was built with (timeout 77)."""
-    from verify.pool import RankPool
+    from verify._internal.ranks.pool import RankPool
 
     mine = current().replace(timeout=77.0, pool_start="spawn", threads=1)
     monkeypatch.setenv("XTRAIN_DIST_TIMEOUT", "5")
@@ -119,10 +119,10 @@ def test_a_pool_rank_uses_its_parents_settings_whatever_its_environment(monkeypa
 def test_a_pool_job_returns_the_verdict_object():
     """gate_job on a rank returns GateResult / GateFailure / GateSkipped themselves (pickled); run_alone raises the
     failure and the skip in the parent as one process would, fields and message unchanged."""
-    from verify.case import Case
-    from verify.gates.single import gate_job
-    from verify.pool import get_pool
-    from verify.verdict import Gate, GateFailure, GateResult, GateSkipped
+    from verify._internal.cases.case import Case
+    from verify._internal.gates.single import gate_job
+    from verify._internal.ranks.pool import get_pool
+    from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 
     case = Case(accum_steps=1, micro_batch=1, steps=1)
     pool = get_pool(1)

@@ -1,5 +1,5 @@
-"""The token-mean claim and empty windows (verify/gates/tokens.py): xtrain's token-weighted trainers pass;
-the planted bugs of verify/adapters/broken_tokens.py — which every split-based gate passes — are rejected,
+"""The token-mean claim and empty windows (verify/_internal/gates/tokens.py): xtrain's token-weighted trainers pass;
+the planted bugs of planted/broken_tokens.py — which every split-based gate passes — are rejected,
 each naming its gate; the empty_windows declaration is honoured by the strategies and the gate."""
 import pytest
 import torch
@@ -8,17 +8,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import verify
-from tests.helpers import count_adapters as _ca
-from verify.adapters import broken_tokens as bt
-from verify.adapters import planted, xtrain
-from verify.case import Case
-from verify.gates.windows import LONG_N
-from verify.gates import GateFailure, GateSkipped, check_empty_window, check_equivalence, check_token_mean
-from verify.gates.tokens import windows_case
-from verify.gates.windows import check_split_invariance
-from verify.protocol import AdapterError, Expected
-from verify.strategies import budget, cases, padding
-from verify.verdict import Gate
+from planted import count_adapters as _ca
+from planted import broken_tokens as bt
+from planted import registry as planted
+from xtrain_proof import adapters as xtrain
+from verify._internal.cases.case import Case
+from verify._internal.gates.windows import LONG_N
+from verify._internal.gates import GateFailure, GateSkipped, check_empty_window, check_equivalence, check_token_mean
+from verify._internal.gates.tokens import windows_case
+from verify._internal.gates.windows import check_split_invariance
+from verify._internal.protocol import AdapterError, Expected
+from verify._internal.cases.strategies import budget, cases, padding
+from verify._internal.verdict import Gate
 from xtrain_core.config import ModelConfig, OptimConfig
 
 SMALL = xtrain.XtrainOptions(model=ModelConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=1, d_model=8), seq_len=4,
@@ -113,7 +114,7 @@ def test_padding_that_is_counted_is_named():
 
 
 # An empty window that moves the parameters (NaN, or a step on a zero gradient) is named: the planted
-# bugs empty_div_by_zero and empty_stepped on CASE, in verify/adapters/planted.py (test_planted.py).
+# bugs empty_div_by_zero and empty_stepped on CASE, in planted/registry.py (test_planted.py).
 
 
 def test_an_empty_window_that_only_advances_the_schedule_is_named():
@@ -334,8 +335,8 @@ def test_a_float32_loss_in_float64_runs_passes_undeclared_and_a_wrong_count_stil
 def test_two_runs_that_both_end_in_nan_are_not_nondeterminism():
     """Found by per_rank_mean at W=4 (a rank with no valid target divides by 0): the diagnosis called
     two NaN runs different, and reported [determinism] instead of the data-parallel verdict."""
-    from verify.case import Trace
-    from verify.gates.diagnose import first_difference
+    from verify._internal.cases.case import Trace
+    from verify._internal.gates.diagnose import first_difference
 
     nan = torch.tensor([float("nan"), 1.0])
     a, b = Trace([float("nan")], {"w": nan}, [{"w": nan}]), Trace([float("nan")], {"w": nan.clone()}, [{"w": nan.clone()}])

@@ -1,11 +1,11 @@
-"""Tensor parallel (issue 18 items 4-5): the trainer the TP planted bugs are planted in (verify/adapters/broken_tp.py,
+"""Tensor parallel (issue 18 items 4-5): the trainer the TP planted bugs are planted in (planted/broken_tp.py,
 examples/tensor_parallel.py's) passes the mesh gate on the registry's own TP case, so each planted bug's
 rejection there (tests/harness/test_planted.py) is the bug's alone; at Mesh() every bug is the plain model."""
 import pytest
 
-from verify.adapters import broken_tp, planted
-from verify.gates.mesh import check_mesh
-from verify.verdict import Gate
+from planted import broken_tp, registry as planted
+from verify._internal.gates.mesh import check_mesh
+from verify._internal.verdict import Gate
 
 pytestmark = pytest.mark.distributed
 

@@ -1,4 +1,4 @@
-"""One verdict type (verify/verdict.py): every gate raises with its `Gate` member, whose value opens the message;
+"""One verdict type (verify/_internal/verdict.py): every gate raises with its `Gate` member, whose value opens the message;
 the self-test's columns and the report's keys are Gate members; the self-test reads a failure's gate from its
 field, never from its text; and no module outside verdict.py spells a gate's name."""
 import ast
@@ -7,13 +7,14 @@ import pickle
 
 import pytest
 
-from tests.helpers import calib_adapters, count_adapters
-from verify.adapters import broken_mesh, planted, xtrain
-from verify.case import Case
-from verify.gates import GateFailure, check_equivalence, check_same_bytes
-from verify.gates.distributed import max_world
-from verify.gates.mesh import check_mesh_splits
-from verify.verdict import Gate
+from planted import calib_adapters, count_adapters
+from planted import broken_mesh, registry as planted
+from xtrain_proof import adapters as xtrain
+from verify._internal.cases.case import Case
+from verify._internal.gates import GateFailure, check_equivalence, check_same_bytes
+from verify._internal.gates.distributed import max_world
+from verify._internal.gates.mesh import check_mesh_splits
+from verify._internal.verdict import Gate
 from xtrain_core.config import ModelConfig, OptimConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ TINY = xtrain.XtrainOptions(model=ModelConfig(vocab_size=16, seq_len=8, n_layer=
 needs_2 = pytest.mark.skipif(max_world() < 2, reason="needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)")
 dist = [pytest.mark.distributed, needs_2]
 
-# Every gate with a planted bug in the registry (verify/adapters/planted.py) raises with its member there:
+# Every gate with a planted bug in the registry (planted/registry.py) raises with its member there:
 # tests/harness/test_planted.py asserts `e.gate is bug.gate` and that the message opens with its name. The
 # gates the registry has no bug for are raised here.
 RAISES = {
@@ -74,7 +75,7 @@ SELFTESTED = xtrain.single.replace(defaults=TINY, precisions=("fp32",), ref="tes
 
 
 def test_the_selftest_table_and_report_keys_are_gate_names():
-    from verify import report
+    from verify._internal import report
     from verify.selftest import GATES, run_selftest
 
     res = run_selftest(SELFTESTED, operators=["grads_times_N"])
@@ -105,8 +106,8 @@ def test_report_keys_are_gate_names(monkeypatch):
     (every window without a valid target) has no bytes ratio, and no ZeroDivisionError either."""
     from types import SimpleNamespace
 
-    from verify import report
-    from verify.verdict import GateResult
+    from verify._internal import report
+    from verify._internal.verdict import GateResult
 
     monkeypatch.setattr(report, "_STATS", {})
     case = Case(accum_steps=2, micro_batch=1, steps=1, world=2, lengths=(0, 0, 0, 0))
@@ -130,7 +131,7 @@ def test_the_guide_names_the_gates_as_the_code_does():
     assert header == [g.value for g in GATES]
 
 
-# -- no second spelling: a gate's name is written once, in verify/verdict.py --------------------------------
+# -- no second spelling: a gate's name is written once, in verify/_internal/verdict.py --------------------------------
 
 RETIRED = {"distributed equivalence", "dp-equivalence", "data-parallel", "bit-exact accum=1", "reference"}
 # strings that spell a gate's name but are not one, each with why
@@ -138,7 +139,7 @@ NOT_GATES = {
     ("protocol.py", "overflow"): "the Adapter field `overflow` (how to make rows overflow fp16)",
     ("gates/diagnose.py", "determinism"): "the function `determinism`, named in __all__",
 }
-# verify/strategies.py keys the example budget by gate TEST (one budget covers both data-parallel gates); the
+# verify/_internal/cases/strategies.py keys the example budget by gate TEST (one budget covers both data-parallel gates); the
 # plugin's gate tests pass those keys to gate_budget(), and to corners() / random_budget() (each test's hard
 # corners, strategies.corners branching on the same keys). Their names are tests', not gates'.
 BUDGET_CALLS = ("gate_budget", "corners", "random_budget")
@@ -180,7 +181,7 @@ def test_no_module_outside_verdict_spells_a_gate_name():
             bracket = s.startswith("[") and s[1:].split("]", 1)[0] in names  # a message opening "[gate] ..."
             if (s.strip() in names or bracket) and (rel, s) not in NOT_GATES:
                 found.append(f"verify/{rel}:{node.lineno}: {s[:60]!r}")
-    assert not found, "gate names spelled outside verify/verdict.py (use verify.verdict.Gate):\n" + "\n".join(found)
+    assert not found, "gate names spelled outside verify/_internal/verdict.py (use verify._internal.verdict.Gate):\n" + "\n".join(found)
 
 
 def test_every_gate_failure_is_raised_with_a_member():

@@ -2,7 +2,7 @@
 test_cancellation.py): its targets are +A on the first half of a step's rows and −A on the second, so each
 micro-batch pulls the head bias hard one way and the whole window barely at all (κ of the bias ≈ 10–1000).
 Each micro-batch's share leaves the autocast kernel rounded to fp16 before the fp32 add: legitimately less
-exact than the big batch's one rounding of the sum, by up to u16·κ (verify/gates/tolerance.py, F_p)."""
+exact than the big batch's one rounding of the sum, by up to u16·κ (verify/_internal/gates/tolerance.py, F_p)."""
 import torch
 import torch.nn.functional as F
 

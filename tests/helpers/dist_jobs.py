@@ -8,7 +8,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from verify.comm import Windows
+from verify._internal.ranks.comm import Windows
 
 
 def probe_counter(ctx) -> dict:
@@ -53,7 +53,7 @@ def probe_counter(ctx) -> dict:
 
 def overflow_recorder(ctx, n: int) -> str:
     """Issue n collectives between two reads; returns the recorder's error (or '' if none)."""
-    from verify.comm import RecorderError
+    from verify._internal.ranks.comm import RecorderError
 
     ctx.recorder.discard()
     t = torch.ones(1, device=ctx.device)
@@ -106,7 +106,7 @@ def exit_on_rank(ctx, bad: int, code: int) -> int:
 
 def group_sum(ctx) -> tuple:
     """(rank, world, size of ctx.group, Σ rank+1 over ctx.group, that group's link): a sub-world's view."""
-    from verify.comm import group_links
+    from verify._internal.ranks.comm import group_links
 
     t = torch.tensor([ctx.rank + 1.0], device=ctx.device)
     dist.all_reduce(t, group=ctx.group)
@@ -127,14 +127,14 @@ def settings_seen(ctx) -> tuple:
     environment: a rank uses its parent's Settings whatever its environment says."""
     import os
 
-    from verify.settings import KNOBS, current
+    from verify._internal.settings import KNOBS, current
 
     return current().to_dict(), {k.env: os.environ.get(k.env) for k in KNOBS}
 
 
 def verdict_of(adapter, case, device):
-    """A single-process "gate" (verify.gates.single.gate_job's callable): its verdict as `adapter` names it."""
-    from verify.verdict import Gate, GateFailure, GateResult, GateSkipped
+    """A single-process "gate" (verify._internal.gates.single.gate_job's callable): its verdict as `adapter` names it."""
+    from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 
     if adapter == "skip":
         raise GateSkipped("does not apply here")

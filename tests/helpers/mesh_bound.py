@@ -1,4 +1,4 @@
-"""A correct dp × tp trainer (verify/adapters/broken_mesh.py's Tp) whose dp reductions the self-test's
+"""A correct dp × tp trainer (planted/broken_mesh.py's Tp) whose dp reductions the self-test's
 interposition cannot reach: it calls all_reduce through a name bound at import, as it cannot reach DDP's C++
 Reducer either. dp_reduction_skipped and reduced_over_wrong_group change nothing here and must SURVIVE: the
 self-test does not count a kill it did not see."""
@@ -6,7 +6,7 @@ import torch
 from torch.distributed import all_reduce  # bound before the self-test's interposition: out of its reach
 
 import verify
-from verify.adapters import broken_mesh
+from planted import broken_mesh
 
 
 class Bound(broken_mesh.Tp):

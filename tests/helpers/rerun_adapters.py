@@ -1,4 +1,4 @@
-"""Trainers for the re-run diagnosis (verify/gates/rerun.py) and the grads_from="optimizer" mode.
+"""Trainers for the re-run diagnosis (verify/_internal/gates/rerun.py) and the grads_from="optimizer" mode.
 
     accelerate_undeclared    examples/accelerate_accumulate.py's correct trainer WITHOUT scheduler_per_rank:
                              its prepared scheduler steps once per rank, so it fails at W=2 from step 1
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import verify
 from examples.accelerate_accumulate import Trainer as AccelerateTrainer
-from tests.helpers import calib_adapters as calib
+from planted import calib_adapters as calib
 
 IGNORE, VOCAB = -100, 11
 

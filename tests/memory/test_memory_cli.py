@@ -1,7 +1,7 @@
 """verify.memory end to end, as a user runs it (`python -m verify.memory`, small CPU sweeps): xtrain's GPT
 with its memory model, a trainer that is not a GPT, a user's own memory model (the predicted_peak hook),
 proof that a planted leak makes it exit 1, bad input, world 2 under torchrun. GPU tests run where CUDA is
-present, alone on the GPU (verify/_gpulock.py)."""
+present, alone on the GPU (verify/_internal/gpulock.py)."""
 from __future__ import annotations
 
 
@@ -22,11 +22,11 @@ def test_cpu_sweep_passes_and_writes_the_reports(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory-E4.json", "memory-E4.md", "memory-E4.png"]
     rep = report_of(tmp_path)
     assert rep["schema_version"] == 1 and rep["kind"] == "memory" and rep["verdict"] == "PASS"
-    for k in ("python", "torch", "cuda", "gpu", "driver", "cpu_count", "cpu_model"):  # verify/_meta.py's header
+    for k in ("python", "torch", "cuda", "gpu", "driver", "cpu_count", "cpu_model"):  # verify/_internal/header.py's header
         assert k in rep["machine_info"]
     assert "git_commit" in rep and rep["utc"].endswith("+00:00") and len(rep["git"]["sources_sha256"]) == 64
     s = rep["settings"]
-    assert (s["trainer"], s["adapter"], s["model_name"], s["seq_len"]) == ("xtrain", "verify.adapters.xtrain:adapter", "small", 256)
+    assert (s["trainer"], s["adapter"], s["model_name"], s["seq_len"]) == ("xtrain", "xtrain_proof.adapters:adapter", "small", 256)
     assert [(c["N"], c["B"], c["sweeps"]) for c in rep["configs"]] == \
         [(1, 4, ["A"]), (2, 2, ["A"]), (4, 1, ["A", "B"]), (1, 1, ["B"]), (2, 1, ["B"])]
     for c in rep["configs"]:
@@ -59,7 +59,7 @@ def test_cpu_sweep_passes_and_writes_the_reports(tmp_path):
 @pytest.mark.slow
 def test_planted_leak_exits_1_naming_the_rows(tmp_path):
     """LeakyGraph keeps each micro-step's graph alive to the boundary: numerically correct, memory O(N)."""
-    r = memory_cli(*SMALL, "--trainer", "verify.adapters.broken:leaky_graph", "--out", str(tmp_path))
+    r = memory_cli(*SMALL, "--trainer", "planted.broken:leaky_graph", "--out", str(tmp_path))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "(a2) FAIL" in r.stdout and "(b1) FAIL" in r.stdout and "verdict: FAIL" in r.stdout
     assert "peak(N=4,B=1)" in r.stdout and "N=4 peak" in r.stdout  # the offending rows are named
@@ -71,10 +71,10 @@ def test_planted_leak_exits_1_naming_the_rows(tmp_path):
 
 def test_leaky_graph_is_invisible_to_the_equivalence_gate():
     """Why the memory probe exists: the leak computes exactly the right gradients."""
-    from verify.adapters.broken import MEMORY_BROKEN
-    from verify.adapters.xtrain import XtrainOptions
-    from verify.case import Case
-    from verify.gates import check_equivalence
+    from planted.broken import MEMORY_BROKEN
+    from xtrain_proof.adapters import XtrainOptions
+    from verify._internal.cases.case import Case
+    from verify._internal.gates import check_equivalence
     from xtrain_core.config import ModelConfig, OptimConfig
 
     case = Case(accum_steps=3, micro_batch=2, steps=2,
@@ -149,7 +149,7 @@ def test_a_users_own_memory_model_is_judged(tmp_path):
      "--model applies to xtrain's trainer only; --trainer tests.helpers.memory_adapters:mlp (position-wise MLP (tests))"),
     (["--trainer", "tests.helpers.memory_adapters:mlp", "--model", "tiny", "--seq-len", "8", "--device", "cpu"],
      "--model and --seq-len apply to xtrain's trainer only"),
-    (["--trainer", "verify.adapters.broken:leaky_graph", "--seq-len", "999", "--device", "cpu"], "--seq-len 999 exceeds --model small's limit"),
+    (["--trainer", "planted.broken:leaky_graph", "--seq-len", "999", "--device", "cpu"], "--seq-len 999 exceeds --model small's limit"),
     (["--anchor", "/no/such.json", "--device", "cpu"], "--anchor /no/such.json: no such file"),
     (["--steps", "0"], "argument --steps: must be ≥ 1, got 0"),
     (["--device", "cpu", "--out", "/proc/no-such-dir"], "--out /proc/no-such-dir: cannot write there"),
@@ -243,7 +243,7 @@ def test_gpu_sweep_small_model(tmp_path):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_planted_leak_exits_1(tmp_path):
     r = memory_cli("--effective-batch", "8", "--device", "cuda", "--model", "small", "--steps", "1",
-                   "--trainer", "verify.adapters.broken:leaky_graph", "--out", str(tmp_path))
+                   "--trainer", "planted.broken:leaky_graph", "--out", str(tmp_path))
     assert r.returncode == 1 and "(b1) FAIL" in r.stdout, r.stdout + r.stderr
 
 
@@ -251,7 +251,7 @@ def test_gpu_planted_leak_exits_1(tmp_path):
 def test_an_effective_batch_that_cannot_fit_is_refused_with_the_estimate(capsys, tmp_path):
     """Inside its documented bound (≤ 65536) yet far beyond the machine: refused up front from the adapter's
     own memory model at B=1 and 2 (it was OOM-killed after taking all the memory, leaving an empty --out)."""
-    from verify._cli import available_memory
+    from verify._internal.cli import available_memory
 
     out = tmp_path / "reports"
     with pytest.raises(SystemExit) as e:
@@ -270,7 +270,7 @@ def test_the_up_front_estimate_is_the_memory_models_own_prediction():
     logits are linear in the rows): the refusal is the model's number, not a tuned one."""
     import torch
 
-    from verify.adapters.xtrain import adapter
+    from xtrain_proof.adapters import adapter
     from verify.memory.prediction import PeakQuery
 
     q = lambda Bs: adapter.predicted_peak(PeakQuery(adapter=adapter, options=adapter.defaults,  # noqa: E731

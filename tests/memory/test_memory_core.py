@@ -108,7 +108,7 @@ def test_measure_follows_the_protocol():
     from tests.helpers import memory_adapters
 
     from verify.memory import measure
-    from verify.protocol import Spec
+    from verify._internal.protocol import Spec
 
     log, seen, inputs = [], [], []
 
@@ -138,7 +138,7 @@ def test_measure_follows_the_protocol():
     assert row["optim_state_bytes"] == 4 * n and row["static_bytes"] == 12 * n  # SGD momentum buffers
     assert len(row["losses"]) == 2 and row["rows_s"] > 0 and "tok_s" not in row
     assert row["trainer_class"] == "Logged" and row["optimizer"]["cls"] == "SGD"
-    # the harness's own draw (verify.case): the adapter's batch at seed (data_seed << 16) + step, in order
+    # the harness's own draw (verify._internal.cases.case): the adapter's batch at seed (data_seed << 16) + step, in order
     for step in range(3):
         x = adapter.batch(6, (1 << 16) + step, adapter.defaults)[0].float()
         for m in range(3):
@@ -146,9 +146,9 @@ def test_measure_follows_the_protocol():
 
 
 def test_measure_counts_tokens_only_for_token_ids():
-    from verify.adapters import xtrain
+    from xtrain_proof import adapters as xtrain
     from verify.memory import measure
-    from verify.protocol import Spec
+    from verify._internal.protocol import Spec
     from xtrain_core.config import ModelConfig, OptimConfig
 
     opts = xtrain.XtrainOptions(model=ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16),
@@ -345,7 +345,7 @@ def test_judging_bounds():
 def test_the_adapter_declares_a_callable_hook():
     from tests.helpers import memory_adapters
 
-    from verify.protocol import AdapterError
+    from verify._internal.protocol import AdapterError
 
     with pytest.raises(AdapterError, match="predicted_peak= must be callable"):
         memory_adapters.mlp.replace(predicted_peak=3)

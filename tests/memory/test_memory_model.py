@@ -1,4 +1,4 @@
-"""xtrain's memory model (verify/adapters/xtrain_memory.py): its arithmetic on known numbers, the GPT's sizes,
+"""xtrain's memory model (xtrain_proof/memory.py): its arithmetic on known numbers, the GPT's sizes,
 the activation counter, the hook each of xtrain's adapters declares, and the H200 anchor (plain torch):
 the model reproduces it, it ships with the package, and the report compares against it."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from tests.helpers.memory import REPO, fake_report
 
-from verify.adapters import xtrain_memory as mm
+from xtrain_proof import memory as mm
 from verify.memory.invariants import check_invariants
 from verify.memory.plan import plan_configs
 from verify.memory.probes import saved_activation_bytes
@@ -65,7 +65,7 @@ def test_gpt_sizes_match_the_real_model():
 
 
 def _query(adapter, world=1, trainer_class=None, configs=((1, 2), (2, 1))):
-    from verify.adapters.xtrain import XtrainOptions
+    from xtrain_proof.adapters import XtrainOptions
     from verify.memory import PeakQuery
     from xtrain_core.config import PRESETS
 
@@ -78,7 +78,8 @@ def test_each_adapter_declares_its_mode_and_declines_another_trainer():
     trainer class it does not describe (a planted bug built from the same adapter keeps the hook)."""
     from tests.helpers import memory_adapters
 
-    from verify.adapters import broken, xtrain
+    from planted import broken
+    from xtrain_proof import adapters as xtrain
     from verify.memory import Prediction
 
     cases = [(xtrain.adapter, 1, None, "single"), (xtrain.adapter, 2, "DistAccumTrainer", "xtrain"),
@@ -90,7 +91,7 @@ def test_each_adapter_declares_its_mode_and_declines_another_trainer():
         p = adapter.predicted_peak(_query(adapter, world, cls))
         assert isinstance(p, Prediction) and p.mode == mode, (adapter, p)
         assert set(p.peaks) == {(1, 2), (2, 1)} and all(v["bytes"] == sum(v["terms"].values()) > 0 for v in p.peaks.values())
-        assert p.source == "verify/adapters/xtrain_memory.py" and f"Mode **{mode}**" in p.text
+        assert p.source == "xtrain_proof/memory.py" and f"Mode **{mode}**" in p.text
     declined = xtrain.torch_ddp.predicted_peak(_query(xtrain.torch_ddp, 2, "AccumTrainer"))
     assert declined == "no memory model: xtrain's torch_ddp mode describes TorchDDPTrainer, AccumTrainer ran"
     leak = broken.MEMORY_BROKEN["leaky_graph"]
@@ -113,7 +114,7 @@ def test_saved_activation_bytes_counts_saved_storages_once_without_parameters():
 
 
 def test_gpt_activations_grow_with_the_micro_batch():
-    from verify.adapters.xtrain import tokens
+    from xtrain_proof.adapters import tokens
     from xtrain_core.config import PRESETS
     from xtrain_core.model import build_model
 
@@ -153,13 +154,13 @@ def test_the_anchor_ships_with_the_package():
     assert mm.ANCHOR.is_file() and Path(str(mm.ANCHOR)).parent == Path(mm.__file__).parent
     assert {(a["N"], a["B"]) for a in json.loads(mm.ANCHOR.read_text())} >= {(1, 32), (32, 1)}
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert mm.ANCHOR_NAME in pyproject["tool"]["setuptools"]["package-data"]["verify.adapters"]
+    assert mm.ANCHOR_NAME in pyproject["tool"]["setuptools"]["package-data"]["planted"]
 
 
 
 def test_anchor_comparison_and_gpu_rendering_without_a_gpu(tmp_path):
     """The H200 report's anchor section, rendered from rows that reproduce plain torch's own numbers."""
-    from verify.adapters import xtrain
+    from xtrain_proof import adapters as xtrain
     from verify.memory import report as memreport
     from verify.memory.anchor import compare_anchor, target_ratio
     from verify.memory.plan import GiB, Plan
@@ -179,7 +180,7 @@ def test_anchor_comparison_and_gpu_rendering_without_a_gpu(tmp_path):
                  step_ms=by[(c.N, c.B)]["step_ms"], tok_s=by[(c.N, c.B)]["tok_s"], static_bytes=int(by[(c.N, c.B)]["static_gib"] * GiB))
             for c in plan.configs]
     a = compare_anchor(plan, rows)
-    assert a["source"] == "verify/adapters/h200_torch_single_E32.json (shipped with verify)"
+    assert a["source"] == "planted/h200_torch_single_E32.json (shipped with verify)"
     assert target_ratio(anchor) == 0.126  # plain torch's 2.0413 / 16.2643 GiB = 0.1255, rounded up
     assert [t["status"] for t in a["targets"]] == ["PASS", "PASS"]
     assert abs(a["targets"][0]["ours"] - 0.1255) < 1e-3 and a["targets"][0]["anchor"] == pytest.approx(a["targets"][0]["ours"], rel=1e-6)

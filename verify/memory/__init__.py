@@ -8,7 +8,7 @@
 `measure` is the measurement protocol every configuration goes through, for any adapter (any model):
 
     1. draw steps + 1 optimizer steps of data up front: each adapter.batch(N·B rows, seed, spec.options),
-       split into N micro-batches of B rows (verify.case.split), floating tensors cast to spec.dtype,
+       split into N micro-batches of B rows (verify._internal.cases.case.split), floating tensors cast to spec.dtype,
        everything moved to spec.device;
     2. build the trainer: adapter(spec);
     3. ONE warm-up optimizer step (`warmup`, default 1; verify.memory --warmup): it allocates the
@@ -16,14 +16,14 @@
     4. probe.start(); `steps` measured optimizer steps (no host synchronisation inside them);
        probe.stop().
 
-xtrain's plain-torch anchor (verify/adapters/h200_torch_single_E32.json) was measured with the same protocol,
+xtrain's plain-torch anchor (planted/h200_torch_single_E32.json) was measured with the same protocol,
 so the two compare. Modules: `plan` (the configurations), `runners` (the CPU zygote client, the
 GPU runner, the sweeps), `probes`, `invariants`, `prediction` (the adapter's predicted_peak hook:
 `PeakQuery` -> `Prediction`, judged by the ratio), `anchor` (a reference measurement beside ours),
 `report` (assembly, md/png/text), `plot`, `timing`, `_zygote` (the CPU fork server), `cli` (the command
 line, extended by a trainer family's `Wing`): none knows a trainer. `__main__` runs the CLI with xtrain's
 wing (default trainer and short names, --model/--seq-len, the H200 anchor); xtrain's memory model is
-verify/adapters/xtrain_memory.py, the memory-modes study benchmarks/memory_modes.py. Importing this package
+xtrain_proof/memory.py, the memory-modes study benchmarks/memory_modes.py. Importing this package
 imports neither torch nor matplotlib; the probe classes load on first use.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib
 import time
 
-from .prediction import PeakQuery, Prediction
+from verify.memory.prediction import PeakQuery, Prediction
 
 __all__ = ["measure", "RssProbe", "CudaProbe", "NvmlSampler", "ProbeUnavailable", "cuda_full_reset", "PeakQuery",
            "Prediction"]
@@ -48,9 +48,9 @@ def __getattr__(name: str):
 
 
 def _draw(adapter, spec, micro_batch: int, n_steps: int, data_seed: int, device):
-    """n_steps optimizer steps of N micro-batches of B rows, one data seed per step (as verify.case draws
+    """n_steps optimizer steps of N micro-batches of B rows, one data seed per step (as verify._internal.cases.case draws
     them), on `device`; and what one row of inputs looks like."""
-    from ..case import _to, split
+    from verify._internal.cases.case import _to, split
 
     out, first = [], None
     for k in range(n_steps):
@@ -96,7 +96,7 @@ def measure(adapter, spec, *, micro_batch: int, steps: int, probe, data_seed: in
     `rows_s` (N·B rows per second): a token count is only claimed where there are tokens."""
     import torch
 
-    from .probes import optimizer_info, optimizer_state_bytes, tensor_bytes
+    from verify.memory.probes import optimizer_info, optimizer_state_bytes, tensor_bytes
 
     device = torch.device(spec.device)
     N, B = spec.accum_steps, micro_batch

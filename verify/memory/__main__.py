@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import sys
 
-from .._cli import fail
-from ..protocol import AdapterError, load_adapter
-from ..settings import default_trainer, launcher_var
-from .cli import Wing
-from .cli import main as _main
+from verify._internal.cli import fail
+from verify._internal.protocol import AdapterError, load_adapter
+from verify._internal.settings import default_trainer, launcher_var
+from verify.memory.cli import Wing
+from verify.memory.cli import main as _main
 
 
 def preset() -> Wing:

@@ -33,7 +33,7 @@ import sys
 import time
 import traceback
 
-from verify.settings import launcher_var, set_library_env
+from verify._internal.settings import launcher_var, set_library_env
 
 MARK = "MEMPROBE_RESULT "
 
@@ -55,8 +55,8 @@ def measure_request(req: dict) -> dict:
         import base64
         import pickle
 
-        from ..protocol import Spec, load_adapter
-        from . import RssProbe, measure
+        from verify._internal.protocol import Spec, load_adapter
+        from verify.memory import RssProbe, measure
 
         adapter = load_adapter(req["adapter"])
         options = pickle.loads(base64.b64decode(req["options"])) if req.get("options") else adapter.defaults
@@ -76,7 +76,7 @@ def _safe(req: dict) -> dict:
     try:
         return measure_request(req)
     except Exception as e:  # noqa: BLE001  (reported as this configuration's error, with the traceback)
-        from .probes import one_line
+        from verify.memory.probes import one_line
 
         return dict(error=f"trainer or probe raised {one_line(e)}", traceback=traceback.format_exc())
 
@@ -141,9 +141,9 @@ def serve(ref: str | None = None) -> int:
     import torch.distributed  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401  (FSDP2 adapters import it lazily: ~0.5 s per child otherwise)
 
-    from .. import case  # noqa: F401  (measure draws through it)
-    from ..protocol import load_adapter
-    from . import probes  # noqa: F401
+    from verify._internal.cases import case  # noqa: F401  (measure draws through it)
+    from verify._internal.protocol import load_adapter
+    from verify.memory import probes  # noqa: F401
 
     if ref is not None:  # import the adapter's module once, here, not in every child
         load_adapter(ref)

@@ -1,14 +1,14 @@
 """The memory report beside a reference measurement (the anchor: e.g. plain torch, same model, protocol and
 GPU kind) and the targets our numbers must meet against it. Which anchor applies to a run is the CLI's
-choice (Plan.anchor; xtrain's: verify/adapters/xtrain_memory.py); this module only compares."""
+choice (Plan.anchor; xtrain's: xtrain_proof/memory.py); this module only compares."""
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
 
-from .invariants import REL_TOL
-from .plan import GiB, Plan
+from verify.memory.invariants import REL_TOL
+from verify.memory.plan import GiB, Plan
 
 
 def target_ratio(anchor: list[dict]) -> float:
@@ -20,7 +20,7 @@ def target_ratio(anchor: list[dict]) -> float:
 
 def _source(path) -> str:
     """The anchor's path, relative to the installed package when it ships with it."""
-    from .runners import package_root
+    from verify.memory.runners import package_root
 
     try:
         return f"{Path(str(path)).resolve().relative_to(package_root()).as_posix()} (shipped with verify)"

@@ -12,7 +12,7 @@ Each configuration is isolated: on the CPU a fresh process per configuration (pe
 right before the measured steps); on a GPU one process with a full allocator reset between
 configurations (torch's max allocated/reserved, plus NVML device memory used sampled by a thread).
 For an adapter that declares a memory model (Adapter(predicted_peak=...); xtrain's trainers do:
-verify/adapters/xtrain_memory.py) every configuration also gets a PREDICTED peak of the same quantity the
+xtrain_proof/memory.py) every configuration also gets a PREDICTED peak of the same quantity the
 probe measures, and the ratio measured/predicted (reported; exit 1 only if absurd).
 Writes OUT/memory-E{E}.json, .md and .png (atomically, all or none). Exit status: 0 PASS, 1 FAIL (an
 invariant fails), 3 INCONCLUSIVE (an invariant cannot be decided at this size: the output says how to make
@@ -21,10 +21,10 @@ it decidable), 2 bad input. The invariants:
   (a) fixed E: peak does not grow as N grows; peak(N=E, B=1) is well below peak(N=1, B=E)
   (b) fixed B: peak is flat within 2% for N >= 2; peak(N=2) - peak(N=1) <= the gradient buffers
 
-The trainer is any adapter (verify.protocol.Adapter): its data, its model, measured with its own
+The trainer is any adapter (verify._internal.protocol.Adapter): its data, its model, measured with its own
 defaults. A trainer family may add to this command line (a `Wing`: short trainer names, the default
 trainer, its own flags that build the options, an anchor); `python -m verify.memory` runs with xtrain's
-(verify/adapters/xtrain_memory.py: --model and --seq-len set xtrain's options, for adapters whose defaults
+(xtrain_proof/memory.py: --model and --seq-len set xtrain's options, for adapters whose defaults
 are xtrain's). Under torchrun each rank measures its own process/device; rank 0 writes the report with
 per-rank peaks. Thresholds and what each figure includes: docs/design.md, "Peak memory".
 """
@@ -39,15 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .._cli import (Parser, Progress, UsageError, check_fits, fail, int_at_least, positive_int, resolve_device,
-                    writable_dir)
-from ..settings import launcher_var
-from .plan import Plan, plan_configs
+from verify._internal.cli import (Parser, Progress, UsageError, check_fits, fail, int_at_least, positive_int, resolve_device, writable_dir)
+from verify._internal.settings import launcher_var
+from verify.memory.plan import Plan, plan_configs
 
 
 @dataclass(frozen=True)
 class Wing:
-    """What a trainer family adds to the command line (xtrain's: verify.adapters.xtrain_memory.WING). Every
+    """What a trainer family adds to the command line (xtrain's: xtrain_proof.memory.WING). Every
     field is optional: without a wing, --trainer MODULE:FACTORY is measured with its adapter's defaults."""
 
     trainers: dict = field(default_factory=dict)
@@ -126,10 +125,10 @@ def _init_dist(plan: Plan):
 
 
 def _report(plan: Plan, per_rank, argv, t0) -> dict:
-    from . import report as rep
-    from .invariants import check_invariants
-    from .prediction import add_predictions
-    from .runners import nvml_status
+    from verify.memory import report as rep
+    from verify.memory.invariants import check_invariants
+    from verify.memory.prediction import add_predictions
+    from verify.memory.runners import nvml_status
 
     verdicts = check_invariants(per_rank, E_local=plan.E_local, cuda=plan.cuda)
     nvml = nvml_status(plan)[1] if plan.cuda else None
@@ -156,8 +155,8 @@ def main(argv=None, wing: Wing | None = None) -> int:
     if args.device == "auto" and not plan.cuda and rank == 0:
         print("verify.memory: no CUDA GPU visible to torch; measuring the CPU path "
               "(a fresh process per configuration)", file=sys.stderr, flush=True)
-    from . import report as rep
-    from .runners import dist_or_none, run_sweeps
+    from verify.memory import report as rep
+    from verify.memory.runners import dist_or_none, run_sweeps
 
     try:
         _init_dist(plan)
@@ -194,7 +193,7 @@ def main(argv=None, wing: Wing | None = None) -> int:
 def resolve_adapter(name: str, wing: Wing, flag: str = "--trainer"):
     """A short name of the wing, or 'MODULE:FACTORY' naming an Adapter. AdapterError with a one-line reason
     naming `flag`."""
-    from ..protocol import Adapter, AdapterError, load_adapter
+    from verify._internal.protocol import Adapter, AdapterError, load_adapter
 
     if name in wing.trainers:
         a = wing.trainers[name]
@@ -214,7 +213,7 @@ def _device(name: str, world: int):
         if torch.cuda.is_available():
             return torch.device("cuda", local if world > 1 else 0)
         return torch.device("cpu")  # the CLI says so once the flags are known to be valid
-    device = resolve_device(name)  # one rule with xtrain's CLI (verify/_cli.py)
+    device = resolve_device(name)  # one rule with xtrain's CLI (verify/_internal/cli.py)
     if device.type == "cuda" and world > 1:
         return torch.device("cuda", local)
     if device.type == "cuda" and device.index is None:
@@ -229,7 +228,7 @@ def _check_fits(adapter, options, e_local: int, world: int, device) -> None:
     Without a model, or where it declines, nothing is estimated (the run goes ahead as before)."""
     if adapter.predicted_peak is None or e_local <= 2:
         return
-    from .prediction import PeakQuery, Prediction
+    from verify.memory.prediction import PeakQuery, Prediction
 
     q = PeakQuery(adapter=adapter, options=options, configs=((1, 1), (1, 2)), world=world, device=device,
                   probe="cuda", trainer_class=None)  # "cuda": every tensor, the parameters included
@@ -248,7 +247,7 @@ def build_plan(args, wing: Wing | None = None) -> Plan:
 
     import torch
 
-    from ..protocol import AdapterError
+    from verify._internal.protocol import AdapterError
 
     wing = wing or Wing()
     flag = getattr(args, "trainer_flag", None) or "--trainer"

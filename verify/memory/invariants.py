@@ -8,7 +8,7 @@ synthetic rows). Thresholds and why: docs/design.md, "Peak memory".
 """
 from __future__ import annotations
 
-from .plan import GiB, MiB
+from verify.memory.plan import GiB, MiB
 
 REL_TOL = 0.02
 """Flatness / no-growth tolerance relative to the peak (2%)."""

@@ -41,7 +41,7 @@ class Plan:
     world: int
     rank: int
     device: Any  # torch.device
-    adapter: Any  # verify.protocol.Adapter
+    adapter: Any  # verify._internal.protocol.Adapter
     trainer: str
     """--trainer as given: a short name of the CLI, or MODULE:FACTORY."""
     options: Any

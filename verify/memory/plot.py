@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import textwrap
 
-from .plan import report_unit
+from verify.memory.plan import report_unit
 
 LABEL_WIDTH = 48  # characters per legend line
 

@@ -2,7 +2,7 @@
 `Adapter(predicted_peak=fn)`, and `python -m verify.memory` reports each configuration's measured peak as a
 ratio of it. The harness knows no model: it asks the adapter's hook (`PeakQuery` -> `Prediction`) once,
 after the sweeps, on rank 0, and judges only the ratio (exit 1 outside `ABSURD`). xtrain's memory model,
-one per data-parallel mode, is verify/adapters/xtrain_memory.py.
+one per data-parallel mode, is xtrain_proof/memory.py.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class PeakQuery:
     """What a `predicted_peak` hook is asked: predict the peak of these configurations, as `probe` measures it."""
 
     adapter: Any
-    """the verify.protocol.Adapter measured (its `batch` draws rows of its data)"""
+    """the verify._internal.protocol.Adapter measured (its `batch` draws rows of its data)"""
     options: Any
     """Spec.options of every configuration"""
     configs: tuple[tuple[int, int], ...]
@@ -73,7 +73,7 @@ def judge(ratio: float | None, predicted: int, floor: int) -> str:
 def ask(plan, report: dict) -> Prediction | str:
     """The adapter's prediction for the plan's configurations, or the one-line reason there is none (a
     prediction is reported, so a hook that fails never fails the run)."""
-    from .probes import one_line
+    from verify.memory.probes import one_line
 
     hook = plan.adapter.predicted_peak
     if hook is None:
@@ -95,7 +95,7 @@ def ask(plan, report: dict) -> Prediction | str:
 
 
 def _fmt(b: int, report: dict) -> str:
-    from .plan import fmt_bytes, report_unit
+    from verify.memory.plan import fmt_bytes, report_unit
 
     return f"{fmt_bytes(b, report)} {report_unit(report)[0]}"
 
@@ -104,7 +104,7 @@ def add_predictions(report: dict, plan) -> None:
     """Predicted peak per configuration and rank (`predicted_bytes`, `pred_ratio` = measured/predicted in
     every rank row; `predicted_bytes`, `predicted_terms` per configuration) and the `prediction` section:
     mode, inputs, the quantity predicted, verdict (FAIL only for an absurd ratio, see ABSURD)."""
-    from .invariants import tolerance
+    from verify.memory.invariants import tolerance
 
     claim = f"measured/predicted within the absurd bounds [{ABSURD[0]}, {ABSURD[1]}] (reported, not judged inside them)"
     for c in report["configs"]:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..settings import launcher_var
+from verify._internal.settings import launcher_var
 
 __all__ = ["ProbeUnavailable", "RssProbe", "CudaProbe", "NvmlSampler", "cuda_full_reset", "probe_definition",
            "tensor_bytes", "optimizer_info", "optimizer_state_bytes", "one_line", "saved_activation_bytes"]

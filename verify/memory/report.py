@@ -1,4 +1,4 @@
-"""The report of a verify.memory run: `assemble` (rows + verdicts + the common header of verify/_meta.py
+"""The report of a verify.memory run: `assemble` (rows + verdicts + the common header of verify/_internal/header.py
 + memory-specific provenance), `compare_anchor` (our rows beside plain torch's), and the renderings: the
 stdout table, memory-E{E}.md, memory-E{E}.png; `write_all` writes the three all or none.
 
@@ -11,11 +11,11 @@ import json
 import sys
 from pathlib import Path
 
-from . import anchor, plot, timing
-from .invariants import REL_TOL, tolerance
-from .plan import Plan
-from .plan import fmt_bytes as _fmt
-from .plan import report_unit as _unit
+from verify.memory import anchor, plot, timing
+from verify.memory.invariants import REL_TOL, tolerance
+from verify.memory.plan import Plan
+from verify.memory.plan import fmt_bytes as _fmt
+from verify.memory.plan import report_unit as _unit
 
 
 EXIT_CODES = {"PASS": 0, "N/A": 0, "FAIL": 1, "INCONCLUSIVE": 3}
@@ -164,7 +164,7 @@ def render_md(report) -> str:
     s, mi = report["settings"], report["machine_info"]
     E = s["effective_batch"]
     unit, _ = _unit(report)
-    from .._meta import commit_text
+    from verify._internal.header import commit_text
 
     commit = commit_text(report, 12)
     dev = mi["gpu"] + (f", driver {mi['driver']}" if mi.get("driver") else "") if mi.get("gpu") else \
@@ -244,9 +244,9 @@ def render_md(report) -> str:
 
 
 def write_all(report, out: Path) -> list[Path]:
-    """Render all three files first, then write them all or none (verify/_meta.py: atomic_write_all): an
+    """Render all three files first, then write them all or none (verify/_internal/header.py: atomic_write_all): an
     error while rendering or writing leaves no partial report."""
-    from .._meta import atomic_write_all
+    from verify._internal.header import atomic_write_all
 
     stem = f"memory-E{report['settings']['effective_batch']}"
     files = {}
@@ -263,12 +263,12 @@ def write_all(report, out: Path) -> list[Path]:
 
 
 def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nvml: str | None = None) -> dict:
-    """The report: the common header (verify/_meta.py), memory-specific provenance, settings, probe
+    """The report: the common header (verify/_internal/header.py), memory-specific provenance, settings, probe
     definitions, thresholds, every configuration with its per-rank rows, the verdicts, the anchor
     comparison. `nvml`: why NVML could not be used on this GPU (None: it could)."""
-    from .._meta import git_state, header
-    from ..case import _plain, _short
-    from .probes import probe_definition
+    from verify._internal.header import git_state, header
+    from verify._internal.cases.case import _plain, _short
+    from verify.memory.probes import probe_definition
 
     configs = []
     for i, c in enumerate(plan.configs):

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..settings import child_environ, launcher_var
-from .plan import Config, Plan, byte_unit
+from verify._internal.settings import child_environ, launcher_var
+from verify.memory.plan import Config, Plan, byte_unit
 
 
 def package_root() -> str:
@@ -61,7 +61,7 @@ class CpuProbeServer:
     def _start(self):
         import tempfile
 
-        from ._zygote import MARK
+        from verify.memory._zygote import MARK
 
         self.err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "verify.memory._zygote", "--serve", self.ref],
@@ -94,7 +94,7 @@ class CpuProbeServer:
         return req
 
     def run(self, c: Config, port: int | None = None) -> dict:
-        from ._zygote import MARK
+        from verify.memory._zygote import MARK
 
         if self.proc is None:
             try:
@@ -130,7 +130,7 @@ class CpuProbeServer:
 
 def nvml_status(plan: Plan) -> tuple[object, str | None]:
     """(an NvmlSampler for the plan's device, None) or (None, the one-line reason NVML cannot be used)."""
-    from .probes import NvmlSampler, ProbeUnavailable
+    from verify.memory.probes import NvmlSampler, ProbeUnavailable
 
     try:
         return NvmlSampler.open([plan.device], period=0.002), None
@@ -144,7 +144,7 @@ class GpuRunner:
     def __init__(self, plan: Plan):
         import torch
 
-        from .._meta import fp32_only
+        from verify._internal.header import fp32_only
 
         torch.cuda.set_device(plan.device)
         fp32_only()  # fp32 as the anchor measured it
@@ -157,9 +157,9 @@ class GpuRunner:
     def run(self, c: Config) -> dict:
         import torch
 
-        from ..protocol import Spec
-        from . import measure
-        from .probes import CudaProbe, cuda_full_reset, one_line
+        from verify._internal.protocol import Spec
+        from verify.memory import measure
+        from verify.memory.probes import CudaProbe, cuda_full_reset, one_line
 
         p = self.plan
         leftover = cuda_full_reset(p.device)

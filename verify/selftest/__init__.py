@@ -16,7 +16,7 @@ then run on the wrapped trainer over a fixed set of cases built from the adapter
 
     mesh             adapters with mesh_axes, meshes of at most the largest world: pp=2 (chunks 2, outer 2: N=4),
                      tp=2 (N=3), and dp=2 × tp=2 (N=3; else dp=2 × pp=2, chunks 2) when 4 ranks fit, else dp=2;
-                     the mesh gate (verify.gates.mesh.check_mesh) against the adapter's own 1×1×1 big batch. Only
+                     the mesh gate (verify._internal.gates.mesh.check_mesh) against the adapter's own 1×1×1 big batch. Only
                      the mesh operators (Operator.mesh) run there, and only there
 
 For an adapter with an ignore_index every case but the long window is padded (fixed valid-target counts per row: uneven
@@ -45,9 +45,9 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from ..gates.windows import LONG_N, LOW_PRECISIONS
-from ..verdict import Gate, GateFailure
-from .operators import OPERATORS, Operator
+from verify._internal.gates.windows import LONG_N, LOW_PRECISIONS
+from verify._internal.verdict import Gate, GateFailure
+from verify.selftest.operators import OPERATORS, Operator
 
 __all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES", "NOT_RUN"]
 
@@ -77,7 +77,7 @@ def _padded(adapter, case):
 
 
 def selftest_cases(adapter, *, worlds=(1, 2, 3), device: str = "cpu"):
-    from ..case import Case
+    from verify._internal.cases.case import Case
 
     o = adapter.defaults
     single = [Case(accum_steps=1, micro_batch=2, steps=2, seed=1, data_seed=11, device=device, options=o),
@@ -97,8 +97,8 @@ def selftest_cases(adapter, *, worlds=(1, 2, 3), device: str = "cpu"):
 
 def mesh_cases(adapter, top: int, device: str = "cpu") -> list:
     """The fixed mesh cases of an adapter with mesh_axes, on at most `top` ranks (module docstring)."""
-    from ..case import Case
-    from ..mesh import Mesh, unsupported
+    from verify._internal.cases.case import Case
+    from verify._internal.ranks.mesh import Mesh, unsupported
 
     axes, out = adapter.mesh_axes or (), []
     if "pp" in axes:
@@ -125,11 +125,11 @@ def _column(check: Gate, failure: GateFailure) -> Gate:
 def _checks(adapter, case, plain: bool, dist: bool) -> list:
     """[(gate, check, columns)] that one case runs (a mesh case: the mesh gate; dist: the data-parallel gates, at
     any world, 1 included; else the single-process ones); `columns`: the table cells that one check fills."""
-    from ..gates import check_bit_exact, check_distributed, check_equivalence, check_token_mean
-    from ..gates.windows import check_long_window
+    from verify._internal.gates import check_bit_exact, check_distributed, check_equivalence, check_token_mean
+    from verify._internal.gates.windows import check_long_window
 
     if case.mesh is not None:
-        from ..gates.mesh import check_mesh
+        from verify._internal.gates.mesh import check_mesh
 
         checks = [(Gate.MESH_EQUIVALENCE, check_mesh)]
     elif case.accum_steps >= LONG_N:
@@ -140,7 +140,7 @@ def _checks(adapter, case, plain: bool, dist: bool) -> list:
         checks += [(Gate.TOKEN_MEAN, check_token_mean)] if case.lengths is not None else []
     else:
         checks = [(Gate.DP_EQUIVALENCE, check_distributed)]
-        from ..gates.overflow import check_overflow, overflow_hook
+        from verify._internal.gates.overflow import check_overflow, overflow_hook
 
         if overflow_hook(adapter)[0] is not None:
             checks.append((Gate.OVERFLOW, lambda a, c: check_overflow(a, c.replace(precision="fp16"), 0, c.world - 1)))
@@ -307,8 +307,8 @@ def _baseline_cell(baseline: dict, gate: str) -> str:
 
 
 def worlds_of(max_world: int | None = None) -> list[int]:
-    """The worlds the gates draw (verify.gates.distributed.min_world..max_world), capped by max_world."""
-    from ..gates.distributed import max_world as gates_max, min_world
+    """The worlds the gates draw (verify._internal.gates.distributed.min_world..max_world), capped by max_world."""
+    from verify._internal.gates.distributed import max_world as gates_max, min_world
 
     top = gates_max() if max_world is None else min(max_world, gates_max())
     return list(range(min_world(), top + 1))
@@ -327,7 +327,7 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
     meshed = mesh_cases(adapter, max(worlds_of(max_world) or [1]), device) if adapter.mesh_axes else []
     cases = single + dist + meshed
     plain = adapter.plain is not None
-    from ..gates.overflow import overflow_hook
+    from verify._internal.gates.overflow import overflow_hook
 
     overflow_ok = overflow_hook(adapter)[0] is not None
     res = SelftestResult(adapter.locate(), cases, {}, worlds=[c.world for c in dist], n_single=len(single),

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import sys
 
-from .._cli import Parser, Progress, fail, positive_int
+from verify._internal.cli import Parser, Progress, fail, positive_int
 
 
 def parse_args(argv=None):
-    from ..settings import Settings, env_of
+    from verify._internal.settings import Settings, env_of
 
     d = Settings()  # the defaults, for the help
     p = Parser(prog="verify.selftest", description=__doc__.split("\n\n")[1])
@@ -43,7 +43,7 @@ def parse_args(argv=None):
 def max_world_bound(s) -> tuple[int, str]:
     """The largest --max-world this box runs, and why: the worlds the self-test has cases for (DIST), the
     gates' largest world (XTRAIN_DIST_MAX_WORLD), and under NCCL the GPUs."""
-    from . import DIST
+    from verify.selftest import DIST
 
     bound, why = max(DIST), f"the self-test has data-parallel cases for worlds 1..{max(DIST)}"
     cap = s.world_cap()
@@ -55,8 +55,8 @@ def max_world_bound(s) -> tuple[int, str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ..protocol import AdapterError, load_adapter
-    from ..settings import Settings, SettingError, check_report_dir, install, trainer_ref
+    from verify._internal.protocol import AdapterError, load_adapter
+    from verify._internal.settings import Settings, SettingError, check_report_dir, install, trainer_ref
 
     try:  # every option checked here, before anything runs or is written
         s = Settings.from_env(device=args.verify_device, backend=args.verify_backend)
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         fail(f"--verify-trainer {args.verify_trainer}: the adapter draws options but declares no defaults; "
              f"give it defaults= for the self-test's fixed cases")
     torch.set_num_threads(s.threads)
-    from . import run_selftest
+    from verify.selftest import run_selftest
 
     bar = Progress(1, label="selftest ")
 
@@ -94,10 +94,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         fail("interrupted", code=130)
     finally:
-        from ..pool import close_all
+        from verify._internal.ranks.pool import close_all
 
         close_all()
-    from . import _short
+    from verify.selftest import _short
 
     listed = [_short(c, i >= res.n_single) for i, c in enumerate(res.cases)]
     print(f"self-test of {res.trainer}: {len(res.cases)} cases ({', '.join(listed)})"
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         print(line)
     d = res.as_dict()
     print(f"mutation score {res.score} in {res.seconds:.0f} s: {d['verdict']}")
-    from .. import report
+    from verify._internal import report
 
     replaced = report.replaces(out, res.trainer)
     paths = report.write(out, trainer=res.trainer, settings=dict(device=device, selftest_worlds=res.worlds,

@@ -1,6 +1,6 @@
 """The mesh operators' mechanics (issue 18): what verify.selftest.operators plants in a trainer on a dp × pp × tp
 mesh, through what the harness itself may touch — the four methods, the Spec (its mesh: the DeviceMesh of
-verify.mesh.device_mesh, the one layout every mesh adapter uses) and torch.distributed.
+verify._internal.ranks.mesh.device_mesh, the one layout every mesh adapter uses) and torch.distributed.
 
     pipeline_micro_batch_dropped  micro-batch 0 never reaches the trainer; micro-batch 1 is fed in its place
                                   (N micro-steps still: a pipeline's schedule keeps its chunk count)
@@ -58,7 +58,7 @@ def _groups(w):
     if getattr(w, "_groups", None) is None:
         import torch.distributed as dist
 
-        from ..mesh import device_mesh
+        from verify._internal.ranks.mesh import device_mesh
 
         dm, m = device_mesh(w.spec), w.spec.mesh
         w._groups = (dm["dp"].get_group(), dm["tp"].get_group() if m.tp > 1 else dist.group.WORLD)

@@ -23,7 +23,7 @@ every rank unless said otherwise):
     all_positions   divided by every target position, padding included (also at N = 1)
     sequences        divided by the window's number of sequences (also at N = 1)
 
-fp16 (adapters with a way to overflow, verify/gates/overflow.py; run on the data-parallel cases):
+fp16 (adapters with a way to overflow, verify/_internal/gates/overflow.py; run on the data-parallel cases):
     skip_decided_on_one_rank  ranks ≥ 1 never see an overflow: where the boundary gradient is
                                non-finite their inner trainer skips, and the wrapper steps them anyway
 
@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from .mesh_ops import feed_micro_1_for_0, interposed
+from verify.selftest.mesh_ops import feed_micro_1_for_0, interposed
 
 __all__ = ["Operator", "OPERATORS"]
 
@@ -154,9 +154,9 @@ class Operator:
     alone (selftest_cases), where the other operators do not run."""
     fp16: bool = False
     """The bug lives on the overflow path: it exists only for an adapter the overflow gate can run on (fp16
-    and a way to overflow: verify.gates.overflow.overflow_hook)."""
+    and a way to overflow: verify._internal.gates.overflow.overflow_hook)."""
 
-    mesh: bool = False  # runs on the self-test's mesh cases (verify.gates.mesh), and only there
+    mesh: bool = False  # runs on the self-test's mesh cases (verify._internal.gates.mesh), and only there
     around: Callable | None = None  # (wrapper) -> context manager entered around every call into the trainer
 
     def __reduce__(self):
@@ -318,7 +318,7 @@ N2 = lambda c: c.accum_steps >= 2  # noqa: E731
 
 def _windows(c) -> list[list[list[list[int]]]]:
     """Padded case -> per step, per global micro-batch, per rank: the rows' valid-target counts (the layout
-    of verify.case.shard)."""
+    of verify._internal.cases.case.shard)."""
     E, W, B = c.effective_batch, c.world, c.micro_batch
     return [[[list(c.lengths[k * E + (m * W + r) * B:k * E + (m * W + r + 1) * B]) for r in range(W)]
              for m in range(c.accum_steps)] for k in range(c.steps)]

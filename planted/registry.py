@@ -1,0 +1,381 @@
+"""The one registry of planted bugs: every deliberately broken trainer of broken*.py and ddp_modes.py, the
+gate that must reject it, what its message must say, and a case where the bug exists.
+
+    PlantedBug(name, what, adapter, gate, pattern, case, args=(), slow=False, knobs=())
+
+`gate` is the Gate whose GateFailure must reject the bug (`GateFailure.gate`), "memory" for
+verify.memory's peak-memory verdict, or "launcher" for a failure only a launched world shows (verify.run; driven by
+tests/examples/test_launcher.py, and test_launched_pool.py for a sub-world's). tests/harness/test_planted.py drives every entry through its gate (the one
+parametrized test), and checks docs/design.md's table of planted bugs against this registry; the
+drawn-case tests of each gate (tests/harness/test_gates_*.py, test_tokens.py, ...) take their bugs from
+here too (`of_gate`). A planted bug is one hook on xtrain's trainer (template.py).
+
+Controls, harmless by design and checked to PASS where they are tested: broken.scaled_by_one (× 1.0 at
+N = 1) and broken_dist.fsdp2_switch_after_forward (FSDP2 reads the switch after the backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xtrain_core.config import ModelConfig, OptimConfig
+
+from verify._internal.cases.case import Case
+from verify._internal.ranks.mesh import Mesh
+from verify._internal.protocol import Adapter, load_adapter
+from verify._internal.verdict import Gate
+from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, broken_tp, ddp_modes)
+from xtrain_proof.options import XtrainOptions
+
+
+@dataclass(frozen=True)
+class PlantedBug:
+    name: str
+    what: str
+    """The bug in a few words (the docs' table)."""
+    adapter: Adapter | str
+    """The adapter, or its 'MODULE:NAME' reference (tests/helpers/: importable from a checkout only)."""
+    gate: Gate | str
+    pattern: str
+    """A regular expression the rejection message must contain (re.search)."""
+    case: Case | None
+    """A case where the bug exists, so the gate must reject it there (None: gate "memory", driven by
+    tests/test_memory.py through the CLI)."""
+    args: tuple = ()
+    """The gate's further arguments: overflow (micro-step, rank); split invariance (max_world,)."""
+    slow: bool = False
+    needs: str = ""
+    """A module the adapter needs (an optional framework); without it the bug is not run."""
+    knobs: tuple = ()
+    """(Settings field, value) pairs the case runs under (verify/_internal/settings.py's KNOBS), e.g. emulated nodes."""
+
+    def __post_init__(self):
+        if not self.pattern:
+            raise ValueError(f"PlantedBug {self.name}: pattern is empty; name what the rejection must say")
+
+    def load(self) -> Adapter:
+        if isinstance(self.adapter, Adapter):
+            return self.adapter
+        return load_adapter(self.adapter, option=f"planted bug {self.name}:")
+
+    @property
+    def trainer(self) -> str:
+        """The trainer class, as `module.Class`, or the adapter's reference (the docs' table names it)."""
+        if isinstance(self.adapter, str):
+            return self.adapter
+        make = self.adapter.factory
+        return f"{make.__module__.rsplit('.', 1)[-1]}.{make.__name__.removeprefix('make_')}"
+
+
+def _opts(vocab=32, seq=8, layers=1, heads=2, d=16, seq_len=None, **optim):
+    model = ModelConfig(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=heads, d_model=d)
+    norm = optim.pop("loss_norm", "mean")
+    return XtrainOptions(model=model, seq_len=seq_len or seq, optim=OptimConfig(**{"lr": 1e-2, **optim}),
+                         loss_norm=norm)
+
+
+SMALL = _opts(warmup_steps=2)  # warm-up over 2 steps: a schedule that moves (scheduler_step_every_micro)
+TINY = _opts(vocab=16, heads=1, d=8, seq_len=4)
+TOKENS = _opts(vocab=16, heads=1, d=8, seq_len=4, weight_decay=0.1, warmup_steps=2, loss_norm="tokens")
+LONG = _opts(vocab=64, seq=16, heads=1, d=32)
+
+SINGLE = Case(accum_steps=3, micro_batch=2, steps=2, options=SMALL, seed=1, data_seed=2)
+N1 = Case(accum_steps=1, micro_batch=3, steps=2, options=SMALL, seed=1, data_seed=2)  # B·S = 24: not a power of 2
+DIST = Case(accum_steps=3, micro_batch=2, steps=2, world=2, options=SMALL, seed=1, data_seed=2)
+DDP = Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=1, data_seed=2)
+# windows A (rows 0-5) and B (rows 6-11) of 4 targets per row: uneven rows, an empty row and micro-batch
+TOKEN_WINDOWS = Case(accum_steps=3, micro_batch=2, steps=2, options=TOKENS, seed=1, data_seed=2,
+                     lengths=(4, 0, 2, 1, 3, 0, 0, 0, 4, 4, 1, 2))
+# one window of 4 rows whose valid counts differ by row, and by rank under the split N=2 B=1 W=2
+PADDED = Case(accum_steps=2, micro_batch=2, steps=1, options=TOKENS, seed=1, data_seed=2, lengths=(4, 1, 3, 0))
+EMPTY_FSDP = Case(accum_steps=1, micro_batch=1, steps=2, world=2, lengths=(1, 1, 0, 0), options=_opts(
+    vocab=8, seq=24, heads=1, d=4, seq_len=1, lr=1e-3, weight_decay=0.0, loss_norm="tokens"))
+# data seed 0: an expert used only in micro-step 0 (under no_sync) on some rank (test_ddp_modes.py's _case_with)
+ROUTED = Case(accum_steps=2, micro_batch=1, steps=1, world=2)
+OVERFLOW = Case(accum_steps=3, micro_batch=2, steps=2, precision="fp16", options=TINY)
+# planted/count_adapters.py's windows: uneven valid counts per micro-step and rank
+COUNTED = Case(accum_steps=3, micro_batch=1, steps=2, world=2, lengths=(0, 0, 2, 5, 1, 0) + (0, 3, 0, 4, 0, 1))
+# two pipeline stages, 2 micro-batches per schedule step, 2 outer steps: where scale_grads' 1/chunks compounds
+PIPE = Case(accum_steps=4, micro_batch=2, steps=2, world=1, mesh=Mesh(pp=2), pipeline_chunks=2, seed=1, data_seed=2)
+# two tp ranks, N=3 (so loss × tp, error 1 = tp − 1, is not N − 1), B=4; data seed 1: every micro-batch holds
+# targets of both class shards (shard_local_count divides by no zero: a finite, rank-dependent loss)
+TP = Case(accum_steps=3, micro_batch=4, steps=2, world=1, mesh=Mesh(tp=2), seed=1, data_seed=1)
+
+_BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
+_FSDP_ROW = r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"
+_SPLIT = r"split N=\d+ B=\d+ W=\d+ of a window of \d+ rows: \["
+_EQ = r"; case N=\d"
+
+PLANTED: tuple[PlantedBug, ...] = (
+    # -- one process (broken.py) ---------------------------------------------------------------------------
+    PlantedBug("missing_1_over_N", "backward of the raw micro loss: N× the gradient",
+               broken.missing_1_over_N, Gate.EQUIVALENCE, _EQ, SINGLE),
+    PlantedBug("zero_grad_in_micro_loop", "zero_grad at the start of every micro-step",
+               broken.zero_grad_in_micro_loop, Gate.EQUIVALENCE, _EQ, SINGLE),
+    PlantedBug("optimizer_step_every_micro", "optimizer.step() after every micro-step",
+               broken.optimizer_step_every_micro, Gate.EQUIVALENCE, _EQ, SINGLE),
+    PlantedBug("scheduler_step_every_micro", "LR scheduler stepped per micro-step",
+               broken.scheduler_step_every_micro, Gate.EQUIVALENCE, _EQ, SINGLE),
+    PlantedBug("n1_different_reduction", "N == 1: backward of the row SUM, gradient ÷ B·S after it",
+               broken.n1_different_reduction, Gate.BIT_EXACT,
+               r"(gradient|parameter) .+ not bit-identical, max\|Δ\| = \d", N1),
+    PlantedBug("writes_into_targets", "`targets[:, 0] = -100` in place before its loss",
+               broken.writes_into_targets, Gate.BIT_EXACT,
+               r"the trainer wrote into its targets \(step 0, micro-step 0 of \d+\)", N1),
+    PlantedBug("leaky_graph", "every micro-step's graph kept until the boundary (retain_graph)",
+               broken.leaky_graph, "memory", r"verdict: FAIL", None),
+    # -- data parallel (broken_dist.py) ----------------------------------------------------------------------
+    PlantedBug("all_reduce_every_micro_step", "an all-reduce after every micro-step (no no_sync)",
+               broken_dist.all_reduce_every_micro, Gate.BOUNDARY_ONLY,
+               _BEFORE + r"\S+:all_reduce", DIST),
+    PlantedBug("all_reduce_in_helper_thread", "the early all-reduce in a helper thread",
+               broken_dist.all_reduce_in_helper_thread, Gate.BOUNDARY_ONLY,
+               _BEFORE + r".*all_reduce", DIST),
+    PlantedBug("all_reduce_on_backend_object", "the early all-reduce on the c10d backend object",
+               broken_dist.all_reduce_on_backend_object, Gate.BOUNDARY_ONLY,
+               _BEFORE + r".*all_reduce", DIST),
+    PlantedBug("all_reduce_on_private_group", "the early all-reduce on a private process group",
+               broken_dist.all_reduce_on_private_group, Gate.BOUNDARY_ONLY,
+               _BEFORE + r".*all_reduce.* process group [1-9]", DIST),
+    PlantedBug("no_all_reduce", "never communicates", broken_dist.no_all_reduce, Gate.BOUNDARY_ONLY,
+               r"boundary \(micro-step \d+ of \d+, .*\): no gradient all-reduce", DIST),
+    PlantedBug("divide_by_world_twice", "gradient ÷ W twice",
+               broken_dist.divide_by_world_twice, Gate.DP_EQUIVALENCE,
+               r"gradient \(step 0\) of .*: accumulation error .* the boundary's collectives \(step 0, micro-step \d+ "
+               r"of \d+ .*\): \S+:all_reduce", DIST),
+    PlantedBug("reduce_some_params", "reduces the blocks' gradients only",
+               broken_dist.reduce_some_params, Gate.BOUNDARY_ONLY,
+               r"boundary \(micro-step \d+ of \d+, .*\): gradient collectives cover \d+ of \d+ gradient elements", DIST),
+    PlantedBug("broadcast_params_every_micro", "parameters re-broadcast after every micro-step",
+               broken_dist.broadcast_params_every_micro, Gate.BOUNDARY_ONLY,
+               _BEFORE + r"\S+:broadcast float32", DIST),
+    PlantedBug("int_view_checksum_every_micro", "the gradient's bytes all-reduced as int32 every micro-step",
+               broken_dist.int_view_checksum_every_micro, Gate.BOUNDARY_ONLY,
+               _BEFORE + r"\S+:all_reduce int32", DIST),
+    PlantedBug("ddp_sync_flag_after_forward", "DDP's require_backward_grad_sync set after the forward",
+               broken_dist.ddp_sync_flag_after_forward, Gate.BOUNDARY_ONLY,
+               _BEFORE + r"\S+:all_reduce", DIST),
+    PlantedBug("ddp_no_sync_around_backward_only", "DDP's no_sync() around the backward only",
+               broken_dist.ddp_no_sync_around_backward_only, Gate.BOUNDARY_ONLY,
+               _BEFORE + r"\S+:all_reduce", DIST),
+    PlantedBug("fsdp2_sync_always", "FSDP2's gradient sync never turned off",
+               broken_dist.fsdp2_sync_always, Gate.BOUNDARY_ONLY,
+               _FSDP_ROW + r", reshard after forward, \d+ units' expects all_gather×\d+, observed all_gather×\d+, "
+               # gloo reduces by all-reduce, NCCL by reduce-scatter (the row knows which)
+               r"(all_reduce×\d+: gloo:all_reduce float32|.*reduce_scatter×\d+.*nccl:_?reduce_scatter\w* float32)", DIST),
+    PlantedBug("fsdp2_switch_after_backward", "FSDP2's sync switch set after the backward",
+               broken_dist.fsdp2_switch_after_backward, Gate.BOUNDARY_ONLY, _FSDP_ROW, DIST),
+    PlantedBug("fsdp2_steps_empty_windows", "FSDP2 steps a window without a valid token",
+               broken_dist.fsdp2_steps_empty_windows, Gate.BOUNDARY_ONLY,
+               r"step 1, boundary .*a window without a valid token: no update\): count table row", EMPTY_FSDP),
+    # a rank that dies mid-step under `python -m verify.run`: torchrun's failure message names its exit code
+    PlantedBug("dies_mid_step", "rank 1 ends its process at its second micro-step (os._exit(17))",
+               broken_dist.dies_mid_step, "launcher", r"exitcode\s*:\s*17", DIST),
+    # declares subgroups, reduces over the default group: in a launched sub-world (tests/harness/test_launched_pool.py)
+    PlantedBug("ignores_spec_group", "declares subgroups=True, reduces over the default group",
+               broken_dist.ignores_spec_group, "launcher",
+               r"issued [\w, ]*all_?reduce[\w, ]* on the default group \(all \d+ ranks\) instead of Spec\.group", DIST),
+    # -- torch DDP's options (ddp_modes.py): the message names the count table row -------------------------
+    PlantedBug("find_unused_sync_around_backward_only", "find_unused DDP, no_sync() around the backward only",
+               ddp_modes.find_unused_sync_around_backward_only,
+               Gate.BOUNDARY_ONLY, r"micro-step 0 of .*before the boundary.*count table row 'find_unused'", DDP),
+    PlantedBug("compiled_sync_around_backward_only", "compiled DDP, no_sync() around the backward only",
+               ddp_modes.compiled_sync_around_backward_only, Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of .*before the boundary.*count table row 'compiled'", DDP, slow=True),  # compile: ~5 s
+    PlantedBug("find_unused_with_plain_row", "find_unused DDP checked against bucket_view's row",
+               ddp_modes.find_unused_with_plain_row, Gate.BOUNDARY_ONLY,
+               r"boundary.*count table row 'bucket_view'.*all_reduce int32", DDP),
+    PlantedBug("router_drops_stale_expert", "a router drops an expert's accumulated gradient",
+               ddp_modes.router_drops_stale_expert, Gate.DP_EQUIVALENCE,
+               r"gradient \(step 0\) of '[ab]\.0\.(weight|bias)'", ROUTED),
+    PlantedBug("bucket_view_ignores_head_bias", "head.bias left out of DDP",
+               ddp_modes.bucket_view_ignores_head_bias, Gate.BOUNDARY_ONLY,
+               r"the reductions carry \d+ floating elements, count table row 'bucket_view' expects", DDP),
+    # -- token weighting, mixed precision, long windows (broken_numerics.py) ----------------------------------
+    PlantedBug("per_micro_mean", "CE mean per micro-batch × 1/N on padded data",
+               broken_numerics.per_micro_mean, Gate.SPLIT_INVARIANCE, _SPLIT, PADDED, (2,)),
+    PlantedBug("count_divided_twice", "accumulated sum ÷ the token count twice",
+               broken_numerics.count_divided_twice, Gate.SPLIT_INVARIANCE, _SPLIT, PADDED, (2,)),
+    PlantedBug("count_from_first_micro", "token count taken as N × micro-step 0's",
+               broken_numerics.count_from_first_micro, Gate.SPLIT_INVARIANCE, _SPLIT, PADDED,
+               (2,)),
+    PlantedBug("per_rank_mean", "each rank ÷ its own token count, then ÷ W",
+               broken_numerics.per_rank_mean, Gate.SPLIT_INVARIANCE, _SPLIT, PADDED, (2,)),
+    PlantedBug("unscale_update_every_micro", "scaler.unscale_() + update() after every micro-step",
+               broken_numerics.unscale_update_every_micro, Gate.EQUIVALENCE, _EQ,
+               SINGLE.replace(precision="fp16")),
+    PlantedBug("manual_unscale_every_micro", "gradient ÷ the loss scale by hand every micro-step",
+               broken_numerics.manual_unscale_every_micro, Gate.EQUIVALENCE, _EQ,
+               SINGLE.replace(precision="fp16")),
+    PlantedBug("bf16_accumulation_buffer", "gradients summed in a bf16 buffer",
+               broken_numerics.bf16_accumulation_buffer, Gate.EQUIVALENCE,
+               r"gradient \(step 0\)", Case(accum_steps=256, micro_batch=1, steps=1, options=LONG, precision="bf16",
+                                            seed=3, data_seed=4), slow=True),
+    PlantedBug("drop_micro_63", "micro-step 63 never backwards (N ≥ 64)", broken_numerics.drop_micro_63,
+               Gate.PARTIAL_SUMS,
+               r"after micro-step 63 of 96 \(boundary not reached\)",
+               Case(accum_steps=96, micro_batch=1, steps=1, options=TINY, seed=1, data_seed=2), slow=True),
+    PlantedBug("doubling_buffer", "the accumulated gradient doubles before each micro-step",
+               broken_numerics.doubling_buffer, Gate.PARTIAL_SUMS, r"after micro-step 1 of 70",
+               Case(accum_steps=70, micro_batch=1, steps=2, seed=5, data_seed=6,
+                    options=_opts(vocab=16, heads=1, d=8, seq_len=4, max_grad_norm=0.01))),
+    # -- low-precision accumulation (broken_lowprec.py) ---------------------------------------------------------
+    PlantedBug("half_model", "fp16 model (`.half()`): `.grad` accumulates in fp16",
+               broken_lowprec.half_model, Gate.LONG_WINDOW,
+               r"fp16, N=4: \[equivalence\] gradient \(step 0\) of '[\w.]+' is torch.float16 at the boundary",
+               Case(accum_steps=4, micro_batch=1, steps=1, options=TINY, precision="fp16", seed=1, data_seed=2)),
+    PlantedBug("bf16_params", "bf16 model: `.grad` accumulates in bf16", broken_lowprec.bf16_params, Gate.LONG_WINDOW,
+               r"bf16, N=4: \[equivalence\] gradient \(step 0\) of '[\w.]+' is torch.bfloat16 at the boundary",
+               Case(accum_steps=4, micro_batch=1, steps=1, options=TINY, precision="bf16", seed=1, data_seed=2)),
+    PlantedBug("low_precision_grad", "`.grad` rounded to bf16 / fp16 after every micro-step",
+               broken_lowprec.low_precision_grad, Gate.LONG_WINDOW,
+               r"bf16, N=256: \[equivalence\] gradient \(step 0\) of '[\w.]+': accumulation error",
+               Case(accum_steps=256, micro_batch=1, steps=1, options=LONG, seed=3, data_seed=4), slow=True),
+    # -- the overflow path (broken_overflow.py): args (micro-step, rank) of the injected overflow; the message
+    # names the window and rank that went wrong, and where the overflow was injected
+    PlantedBug("skip_decided_on_one_rank", "the overflow skip decided on rank 0 alone",
+               broken_overflow.skip_decided_on_one_rank, Gate.OVERFLOW,
+               r"rank 1, window 0: parameter(?s:.*)overflows in micro-step 1 of 3 on rank 1 of 2",
+               OVERFLOW.replace(world=2), (1, 1)),
+    PlantedBug("skip_only_overflowing_micro", "only the overflowing micro-step dropped",
+               broken_overflow.skip_only_overflowing_micro, Gate.OVERFLOW,
+               r"rank 0, window 0: parameter(?s:.*)overflows in micro-step 1 of 3 on rank 0 of 1", OVERFLOW, (1, 0)),
+    PlantedBug("scaler_update_every_micro", "the loss scale updated every micro-step",
+               broken_overflow.scaler_update_every_micro, Gate.OVERFLOW,
+               r"rank 0, window 0: loss scale 128 after the window, the big batch's 512(?s:.*)"
+               r"overflows in micro-step 0 of 3 on rank 0 of 1", OVERFLOW, (0, 0)),
+    PlantedBug("nan_to_num_before_check", "inf / NaN zeroed before the scaler's check",
+               broken_overflow.nan_to_num_before_check, Gate.OVERFLOW,
+               r"rank 0, window 0: parameter(?s:.*)overflows in micro-step 2 of 3 on rank 0 of 1", OVERFLOW, (2, 0)),
+    # a hand-written loop without an overflow= hook (the harness injects), token and float data: the overflow on a
+    # rank other than 0 (the corner every profile draws first) is stepped on by every rank
+    PlantedBug("found_inf_of_rank_0_tokens", "found_inf of rank 0's own gradient broadcast, token data",
+               broken_overflow.found_inf_of_rank_0_tokens, Gate.OVERFLOW,
+               r"rank 0, window 0: parameter '[\w.]+' changed(?s:.*)overflows in micro-step 2 of 3 on rank 1 of 2",
+               OVERFLOW.replace(world=2, options=None), (2, 1)),
+    PlantedBug("found_inf_of_rank_0_float", "found_inf of rank 0's own gradient broadcast, float data",
+               broken_overflow.found_inf_of_rank_0_float, Gate.OVERFLOW,
+               r"rank 0, window 0: parameter '[\w.]+' changed(?s:.*)overflows in micro-step 2 of 3 on rank 1 of 2",
+               OVERFLOW.replace(world=2, options=None), (2, 1)),
+    # -- the token mean and empty windows (broken_tokens.py) ---------------------------------------------------
+    PlantedBug("all_positions", "÷ every target position, padding included",
+               broken_tokens.all_positions, Gate.TOKEN_MEAN, r"additivity|padding", TOKEN_WINDOWS),
+    PlantedBug("count_plus_one", "÷ (valid count + 1)",
+               broken_tokens.count_plus_one, Gate.TOKEN_MEAN, r"additivity", TOKEN_WINDOWS),
+    PlantedBug("sequences", "÷ the number of sequences with a valid target",
+               broken_tokens.sequences, Gate.TOKEN_MEAN, r"additivity", TOKEN_WINDOWS),
+    PlantedBug("empty_div_by_zero", "an empty window ÷ 0: NaN, stepped",
+               broken_tokens.empty_div_by_zero, Gate.EMPTY_WINDOW,
+               r"a window without a valid target \(after window A, 10 valid targets\) changed parameter '.+': "
+               r"max\|Δ\| = nan \(NaN", TOKEN_WINDOWS),
+    PlantedBug("empty_stepped", "an empty window stepped on its zero gradient",
+               broken_tokens.empty_stepped, Gate.EMPTY_WINDOW,
+               r"a window without a valid target .* max\|Δ\| = \d", TOKEN_WINDOWS),
+    # -- mesh axes (broken_mesh.py: a GPipe MLP on torch.distributed.pipelining) ------------------------------
+    PlantedBug("scale_grads_ema", "schedule scale_grads=True under outer accumulation (torchtitan #1733)",
+               broken_mesh.pipe_ema, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=2 tp=1, chunks=2, outer=2: gradient \(step 0\) of '\d\.\w+' \(stage [01]\)", PIPE),
+    PlantedBug("owned_twice", "a stage reports a parameter of the next stage as its own",
+               broken_mesh.pipe_owned_twice, Gate.MESH_EQUIVALENCE,
+               r"replica 0: gradient \(step 0\) of '8.weight' owned twice, by stage 0 and stage 1", PIPE),
+    PlantedBug("no_loss", "the last stage returns no step loss",
+               broken_mesh.pipe_no_loss, Gate.MESH_EQUIVALENCE,
+               r"replica 0: the last stage \(stage 1\) returned no loss", PIPE),
+    PlantedBug("pp_chatter", "an all-reduce over pp after every schedule step",
+               broken_mesh.pipe_pp_chatter, Gate.BOUNDARY_ONLY,
+               r"axis pp .*: step 0, outer step 0 of 2 \(before the boundary\): count table row 'GPipe stage \d of 2' "
+               r"expects recv×\d+, send×\d+, observed all_reduce×1", PIPE),
+    PlantedBug("stage_rescales_received", "every stage but the last ÷ N its output's gradient again (DeepSpeed #8154)",
+               broken_mesh.pipe_rescales_received, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=3 tp=1, chunks=2, outer=2: gradient \(step 0\) of '\d\.\w+' \(stage [01]\)",
+               PIPE.replace(mesh=Mesh(pp=3))),
+    PlantedBug("stage_grads_wiped", "param.grad = None before every schedule step (NeMo Automodel #3530)",
+               broken_mesh.pipe_grads_wiped, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=2 tp=1, chunks=2, outer=2: gradient \(step 0\) of '\d\.\w+' \(stage [01]\)", PIPE),
+    PlantedBug("earlier_stage_divides_again", "the loss ÷ N on the last stage, the gradient ÷ N again on an earlier one",
+               broken_mesh.pipe_divides_again, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=2 tp=1, chunks=2, outer=2: gradient \(step 0\) of '[02]\.\w+' \(stage 0\)", PIPE),
+    PlantedBug("world_barrier", "a barrier on the world group every micro-step", broken_mesh.pipe_world_barrier,
+               Gate.BOUNDARY_ONLY, r"outer step 0 of 2: 1 collective\(s\) on no mesh axis: gloo:barrier",
+               PIPE.replace(accum_steps=2, pipeline_chunks=1, world=2, mesh=Mesh(dp=2, pp=2))),
+    PlantedBug("tp_extra_reduce", "the micro loss all-reduced over tp too", broken_mesh.tp_extra_reduce,
+               Gate.BOUNDARY_ONLY, r"axis tp .*count table row 'Colwise/Rowwise MLP' expects all_reduce×1, "
+               r"observed all_reduce×2", PIPE.replace(pipeline_chunks=1, mesh=Mesh(tp=2))),
+    PlantedBug("eager_dp", "the dp all-reduce on every micro-step", broken_mesh.tp_eager_dp, Gate.BOUNDARY_ONLY,
+               r"axis dp .*count table row 'dp: boundary-only' expects none, observed all_reduce×\d",
+               PIPE.replace(pipeline_chunks=1, world=2, mesh=Mesh(dp=2))),
+    # -- the project's tests' own trainers (tests/helpers/, by reference): small MLPs and framework recipes ---
+    PlantedBug("off_by_1e5", "accumulation 1e-5 off, beside a float32 constant",
+               "planted.calib_adapters:off_by_1e5", Gate.EQUIVALENCE, _EQ,
+               Case(accum_steps=3, micro_batch=2, steps=1)),
+    PlantedBug("per_rank_undeclared", "Accelerate's scheduler stepped per rank, undeclared",
+               "planted.calib_adapters:per_rank_undeclared", Gate.DP_EQUIVALENCE,
+               r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
+               Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)),
+    PlantedBug("per_rank_unemulated", "the same, declared, its reference ignoring Spec.schedule_world",
+               "planted.calib_adapters:per_rank_unemulated", Gate.DP_EQUIVALENCE,
+               r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
+               Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)),
+    PlantedBug("count_reduced_undeclared", "the token count all-reduced every micro-step, undeclared",
+               "planted.count_adapters:undeclared", Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of 3: 1 collective\(s\) before the boundary: \S+:all_?reduce int64 \[1\]", COUNTED),
+    PlantedBug("declared_at_world_1_only", "the same, declared for world 1 only",
+               "planted.count_adapters:declared_at_world_1_only", Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of 3: 1 collective\(s\) before the boundary", COUNTED),
+    PlantedBug("logs_each_micro_loss", "N scalar all-reduces at the boundary",
+               "planted.count_adapters:logs_each_micro_loss", Gate.BYTES_PER_STEP,
+               r"rank 0 \(float32 run\), step 0: the boundary moves \d+ B in 4 gradient collective\(s\) at N=3, \d+ B "
+               r"in 2 at N=1", COUNTED.replace(steps=1, lengths=COUNTED.lengths[:6])),
+    # world 4 as 2 emulated nodes × 2 ranks: the inter-node reduction belongs at the boundary only
+    PlantedBug("hsdp_eager_inter_node", "HSDP: the cross-node all-reduce on every micro-step too",
+               "planted.hsdp_adapters:eager_inter", Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of 3 \(before the boundary\): count table row 'HSDP: inter-node at the boundary only' "
+               r"expects all_reduce@intra-node×1, observed all_reduce@inter-node×1, all_reduce@intra-node×1: "
+               r"\S+:all_reduce float32 .*\(inter-node\)",
+               Case(accum_steps=3, micro_batch=1, steps=1, world=4), knobs=(("ranks_per_node", 2),)),
+    PlantedBug("local_clean", "ranks ≥ 1 zero their own inf before the all-reduce",
+               "planted.overflow_adapters:local_clean", Gate.OVERFLOW,
+               r"rank 0, window 0: parameter '0.weight' changed",
+               Case(accum_steps=3, micro_batch=2, steps=2, world=2, precision="fp16"), (1, 1)),
+    PlantedBug("pull_times_n", "a framework-owned loop without the 1/N, clipping on",
+               "planted.pull_loops:times_n", Gate.EQUIVALENCE, r"(loss|gradient).*accumulation error 3",
+               Case(accum_steps=4, micro_batch=2, steps=1)),
+    PlantedBug("hf_per_micro_batch_mean", "HF Trainer before 4.46: each micro-batch's token mean ÷ N",
+               "planted.framework_bugs:hf_per_micro_batch_mean", Gate.EQUIVALENCE, r"(loss|gradient)",
+               Case(accum_steps=2, micro_batch=1, steps=1, lengths=(8, 2)), needs="transformers"),
+    PlantedBug("lightning_over_n_twice", "Lightning: the loss ÷ accumulate_grad_batches by hand too",
+               "planted.framework_bugs:lightning_over_n_twice", Gate.EQUIVALENCE,
+               r"(loss|gradient).*accumulation error 6\.6", Case(accum_steps=3, micro_batch=2, steps=2),
+               needs="lightning"),
+    # -- tensor parallel (broken_tp.py: examples/tensor_parallel.py's trainer, one normaliser changed) ----------
+    PlantedBug("shard_local_count", "loss ÷ the targets in this tp rank's class shard (Megatron #7513 class)",
+               broken_tp.shard_local_count, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=2, chunks=1, outer=3: replica 0, stage 0: tp ranks 0 and 1 (return different "
+               r"losses|disagree)", TP),
+    PlantedBug("loss_times_tp", "the loss × the tp size (transformers #39648)",
+               broken_tp.loss_times_tp, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=2, chunks=1, outer=3: gradient \(step 0\) of '\d\.\w+': accumulation error 1\.0", TP),
+    # the default group spans the tp axis here (dp=1): the boundary's extra reductions are tp's (at dp > 1: no axis's)
+    PlantedBug("boundary_over_world", "the boundary all-reduce over every rank, tp included (torchtitan #3412 class)",
+               broken_tp.boundary_over_world, Gate.BOUNDARY_ONLY,
+               r"mesh dp=1 pp=1 tp=2, .*axis tp .*step 0, boundary .*count table row 'Colwise/Rowwise \+ loss parallel' "
+               r"expects all_reduce×5, observed all_reduce×11", TP),
+)
+
+BY_NAME = {b.name: b for b in PLANTED}
+if len(BY_NAME) != len(PLANTED):
+    raise ValueError("planted bugs: two entries share a name")
+
+
+def of_gate(*gates: Gate | str, module: str | None = None) -> list[PlantedBug]:
+    """The planted bugs that the given gates must reject (those of one module of planted/, e.g.
+    "broken_dist", when given), by name."""
+    return sorted((b for b in PLANTED if b.gate in gates and module in (None, b.trainer.split(".")[0])),
+                  key=lambda b: b.name)
+
+
+def table() -> str:
+    """docs/design.md §4's table of planted bugs, drawn from this registry (tests/harness/test_planted.py
+    checks that the docs carry it as written here)."""
+    rows = ["| planted bug | what it does | trainer | rejected by |", "|---|---|---|---|"]
+    rows += [f"| `{b.name}` | {b.what} | `{b.trainer}` | {b.gate} |" for b in PLANTED]
+    return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""Internal: not the public API (see verify.__all__)."""

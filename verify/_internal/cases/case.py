@@ -1,0 +1,268 @@
+"""One drawn case, the batches it implies, and the harness's loop that drives a trainer over them.
+
+The harness, not the trainer, owns the data: it draws each optimizer step's global batch once
+(N·B·W rows, from the adapter's `data`), splits it into N micro-batches and W rank shards, and hands
+every call its own copy. After each call it checks that the trainer did not write into what it was
+given: a trainer that edits its batch in place could change what the reference sees.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verify._internal.verdict import Gate, GateFailure
+
+__all__ = ["Case", "Trace", "split", "shard", "drive", "twin"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One drawn combination. micro_batch is B per rank per micro-step; world W ranks."""
+
+    accum_steps: int
+    micro_batch: int
+    steps: int
+    world: int = 1
+    seed: int = 0
+    """Model init seed (Spec.seed)."""
+    data_seed: int = 0
+    device: str = "cpu"
+    options: Any = None
+    """The adapter's drawn knobs (model size, optimizer settings, ...), passed on as Spec.options."""
+    precision: str = "fp32"
+    """Autocast precision of the candidate runs (the float64 references never autocast)."""
+    lengths: tuple | None = None
+    """Padded data (adapters with an ignore_index): valid targets per row, K·E entries in row order; the
+    rest of each row's targets become the ignore_index (right padding)."""
+    mesh: Any = None
+    """A verify.Mesh for the mesh gate (adapters with mesh_axes): world is then its dp (rows are sharded over
+    dp replicas only) and the ranks are mesh.size. None: plain data parallel over `world` ranks."""
+    pipeline_chunks: int = 1
+    """Micro-batches per pipeline schedule.step (Spec.pipeline_chunks); divides accum_steps."""
+
+    def __post_init__(self):
+        if self.mesh is not None and self.mesh.dp != self.world:
+            raise ValueError(f"Case.world must be the mesh's dp ({self.mesh}), got {self.world}")
+        if self.accum_steps % self.pipeline_chunks:
+            raise ValueError(f"Case.pipeline_chunks={self.pipeline_chunks} must divide accum_steps={self.accum_steps}")
+
+    @property
+    def ranks(self) -> int:
+        """Processes the case runs on: mesh.size, or world."""
+        return self.world if self.mesh is None else self.mesh.size
+
+    @property
+    def effective_batch(self) -> int:
+        """Rows per optimizer step over all ranks: N·B·W (the one meaning of "effective batch")."""
+        return self.accum_steps * self.micro_batch * self.world
+
+    def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None, adapter=None,
+             group=None):
+        """The Spec of one run of this case. Given the adapter, a `scheduler_per_rank` declaration makes
+        schedule_world this case's world, in the W-rank run and in every one-process reference of it alike.
+        The case's mesh and pipeline_chunks apply to its own run only: a run given its own accum_steps (a
+        reference, a block) is one process, Mesh() and one chunk. `group`: the rank's RankContext.group."""
+        from verify._internal.protocol import Spec
+
+        per_rank = adapter is not None and getattr(adapter, "scheduler_per_rank", False)
+        return Spec(accum_steps=self.accum_steps if accum_steps is None else accum_steps, dtype=dtype,
+                    device=device or self.device, seed=self.seed, options=self.options,
+                    precision="fp32" if dtype == torch.float64 else self.precision,
+                    schedule_world=self.world if per_rank else 1, group=group,
+                    **({} if accum_steps is not None or self.mesh is None else
+                       dict(mesh=self.mesh, pipeline_chunks=self.pipeline_chunks)))
+
+    def replace(self, **changes) -> "Case":
+        return dataclasses.replace(self, **changes)
+
+    def batches(self, adapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K global batches of N·B·W rows each, on the CPU, one data seed per optimizer step (right-padded
+        with the adapter's ignore_index where the case has lengths)."""
+        E, out = self.effective_batch, []
+        for k in range(self.steps):
+            x, y = adapter.batch(E, (self.data_seed << 16) + k, self.options)
+            if self.lengths is not None:
+                if adapter.ignore_index is None:
+                    raise ValueError(f"{adapter.name} declares no ignore_index: a padded case does not apply")
+                y = y.clone()
+                for row, n in enumerate(self.lengths[k * E:(k + 1) * E]):
+                    y[row, n:] = adapter.ignore_index
+            out.append((x, y))
+        return out
+
+    def empty_steps(self) -> set[int]:
+        """Steps whose global batch holds no valid target: a token-weighted trainer skips their update."""
+        if self.lengths is None:
+            return set()
+        E = self.effective_batch
+        return {k for k in range(self.steps) if sum(self.lengths[k * E:(k + 1) * E]) == 0}
+
+    def as_dict(self) -> dict:
+        opts = self.options
+        if dataclasses.is_dataclass(opts):
+            opts = {f.name: _plain(getattr(opts, f.name)) for f in dataclasses.fields(opts)}
+        return dict(accum_steps=self.accum_steps, micro_batch=self.micro_batch, steps=self.steps, world=self.world,
+                    effective_batch=self.effective_batch, seed=self.seed, data_seed=self.data_seed,
+                    device=self.device, precision=self.precision,
+                    lengths=None if self.lengths is None else list(self.lengths), options=_plain(opts),
+                    **({} if self.mesh is None else dict(mesh=dataclasses.asdict(self.mesh),
+                                                         pipeline_chunks=self.pipeline_chunks)))
+
+    def __str__(self):
+        w = f" W={self.world}" if self.world != 1 else ""
+        p = f" {self.precision}" if self.precision != "fp32" else ""
+        pad = "" if self.lengths is None else f" lengths={list(self.lengths)}"
+        opts = "" if self.options is None else f" {_short(self.options)}"
+        if self.mesh is not None:
+            w = f" {self.mesh} chunks={self.pipeline_chunks}"
+        return (f"N={self.accum_steps} B={self.micro_batch}{w} K={self.steps}{p} seed={self.seed} "
+                f"data_seed={self.data_seed}{opts}{pad}")
+
+
+def _plain(v):
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+def _short(opts) -> str:
+    s = getattr(opts, "describe", None)
+    return s() if callable(s) else repr(opts)
+
+
+@dataclass
+class Trace:
+    """What one run returned: per-step losses, step-0 boundary grads, params after every step (CPU)."""
+
+    losses: list[float]
+    grads0: dict[str, torch.Tensor]
+    params: list[dict[str, torch.Tensor]]
+
+
+def split(inputs: torch.Tensor, targets: torch.Tensor, n: int):
+    """(N·B, ...) -> N micro-batches of (B, ...), in order."""
+    if inputs.shape[0] % n:
+        raise ValueError(f"batch of {inputs.shape[0]} rows does not split into {n} equal micro-batches")
+    return list(zip(inputs.chunk(n), targets.chunk(n)))
+
+
+def shard(inputs: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: int, world: int):
+    """One global step batch (N·W·B, ...) -> rank `rank`'s N micro-batches of (B, ...).
+
+    Global micro-batch n is rows [n·W·B, (n+1)·W·B) (the single-process split into N) and rank r takes
+    rows [r·B, (r+1)·B) of it: over ranks and micro-steps the union is the big batch, in order."""
+    rows = inputs.shape[0]
+    if rows % (accum_steps * world):
+        raise ValueError(f"batch of {rows} rows does not split into {accum_steps} micro-steps × {world} ranks")
+    b = rows // (accum_steps * world)
+    return [(inputs[(n * world + rank) * b:(n * world + rank + 1) * b],
+             targets[(n * world + rank) * b:(n * world + rank + 1) * b]) for n in range(accum_steps)]
+
+
+def block_grads(adapter, case: "Case", device, gate: Gate | None = None) -> list[dict]:
+    """float64 step-0 boundary gradient of every block of rows one micro-step of one rank sums (the
+    adapter at accum_steps=1 on that block alone): the terms of the sum accumulation computes. `gate`:
+    whose runs these are (drive)."""
+    inputs, targets = case.batches(adapter)[0]
+    out = []
+    for r in range(case.world):
+        for x, y in shard(inputs, targets, case.accum_steps, r, case.world):
+            t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(device), adapter=adapter))
+            out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate=gate).grads0)
+    return out
+
+
+TWIN_COPIES = 3
+
+
+def twin(batches):
+    """The same global batches with their rows (whole sequences) in reverse order, TWIN_COPIES times over:
+    equal in exact arithmetic for a loss that is a mean over rows or valid tokens, so a reference run on
+    them measures its own rounding. Reversal changes every sum's order; three copies (not a power of two)
+    change every division by a row or token count, so a float32 loss shows in the gradients, not only in
+    the loss (a batch of one row has no order to change)."""
+    return [(x.flip(0).repeat(TWIN_COPIES, *[1] * (x.dim() - 1)), y.flip(0).repeat(TWIN_COPIES, *[1] * (y.dim() - 1)))
+            for x, y in batches]
+
+
+def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+
+def _cpu(d: dict) -> dict:
+    """CPU copies; a DTensor (tensor parallel) is gathered whole first — a collective over its mesh, so this
+    runs only in the windows the counter reports without judging (grads, params)."""
+    return {k: (v.full_tensor() if callable(getattr(v, "full_tensor", None)) else v).detach().to("cpu", copy=True)
+            for k, v in d.items()}
+
+
+class _NoMarks:
+    marks = ()
+
+    def mark(self, label) -> None:
+        pass
+
+
+def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cpu", rank: int = 0,
+          world: int = 1, windows=None, gate: Gate | None = None) -> Trace:
+    """The harness's loop: shard each global batch, hand each micro-step its own copy, mark a window
+    before every trainer call (for the collective counter), and return CPU copies of what came back.
+    `gate`: the gate these runs serve, named by a failure (a trainer writing into its batch); None outside
+    the gates ("harness")."""
+    from verify._internal.ranks.comm import set_active
+
+    windows = windows or _NoMarks()
+    set_active(windows)  # a Pull trainer re-marks micro-steps from its framework's thread
+    try:
+        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate)
+    finally:
+        set_active(None)
+
+
+def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate) -> Trace:
+    losses, params, grads0 = [], [], None
+    for k, (inputs, targets) in enumerate(batches):
+        given = []
+        for m, (x, y) in enumerate(shard(inputs, targets, accum_steps, rank, world)):
+            x, y = _to(x, device, dtype), _to(y, device, dtype)
+            xc, yc = x.clone(), y.clone()  # the trainer's own copy; x, y stay the harness's
+            given.append((m, x, y, xc, yc))
+            windows.mark(("micro", k, m))
+            trainer.micro_step(xc, yc, m)
+        at_step = getattr(trainer, "step_with_grads", None)  # Adapter(grads_from="optimizer"): verify/_internal/atstep.py
+        if at_step is None:
+            windows.mark(("grads", k))  # the harness reading the gradient: reported, not training traffic
+            g = trainer.grads()
+            if grads0 is None:
+                grads0 = _cpu(g)
+            windows.mark(("boundary", k))
+            loss = trainer.optimizer_step()
+        else:
+            windows.mark(("boundary", k))
+            g, loss = at_step()
+            if grads0 is None:
+                windows.mark(("grads", k))  # gathering a DTensor is the harness reading, not training traffic
+                grads0 = _cpu(g)
+        loss = None if loss is None else float(loss)  # None: a rank that does not know it (a pipeline's first stage)
+        windows.mark(("params", k))
+        params.append(_cpu(trainer.params()))
+        windows.mark(("after", k))
+        losses.append(loss)
+        for m, x, y, xc, yc in given:  # after the whole step: a trainer may keep its batch and edit it later
+            for what, mine, theirs in (("inputs", x, xc), ("targets", y, yc)):
+                if not torch.equal(mine, theirs):
+                    raise GateFailure(
+                        f"[{gate or 'harness'}] the trainer wrote into its {what} (step {k}, micro-step {m} of {accum_steps}"
+                        f"{f', rank {rank}' if world > 1 else ''}): the batch it was handed changed in place. A "
+                        f"trainer must not modify its batch (clone it first): in a real loop the same storage "
+                        f"may be read again", gate=gate)
+    return Trace(losses, grads0 or {}, params)

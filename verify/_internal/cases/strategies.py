@@ -1,0 +1,332 @@
+"""hypothesis strategies for the gates. Bounds are keyword-only; everything shrinks toward the smallest
+case (N=1, B=1, K=1, world 1, the adapter's smallest options), so a failure is reported at its simplest.
+
+    cases(adapter)                      (N, B, K, seeds, the adapter's drawn options, precision, and —
+                                        for adapters with an ignore_index — padding), world 1
+    dist_cases(adapter, max_world=4)    the same plus a world size W; B is then per rank
+    mesh_cases(adapter, max_world=4)    a dp × pp × tp mesh over the adapter's mesh_axes (2..max_world ranks),
+                                        N = pipeline_chunks × outer steps; B per dp replica
+    padding(...)                        valid targets per row: empty rows, micro-batches and ranks included
+    overflow_cases(adapter, ...)        (case, micro-step, rank) of the injected-overflow gate
+    mesh_split_cases(adapter, ...)      (case, world) of the mesh split-invariance gate
+
+Every gate test draws its known-hard cases first, in every profile: corners(adapter, gate, ...) builds them
+(explicit @example's, run before any random case and never shrunk, so a failing corner is reported as it is),
+with_corners() attaches them, and random_budget() gives the random draws what is left of the gate's budget.
+
+A gate's draws are a function of the seed alone (seed_only_draws, which with_corners applies): hypothesis would
+otherwise mix the constants of every local module the drawing process has imported into its draws, so the
+same seed drew other cases under `python -m verify.run` (a launched world) than under pytest.
+
+An adapter's own options come from its `options` hook (a strategy, or a zero-argument callable giving one):
+xtrain's are xtrain_proof/strategies.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from hypothesis import example
+from hypothesis import strategies as st
+
+from verify._internal.cases.case import Case
+from verify._internal.ranks.mesh import meshes
+
+__all__ = ["cases", "dist_cases", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding", "corners",
+           "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+
+# Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
+# must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
+# the simplest case, e.g. an unpadded window, where most bugs cannot show).
+GATE_MIN_EXAMPLES = 3
+
+
+def budget(share: int, least: int, n: int | None = None) -> int:
+    """Examples for a test worth 1/share of the profile's budget (ci: 100), at least `least` — a floor that
+    scales down with a profile under 100 (dev: 10 -> a tenth, never below 1), so the dev profile is fast."""
+    from hypothesis import settings
+
+    n = settings.default.max_examples if n is None else n  # n: another profile's max_examples
+    floor = least if n >= 100 else max(1, round(least * n / 100))
+    return max(floor, n // share)
+
+
+# Each gate test's share of the profile's budget and its floor (budget()): the one table behind the example
+# counts the guide states (docs/verify-your-trainer.md §1; tests/harness/test_plugin.py checks them).
+# token_mean / empty_window: ~6 trainers built per case (HF's Trainer: ~1 s each), and every count bug shows
+# on nearly every padded case, so a fifth of split invariance's share.
+GATE_BUDGETS = {"equivalence": (1, 1), "bit_exact": (1, 1), "split_invariance": (10, 3), "token_mean": (20, 3),
+                "empty_window": (20, 3), "long_windows": (30, 2), "data_parallel": (2, 8), "bytes_per_step": (30, 3),
+                "overflow": (10, 3), "mesh": (10, 3), "mesh_split": (30, 2)}
+
+
+def gate_budget(gate: str, n: int | None = None) -> int:
+    """Examples a gate test of the plugin draws under the loaded profile (or one of max_examples n):
+    budget(*GATE_BUDGETS[gate]), never below GATE_MIN_EXAMPLES."""
+    return max(GATE_MIN_EXAMPLES, budget(*GATE_BUDGETS[gate], n=n))
+
+
+def gate_device(settings=None) -> str:
+    """--verify-device / XTRAIN_TEST_DEVICE of `settings` (default this process's, settings.current()): cuda runs
+    the gates on the GPU; default cpu. Every strategy takes `device=` to draw another."""
+    from verify._internal.settings import current
+
+    return (settings or current()).device
+
+
+def _options_strategy(adapter):
+    opts = adapter.options
+    if opts is None:
+        return st.none() if adapter.defaults is None else st.just(adapter.defaults)
+    if isinstance(opts, st.SearchStrategy):
+        return opts
+    return opts()  # a zero-argument callable (keeps hypothesis out of the adapter's import)
+
+
+@st.composite
+def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int, seq_len: int,
+            empty_windows: bool = True, some_padding: bool = False) -> tuple:
+    """Valid targets per row for K steps of N global micro-batches of W·B rows (row order as the harness
+    draws them). Each global micro-batch is full, empty, random, or random with one rank's rows empty;
+    shrinks toward full rows (no padding), so a failure is shown with the least padding that causes it.
+    empty_windows=False (Adapter.empty_windows): no step's window is left without a valid target (its
+    first row then keeps one). some_padding=True: the first global micro-batch is never full (shrinking
+    toward one target fewer in each of its rows), so a window's micro-batches hold different numbers of
+    valid targets — where a per-micro-batch or per-rank mean and the token mean part ways."""
+    out = []
+    for i in range(steps * accum_steps):
+        forced = some_padding and i == 0
+        mode = draw(st.sampled_from(["random", "empty", "rank_empty"] if forced else ["full", "random", "empty", "rank_empty"]))
+        empty_rank = draw(st.integers(0, world - 1)) if mode == "rank_empty" else -1
+        for r in range(world):
+            for _ in range(micro_batch):
+                if mode == "full":
+                    out.append(seq_len)
+                elif mode == "empty" or r == empty_rank:
+                    out.append(0)
+                else:
+                    out.append(draw(st.integers(1 if forced else 0, seq_len).map(lambda n: seq_len - n)))
+    E = accum_steps * micro_batch * world
+    if not empty_windows:
+        for k in range(steps):
+            if not any(out[k * E:(k + 1) * E]):
+                out[k * E] = 1
+    return tuple(out)
+
+
+def _row_length(adapter, options) -> int:
+    return int(adapter.batch(1, 0, options)[1].reshape(1, -1).shape[1])
+
+
+@st.composite
+def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int = 4,
+          min_steps: int = 1, max_steps: int = 3, device: str | None = None, world: int = 1,
+          padded: bool | None = None, some_padding: bool = False) -> Case:
+    """(N, B, K, seeds, options, precision[, padding]) for `adapter`. N shrinks to min_accum, the rest to
+    their minimum, the precision to the adapter's first. padded: None draws it (adapters with an
+    ignore_index only), True / False forces it; some_padding: a padded window is never all full rows
+    (padding(some_padding=True))."""
+    c = Case(
+        accum_steps=draw(st.integers(min_accum, max_accum)),
+        micro_batch=draw(st.integers(1, max_micro_batch)),
+        steps=draw(st.integers(min_steps, max_steps)),
+        world=world,
+        options=draw(_options_strategy(adapter)),
+        seed=draw(st.integers(0, 2**16)),
+        data_seed=draw(st.integers(0, 2**16)),
+        device=device or gate_device(),
+        precision=draw(st.sampled_from(adapter.precisions)),
+    )
+    if adapter.ignore_index is not None and (padded if padded is not None else draw(st.booleans())):
+        c = c.replace(lengths=draw(padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=c.micro_batch,
+                                           world=world, seq_len=_row_length(adapter, c.options),
+                                           empty_windows=adapter.empty_windows, some_padding=some_padding)))
+    return c
+
+
+@st.composite
+def dist_cases(draw, adapter, *, min_world: int = 1, max_world: int = 4, **bounds) -> Case:
+    """`cases(adapter, **bounds)` at a world size W (shrinks toward min_world: a failure is reported at
+    the smallest world that shows it); micro_batch is then B per rank."""
+    return draw(cases(adapter, world=draw(st.integers(min_world, max_world)), **bounds))
+
+
+def mesh_worlds(adapter, min_world: int, max_world: int) -> list:
+    """The worlds min_world..max_world (min_world capped by max_world) that have a mesh over the adapter's axes
+    within its mesh_sizes, smallest first."""
+    lo = min(min_world, max_world)
+    return [w for w in range(lo, max_world + 1) if meshes(adapter.mesh_axes, w, adapter.mesh_sizes)]
+
+
+@st.composite
+def mesh_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4, max_chunks: int = 4, max_outer: int = 3,
+               max_micro_batch: int = 4, max_steps: int = 3, device: str | None = None) -> Case:
+    """A mesh of min_world..max_world ranks over the adapter's mesh_axes (dp only beside another axis), its
+    pipeline_chunks (1..max_chunks where pp > 1) and outer steps, N = chunks × outer, and cases()' other
+    draws (B per dp replica; no padding: the mesh gate judges mean losses). Only meshes within the adapter's
+    mesh_sizes, and only worlds that have one (mesh_worlds). Shrinks toward the smallest world, the
+    shallowest pipeline, one chunk, one outer step."""
+    worlds = mesh_worlds(adapter, min_world, max_world)
+    if not worlds:  # the gate skips first, saying so (verify/test_gates_mesh.py)
+        raise ValueError(f"{adapter.name}: no mesh of {min_world}..{max_world} ranks over {adapter.mesh_axes} "
+                         f"within mesh_sizes={adapter.mesh_sizes}")
+    world = draw(st.sampled_from(worlds))
+    mesh = draw(st.sampled_from(meshes(adapter.mesh_axes, world, adapter.mesh_sizes)))
+    chunks = draw(st.integers(1, max_chunks)) if mesh.pp > 1 else 1
+    outer = draw(st.integers(1, max_outer))
+    c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=max_micro_batch, max_steps=max_steps,
+                   device=device, world=mesh.dp, padded=False))
+    return c.replace(accum_steps=chunks * outer, mesh=mesh, pipeline_chunks=chunks)
+
+
+@st.composite
+def overflow_cases(draw, adapter, *, min_world: int = 1, max_world: int = 1, **bounds) -> tuple:
+    """(case, micro-step, rank) for the injected-overflow gate: an fp16 case of K = 2 windows at a world in
+    [min_world, max_world], the micro-step and the rank whose micro-batch overflows in window 0."""
+    case = draw(dist_cases(adapter, min_world=min_world, max_world=max_world, max_accum=4, min_steps=2, max_steps=2,
+                           **bounds), label="case").replace(precision="fp16")
+    micro = draw(st.integers(0, case.accum_steps - 1), label="overflowing micro-step")
+    return case, micro, draw(st.integers(0, case.world - 1), label="overflowing rank")
+
+
+@st.composite
+def mesh_split_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4) -> tuple:
+    """(case, world) for the mesh split gate: one window of N = chunks × outer micro-steps of B·world rows
+    (every dp of the world divides them), to run on every mesh of `world` ranks over the adapter's axes."""
+    world = draw(st.sampled_from(mesh_worlds(adapter, min_world, max_world)), label="world")
+    chunks = draw(st.integers(1, 4), label="pipeline chunks") if "pp" in adapter.mesh_axes else 1
+    c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=2, max_steps=2, padded=False), label="case")
+    outer = draw(st.integers(1, 2), label="outer steps")
+    return c.replace(accum_steps=chunks * outer, micro_batch=c.micro_batch * world, pipeline_chunks=chunks), world
+
+
+# -- corners: the known-hard cases every profile draws first ---------------------------------------------------
+
+def _corner_options(adapter):
+    """The adapter's declared defaults, else the simplest value of its options strategy (what shrinking reaches)."""
+    if adapter.defaults is not None or adapter.options is None:
+        return adapter.defaults
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    quiet = settings(database=None, max_examples=10, phases=(Phase.generate, Phase.shrink),
+                     suppress_health_check=list(HealthCheck))
+    with seed_only_draws():
+        return find(_options_strategy(adapter), lambda _: True, settings=quiet)
+
+
+def _hard_padding(case: Case, seq_len: int) -> tuple:
+    """Window 0: micro-batch 0 partly padded (its rows' valid counts differ), micro-batch 1 empty, micro-batch 2
+    (N ≥ 3) empty on the last rank only; later windows full but one row. No window is left without a valid target."""
+    E, B, W = case.accum_steps * case.micro_batch * case.world, case.micro_batch, case.world
+    out = []
+    for k in range(case.steps):
+        for m in range(case.accum_steps):
+            for r in range(W):
+                for b in range(B):
+                    if k == 0 and m == 0:
+                        out.append(max(1, seq_len // 2) if (r, b) == (0, 0) else seq_len - 1)
+                    elif k == 0 and (m == 1 or (m == 2 and r == W - 1)):
+                        out.append(0)
+                    else:
+                        out.append(seq_len - 1 if (m, r, b) == (0, 0, 0) else seq_len)
+    assert len(out) == case.steps * E
+    return tuple(out)
+
+
+def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, device: str | None = None) -> Case:
+    c = Case(accum_steps=N, micro_batch=B, steps=K, world=W, seed=1, data_seed=2, options=_corner_options(adapter),
+             device=device or gate_device(), precision=adapter.precisions[0])
+    if padded and adapter.ignore_index is not None:
+        c = c.replace(lengths=_hard_padding(c, _row_length(adapter, c.options)))
+    return c
+
+
+def _mesh_corner(adapter, axis: str, B: int = 2):
+    """Two ranks on `axis` (pp=2: every pipeline adapter's smallest; tp=2), two outer steps — with pp, two chunks
+    per schedule step: where a schedule's own 1/chunks compounds over the outer steps (scale_grads=True)."""
+    mesh = next((m for m in meshes(adapter.mesh_axes, 2, adapter.mesh_sizes) if getattr(m, axis) == 2), None)
+    if mesh is None:
+        return None
+    chunks = 2 if axis == "pp" else 1
+    c = _base(adapter, N=1, B=B, K=2, W=mesh.dp)
+    return c.replace(accum_steps=chunks * 2, mesh=mesh, pipeline_chunks=chunks)
+
+
+def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> list:
+    """The known-hard cases of `gate` (a GATE_BUDGETS key) for `adapter`, within [min_world, max_world], in the
+    form the gate test's @given draws (a Case; overflow: (case, micro, rank); mesh_split: (case, world)):
+
+    equivalence, token_mean, empty_window   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in window 0
+    split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
+    data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
+                                            and one empty on the last rank only
+    overflow                                the overflow in the boundary's micro-step (N−1) on the LAST rank of
+                                            the top world; at W ≥ 2 also micro-step 0 on rank 1 of W=2
+    mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2 with 2 outer steps
+    """
+    lo, hi = min_world, max(min_world, max_world)
+    if gate in ("equivalence", "token_mean", "empty_window"):
+        return [_base(adapter, N=3, B=2, K=2, padded=True)]
+    if gate == "split_invariance":
+        return [_base(adapter, N=3, B=2, K=1, padded=True)]
+    if gate in ("data_parallel", "bytes_per_step"):
+        worlds = sorted({w for w in (max(2, lo), hi) if lo <= w <= hi and w >= 2})
+        return [_base(adapter, N=3, B=2, K=2, W=w, padded=True) for w in worlds]
+    if gate == "overflow":
+        top = _base(adapter, N=3, B=2, K=2, W=hi).replace(precision="fp16")
+        out = [(top, 2, hi - 1)]
+        if hi > 2 and lo <= 2:
+            out.append((top.replace(world=2), 0, 1))
+        return out
+    if gate == "mesh":
+        return [c for c in (_mesh_corner(adapter, a) for a in ("pp", "tp") if a in adapter.mesh_axes) if c] \
+            if lo <= 2 <= hi else []
+    if gate == "mesh_split":
+        c = _mesh_corner(adapter, "pp" if "pp" in adapter.mesh_axes else "tp", B=2 * 2) if lo <= 2 <= hi else None
+        return [(c.replace(mesh=None, world=1), 2)] if c else []
+    return []
+
+
+@contextlib.contextmanager
+def seed_only_draws():
+    """Within it, hypothesis draws from the seed and the strategies alone. hypothesis (6.170 here) also picks, in ~5% of its
+    integer, float and string draws, one of the constants of the LOCAL modules (not stdlib or site-packages)
+    the process has imported so far (hypothesis.internal.conjecture.providers._get_local_constants; no setting
+    turns it off). That pool differs between processes (the controller of `python -m verify.run` has imported
+    verify.run, verify._internal.ranks.launched and verify._internal.header's 0o644 by its first draw; a pytest run of the same gate
+    has not) and grows as a run imports more: with one --hypothesis-seed a launched world and a pooled run drew
+    different cases, and a printed seed need not replay its cases elsewhere. Here the pool is empty (hypothesis'
+    own constants stay); a hypothesis without the hook is left as it is."""
+    try:
+        from hypothesis.internal.conjecture import providers
+
+        real, cache, empty = providers._get_local_constants, providers.CONSTANTS_CACHE.cache, providers.Constants()
+    except (ImportError, AttributeError):
+        yield
+        return
+    providers._get_local_constants = lambda: empty
+    cache.clear()  # allowed constants per (type, bounds), cached from the pool: none may outlive a switch
+    try:
+        yield
+    finally:
+        providers._get_local_constants = real
+        cache.clear()
+
+
+def with_corners(test, values, arg: str = "case"):
+    """`test` (a @given function) with each corner as an explicit example of its argument `arg`, drawing from
+    the seed alone (seed_only_draws)."""
+    for v in reversed(values):  # hypothesis runs explicit examples in decorator order: keep corners' order
+        test = example(**{arg: v})(test)
+
+    @functools.wraps(test)
+    def seeded(*args, **kwargs):
+        with seed_only_draws():
+            return test(*args, **kwargs)
+
+    return seeded
+
+
+def random_budget(gate: str, values) -> int:
+    """The random draws left to a gate test after its corners: they replace drawn cases within gate_budget(gate)."""
+    return max(1, gate_budget(gate) - len(values))

@@ -1,0 +1,336 @@
+"""The data-parallel gates, for any adapter that declares data parallelism.
+
+The trainer runs on every rank of a pool (verify/_internal/ranks/pool.py) through the same four methods; the harness
+shards the data, marks a window before every call, and counts every collective with the c10d flight
+recorder (verify/_internal/ranks/comm.py). Its single-process big batch, the reference, is the SAME adapter at
+accum_steps=1 and world 1, run on a one-rank pool beside it. The parent then judges:
+
+boundary-only   the boundary rule (counts.py): the adapter's count table row, or else the default row,
+                built from the gradient size: micro-steps 0..N-2 issue no collective at all (any op, any
+                dtype), except what the adapter declares `expected` (by op family, dtype class and count).
+                At the boundary (micro-step N-1, grads(), optimizer_step()) the floating-point elements
+                reduced cover every gradient element once, plus at most SCALARS side-channel scalars (the
+                step loss), so the bytes per optimizer step do not depend on N. No reduction outside the
+                trainer's calls. Collectives at construction and inside params() are reported, not judged.
+equivalence     every rank vs the reference, with the one policy of tolerance.py: fp32 step-0 boundary
+                gradients and loss, fp32 losses of every step, float64 losses and parameters of every
+                step; and the parameters bitwise identical across ranks after every step.
+
+Every failure names the rank, the step, the micro-step and the collective(s) involved.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from verify._internal.cases.case import Case, Trace, block_grads, drive, twin
+from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, group_links, link_of
+from verify._internal.ranks.pool import get_pool, launched
+from verify._internal.settings import Settings, current
+from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
+from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row
+from verify._internal.gates.diagnose import determinism
+from verify._internal.gates.tolerance import Judge, condition, measured_floor
+
+__all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
+           "max_world", "min_world", "SCALARS"]
+
+DTYPES = (torch.float32, torch.float64)
+F32, F64 = str(torch.float32), str(torch.float64)
+
+
+def max_world(settings: Settings | None = None) -> int:
+    """World sizes the suite draws up to under `settings` (default settings.current()): XTRAIN_DIST_MAX_WORLD
+    (default 4), capped by GPUs under NCCL; under a launcher (verify.run) the launched world, whatever the box's
+    GPUs. A value the gate tests pass on to the strategies (dist_cases(max_world=...))."""
+    world = getattr(launched(), "world", None)
+    return world or (settings or current()).world_cap()
+
+
+def min_world(adapter=None, settings: Settings | None = None) -> int:
+    """The smallest world the suite draws: XTRAIN_DIST_MIN_WORLD (default 1), e.g. 8 to run only world 8. Under
+    a launcher the launched world too, unless `adapter` declares subgroups (it reduces over Spec.group): then
+    the worlds below run on subgroups of the launched ranks (LaunchedPool.sub), world 1 in a one-rank pool on
+    rank 0's node as the references do. Without the declaration they would be pools spawned there, not launched."""
+    world = getattr(launched(), "world", None)
+    if world and not getattr(adapter, "subgroups", False):
+        return world
+    s = settings or current()
+    return min(s.min_world, max_world(s))
+
+
+# -- what runs on the ranks ----------------------------------------------------------------------------
+
+@dataclass
+class RankRun:
+    trace: Trace
+    comms: dict  # window label -> [Collective]; ("init",), ("micro", k, m), ("boundary", k), ("params", k), ("after", k)
+    main_thread: str
+    n_params: int  # elements of params() after the run (all of them, used or not)
+    links: dict = field(default_factory=dict)  # process group (c10d name) -> comm.INTRA / comm.INTER
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    runs: dict  # dtype name -> RankRun
+    refs: dict = field(default_factory=dict)  # "big32" / "ref64" -> Trace (the one-rank reference)
+
+
+def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENCE) -> RankOutcome:
+    """On every rank: the trainer in each dtype, windows marked, collectives read. On a mesh the rows are
+    the rank's dp replica's (every pp stage and tp rank of a replica gets the same)."""
+    batches = case.batches(adapter)
+    rank, world = (case.mesh.coords(ctx.rank)[0], case.mesh.dp) if case.mesh is not None else (ctx.rank, ctx.world)
+    out = RankOutcome(ctx.rank, {})
+    for dtype in dtypes:
+        ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)
+        win = Windows()
+        win.mark(("init",))
+        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter, group=ctx.group))
+        trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=rank,
+                      world=world, windows=win, gate=gate)
+        del trainer
+        comms = win.attribute(ctx.recorder.read())
+        out.runs[str(dtype)] = RankRun(trace, comms, ctx.recorder.main_thread,
+                                       sum(p.numel() for p in trace.params[-1].values()) if trace.params else 0,
+                                       group_links())
+    return out
+
+
+def reference_job(ctx, adapter, case: Case, twin_only: bool = False) -> dict:
+    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64
+    (or, with twin=True, only the float64 big batch's twin: its rows reversed, case.twin)."""
+    batches = twin(case.batches(adapter)) if twin_only else case.batches(adapter)
+    refs = {}
+    for name, dtype in (() if twin_only else (("big32", torch.float32),)) + (("ref64", torch.float64),):
+        trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device), adapter=adapter))
+        refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate=Gate.DP_EQUIVALENCE)
+    return refs
+
+
+def kappa_job(ctx, adapter, case: Case, ref_grads: dict) -> dict:
+    """On a one-rank pool, when a check needs it (lazy κ): κ per parameter of the sum over every rank's
+    micro-blocks (tolerance.condition) against the float64 reference's gradient `ref_grads`."""
+    return condition(block_grads(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref_grads)
+
+
+def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None, gate=Gate.DP_EQUIVALENCE) -> list[RankOutcome]:
+    """The world-W (or mesh.size) run and the one-rank reference, side by side on two pools."""
+    pool = pool or get_pool(case.ranks, subgroups=adapter.subgroups)
+    if pool.world != case.ranks:
+        raise ValueError(f"case needs world {case.ranks}, pool has {pool.world}")
+    if case.ranks == 1:
+        outcomes = pool.run(rank_job, adapter, case, gate=gate)
+        refs = pool.run(reference_job, adapter, case)[0]
+    else:
+        ref_pool = ref_pool or get_pool(1)
+        ref_pool.submit(reference_job, adapter, case)
+        try:
+            outcomes = pool.run(rank_job, adapter, case, gate=gate)
+        finally:
+            refs = ref_pool.result()[0]
+    for o in outcomes:
+        o.refs = refs
+    return outcomes
+
+
+# -- the counter's verdict -------------------------------------------------------------------------
+
+def _reduces(c: Collective) -> bool:
+    """Floating data that is not a broadcast or barrier: gradient-like traffic."""
+    return c.kind == "gradient"
+
+
+@dataclass
+class StepComm:
+    """Per rank, per dtype, per optimizer step: what the counter saw."""
+
+    micro: list  # per micro-step 0..N-2: [Collective]
+    boundary: list  # every collective at micro-step N-1 + optimizer_step()
+    params: list  # inside grads() and params(): the harness reading state (reported only)
+
+    @property
+    def reduced(self) -> list:
+        return [c for c in self.boundary if _reduces(c)]
+
+    @property
+    def boundary_elements(self) -> int:
+        return sum(c.numel for c in self.reduced)
+
+    @property
+    def boundary_bytes(self) -> int:
+        return sum(c.nbytes for c in self.reduced)
+
+    def bytes_by_link(self, links: dict) -> dict:
+        """The boundary's gradient bytes split by the link its group spans (comm.link_of)."""
+        out = {INTRA: 0, INTER: 0}
+        for c in self.reduced:
+            out[link_of(c, links)] += c.nbytes
+        return out
+
+
+@dataclass
+class CommReport:
+    case: Case
+    grad_elements: int  # P: the reference's gradient elements
+    steps: dict  # (rank, dtype) -> [StepComm]
+    init: dict  # (rank, dtype) -> [Collective] at construction
+    expected_used: list = field(default_factory=list)  # (rank, dtype, step, micro, Expected.why, Collective)
+
+    def per_step(self, rank=0, dtype=F32) -> list[dict]:
+        return [dict(boundary_collectives=len(s.reduced), boundary_bytes=s.boundary_bytes,
+                     boundary_elements=s.boundary_elements, ops=[f"{c.backend}:{c.op}" for c in s.boundary],
+                     before_boundary=[len(m) for m in s.micro])
+                for s in self.steps[(rank, dtype)]]
+
+
+def _split(run: RankRun, case: Case):
+    """Group a run's collectives by optimizer step; also return reductions outside any trainer call."""
+    N, K = case.accum_steps, case.steps
+    steps = [StepComm([[] for _ in range(N - 1)], [], []) for _ in range(K)]
+    init, stray = [], []
+    for label, cs in run.comms.items():
+        for c in cs:
+            if label == ("init",):
+                init.append(c)
+            elif label is not None and label[0] == "micro":
+                _, k, m = label
+                (steps[k].boundary if m == N - 1 else steps[k].micro[m]).append(c)
+            elif label is not None and label[0] == "boundary":
+                steps[label[1]].boundary.append(c)
+            elif label is not None and label[0] in ("params", "grads"):
+                steps[label[1]].params.append(c)
+            elif _reduces(c):
+                where = (f"after step {label[1]}, outside any trainer call" if label else "before the run started")
+                stray.append((where, c))
+    return steps, init, stray
+
+
+def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(), row=None) -> CommReport:
+    """Raises GateFailure naming the rank, step, micro-step and collective on the first violation of the
+    boundary rule (counts.check_step): `row` (a counts.CountRow), the exact collectives of the trainer's sync
+    mode, or else the default row built from the gradient size (CountRow.default)."""
+    gate, N, W = Gate.BOUNDARY_ONLY, case.accum_steps, case.world
+    ref = outcomes[0].refs["ref64"]
+    P = sum(g.numel() for g in ref.grads0.values())
+    report = CommReport(case, P, {}, {})
+    for o in outcomes:
+        for dt, run in o.runs.items():
+            steps, init, stray = _split(run, case)
+            report.steps[(o.rank, dt)], report.init[(o.rank, dt)] = steps, init
+            who = f"rank {o.rank} ({dt.replace('torch.', '')} run)"
+
+            def fail(msg):
+                raise GateFailure(f"[{gate}] {who}, {msg}; case {case}", gate=gate, case=case)
+
+            for where, c in stray[:1]:
+                fail(f"gradient-like collective {where}: {c.describe(run.main_thread)}")
+            if row is not None and W == 1:
+                continue  # alone there is nothing to count against a data-parallel row (world 1 = the plain path)
+            rule, empty = row or CountRow.default(P, run.n_params), case.empty_steps()
+            for k, s in enumerate(steps):
+                used, msg = check_step(rule, s.micro, s.boundary, k, W, expected,
+                                       lambda c: c.describe(run.main_thread), skipped=k in empty, links=run.links)
+                report.expected_used += [(o.rank, dt, k, m, e.why or e.op, c) for m, e, c in used]
+                if msg:
+                    fail(msg)
+    return report
+
+
+def boundary_summary(report: CommReport | None, rank: int, dtype: str, step: int) -> str:
+    if report is None or (rank, dtype) not in report.steps:
+        return ""
+    s = report.steps[(rank, dtype)][step]
+    N = report.case.accum_steps
+    cs = "; ".join(c.describe() for c in s.reduced[:4]) or "no gradient collective"
+    return f"; the boundary's collectives (step {step}, micro-step {N - 1} of {N} and optimizer_step()): {cs}"
+
+
+# -- the numbers' verdict --------------------------------------------------------------------------
+
+def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: CommReport | None = None,
+                           kappa=None, measure=None) -> tuple[str, float, float | None]:
+    """Every rank vs the one-rank reference on the big batch; returns (the check closest to its bound,
+    its error / bound, the float64 floor judged with). kappa: name -> κ, or a function returning it when a
+    check needs it (Judge.step0); measure: a function measuring the case's own float64 floor on its twin when
+    a float64 check needs it (Judge.float64)."""
+    big, ref = outcomes[0].refs["big32"], outcomes[0].refs["ref64"]
+    worst, used = ("", 0.0), None
+    kappa = functools.cache(kappa) if callable(kappa) else kappa  # one function for every rank: computed once
+    measure = functools.cache(measure) if callable(measure) else measure
+    for o in outcomes:
+        j = Judge(Gate.DP_EQUIVALENCE, case, f"rank {o.rank}: ",
+                  lambda step, o=o: boundary_summary(report, o.rank, F32, step))
+        acc = o.runs[F32].trace
+        doomed = None
+        if F64 in o.runs:  # looked at first, raised last: a case that fails anyway computes no κ
+            try:
+                f = j.float64(o.runs[F64].trace, ref, measure)
+                used = f if used is None or (f or 0.0) > used else used
+            except GateFailure as e:
+                doomed = e
+        j.step0(acc, big, ref, kappa, doomed=doomed)
+        j.loss_trajectory(acc, big)
+        if doomed is not None:
+            raise doomed
+        if j.worst_ratio >= worst[1]:
+            worst = (f"rank {o.rank}: {j.worst}", j.worst_ratio)
+    for dt in outcomes[0].runs:  # all ranks hold the same parameters, bit for bit, after every step
+        p0 = outcomes[0].runs[dt].trace.params
+        for o in outcomes[1:]:
+            j = Judge(Gate.DP_EQUIVALENCE, case, f"rank {o.rank}: ")
+            for k, (pa, pb) in enumerate(zip(o.runs[dt].trace.params, p0)):
+                for name, p in pb.items():
+                    j.equal(pa.get(name, torch.empty(0)), p,
+                            f"parameter {name!r} after step {k} vs rank 0's ({dt.replace('torch.', '')} run): ranks diverged", k)
+    return worst[0], worst[1], used
+
+
+def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
+    """Both gates on one run: the counter first (its message names the collective), then the numbers."""
+    if not adapter.data_parallel:
+        raise GateSkipped(f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))")
+    outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
+    row = declared_row(adapter, case)
+    report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row)
+    kpool = (pool if case.world == 1 else ref_pool) or get_pool(1)  # where the reference ran
+    ref64 = outcomes[0].refs["ref64"]
+    ref_grads = ref64.grads0
+    measure = lambda: measured_floor(  # noqa: E731
+        ref64, kpool.run(reference_job, adapter, case, True)[0]["ref64"])
+    lazy = ((lambda: kpool.run(kappa_job, adapter, case, ref_grads)[0])  # noqa: E731
+            if case.accum_steps * case.world > 1 else None)
+    try:
+        worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, measure)
+    except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
+        rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
+        raise determinism(e, rerun, outcomes[0].runs[F32].trace) from None
+    steps = report.steps[(0, F32)]
+    return GateResult(Gate.DP_EQUIVALENCE, case, worst, ratio, comm=report, floor64=floor,
+                      boundary_bytes=[s.boundary_bytes for s in steps],
+                      boundary_collectives=[len(s.reduced) for s in steps],
+                      boundary_bytes_by_link=[s.bytes_by_link(outcomes[0].runs[F32].links) for s in steps],
+                      gradient_bytes=4 * report.grad_elements)
+
+
+def check_same_bytes(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
+    """Bytes per step independent of N: the case at N, and the SAME global window at N=1 (one micro-step
+    of N·B rows per rank; padded lengths apply to the same rows), must issue the same gradient-like
+    collectives at every boundary, carrying the same bytes. Returns the N run's result."""
+    got = check_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
+    one_case = case.replace(accum_steps=1, micro_batch=case.accum_steps * case.micro_batch)
+    one = check_distributed(adapter, one_case, pool=pool, ref_pool=ref_pool)
+    for (rank, dt), steps in one.extra["comm"].steps.items():
+        a = [(s.boundary_bytes, len(s.reduced)) for s in got.extra["comm"].steps[(rank, dt)]]
+        b = [(s.boundary_bytes, len(s.reduced)) for s in steps]
+        if a != b:
+            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            raise GateFailure(
+                f"[{Gate.BYTES_PER_STEP}] rank {rank} ({dt.replace('torch.', '')} run), step {k}: the boundary moves "
+                f"{a[k][0]} B in {a[k][1]} gradient collective(s) at N={case.accum_steps}, {b[k][0]} B in {b[k][1]} "
+                f"at N=1 over the same window ({one_case}) — a step's boundary must reduce the gradient once, "
+                f"whatever N; case {case}", gate=Gate.BYTES_PER_STEP, case=case)
+    return got

@@ -1,0 +1,165 @@
+"""The mesh gate: a trainer on dp × pp × tp ranks vs its own 1×1×1 big batch (issue 18, docs/design.md).
+
+Every rank of a pool of mesh.size ranks runs the window through the four methods (gates/distributed.py's
+rank_job: the rows of the rank's dp replica, windows marked, collectives read); the same adapter at
+Mesh(), pipeline_chunks=1, accum_steps=1 runs the whole big batch on a one-rank pool beside it. The
+parent assembles each dp replica from what its ranks own (verify/_internal/ranks/mesh.py: the union over pp stages,
+exactly once; the tp ranks of a stage bit-identical) and judges it with the one tolerance policy
+(tolerance.Judge): fp32 step-0 gradients and loss, fp32 losses of every step, float64 losses and
+parameters of every step. The dp replicas hold the same parameters, bit for bit, after every step.
+
+Before the numbers, the counter's verdict per mesh axis (gates/mesh_counts.py): its message names the
+collective. A replica's step loss comes from its last pipeline stage (optimizer_step() returns None elsewhere); the
+tp ranks of that stage must agree on it exactly. Failures name the mesh, the chunks, the outer steps,
+the replica and the stage that owns the parameter.
+"""
+from __future__ import annotations
+
+import functools
+
+from verify._internal.cases.case import Case, Trace
+from verify._internal.ranks.mesh import MeshError, assemble, meshes, missing, unsupported
+from verify._internal.ranks.pool import get_pool
+from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
+from verify._internal.gates.distributed import F32, F64, kappa_job, reference_job, run_distributed
+from verify._internal.gates.counts import declared_row
+from verify._internal.gates.mesh_counts import check_mesh_counts
+from verify._internal.gates.tolerance import Judge, measured_floor
+
+__all__ = ["check_mesh", "check_mesh_splits", "assemble_traces", "where"]
+
+GATE = Gate.MESH_EQUIVALENCE
+
+
+def where(case: Case) -> str:
+    """'mesh dp=1 pp=2 tp=1, chunks=2, outer=2: ' — how every message of the gate opens."""
+    return f"{case.mesh}, chunks={case.pipeline_chunks}, outer={case.accum_steps // case.pipeline_chunks}: "
+
+
+def _fail(case: Case, msg: str):
+    raise GateFailure(f"[{GATE}] {where(case)}{msg}; case {case}", gate=GATE, case=case)
+
+
+def assemble_traces(traces: list[Trace], case: Case, names) -> list[Trace]:
+    """Each rank's Trace -> one Trace per dp replica: gradients and parameters assembled over its pp stages
+    (and checked across its tp ranks), losses from its last stage. `names`: the reference's parameter names."""
+    mesh, out = case.mesh, []
+    try:
+        grads = assemble([t.grads0 for t in traces], mesh, "gradient (step 0)")
+        params = [assemble([t.params[k] for t in traces], mesh, f"parameter after step {k}")
+                  for k in range(case.steps)]
+        for d in range(mesh.dp):
+            missing(grads[d], names, mesh, d, "gradient (step 0)")
+            for k in range(case.steps):
+                missing(params[k][d], names, mesh, d, f"parameter after step {k}")
+    except MeshError as e:
+        _fail(case, str(e))
+    for d in range(mesh.dp):
+        last = [traces[mesh.rank(d, mesh.pp - 1, t)].losses for t in range(mesh.tp)]
+        for k in range(case.steps):
+            if last[0][k] is None:
+                _fail(case, f"replica {d}: the last stage (stage {mesh.pp - 1}) returned no loss from optimizer_step() "
+                            f"at step {k}: the ranks that compute the loss return it")
+            bad = next((t for t in range(1, mesh.tp) if last[t][k] != last[0][k]), None)
+            if bad is not None:
+                _fail(case, f"replica {d}, stage {mesh.pp - 1}: tp ranks 0 and {bad} return different losses at step "
+                            f"{k} ({last[0][k]!r} vs {last[bad][k]!r})")
+        out.append(Trace([last[0][k] for k in range(case.steps)], grads[d], [params[k][d] for k in range(case.steps)]))
+    return out
+
+
+def _stage_of(traces: list[Trace], case: Case):
+    """name -> 'stage s' (from replica 0's tp rank 0): for messages."""
+    mesh, by = case.mesh, {}
+    for s in range(mesh.pp):
+        for name in traces[mesh.rank(0, s, 0)].grads0:
+            by.setdefault(name, f"stage {s}")
+    return by
+
+
+def _name_stage(e: GateFailure, stages: dict, pp: int) -> GateFailure:
+    """The failure with the parameter it names followed by its pipeline stage (pp > 1)."""
+    msg = str(e)
+    if pp > 1:
+        for name, s in stages.items():
+            if repr(name) in msg:
+                msg = msg.replace(repr(name), f"{name!r} ({s})", 1)
+                break
+    return GateFailure(msg, gate=e.gate, case=e.case, error=e.error, bound=e.bound, hint=e.hint)
+
+
+def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
+    """The mesh gate on one case (case.mesh set, case.world its dp). GateSkipped for an adapter that
+    declares no mesh_axes; ValueError for a mesh wider than the adapter declares."""
+    if not adapter.mesh_axes:
+        raise GateSkipped(f"{adapter.name} declares no mesh axes (Adapter(mesh_axes=('pp',) | ('tp',) | ...))")
+    if case.mesh is None:
+        raise ValueError("check_mesh needs a case with a mesh (Case(mesh=verify.Mesh(...), world=mesh.dp))")
+    extra = [a for a in case.mesh.axes() if a not in adapter.mesh_axes]
+    if extra:
+        raise ValueError(f"{case.mesh} uses axes {extra} that {adapter.name} does not declare ({adapter.mesh_axes})")
+    why = unsupported(case.mesh, adapter.mesh_sizes)
+    if why:  # a size the model cannot shard (hidden 16 over tp=3) is no failure of the trainer
+        raise GateSkipped(f"{adapter.name} on {case.mesh}: {why}")
+    outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool, gate=GATE)
+    counted = check_mesh_counts(outcomes, case, declared_row(adapter, case))
+    big, ref = outcomes[0].refs["big32"], outcomes[0].refs["ref64"]
+    runs = {dt: assemble_traces([o.runs[dt].trace for o in outcomes], case, ref.grads0) for dt in (F32, F64)}
+    stages = _stage_of([o.runs[F32].trace for o in outcomes], case)
+    kpool = (pool if case.ranks == 1 else ref_pool) or get_pool(1)  # where the reference ran
+    measure = functools.cache(lambda: measured_floor(
+        ref, kpool.run(reference_job, adapter, case, True)[0]["ref64"]))
+    kappa = functools.cache(lambda: kpool.run(kappa_job, adapter, case, ref.grads0)[0])
+    lazy = kappa if case.accum_steps * case.world > 1 else None
+    worst, used = ("", 0.0), None
+    for d in range(case.mesh.dp):
+        j = Judge(GATE, case, where(case) + (f"replica {d}: " if case.mesh.dp > 1 else ""))
+        doomed = None
+        try:
+            try:  # looked at first, raised last (as in gates/distributed.py): a doomed case computes no κ
+                f = j.float64(runs[F64][d], ref, measure)
+                used = f if used is None or (f or 0.0) > used else used
+            except GateFailure as e:
+                doomed = e
+            j.step0(runs[F32][d], big, ref, lazy, doomed=doomed)
+            j.loss_trajectory(runs[F32][d], big)
+            if doomed is not None:
+                raise doomed
+        except GateFailure as e:
+            raise _name_stage(e, stages, case.mesh.pp) from None
+        if j.worst_ratio >= worst[1]:
+            worst = (f"replica {d}: {j.worst}", j.worst_ratio)
+    for dt, replicas in runs.items():  # every dp replica holds the same parameters, bit for bit
+        for d in range(1, case.mesh.dp):
+            j = Judge(GATE, case, where(case) + f"replica {d}: ")
+            for k, (pa, pb) in enumerate(zip(replicas[d].params, replicas[0].params)):
+                for name, p in pb.items():
+                    try:
+                        j.equal(pa[name], p, f"parameter {name!r} after step {k} vs replica 0's "
+                                f"({dt.replace('torch.', '')} run): replicas diverged", k)
+                    except GateFailure as e:
+                        raise _name_stage(e, stages, case.mesh.pp) from None
+    return GateResult(GATE, case, worst[0], worst[1], floor64=used, counts=counted)
+
+
+def check_mesh_splits(adapter, case: Case, world: int) -> GateResult:
+    """Split invariance over mesh shapes: `case`'s window (E = N·B·dp rows, its seeds) on every mesh of
+    `world` ranks over the adapter's axes whose dp divides the window's rows per micro-step (B per replica =
+    N·B·dp / (N·dp')), with case's chunks where pp > 1, each through the mesh gate against the same 1×1×1
+    reference: every factorisation gives the big batch's step. A failure names the mesh."""
+    E, worst, n = case.effective_batch, ("", 0.0), 0
+    for m in meshes(adapter.mesh_axes, world, adapter.mesh_sizes):
+        if E % (case.accum_steps * m.dp):
+            continue
+        c = case.replace(mesh=m, world=m.dp, micro_batch=E // (case.accum_steps * m.dp),
+                         pipeline_chunks=case.pipeline_chunks if m.pp > 1 else 1)
+        try:
+            r = check_mesh(adapter, c)
+        except GateFailure as e:
+            raise GateFailure(f"[{Gate.MESH_SPLIT_INVARIANCE}] {m} of a window of {E} rows: {e}",
+                              gate=Gate.MESH_SPLIT_INVARIANCE,
+                              case=c, error=e.error, bound=e.bound, hint=e.hint) from None
+        n += 1
+        if r.ratio >= worst[1]:
+            worst = (f"{m}: {r.worst}", r.ratio)
+    return GateResult(Gate.MESH_SPLIT_INVARIANCE, case, worst[0], worst[1], splits=n)

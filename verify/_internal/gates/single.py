@@ -1,0 +1,112 @@
+"""The single-process gates, for any adapter. Each raises GateFailure naming what differs.
+
+equivalence  N micro-steps of B rows vs the SAME trainer at accum_steps=1 on the N·B batch, same init
+             and data: fp32 step-0 loss and boundary gradients against the float64 big batch under the
+             policy of tolerance.py, fp32 losses of every step, float64 losses and parameters of every
+             step. So a trainer is judged against its own big-batch semantics, whatever its model.
+bit-exact    accum_steps=1 vs the adapter's declared plain step (no accumulation code at all): every
+             gradient, loss and parameter after K steps torch.equal. Skipped (GateSkipped, with the
+             reason) when the adapter declares no plain step.
+
+An adapter that needs a process group even alone (DDP, Accelerate) is run on a one-rank pool.
+"""
+from __future__ import annotations
+
+import torch
+
+from verify._internal.cases.case import Case, block_grads, drive, twin
+from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
+from verify._internal.gates.diagnose import determinism
+from verify._internal.gates.tolerance import Judge, condition, measured_floor
+
+__all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
+
+
+def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -> GateResult:
+    """`runs64`: float64 runs by (rows or twin, N), kept across calls on the same case (a float64 run has no
+    autocast: the long-window gate's bf16 and fp16 passes share theirs)."""
+    gate, N = Gate.EQUIVALENCE, case.accum_steps
+    batches = case.batches(adapter)
+    f64, runs64 = torch.float64, {} if runs64 is None else runs64
+    run = lambda n, dtype, data=batches: drive(  # noqa: E731
+        adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter)), data, n, dtype=dtype,
+        device=device, gate=gate)
+
+    def kept(n, data=batches, what="rows"):
+        if (what, n) not in runs64:
+            runs64[what, n] = run(n, f64, data)
+        return runs64[what, n]
+
+    acc, big = run(N, torch.float32), run(1, torch.float32)
+    acc64, ref64 = kept(N), kept(1)
+    measure = lambda: measured_floor(ref64, kept(1, twin(batches), "twin"))  # noqa: E731
+    j, doomed, floor = Judge(gate, case), None, None
+    try:
+        try:  # the float64 verdict, looked at first and raised last: a case that fails anyway computes no κ
+            floor = j.float64(acc64, ref64, measure)
+        except GateFailure as e:
+            doomed = e
+        kappa = (lambda: condition(block_grads(adapter, case, device, gate), ref64.grads0)) if N > 1 else None
+        j.accumulator(acc)
+        j.step0(acc, big, ref64, kappa, doomed=doomed)
+        j.loss_trajectory(acc, big)
+        if doomed is not None:
+            raise doomed
+    except GateFailure as e:  # diagnose before judging: is the trainer deterministic at all?
+        raise determinism(e, lambda: run(N, torch.float32), acc) from None
+    return GateResult(gate, case, j.worst, j.worst_ratio, floor64=floor)
+
+
+def _bit_exact(adapter, case: Case, device: str) -> GateResult:
+    gate = Gate.BIT_EXACT
+    if adapter.plain is None:
+        raise GateSkipped(f"{adapter.name} declares no plain (no-accumulation) step; declare "
+                          f"@verify.adapter(plain=...) to prove accum_steps=1 is that step bit for bit")
+    batches = case.batches(adapter)
+    spec = case.spec(accum_steps=1, device=device, adapter=adapter)
+    got = drive(adapter(spec), batches, 1, device=device, gate=gate)
+    want = drive(adapter.plain(spec), batches, 1, device=device, gate=gate)
+    Judge(gate, case).bit_exact(got, want)
+    return GateResult(gate, case)
+
+
+_GATES = {Gate.EQUIVALENCE: _equivalence, Gate.BIT_EXACT: _bit_exact}
+
+
+def gate_job(ctx, name, adapter, case: Case):
+    """On a pool rank: run one single-process gate there (a Gate of _GATES, or a module-level function
+    (adapter, case, device) -> GateResult). Returns the verdict itself, pickled back to the parent: the
+    GateResult, or the GateFailure (with its fields: gate, case, error, bound, hint) or GateSkipped it raised —
+    a value, not a traceback."""
+    try:
+        return _GATES.get(name, name)(adapter, case, str(ctx.device))
+    except (GateFailure, GateSkipped) as e:
+        return e
+
+
+def run_alone(name, adapter, case: Case, pool=None) -> GateResult:
+    """One single-process gate (see gate_job) in this process, or on a one-rank pool for an adapter that
+    needs a process group even alone."""
+    if case.world != 1:
+        raise ValueError(f"single-process gates take world-1 cases, got world {case.world}")
+    if not adapter.process_group:
+        return _GATES.get(name, name)(adapter, case, case.device)
+    from verify._internal.ranks.pool import get_pool
+
+    verdict = (pool or get_pool(1)).run(gate_job, name, adapter, case)[0]
+    if isinstance(verdict, (GateFailure, GateSkipped)):
+        raise verdict  # raised here as in one process: the same message, the same fields
+    return verdict
+
+
+def check_equivalence(adapter, case: Case, *, pool=None) -> GateResult:
+    """Big-batch equivalence: accumulation (N, B) vs one step on the N·B batch, same init and data."""
+    return run_alone(Gate.EQUIVALENCE, adapter, case, pool)
+
+
+def check_bit_exact(adapter, case: Case, *, pool=None) -> GateResult:
+    """accum_steps=1 vs the adapter's plain step: bit-identical grads, losses, params (GateSkipped if
+    the adapter declares no plain step)."""
+    if adapter.plain is None:
+        return _bit_exact(adapter, case, case.device)  # raises GateSkipped without starting a pool
+    return run_alone(Gate.BIT_EXACT, adapter, case, pool)

@@ -1,0 +1,334 @@
+"""The one tolerance policy. Every gate, single-process or distributed, judges numbers here.
+
+Fixed tolerances are wrong both ways (torch.allclose's defaults fail a correct fp32 trainer at N=4; a
+fixed 1e-3 hides a dropped micro-batch), so the bounds are derived per case (docs/design.md §3):
+
+* fp32, step 0 (before an optimizer step can amplify rounding): the loss and every parameter's
+  boundary gradient, as a relative error against the float64 reference run,
+      err(accumulation) ≤ C · max(err(big batch), err(big batch, all parameters)) + F · max(1, κ)
+                          + F_p · max(0, κ/√n − 1),     C = 8, F = 8·eps32, F_p = 8·eps_p (bf16 / fp16 only)
+  "accumulation is no less accurate than the big batch itself, up to C". The big batch's error over all
+  parameters at once is a floor under the parameter's own: a tensor of a few elements can come out of
+  one rounding luckily exact (seen: a 4-element LayerNorm weight in bf16, 3.8e-4 against 2e-3 overall),
+  and luck is not a scale. κ ≥ 1 is the condition
+  number of the sum accumulation computes for that parameter: max over the blocks of rows summed
+  separately (one micro-step of one rank) of ‖block gradient‖ / ‖batch gradient‖, in float64 (the batch
+  gradient is a convex combination of the block gradients, mean- or token-weighted alike). Where the
+  blocks' gradients cancel (a bias whose gradient sums to ~0), fp32 rounding of the terms is large next
+  to the result in any summation order, and the big batch's own error there is luck, not a scale.
+  Under bf16 / fp16 autocast each term (one block's share, t_i ≈ b_i/n over the n = N·W blocks) also reaches
+  the fp32 sum rounded to the precision p — a weight or bias gradient leaves its kernel in 8 / 11 bits —,
+  legitimately less exact than the big batch's one rounding of the sum. Those n roundings are independent:
+  by the probabilistic rounding analysis (Higham & Mary 2019) their sum is ≲ u_p·√(Σ‖t_i‖²) ≤ u_p·κ·‖sum‖/√n
+  (u_p = eps_p/2), of which the big batch's one rounding (u_p·‖sum‖) is already in C·err(big): F_p allows 16×
+  the rest. It matters only where the blocks cancel (κ ≫ √n); a long window of similar rows (κ ≈ √n or less)
+  gets no extra room, so a low-precision accumulator, whose error grows with N, still shows there.
+* fp32, every step's loss within LOSS_MAX_REL of the fp32 big batch (bf16 / fp16 autocast: step 0 only,
+  by the rule above, each precision judged against its own big batch's rounding; there the step-0 loss,
+  one scalar that can come out of the big batch luckily exact, takes the big batch's error over all
+  parameters as its floor too).
+* float64, all K steps: every loss within C·floor (relative) of the float64 reference and every parameter
+  within C·floor · max(1, max|p_ref|), floor = min(max(eps32, twin), FLOOR). eps32 is what an fp32 run of
+  the same case can resolve: a float64 run that differs from its big batch by less (a float32 constant such
+  as `loss * torch.tensor(1 / N)`, a loss or a token count computed in float32, HF's `logits.float()`,
+  Fabric's "64-true" output cast) is as right as any fp32 run can show, so no float64 check fails it; no
+  declaration is needed. Every structural bug (a missing row, a wrong count, a 1/N off by one, a step of
+  state per micro-step) errs by ≥ 1e-5 relative on the harness's windows (docs/design.md §3: the margins of
+  every planted bug), 10× above C·eps32 ≈ 9.5e-7. `twin` is the reference's OWN rounding, measured per case
+  where eps32 is not enough: the float64 big batch run again as its twin (the same rows in reverse order,
+  equal in exact arithmetic; `twin_diff`) — a float32 part that rounds more than one eps32 (sums of many
+  float32 terms) shows there, and is judged at the precision it has. The floor is capped at FLOOR = 8·eps32,
+  so the bound never exceeds 64·eps32 ≈ 7.6e-6 (× κ for a partial sum whose terms cancel) and an
+  accumulation error ≥ 1e-5 fails.
+  Every float64 check of every gate (equivalence, partial sums, data-parallel, token mean, mesh) uses this one
+  rule: `bound64(twin_floor(measured), κ)`, `measured = twin_diff(ref, twin)`.
+* bit-exact: torch.equal, no tolerance; failures report max|Δ|.
+* float64, the token-mean claim (gates/tokens.py: the trainer on different windows at the same
+  parameters; no big batch to scale by): relative error ≤ C · floor · max(1, κ), floor as above (the
+  twin: the same rows in reverse order), κ the condition number of the sum checked (Σ‖terms‖ / ‖sum‖).
+A step whose loss is undefined (a window without a valid token: NaN) agrees only with another NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verify._internal.verdict import Gate, GateFailure
+
+__all__ = ["GateFailure", "C", "FLOOR", "EPS32", "EPS", "LOSS_MAX_REL", "KAPPA_EXACT_ABOVE", "rel_err", "condition",
+           "bound", "needs_kappa", "overall_error", "step0_checks", "twin_diff", "twin_floor", "measured_floor",
+           "bound64", "Judge", "STEP0_TEXT", "FLOAT64_TEXT"]
+
+EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
+# each precision's own epsilon: the rounding of one accumulated term under that autocast (bound's F_p)
+EPS = {"fp32": EPS32, "bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
+C = 8.0
+FLOOR = 8 * EPS32
+LOSS_MAX_REL = 1e-3  # fp32 losses after AdamW steps: measured ≤ 2.4e-7 on correct trainers
+# FLOOR caps the float64 floor: C·FLOOR = 64·eps32 ≈ 7.6e-6 < 1e-5, so a real accumulation error of 1e-5
+# relative fails however noisy the reference is (a twin that differs by more is not rounding).
+# κ (one float64 run per micro-block) is computed only for a check whose error reaches this share of its κ = 1
+# bound: below it κ ≥ 1 could only lower the reported error / bound, never change a verdict. The partial-sum
+# gate measures its twin floor on the same terms (reported ratios stay < this share, or are exact).
+KAPPA_EXACT_ABOVE = 0.5
+
+# The bounds in words, built from the constants above (the report prints them; the docs quote them and a test
+# checks the quote): what `bound` and `bound64` compute, κ and the all-parameter term included.
+_F = f"{FLOOR / EPS32:g}·eps32"
+STEP0_TEXT = (f"err(acc) ≤ {C:g}·max(err(big), err(big, all parameters)) + {_F}·max(1, κ) "
+              f"+ {C:g}·eps_p·max(0, κ/√n − 1)")
+FLOAT64_TEXT = f"{C:g}·min(max(eps32, twin), {_F})·max(1, κ)"
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in float64 (absolute when ref is all zero, e.g. unused embedding rows)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    if x.shape != ref.shape:
+        return float("inf")
+    d, n = (x - ref).norm().item(), ref.norm().item()
+    return d / n if n > 0 else d
+
+
+def bound(big: float, kappa: float = 1.0, overall: float = 0.0, precision: str = "fp32", blocks: int = 1) -> float:
+    """The step-0 bound on an accumulation run's relative error:
+    C · max(big, overall) + F·max(1, κ) + F_p · max(0, κ/√blocks − 1), F_p = 8·eps of `precision` beyond fp32
+    (module docstring; `blocks`: the N·W blocks of rows the window sums)."""
+    low = C * EPS[precision] * max(0.0, kappa / math.sqrt(blocks) - 1.0) if precision != "fp32" else 0.0
+    return C * max(big, overall) + FLOOR * max(1.0, kappa) + low
+
+
+def needs_kappa(acc: float, big: float, overall: float = 0.0) -> bool:
+    """Lazy κ: a step-0 check uses its κ only once its error reaches KAPPA_EXACT_ABOVE of its κ = 1 bound
+    (below it, κ = 1: the gates' reported error / bound, an overstatement at most; κ = 1 is the same bound in
+    every precision)."""
+    return acc >= KAPPA_EXACT_ABOVE * bound(big, 1.0, overall)
+
+
+def overall_error(got: dict, ref: dict) -> float:
+    """Relative error over every parameter at once (the names both have)."""
+    names = [k for k in ref if k in got]
+    return rel_err(_flat(got, names), _flat(ref, names)) if names else 0.0
+
+
+def condition(blocks: list[dict], ref: dict) -> dict:
+    """κ per parameter: max over block gradients of ‖block‖ / ‖ref‖ (float64; ∞-safe: 1 where ref is 0)."""
+    out = {}
+    for name, g in ref.items():
+        n = g.detach().double().norm().item()
+        top = max((b[name].detach().double().norm().item() for b in blocks if name in b), default=0.0)
+        out[name] = top / n if n > 0 else 1.0
+    return out
+
+
+def twin_diff(ref, twin) -> float:
+    """The float64 reference's own rounding, from two mathematically equal runs of it (Traces; `twin` saw the
+    same rows in another order): the largest relative difference over the losses of every step, the step-0
+    gradient over all parameters at once and every parameter after every step (max|Δ| / max(1, max|p|), as
+    the parameter check scales). Not finite: FLOOR (the cap)."""
+    out = 0.0
+    for a, b in zip(twin.losses, ref.losses):
+        if not (math.isnan(a) or math.isnan(b)):
+            out = max(out, abs(a - b) / (abs(b) or 1.0))
+    if ref.grads0:
+        out = max(out, overall_error(twin.grads0, ref.grads0))
+    for pa, pb in zip(twin.params, ref.params):
+        for name, p in pb.items():
+            if name in pa and p.numel():
+                out = max(out, _max_abs(pa[name], p) / max(1.0, p.abs().max().item()))
+    return out if math.isfinite(out) else FLOOR
+
+
+def twin_floor(measured: float = 0.0) -> float:
+    """The floor the float64 checks use: what an fp32 run of the case can resolve (eps32), or the reference's
+    own rounding `measured` on a twin (twin_diff) where that is larger, capped at FLOOR (module docstring)."""
+    return min(max(measured, EPS32), FLOOR)
+
+
+def measured_floor(ref, twin) -> float:
+    """twin_floor of a float64 reference Trace and its twin's (the same rows, case.twin)."""
+    return twin_floor(twin_diff(ref, twin))
+
+
+def bound64(floor: float = EPS32, kappa: float = 1.0) -> float:
+    """The float64 relative bound: C × the run's floor (twin_floor: eps32 up to FLOOR), × κ for a tensor that
+    is a sum whose terms cancel (as at step 0: rounding of each term is relative to the term, not to the
+    sum)."""
+    return C * twin_floor(floor) * max(1.0, kappa)
+
+
+def _flat(grads: dict, names: list) -> torch.Tensor:
+    return torch.cat([grads[k].detach().double().reshape(-1) for k in names])
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.shape == b.shape and a.numel() else float("nan")
+
+
+def step0_checks(acc, big, ref, kappa: dict | None, precision: str):
+    """Every step-0 check of the policy: (what, parameter name or None for the loss, err(acc), err(big), κ,
+    overall floor); bound(err(big), κ, overall) is its limit. acc and big ran in `precision`, ref in float64."""
+    lr = ref.losses[0]
+    scale = abs(lr) or 1.0
+    overall = overall_error(big.grads0, ref.grads0)
+    # One scalar is the luckiest tensor of all: under autocast the big batch's loss can come out of a different
+    # kernel path near-exact (seen: fp16 N=7, 1.9e-7 against 2.7e-6 typical), so its floor is the big batch's
+    # error over all gradients, as for any one parameter. fp32 keeps FLOOR alone.
+    yield ("loss of step 0", None, abs(acc.losses[0] - lr) / scale, abs(big.losses[0] - lr) / scale, 1.0,
+           overall if precision != "fp32" else 0.0)
+    for name, g in ref.grads0.items():
+        yield (f"gradient (step 0) of {name!r}", name, rel_err(acc.grads0[name], g), rel_err(big.grads0[name], g),
+               (kappa or {}).get(name, 1.0), overall)
+
+
+class Judge:
+    """Applies the policy for one gate and one case; raises GateFailure('[gate] ...; case ...').
+    `suffix(step)` may add context to a message (the distributed gate appends the boundary's collectives)."""
+
+    def __init__(self, gate: Gate, case, where: str = "", suffix=None):
+        self.gate, self.case, self.where = gate, case, where
+        self.suffix = suffix or (lambda step: "")
+        self.worst, self.worst_ratio, self.note = "", 0.0, ""
+
+    def fail(self, msg: str, step: int = 0, *, error: float | None = None, bound: float | None = None):
+        """error / bound: a relative error and its limit (the hints read them: verify/_internal/hints.py)."""
+        raise GateFailure(f"[{self.gate}] {self.where}{msg}{self.suffix(step)}; case {self.case}", gate=self.gate,
+                          case=self.case, error=error, bound=bound)
+
+    def _within(self, acc: float, big: float, what: str, kappa: float = 1.0, overall: float = 0.0) -> None:
+        precision, blocks = getattr(self.case, "precision", "fp32"), self.case.accum_steps * self.case.world
+        scale, b = max(big, overall), bound(big, kappa, overall, precision, blocks)
+        floor = b - C * scale  # F·max(1, κ) + F_p·max(0, κ/√blocks − 1)
+        if not acc <= b:  # also catches NaN
+            k = f" (κ {kappa:.3g}, {precision})" if kappa > 1.0 else ""
+            which = "big-batch error" if big >= overall else "big-batch error over all parameters"
+            self.fail(f"{what}: accumulation error {acc:.3e} > {C:g}·{scale:.3e} ({which}) + {floor:.1e}{k}"
+                      f"{self.note}", error=acc, bound=b)
+        if acc / b >= self.worst_ratio:
+            self.worst, self.worst_ratio = what, acc / b
+
+    def keys(self, got: dict, want: dict, who: str) -> None:
+        missing = sorted(set(want) - set(got))
+        if missing:
+            self.fail(f"{who} has no boundary gradient for {missing[:3]}{' …' if len(missing) > 3 else ''}")
+
+    def _undefined(self, la: float, lr: float, what: str, step: int = 0) -> bool:
+        """True when the reference loss is undefined (NaN: no valid token) and so is the candidate's."""
+        if math.isnan(lr) or math.isnan(la):
+            if not (math.isnan(lr) and math.isnan(la)):
+                self.fail(f"{what}: {la!r} vs the big batch's {lr!r} (one of them undefined)", step)
+            return True
+        return False
+
+    def step0(self, acc, big, ref, kappa=None, *, doomed: GateFailure | None = None) -> None:
+        """Step-0 loss and boundary gradients of `acc` vs the float64 `ref`, bounded by `big`'s error
+        (acc and big in the same precision: fp32, or bf16 / fp16 autocast). kappa: name -> κ, or a function
+        returning that dict, called once and only when a gradient's error reaches KAPPA_EXACT_ABOVE of its
+        κ = 1 bound (lazy κ: it costs one float64 run per micro-block). `doomed`: the float64 checks' own
+        failure, seen first: the case fails whatever κ is, so κ is not computed (the failing path is what
+        hypothesis shrinks) and a step-0 check that fails at κ = 1 is reported, saying so."""
+        self.keys(acc.grads0, ref.grads0, "the accumulation run")
+        fp16 = self.case.precision == "fp16"
+        lazy = kappa if callable(kappa) and doomed is None else None
+        known = kappa if isinstance(kappa, dict) else None
+        self.note = " (κ not computed: the float64 run fails too)" if doomed is not None and callable(kappa) else ""
+        for what, name, a, b, k, o in step0_checks(acc, big, ref, known, self.case.precision):
+            if name is not None and lazy is not None and needs_kappa(a, b, o):
+                known = known if known is not None else lazy()
+                k = known.get(name, 1.0)
+            if name is None:  # the loss
+                if not self._undefined(acc.losses[0], ref.losses[0], what):
+                    self._within(a, b, what, k, o)
+                continue
+            if fp16 and not bool(torch.isfinite(acc.grads0[name]).all()) and bool(torch.isfinite(big.grads0[name]).all()):
+                self.fail(f"gradient (step 0) of {name!r} is inf/NaN in fp16 where the big batch's is finite: the scaled "
+                          f"gradient overflowed. A GradScaler starting at torch's 2^16 can overflow one micro-batch (a "
+                          f"rank's gradient is W× a big-batch row's before /W) before it backs off; if that is all, give "
+                          f"the adapter's scaler a lower init_scale under the gates — otherwise the scale is applied wrong")
+            self._within(a, b, what, k, o)
+
+    def accumulator(self, acc, dtype=torch.float32) -> None:
+        """bf16 / fp16 autocast keeps parameters, so `.grad`, in `dtype` (the protocol's precisions): a boundary
+        gradient held in the autocast dtype after N ≥ 2 micro-steps (a `.half()` model, bf16 parameters) was
+        summed in 11 / 8 significant bits. Its own big batch reduces over rows in those bits too, so its error
+        grows with N as fast and no C·err(big) bound separates them (reports/cpu/lowprec-detection.md): the dtype is the
+        evidence, named here rather than waited for."""
+        if self.case.accum_steps < 2 or self.case.precision == "fp32":
+            return
+        for name, g in acc.grads0.items():
+            if g.is_floating_point() and g.dtype != dtype and g.dtype in (torch.bfloat16, torch.float16):
+                bits = {torch.float16: 11, torch.bfloat16: 8}[g.dtype]
+                self.fail(f"gradient (step 0) of {name!r} is {g.dtype} at the boundary of {self.case.accum_steps} "
+                          f"micro-steps under {self.case.precision} autocast (parameters in {dtype}): the window's sum "
+                          f"was accumulated in {bits} significant bits, whose rounding grows with N. Keep the "
+                          f"parameters (and .grad) in {dtype} and autocast the forward, or accumulate into a {dtype} "
+                          f"buffer")
+
+    def loss_trajectory(self, acc, big) -> None:
+        if getattr(self.case, "precision", "fp32") != "fp32":
+            return  # autocast: step 0 by the policy; the float64 run carries the trajectory
+        for k, (la, lb) in enumerate(zip(acc.losses, big.losses)):
+            if self._undefined(la, lb, f"step-{k} loss", k):
+                continue
+            mr = abs(la - lb) / (abs(lb) or 1.0)
+            if not mr < LOSS_MAX_REL:
+                self.fail(f"step-{k} loss {la!r} vs the big batch's {lb!r}: rel {mr:.3e} ≥ {LOSS_MAX_REL:g}", k,
+                          error=mr, bound=LOSS_MAX_REL)
+
+    def float64(self, acc64, ref64, measure=None) -> float:
+        """Every step's loss and parameters of the float64 accumulation run vs the float64 big batch, within
+        bound64(floor). The floor is eps32 (what an fp32 run resolves) unless `measure()` (the case's twin:
+        measured_floor) says the reference rounds more; it is called only where a check fails at eps32 but not
+        at FLOOR, the largest floor: a correct run, and a real bug, need no twin. Returns the floor judged with."""
+        floor = twin_floor()
+        try:
+            self._float64(acc64, ref64, floor)
+            return floor
+        except GateFailure:
+            if measure is None:
+                raise
+            # beyond what any floor allows (a real bug): certain without a twin
+            self._float64(acc64, ref64, FLOOR, "the largest floor any reference gets")
+        floor = measure()
+        self._float64(acc64, ref64, floor)
+        return floor
+
+    def _float64(self, acc64, ref64, floor: float, what: str = "") -> None:
+        rel = bound64(floor)
+        floor = twin_floor(floor)
+        what = what or ("what an fp32 run resolves" if floor == EPS32 else "the reference's own rounding, on its twin")
+        why = f" = {C:g}·{floor:.2e} ({what})"
+        for k, (la, lr) in enumerate(zip(acc64.losses, ref64.losses)):
+            if self._undefined(la, lr, f"float64 loss at step {k}", k):
+                continue
+            if not abs(la - lr) <= rel * abs(lr):
+                e = abs(la - lr) / (abs(lr) or 1.0)
+                self.fail(f"float64 loss at step {k}: {la!r} vs the big batch's {lr!r} "
+                          f"(rel {e:.3e} > {rel:.2e}{why})", k, error=e, bound=rel)
+        for k, (pa, pr) in enumerate(zip(acc64.params, ref64.params)):
+            for name, p in pr.items():
+                if name not in pa:
+                    self.fail(f"float64 run has no parameter {name!r} after step {k}", k)
+                scale = max(1.0, p.abs().max().item() if p.numel() else 0.0)
+                tol = rel * scale
+                d = _max_abs(pa[name], p)
+                if not d <= tol:
+                    self.fail(f"float64 parameter {name!r} after step {k}: max|Δ| = {d:.3e} > {tol:.2e}{why} vs the "
+                              f"float64 big batch", k, error=d / scale, bound=tol / scale)
+
+    def equal(self, a: torch.Tensor, b: torch.Tensor, what: str, step: int = 0) -> None:
+        if not (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):
+            self.fail(f"{what}: not bit-identical, max|Δ| = {_max_abs(a, b):.3e}", step)
+
+    def bit_exact(self, got, want, who: str = "accum_steps=1") -> None:
+        self.keys(got.grads0, want.grads0, who)
+        for name, g in want.grads0.items():
+            self.equal(got.grads0[name], g, f"gradient of {name!r} (step 0)")
+        for k, (a, b) in enumerate(zip(got.losses, want.losses)):
+            if a != b and not (math.isnan(a) and math.isnan(b)):
+                self.fail(f"loss at step {k}: {a!r} != {b!r} (Δ {a - b:.3e})", k)
+        for k, (pa, pb) in enumerate(zip(got.params, want.params)):
+            for name, p in pb.items():
+                if name not in pa:
+                    self.fail(f"no parameter {name!r} after step {k}", k)
+                self.equal(pa[name], p, f"parameter {name!r} after step {k}", k)

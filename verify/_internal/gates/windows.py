@@ -1,0 +1,162 @@
+"""Window-level gates: every way to split a window, and every micro-step's contribution.
+
+split invariance   A window of E rows (with drawn padding for adapters that declare an ignore_index) is
+                   one global batch; every (N, B, W) with N·B·W = E must give the float64 big batch's
+                   gradient, loss and K-step parameters, by the same policy as the other gates (each
+                   split runs the equivalence gate at W = 1 and the data-parallel gates at W > 1, whose
+                   references are the same rows). This is where per-micro-batch or per-rank token means,
+                   a count divided twice or a count taken from one micro-step show: they agree with the
+                   big batch only while every micro-batch holds the same number of valid tokens.
+partial sums       For trainers with `partial_grads()`: after micro-step n (boundary not reached), the
+                   gradient the window would have if it ended there equals the float64 big batch of
+                   micro-batches 0..n — so each micro-batch lands exactly once, in order, whatever N
+                   (a micro-step dropped only at N ≥ 64, or an accumulator that doubles each step, show
+                   at the first micro-step where they act, even where clipping hides them in the update).
+"""
+from __future__ import annotations
+
+import torch
+
+from verify._internal.cases.case import Case, _cpu, _to, block_grads, split, twin
+from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
+from verify._internal.gates.diagnose import determinism
+from verify._internal.gates.single import _equivalence, check_equivalence, run_alone
+from verify._internal.gates.tolerance import KAPPA_EXACT_ABOVE, bound64, condition, measured_floor, rel_err, twin_floor
+
+__all__ = ["splits", "check_split_invariance", "check_partial_sums", "check_long_window", "LOW_PRECISIONS", "LONG_N"]
+
+LOW_PRECISIONS = ("bf16", "fp16")
+LONG_N = 256  # the longest window the long-window gate draws; every declared low precision runs at it
+
+
+def splits(E: int, max_world: int) -> list[tuple[int, int, int]]:
+    """Every (N, B, W) with N·B·W = E and W ≤ max_world, single-process ones first."""
+    return [(n, E // (n * w), w) for w in range(1, max_world + 1) if E % w == 0
+            for n in range(1, E // w + 1) if (E // w) % n == 0]
+
+
+def check_split_invariance(adapter, case: Case, *, max_world: int = 1) -> GateResult:
+    """Run every split of `case`'s window (E = N·B·W rows, its data seed and padding); raise GateFailure
+    naming the first split that disagrees with the big batch. Returns the worst error / bound."""
+    from verify._internal.gates.distributed import check_distributed
+
+    E = case.effective_batch
+    worlds = max_world if adapter.data_parallel else 1
+    worst, where, n_splits, floor = 0.0, "", 0, 0.0
+    for n, b, w in splits(E, worlds):
+        c = case.replace(accum_steps=n, micro_batch=b, world=w)
+        try:
+            r = check_equivalence(adapter, c) if w == 1 else check_distributed(adapter, c)
+        except GateFailure as e:
+            raise GateFailure(f"[{Gate.SPLIT_INVARIANCE}] split N={n} B={b} W={w} of a window of {E} rows: {e}",
+                              gate=_outer(e, Gate.SPLIT_INVARIANCE), case=c, error=e.error,
+                              bound=e.bound, hint=e.hint) from None
+        n_splits += 1
+        floor = max(floor, r.extra.get("floor64") or 0.0)
+        if r.ratio >= worst:
+            worst, where = r.ratio, f"N={n} B={b} W={w}: {r.worst}"
+    return GateResult(Gate.SPLIT_INVARIANCE, case, where, worst, splits=n_splits, floor64=floor)
+
+
+def _outer(inner: GateFailure, gate: Gate) -> Gate:
+    """The gate of a failure that wraps another gate's: this one, unless the inner one is a determinism
+    diagnosis (which stands: no comparison of runs judges a nondeterministic trainer)."""
+    return inner.gate if inner.gate is Gate.DETERMINISM else gate
+
+
+def check_long_window(adapter, case: Case) -> list[GateResult]:
+    """The equivalence gate on one long window (world 1) in every low precision the adapter declares (bf16,
+    fp16; the caller draws its fp32 windows): a gradient summed in 8 / 11 significant bits across micro-steps
+    rounds relative to the running sum, so its error grows with N while the big batch's does not, and
+    crosses C·err(big) + F·κ at some N (reports/cpu/lowprec-detection.md: the N measured). A failure names the precision
+    and N. Returns one GateResult per precision run (none where the adapter declares fp32 only).
+    The partial-sum gate stays float64: its question (does each micro-step land exactly once) has no
+    precision, and a low-precision partial sum after n micro-steps carries the error of a window of n, which
+    this check at the longest N already bounds."""
+    if not any(p in adapter.precisions for p in LOW_PRECISIONS):
+        return []
+    return run_alone(_long_window, adapter, case)
+
+
+def _long_window(adapter, case: Case, device: str) -> list[GateResult]:
+    """check_long_window's work, in one process (a pool rank for an adapter that needs a group): the precisions
+    share the window's float64 runs (the trainer at N and at 1, the twin), which have no autocast."""
+    out, runs64 = [], {}
+    for p in (p for p in LOW_PRECISIONS if p in adapter.precisions):
+        c = case.replace(precision=p)
+        try:
+            out.append(_equivalence(adapter, c, device, runs64))
+        except GateFailure as e:
+            raise GateFailure(f"[{Gate.LONG_WINDOW}] {p}, N={c.accum_steps}: {e}", gate=_outer(e, Gate.LONG_WINDOW),
+                              case=c, error=e.error, bound=e.bound, hint=e.hint) from None
+    return out
+
+
+def _prefix_reference(adapter, case: Case, x, y, device, reverse: bool = False):
+    """float64 big batch of these rows (or its twin, case.twin): the adapter at accum_steps=1, one step;
+    its Trace (the boundary gradient is grads0)."""
+    from verify._internal.cases.case import drive
+
+    trainer = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=device, adapter=adapter))
+    batches = twin([(x, y)]) if reverse else [(x, y)]
+    return drive(trainer, batches, 1, dtype=torch.float64, device=device, gate=Gate.PARTIAL_SUMS)
+
+
+def check_partial_sums(adapter, case: Case) -> GateResult:
+    """After every micro-step n of step 0 (float64, one process), `partial_grads()` vs the float64 big
+    batch of micro-batches 0..n, relative error ≤ bound64(floor) per parameter (a parameter without a
+    gradient in the reference counts as zero). The floor is eps32 (tolerance.twin_floor: what an fp32 run
+    resolves); the reference's own rounding on a twin is measured only where an error reaches KAPPA_EXACT_ABOVE
+    of that bound, once per case, on the whole window (a prefix of one row could hide it): its float64 big
+    batch and that batch's twin, two more runs. Where a parameter's error reaches KAPPA_EXACT_ABOVE of its
+    bound, its sum's condition number κ over the micro-batches so far scales the bound (tolerance.bound64:
+    rounding of a float32 part is relative to the terms; one float64 run per micro-batch, once).
+    """
+    gate, N = Gate.PARTIAL_SUMS, case.accum_steps
+    if case.world != 1:
+        raise ValueError("the partial-sum gate runs one process (world 1)")
+    if adapter.process_group:
+        raise GateSkipped(f"{adapter.name} needs a process group: the partial-sum gate runs one plain process")
+    device = case.device
+    trainer = adapter(case.spec(dtype=torch.float64, device=device, adapter=adapter))
+    if not callable(getattr(trainer, "partial_grads", None)):
+        raise GateSkipped(f"{adapter.name}'s trainer has no partial_grads(): the per-micro-step check is optional "
+                          f"(docs/verify-your-trainer.md says how to expose it)")
+    inputs, targets = case.batches(adapter)[0]
+    micro = split(inputs, targets, N)
+    declared = twin_floor()  # the floor before any twin is measured: what an fp32 run resolves
+    worst, at, floor, blocks = 0.0, "", None, None
+    for m, (x, y) in enumerate(micro):
+        xd, yd = _to(x, device, torch.float64), _to(y, device, torch.float64)
+        trainer.micro_step(xd.clone(), yd.clone(), m)
+        if m == N - 1:
+            break  # the last one is the boundary: the equivalence gate's
+        got = _cpu(trainer.partial_grads())
+        rows = (torch.cat([a for a, _ in micro[:m + 1]]), torch.cat([b for _, b in micro[:m + 1]]))
+        want = _prefix_reference(adapter, case, *rows, device).grads0
+        for name in sorted(set(got) | set(want)):
+            g = got.get(name)
+            if g is None:
+                if want[name].abs().max().item() == 0:
+                    continue
+                raise GateFailure(f"[{gate}] after micro-step {m} of {N}: partial_grads() has no gradient for "
+                                  f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}",
+                                  gate=gate, case=case)
+            e = rel_err(g, want.get(name, torch.zeros_like(g)))
+            if e > KAPPA_EXACT_ABOVE * bound64(declared) and floor is None:  # measure the case's floor, once
+                floor = measured_floor(_prefix_reference(adapter, case, inputs, targets, device),
+                                       _prefix_reference(adapter, case, inputs, targets, device, True))
+            b = bound64(declared if floor is None else floor)
+            if e > KAPPA_EXACT_ABOVE * b:  # a float32 part: rounding relative to the sum's terms
+                blocks = blocks if blocks is not None else block_grads(adapter, case, device, gate)
+                b = bound64(floor, condition(blocks[:m + 1], {name: want.get(name, torch.zeros_like(g))}).get(name, 1.0))
+            if not e <= b:
+                fail = GateFailure(
+                    f"[{gate}] after micro-step {m} of {N} (boundary not reached), gradient of {name!r}: relative "
+                    f"error {e:.3e} > {b:.2e} vs the float64 big batch of micro-batches 0..{m} — that "
+                    f"micro-step's contribution did not land exactly once; case {case}",
+                    gate=gate, case=case, error=e, bound=b)
+                raise determinism(fail, lambda: _prefix_reference(adapter, case, inputs, targets, device))
+            if e / b >= worst:
+                worst, at = e / b, f"after micro-step {m}: {name!r}"
+    return GateResult(gate, case, at, worst, floor64=declared if floor is None else floor)

@@ -1,0 +1,274 @@
+"""The run report: one `verify-report.json` + `verify-report.md` for everything a run proved.
+
+Gate tests call `record(result)` once per passed example (or `skip(gate, reason)`); the pytest plugin
+collects failures from the test reports. Under pytest-xdist each worker ships its tallies to the
+controller (`dump` / `merge`), and only the controller writes, once, atomically, mode 0644. The self-test
+adds its operator × gate table to the same report (`write(..., selftest=...)` keeps the gate section of
+an existing report of the same trainer, and the other way round). A folder holds one trainer's report: a run
+of another trainer replaces it and says so on the terminal (`replaces`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from verify._internal.ranks.comm import LINKS
+from verify._internal.gates.tolerance import FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT
+from verify._internal.verdict import Gate
+
+__all__ = ["record", "skip", "write", "replaces", "read", "render_md", "REPORT_NAME"]
+
+REPORT_NAME = "verify-report"
+_STATS: dict[str, dict] = {}
+
+# Keys: the gates' names (Gate values), "@precision" added for a mixed-precision tally (equivalence@bf16).
+BOUNDS = {
+    Gate.EQUIVALENCE: f"step 0 (fp32 or the autocast precision): {STEP0_TEXT} vs float64 (the loss's all-parameter term only "
+                      f"under autocast); fp32 losses rel < {LOSS_MAX_REL:g}; "
+                      f"float64 K steps: loss rel, params / max(1,|p|) ≤ {FLOAT64_TEXT}",
+    Gate.BIT_EXACT: "torch.equal on every gradient, loss and parameter after K steps",
+    Gate.BOUNDARY_ONLY: "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 elements",
+    Gate.DP_EQUIVALENCE: "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
+    Gate.SPLIT_INVARIANCE: "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
+    Gate.PARTIAL_SUMS: f"after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
+                       f"{FLOAT64_TEXT}",
+    Gate.TOKEN_MEAN: "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
+                     f"target change nothing; rel ≤ {FLOAT64_TEXT} (floor: the twins')",
+    Gate.EMPTY_WINDOW: "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
+    Gate.MESH_EQUIVALENCE: "each dp replica assembled (pp stages own each parameter once, tp ranks bit-equal): the "
+                           "equivalence policy vs the 1×1×1 big batch; replicas bit-equal",
+    Gate.MESH_SPLIT_INVARIANCE: "one window on every dp × pp × tp mesh of one world: the mesh equivalence policy, "
+                                "each vs the same 1×1×1 big batch",
+    Gate.OVERFLOW: "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
+                   "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
+}
+ORDER = tuple(g.value for g in BOUNDS)  # the report's gate order: BOUNDS' order
+EXACT = (Gate.BIT_EXACT, Gate.EMPTY_WINDOW)  # torch.equal or a failure: no error / bound to rank
+
+
+def _gate(name: str) -> dict:
+    return _STATS.setdefault(name, dict(examples=0, skipped=0, skip_reason=None, worst_ratio=0.0,
+                                        worst_check="", worst_case=None))
+
+
+def _keep_worst(s: dict, ratio: float, check: str, case) -> None:
+    if s["worst_case"] is None or ratio > s["worst_ratio"]:
+        s.update(worst_ratio=float(ratio), worst_check=check, worst_case=case.as_dict(), worst_case_text=str(case))
+
+
+def _keep_floor(s: dict, result) -> None:
+    """The largest float64 floor (tolerance.twin_floor: the reference's own rounding) the gate measured."""
+    f = result.extra.get("floor64")
+    if f is not None:
+        s["float64_floor"] = max(float(f), s.get("float64_floor") or 0.0)
+
+
+def _key(gate: Gate, case) -> str:
+    """The report's key: the gate's name, with "@precision" outside fp32 (a plain str: it goes to JSON)."""
+    p = getattr(case, "precision", "fp32")
+    return gate.value if p == "fp32" else f"{gate.value}@{p}"
+
+
+def record(result) -> None:
+    """One passed example of a gate (a verify.GateResult); mixed-precision examples are tallied apart
+    (equivalence@bf16, ...), each precision having its own rounding."""
+    gate = Gate(result.gate)
+    if gate is Gate.DP_EQUIVALENCE:  # one data-parallel run proves both: the counter's and the numbers' verdict
+        ex, w = result.extra, result.case.world
+        b = _gate(_key(Gate.BOUNDARY_ONLY, result.case))
+        b["examples"] += 1
+        b["worlds"] = sorted(set(b.get("worlds", [])) | {w})
+        b["expected_before_boundary"] = b.get("expected_before_boundary", 0) + len(ex["comm"].expected_used)
+        # world 1 has nobody to reduce with; a case whose reference has no gradient (every window without a valid
+        # target) has no gradient bytes to divide by
+        if w > 1 and ex["gradient_bytes"]:
+            per_step = [by / ex["gradient_bytes"] for by in ex["boundary_bytes"]]
+            by_link = {link_key(link): [s[link] for s in ex["boundary_bytes_by_link"]]
+                       for link in LINKS} if ex.get("boundary_bytes_by_link") else {}
+            for key, vals in (("boundary_bytes_over_gradient_bytes", per_step),
+                              ("boundary_collectives_per_step", ex["boundary_collectives"]), *by_link.items()):
+                lo, hi = b.get(key, [min(vals), max(vals)])
+                b[key] = [min(lo, min(vals)), max(hi, max(vals))]
+            if b["worst_case"] is None or w * result.case.accum_steps > b["worst_case"]["world"] * b["worst_case"]["accum_steps"]:
+                b.update(worst_check="largest world × N", worst_case=result.case.as_dict(), worst_case_text=str(result.case))
+        e = _gate(_key(Gate.DP_EQUIVALENCE, result.case))
+        e["examples"] += 1
+        _keep_worst(e, result.ratio, result.worst, result.case)
+        _keep_floor(e, result)
+        return
+    s = _gate(_key(gate, result.case))
+    s["examples"] += 1
+    _keep_floor(s, result)
+    if gate is Gate.OVERFLOW:  # exact checks, no error to rank: the worlds seen, and the largest world × N as the case
+        c, w = result.case, s.get("worst_case")
+        s["worlds"] = sorted(set(s.get("worlds", [])) | {c.world})
+        if w is None or c.world * c.accum_steps > w["world"] * w["accum_steps"]:
+            s.update(worst_ratio=0.0, worst_check="largest world × N: " + result.worst, worst_case=c.as_dict(),
+                     worst_case_text=str(c))
+    elif gate not in EXACT:
+        _keep_worst(s, result.ratio, result.worst, result.case)
+    if getattr(result.case, "mesh", None) is not None:  # the mesh shapes a mesh gate ran, the axes left uncounted
+        s["meshes"] = sorted(set(s.get("meshes", [])) | {str(result.case.mesh)})
+        counted = result.extra.get("counts") or {}
+        s["axes_not_counted"] = sorted(set(s.get("axes_not_counted", [])) | set(counted.get("unjudged", [])))
+
+
+def skip(gate: Gate, reason: str) -> None:
+    s = _gate(Gate(gate).value)
+    s["skipped"] += 1
+    s["skip_reason"] = reason
+
+
+def dump() -> str:
+    return json.dumps(_STATS)
+
+
+def merge(into: dict, blob: str) -> None:
+    for gate, s in json.loads(blob).items():
+        t = into.setdefault(gate, s)
+        if t is s:
+            continue
+        t["examples"] += s["examples"]
+        t["skipped"] += s["skipped"]
+        t["skip_reason"] = t["skip_reason"] or s["skip_reason"]
+        if t["worst_case"] is None or (s["worst_case"] is not None and s["worst_ratio"] > t["worst_ratio"]):
+            t.update({k: s.get(k) for k in ("worst_ratio", "worst_check", "worst_case", "worst_case_text")})
+        if "worlds" in s:
+            t["worlds"] = sorted(set(t.get("worlds", [])) | set(s["worlds"]))
+        for key in ("boundary_bytes_over_gradient_bytes", "boundary_collectives_per_step", *LINK_KEYS):
+            if key in s:
+                lo, hi = t.get(key, s[key])
+                t[key] = [min(lo, s[key][0]), max(hi, s[key][1])]
+        if s.get("float64_floor") is not None:
+            t["float64_floor"] = max(s["float64_floor"], t.get("float64_floor") or 0.0)
+        if "expected_before_boundary" in s:
+            t["expected_before_boundary"] = t.get("expected_before_boundary", 0) + s["expected_before_boundary"]
+
+
+# -- writing -----------------------------------------------------------------------------------------
+
+def paths(folder: str) -> tuple[str, str]:
+    return os.path.join(folder, REPORT_NAME + ".json"), os.path.join(folder, REPORT_NAME + ".md")
+
+
+def read(folder: str) -> dict | None:
+    try:
+        with open(paths(folder)[0]) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def replaces(folder: str, trainer: str) -> str | None:
+    """What writing `trainer`'s report into `folder` replaces: 'the report of <other trainer> (<utc>)' where the
+    folder holds another trainer's report, else None. One report per folder: a run says so on the terminal
+    rather than replace another trainer's silently (--verify-report DIR keeps them apart)."""
+    old = read(folder)
+    if old is None or old.get("trainer") in (None, trainer):
+        return None
+    return f"the report of {old['trainer']} ({old.get('utc') or 'undated'})"
+
+
+def write(folder: str, *, trainer: str, settings: dict, gates: dict | None = None, failures=None,
+          selftest: dict | None = None, exitstatus: int | None = None, device=None,
+          declarations: dict | None = None) -> list[str]:
+    """Render JSON and markdown first, then replace both files. A section not given (gates or selftest)
+    is kept from an existing report of the same trainer, so one report holds a gate run and a self-test.
+    `declarations`: the adapter's (Adapter.declarations()), listed in every report."""
+    from verify._internal.header import atomic_write, header
+
+    old = read(folder)
+    same = old is not None and old.get("trainer") == trainer
+    doc = dict(header("verify-report", device), trainer=trainer, settings=settings,
+               gates=gates if gates is not None else (old.get("gates", {}) if same else {}),
+               failures=failures if failures is not None else (old.get("failures", []) if same else []),
+               exitstatus=exitstatus if exitstatus is not None else (old.get("exitstatus") if same else None),
+               selftest=selftest if selftest is not None else (old.get("selftest") if same else None),
+               declarations=declarations if declarations is not None else (old.get("declarations") if same else None))
+    if same and gates is None:
+        doc["settings"] = {**old.get("settings", {}), **settings}
+    js, md = json.dumps(doc, indent=1, default=str), render_md(doc)
+    jp, mp = paths(folder)
+    atomic_write(jp, js)
+    atomic_write(mp, md)
+    return [jp, mp]
+
+
+def link_key(link: str) -> str:
+    """A gate's report key for the boundary's bytes over one link (comm.LINKS): boundary_bytes_intra_node, ..."""
+    return f"boundary_bytes_{link.replace('-', '_')}"
+
+
+LINK_KEYS = tuple(link_key(link) for link in LINKS)
+
+
+def _links(g: dict) -> str:
+    """The boundary's bytes per step by link (intra-node / inter-node: the groups' nodes, verify._internal.ranks.comm.group_links)."""
+    if not any(k in g for k in LINK_KEYS):
+        return ""
+    parts = [f"{link} {g[k][0]}–{g[k][1]} B" for link, k in zip(LINKS, LINK_KEYS) if k in g]
+    return "boundary bytes per step by link: " + ", ".join(parts) + "; "
+
+
+def _ratio(x) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+def render_md(doc: dict) -> str:
+    from verify._internal.header import commit_text, versions_text
+
+    mi = doc.get("machine_info", {})
+    lines = [f"# verify report: `{doc['trainer']}`", "",
+             f"{doc.get('utc')} · {commit_text(doc)} · xtrain-verify {doc.get('xtrain_version')} · "
+             f"torch {mi.get('torch')} · {mi.get('gpu') or 'CPU'} · settings: "
+             + ", ".join(f"{k} {v}" for k, v in doc.get("settings", {}).items() if k != "command"), ""]
+    if doc.get("versions"):
+        lines += [f"Resolved: {versions_text(doc['versions'])}", ""]
+    decl = doc.get("declarations")
+    if decl is not None:  # each one changes what a gate expects; none turns a gate off
+        lines += ["Declarations: " + ("; ".join(f"`{k}={v}`" for k, v in decl.items()) or "none"), ""]
+    gates = doc.get("gates") or {}
+    if gates:
+        lines += ["| gate | examples | worst error / bound | where | float64 floor | worst case | bound |",
+                  "|---|---|---|---|---|---|---|"]
+        names = sorted(gates, key=lambda n: (ORDER.index(n.split("@")[0]) if n.split("@")[0] in ORDER else 99, n))
+        for name in names:
+            g = gates[name]
+            base = name.split("@")[0]
+            if not g["examples"] and g.get("skip_reason"):
+                lines.append(f"| {name} | skipped | — | — | — | {g['skip_reason']} | |")
+                continue
+            extra = ""
+            if base == Gate.BOUNDARY_ONLY:
+                lo_hi = g.get("boundary_bytes_over_gradient_bytes")
+                extra = (f"worlds {g.get('worlds')}; at world > 1: bytes per step ÷ gradient bytes "
+                         f"{'—' if lo_hi is None else f'{lo_hi[0]:.4f}–{lo_hi[1]:.4f}'}, boundary collectives per "
+                         f"step {g.get('boundary_collectives_per_step')}; declared collectives before the boundary "
+                         f"{g.get('expected_before_boundary', 0)}; {_links(g)}largest case: ")
+            short = g.get("worst_case_text") or "—"
+            ratio = "—" if base in (*EXACT, Gate.BOUNDARY_ONLY) else _ratio(g["worst_ratio"])
+            floor = g.get("float64_floor")
+            lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | "
+                         f"{'—' if floor is None else f'{floor:.2e}'} | {extra}{short} | {BOUNDS.get(base, '')} |")
+        lines += ["", "float64 floor: the largest rounding floor a gate's float64 checks used — eps32 (what an fp32 "
+                  "run of the case resolves), or the reference's own rounding measured on its twin where eps32 was "
+                  "not enough; —: the gate has no float64 check (docs/design.md §3).", ""]
+    fails = doc.get("failures") or []
+    if not gates and not fails:
+        lines.append("No gate run recorded yet: `pytest --pyargs verify --verify-trainer "
+                     f"{doc['trainer']} -n auto` adds one.")
+    else:
+        code = doc.get("exitstatus")
+        head = (f"FAILED: {len(fails)} gate test(s)" if fails else "every gate that ran passed")
+        tail = "" if code is None else f" (pytest exit status {code}" + (", from tests other than the gates"
+                                                                          if code and not fails else "") + ")"
+        lines.append(f"**{head}**{tail}")
+    for f in fails:
+        lines += ["", f"- `{f['test']}`", "", "  ```", *("  " + ln for ln in f["message"].splitlines()[:12]), "  ```"]
+        if f.get("hint"):
+            lines += ["", f"  hint: {f['hint']}"]
+    st = doc.get("selftest")
+    if st:
+        lines += ["", "## Self-test (fault injection)", "", st.get("table_md", ""), "",
+                  f"Mutation score: **{st.get('score')}** — {st.get('verdict')}"]
+    return "\n".join(lines) + "\n"

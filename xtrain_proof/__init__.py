@@ -1,0 +1,1 @@
+"""xtrain's wing."""
