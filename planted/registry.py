@@ -16,14 +16,16 @@ N = 1) and broken_dist.fsdp2_switch_after_forward (FSDP2 reads the switch after 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from xtrain_core.config import ModelConfig, OptimConfig
 
 from verify._internal.cases.case import Case
 from verify._internal.ranks.mesh import Mesh
-from verify._internal.protocol import Adapter, load_adapter
+from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
-from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, broken_tp, ddp_modes)
+from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens,
+                     broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters, overflow_adapters, pull_loops)
 from xtrain_proof.options import XtrainOptions
 
 
@@ -32,8 +34,8 @@ class PlantedBug:
     name: str
     what: str
     """The bug in a few words (the docs' table)."""
-    adapter: Adapter | str
-    """The adapter, or its 'MODULE:NAME' reference (tests/helpers/: importable from a checkout only)."""
+    adapter: Adapter | Callable[[], Adapter]
+    """The adapter, or a function returning it (for an optional framework, imported only when the row runs)."""
     gate: Gate | str
     pattern: str
     """A regular expression the rejection message must contain (re.search)."""
@@ -53,17 +55,28 @@ class PlantedBug:
             raise ValueError(f"PlantedBug {self.name}: pattern is empty; name what the rejection must say")
 
     def load(self) -> Adapter:
+        """The adapter; a row whose framework is optional holds a function that imports it when asked."""
         if isinstance(self.adapter, Adapter):
             return self.adapter
-        return load_adapter(self.adapter, option=f"planted bug {self.name}:")
+        return self.adapter()
 
     @property
     def trainer(self) -> str:
-        """The trainer class, as `module.Class`, or the adapter's reference (the docs' table names it)."""
-        if isinstance(self.adapter, str):
-            return self.adapter
-        make = self.adapter.factory
+        """The trainer class, as `module.Class` (the docs' table names it)."""
+        make = self.load().factory
         return f"{make.__module__.rsplit('.', 1)[-1]}.{make.__name__.removeprefix('make_')}"
+
+
+def _hf_per_micro_batch_mean() -> Adapter:
+    from planted import framework_bugs  # transformers: imported when the row runs, so the registry loads without it
+
+    return framework_bugs.hf_per_micro_batch_mean
+
+
+def _lightning_over_n_twice() -> Adapter:
+    from planted import framework_bugs  # lightning, likewise
+
+    return framework_bugs.lightning_over_n_twice
 
 
 def _opts(vocab=32, seq=8, layers=1, heads=2, d=16, seq_len=None, **optim):
@@ -303,47 +316,47 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("eager_dp", "the dp all-reduce on every micro-step", broken_mesh.tp_eager_dp, Gate.BOUNDARY_ONLY,
                r"axis dp .*count table row 'dp: boundary-only' expects none, observed all_reduce×\d",
                PIPE.replace(pipeline_chunks=1, world=2, mesh=Mesh(dp=2))),
-    # -- the project's tests' own trainers (tests/helpers/, by reference): small MLPs and framework recipes ---
+    # -- small MLPs and framework recipes (planted/*_adapters.py, pull_loops.py, framework_bugs.py) ---
     PlantedBug("off_by_1e5", "accumulation 1e-5 off, beside a float32 constant",
-               "planted.calib_adapters:off_by_1e5", Gate.EQUIVALENCE, _EQ,
+               calib_adapters.off_by_1e5, Gate.EQUIVALENCE, _EQ,
                Case(accum_steps=3, micro_batch=2, steps=1)),
     PlantedBug("per_rank_undeclared", "Accelerate's scheduler stepped per rank, undeclared",
-               "planted.calib_adapters:per_rank_undeclared", Gate.DP_EQUIVALENCE,
+               calib_adapters.per_rank_undeclared, Gate.DP_EQUIVALENCE,
                r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
                Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)),
     PlantedBug("per_rank_unemulated", "the same, declared, its reference ignoring Spec.schedule_world",
-               "planted.calib_adapters:per_rank_unemulated", Gate.DP_EQUIVALENCE,
+               calib_adapters.per_rank_unemulated, Gate.DP_EQUIVALENCE,
                r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
                Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2, data_seed=3)),
     PlantedBug("count_reduced_undeclared", "the token count all-reduced every micro-step, undeclared",
-               "planted.count_adapters:undeclared", Gate.BOUNDARY_ONLY,
+               count_adapters.undeclared, Gate.BOUNDARY_ONLY,
                r"micro-step 0 of 3: 1 collective\(s\) before the boundary: \S+:all_?reduce int64 \[1\]", COUNTED),
     PlantedBug("declared_at_world_1_only", "the same, declared for world 1 only",
-               "planted.count_adapters:declared_at_world_1_only", Gate.BOUNDARY_ONLY,
+               count_adapters.declared_at_world_1_only, Gate.BOUNDARY_ONLY,
                r"micro-step 0 of 3: 1 collective\(s\) before the boundary", COUNTED),
     PlantedBug("logs_each_micro_loss", "N scalar all-reduces at the boundary",
-               "planted.count_adapters:logs_each_micro_loss", Gate.BYTES_PER_STEP,
+               count_adapters.logs_each_micro_loss, Gate.BYTES_PER_STEP,
                r"rank 0 \(float32 run\), step 0: the boundary moves \d+ B in 4 gradient collective\(s\) at N=3, \d+ B "
                r"in 2 at N=1", COUNTED.replace(steps=1, lengths=COUNTED.lengths[:6])),
     # world 4 as 2 emulated nodes × 2 ranks: the inter-node reduction belongs at the boundary only
     PlantedBug("hsdp_eager_inter_node", "HSDP: the cross-node all-reduce on every micro-step too",
-               "planted.hsdp_adapters:eager_inter", Gate.BOUNDARY_ONLY,
+               hsdp_adapters.eager_inter, Gate.BOUNDARY_ONLY,
                r"micro-step 0 of 3 \(before the boundary\): count table row 'HSDP: inter-node at the boundary only' "
                r"expects all_reduce@intra-node×1, observed all_reduce@inter-node×1, all_reduce@intra-node×1: "
                r"\S+:all_reduce float32 .*\(inter-node\)",
                Case(accum_steps=3, micro_batch=1, steps=1, world=4), knobs=(("ranks_per_node", 2),)),
     PlantedBug("local_clean", "ranks ≥ 1 zero their own inf before the all-reduce",
-               "planted.overflow_adapters:local_clean", Gate.OVERFLOW,
+               overflow_adapters.local_clean, Gate.OVERFLOW,
                r"rank 0, window 0: parameter '0.weight' changed",
                Case(accum_steps=3, micro_batch=2, steps=2, world=2, precision="fp16"), (1, 1)),
     PlantedBug("pull_times_n", "a framework-owned loop without the 1/N, clipping on",
-               "planted.pull_loops:times_n", Gate.EQUIVALENCE, r"(loss|gradient).*accumulation error 3",
+               pull_loops.times_n, Gate.EQUIVALENCE, r"(loss|gradient).*accumulation error 3",
                Case(accum_steps=4, micro_batch=2, steps=1)),
     PlantedBug("hf_per_micro_batch_mean", "HF Trainer before 4.46: each micro-batch's token mean ÷ N",
-               "planted.framework_bugs:hf_per_micro_batch_mean", Gate.EQUIVALENCE, r"(loss|gradient)",
+               _hf_per_micro_batch_mean, Gate.EQUIVALENCE, r"(loss|gradient)",
                Case(accum_steps=2, micro_batch=1, steps=1, lengths=(8, 2)), needs="transformers"),
     PlantedBug("lightning_over_n_twice", "Lightning: the loss ÷ accumulate_grad_batches by hand too",
-               "planted.framework_bugs:lightning_over_n_twice", Gate.EQUIVALENCE,
+               _lightning_over_n_twice, Gate.EQUIVALENCE,
                r"(loss|gradient).*accumulation error 6\.6", Case(accum_steps=3, micro_batch=2, steps=2),
                needs="lightning"),
     # -- tensor parallel (broken_tp.py: examples/tensor_parallel.py's trainer, one normaliser changed) ----------

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
@@ -190,7 +191,7 @@ def test_alone_it_runs_world_1_and_says_how_to_launch_more():
 
 
 def test_alone_main_runs_pytest_at_world_1_and_says_how_to_launch_more(monkeypatch, capsys):
-    """The no-launcher branch of verify.run.main in this process: the one line, worlds 1..1, pytest on the gate."""
+    """The no-launcher branch of verify.run.main: the one line, and a pytest of its own on the gate at worlds 1..1."""
     import faulthandler
 
     import verify.run
@@ -198,16 +199,16 @@ def test_alone_main_runs_pytest_at_world_1_and_says_how_to_launch_more(monkeypat
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", verify.run.CONTROLLER):
         monkeypatch.delenv(k, raising=False)
     for k in ("XTRAIN_DIST_MIN_WORLD", "XTRAIN_DIST_MAX_WORLD"):
-        monkeypatch.setenv(k, "4")  # restored after; main sets both to 1
+        monkeypatch.setenv(k, "4")  # this process says 4: the child it starts must say 1
     monkeypatch.setattr(faulthandler, "enable", lambda *a, **k: None)
     monkeypatch.setattr(faulthandler, "register", lambda *a, **k: None)
     seen = {}
 
-    def main(args):
-        seen.update(args=args, worlds=(os.environ["XTRAIN_DIST_MIN_WORLD"], os.environ["XTRAIN_DIST_MAX_WORLD"]))
-        return 0
+    def run(cmd, env):  # the pytest of its own that main starts alone
+        seen.update(args=cmd, worlds=(env["XTRAIN_DIST_MIN_WORLD"], env["XTRAIN_DIST_MAX_WORLD"]))
+        return SimpleNamespace(returncode=0)
 
-    monkeypatch.setattr(pytest, "main", main)
+    monkeypatch.setattr(verify.run.subprocess, "run", run)
     assert verify.run.main(["--co", "-q", GATE]) == 0
     err = capsys.readouterr().err
     assert "the gates run at world 1" in err and "torchrun --nnodes" in err, err

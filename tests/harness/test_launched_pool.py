@@ -24,7 +24,7 @@ from verify._internal.ranks.pool import DistJobError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORLD, TIMEOUT = 3, 5  # XTRAIN_DIST_TIMEOUT of the ranks: how long a collective the idle rank never joins waits
-RANK = "from verify import comm, pool_launched; comm.enable(); pool_launched.serve(*pool_launched.start('gloo'))"
+RANK = "from verify._internal.ranks import comm, launched; comm.enable(); launched.serve(*launched.start('gloo'))"
 pytestmark = [pytest.mark.distributed]
 
 

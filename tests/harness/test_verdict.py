@@ -174,13 +174,13 @@ def test_no_module_outside_verdict_spells_a_gate_name():
     names = set().union(*(_spellings(g.value) | _spellings(g.name.lower()) for g in Gate)) | RETIRED
     found = []
     for path in sorted((ROOT / "verify").rglob("*.py")):
-        rel = path.relative_to(ROOT / "verify").as_posix()
+        rel = path.relative_to(ROOT / "verify").as_posix().removeprefix("_internal/")
         if rel == "verdict.py":
             continue
         for node, s in _string_constants(ast.parse(path.read_text(encoding="utf-8"))):
             bracket = s.startswith("[") and s[1:].split("]", 1)[0] in names  # a message opening "[gate] ..."
             if (s.strip() in names or bracket) and (rel, s) not in NOT_GATES:
-                found.append(f"verify/{rel}:{node.lineno}: {s[:60]!r}")
+                found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: {s[:60]!r}")
     assert not found, "gate names spelled outside verify/_internal/verdict.py (use verify._internal.verdict.Gate):\n" + "\n".join(found)
 
 

@@ -154,7 +154,7 @@ def test_the_anchor_ships_with_the_package():
     assert mm.ANCHOR.is_file() and Path(str(mm.ANCHOR)).parent == Path(mm.__file__).parent
     assert {(a["N"], a["B"]) for a in json.loads(mm.ANCHOR.read_text())} >= {(1, 32), (32, 1)}
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert mm.ANCHOR_NAME in pyproject["tool"]["setuptools"]["package-data"]["planted"]
+    assert mm.ANCHOR_NAME in pyproject["tool"]["setuptools"]["package-data"]["xtrain_proof"]
 
 
 
@@ -180,7 +180,7 @@ def test_anchor_comparison_and_gpu_rendering_without_a_gpu(tmp_path):
                  step_ms=by[(c.N, c.B)]["step_ms"], tok_s=by[(c.N, c.B)]["tok_s"], static_bytes=int(by[(c.N, c.B)]["static_gib"] * GiB))
             for c in plan.configs]
     a = compare_anchor(plan, rows)
-    assert a["source"] == "planted/h200_torch_single_E32.json (shipped with verify)"
+    assert a["source"] == "xtrain_proof/h200_torch_single_E32.json (shipped with the package)"
     assert target_ratio(anchor) == 0.126  # plain torch's 2.0413 / 16.2643 GiB = 0.1255, rounded up
     assert [t["status"] for t in a["targets"]] == ["PASS", "PASS"]
     assert abs(a["targets"][0]["ours"] - 0.1255) < 1e-3 and a["targets"][0]["anchor"] == pytest.approx(a["targets"][0]["ours"], rel=1e-6)

@@ -16,7 +16,7 @@
     4. probe.start(); `steps` measured optimizer steps (no host synchronisation inside them);
        probe.stop().
 
-xtrain's plain-torch anchor (planted/h200_torch_single_E32.json) was measured with the same protocol,
+xtrain's plain-torch anchor (xtrain_proof/h200_torch_single_E32.json) was measured with the same protocol,
 so the two compare. Modules: `plan` (the configurations), `runners` (the CPU zygote client, the
 GPU runner, the sweeps), `probes`, `invariants`, `prediction` (the adapter's predicted_peak hook:
 `PeakQuery` -> `Prediction`, judged by the ratio), `anchor` (a reference measurement beside ours),

@@ -23,7 +23,7 @@ def _source(path) -> str:
     from verify.memory.runners import package_root
 
     try:
-        return f"{Path(str(path)).resolve().relative_to(package_root()).as_posix()} (shipped with verify)"
+        return f"{Path(str(path)).resolve().relative_to(package_root()).as_posix()} (shipped with the package)"
     except ValueError:
         return str(path)
 
