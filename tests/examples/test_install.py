@@ -18,7 +18,7 @@ import pytest
 from _xtrain_pytest import conflict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCES = ["pyproject.toml", "README.md", "xtrain_core", "verify", "_xtrain_pytest"]
+SOURCES = ["pyproject.toml", "README.md", "xtrain_core", "xtrain_proof", "verify", "_xtrain_pytest"]
 CLONE = "/path/to/xtrain"  # the README's placeholder for a clone
 
 

@@ -106,3 +106,9 @@ def test_every_command_and_path_the_docs_name_exists():
         if "*" not in p and "{" not in p and not (ROOT / p).exists():
             bad.append(f"{doc}: {path}")
     assert not bad, "the docs name what the tree does not have:\n" + "\n".join(bad)
+
+
+def test_the_readme_and_the_guide_read_in_one_sitting():
+    """README ≤ 120 lines, the user guide ≤ 500: the long stories live in docs/design/, told once."""
+    lengths = {p: len(DOCS[p].splitlines()) for p in ("README.md", "docs/verify-your-trainer.md")}
+    assert lengths["README.md"] <= 120 and lengths["docs/verify-your-trainer.md"] <= 500, lengths
