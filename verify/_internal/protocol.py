@@ -14,6 +14,7 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -23,7 +24,23 @@ from verify._internal.expected import DDP_EXPECTED, DDP_WORLD1_EXPECTED, Expecte
 from verify._internal.ranks.mesh import Mesh, check_spec, mesh_axes, mesh_sizes
 from verify._internal.verdict import raised_at
 
-__all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter", "AdapterError"]
+__all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter",
+           "AdapterError", "Precision", "AUTOCAST"]
+
+
+class Precision(StrEnum):
+    """The precisions a trainer may support (Adapter.precisions) and a case runs in (Case.precision, Spec.precision):
+    fp32, or autocast to bf16 / fp16 over parameters in the run's dtype. A member equals its string."""
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    def __repr__(self) -> str:  # a case prints as it is written: Case(..., precision='fp16')
+        return repr(self.value)
+
+
+AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+"""The autocast dtype of each low precision."""
 
 
 @runtime_checkable
@@ -167,10 +184,10 @@ class Adapter:
         if self.plain is not None and not (callable(self.plain) and _one_positional(self.plain)):
             raise AdapterError(f"plain= must be a factory taking one argument (a verify.Spec), got {self.plain!r}")
         object.__setattr__(self, "expected", tuple(self.expected))
-        object.__setattr__(self, "precisions", tuple(self.precisions))
-        bad = [p for p in self.precisions if p not in ("fp32", "bf16", "fp16")]
+        bad = [p for p in self.precisions if p not in tuple(Precision)]
         if bad or not self.precisions:
-            raise AdapterError(f"precisions must be a non-empty subset of fp32, bf16, fp16, got {self.precisions}")
+            raise AdapterError(f"precisions must be a non-empty subset of fp32, bf16, fp16, got {tuple(self.precisions)}")
+        object.__setattr__(self, "precisions", tuple(Precision(p) for p in self.precisions))
         if self.overflow is not None and not callable(self.overflow):
             raise AdapterError(f"overflow= must be callable (trainer, inputs, targets, rows) -> (inputs, targets), "
                                f"got {self.overflow!r}")

@@ -48,6 +48,7 @@ from typing import Callable
 
 import torch
 
+from verify._internal.protocol import AUTOCAST
 from verify.selftest.mesh_ops import feed_micro_1_for_0, interposed
 
 __all__ = ["Operator", "OPERATORS"]
@@ -246,10 +247,10 @@ def _low_precision_micro(w, x, y, m):
     added into a running sum rounded to bf16 / fp16 after every micro-step: the accumulator of a trainer
     whose `.grad` lives in the autocast dtype (fp32 runs, the float64 references among them, are left alone)."""
     w.inner.micro_step(x, y, m)
-    if w.precision == "fp32":
+    if w.precision not in AUTOCAST:  # fp32
         return
     g, c = _own_gradient(w, x, y, m)
-    low = torch.float16 if w.precision == "fp16" else torch.bfloat16
+    low = AUTOCAST[w.precision]
     w.low_sum = {} if w.low_sum is None else w.low_sum
     with torch.no_grad():
         for k, v in g.items():  # a micro-batch without a valid target may bring no gradient at all

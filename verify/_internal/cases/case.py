@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from verify._internal.protocol import Precision
 from verify._internal.verdict import Gate, GateFailure
 
 __all__ = ["Case", "Trace", "split", "shard", "drive", "twin"]
@@ -32,8 +33,8 @@ class Case:
     device: str = "cpu"
     options: Any = None
     """The adapter's drawn knobs (model size, optimizer settings, ...), passed on as Spec.options."""
-    precision: str = "fp32"
-    """Autocast precision of the candidate runs (the float64 references never autocast)."""
+    precision: Precision = Precision.FP32
+    """Autocast precision of the candidate runs (the float64 references never autocast); a string is taken."""
     lengths: tuple | None = None
     """Padded data (adapters with an ignore_index): valid targets per row, K·E entries in row order; the
     rest of each row's targets become the ignore_index (right padding)."""
@@ -44,6 +45,7 @@ class Case:
     """Micro-batches per pipeline schedule.step (Spec.pipeline_chunks); divides accum_steps."""
 
     def __post_init__(self):
+        object.__setattr__(self, "precision", Precision(self.precision))
         if self.mesh is not None and self.mesh.dp != self.world:
             raise ValueError(f"Case.world must be the mesh's dp ({self.mesh}), got {self.world}")
         if self.accum_steps % self.pipeline_chunks:
