@@ -24,7 +24,8 @@ import os
 
 import pytest
 
-from verify._internal.settings import (Settings, SettingError, check_report_dir, default_trainer, env_of, install, launcher_var)
+from verify._internal.settings import Settings, SettingError, check_report_dir, env_of, install, launcher_var
+from verify._internal.trainers import default_trainer, trainer_ref
 
 OPT_TRAINER, OPT_REPORT, OPT_BACKEND, OPT_DEVICE = "--verify-trainer", "--verify-report", "--verify-backend", "--verify-device"
 _KEY = pytest.StashKey[dict]()
@@ -87,8 +88,6 @@ def cache_home(s: Settings) -> str:
 def example_dir(home: str, trainer: str | None) -> str:
     """hypothesis' storage per trainer (its database keys by test alone): one trainer's saved failures are never
     replayed against, or deleted by a passing run of, another."""
-    from verify._internal.settings import default_trainer
-
     key = trainer or default_trainer() or "default"
     return os.path.join(home, "hypothesis", "".join(c if c.isalnum() or c in "._-" else "_" for c in key))
 
@@ -224,8 +223,6 @@ def verify_adapter(request, verify_settings):
 
     state = request.config.stash[_KEY]
     if state["adapter"] is None:
-        from verify._internal.settings import trainer_ref
-
         state["adapter"] = _load(trainer_ref(state["trainer"]), verify_settings)
     # CPU results depend on the intra-op thread count: candidate and reference run with the same one,
     # and one thread per xdist worker keeps 2-core boxes from oversubscribing.

@@ -375,25 +375,3 @@ def check_report_dir(path: str, option: str) -> None:
             except OSError:
                 pass
 
-
-TRAINERS_GROUP = "verify.trainers"
-"""The entry-point group naming trainers by a short name; its `default` is the trainer a run proves when none is
-given (a distribution declares it in its metadata, e.g. pyproject's [project.entry-points."verify.trainers"])."""
-
-
-def default_trainer() -> str | None:
-    """The configured default trainer's 'MODULE:FACTORY' (the installed `default` of TRAINERS_GROUP), or None."""
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=TRAINERS_GROUP, name="default"):
-        return ep.value
-    return None
-
-
-def trainer_ref(given: str | None, option: str = "--verify-trainer") -> str:
-    """`given`, else the configured default trainer; SettingError (one line) when there is neither."""
-    ref = given or default_trainer()
-    if not ref:
-        raise SettingError(f"{option}: no trainer given and no default trainer is installed (entry point "
-                           f"'default' of {TRAINERS_GROUP}); pass {option} MODULE:FACTORY")
-    return ref

@@ -8,7 +8,8 @@ import sys
 
 from verify._internal.cli import fail
 from verify._internal.protocol import AdapterError, load_adapter
-from verify._internal.settings import default_trainer, launcher_var
+from verify._internal.settings import launcher_var
+from verify._internal.trainers import default_trainer
 from verify.memory.cli import Wing
 from verify.memory.cli import main as _main
 

@@ -56,7 +56,8 @@ def max_world_bound(s) -> tuple[int, str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from verify._internal.protocol import AdapterError, load_adapter
-    from verify._internal.settings import Settings, SettingError, check_report_dir, install, trainer_ref
+    from verify._internal.settings import Settings, SettingError, check_report_dir, install
+    from verify._internal.trainers import trainer_ref
 
     try:  # every option checked here, before anything runs or is written
         s = Settings.from_env(device=args.verify_device, backend=args.verify_backend)
