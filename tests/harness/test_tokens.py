@@ -73,8 +73,10 @@ def _exists(name, case) -> bool:
         rows = lambda w: sum(1 for n in w if n)  # noqa: E731
         return na > 0 and nb > 0 and na * rows(b) != nb * rows(a) and S > 0
     if name == "empty_stepped":  # N=1 backwards nothing on an empty window: AdamW skips gradient-less
-        # parameters, and only a schedule that moves (warm-up ≥ 2 steps) shows the step in window B
-        return (case.accum_steps >= 2 and na + nb > 0) or (case.options.optim.warmup_steps >= 2 and nb > 0)
+        # parameters, and only the schedule shows the step in window B: the gate compares B at schedule step 2
+        # (after A and the empty window) with B at step 1, and the warm-up min(1, (s+1)/w) differs there only
+        # for w ≥ 3 (w = 2 is at full LR from step 1 on)
+        return (case.accum_steps >= 2 and na + nb > 0) or (case.options.optim.warmup_steps >= 3 and nb > 0)
     return True  # empty_div_by_zero: 0/0 on every empty window
 
 

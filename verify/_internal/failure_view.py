@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-_PKG = os.path.dirname(os.path.abspath(__file__))
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the verify package (this module: verify/_internal/)
 _HIDDEN: tuple[str, ...] = ()
 
 

@@ -58,7 +58,7 @@ def version() -> str:
         return v(DISTRIBUTION)
     except Exception:  # noqa: BLE001  (running from a source tree that was never installed: read its pyproject)
         try:
-            path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+            path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "pyproject.toml")
             with open(path, encoding="utf-8") as f:
                 found = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.M)
             return f"{found.group(1)} (source tree)" if found else "unknown"

@@ -166,7 +166,7 @@ def pytest_configure(config):
     config.pluginmanager.register((_XdistReporter if xdist else _Reporter)(config), "verify-reporter")
 
 
-_PKG = os.path.dirname(os.path.abspath(__file__))
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the verify package (this module: verify/_internal/)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -80,7 +80,7 @@ def raised_at(e: BaseException) -> str:
     import sys
     import traceback
 
-    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) for m in (sys.modules[__package__], os,
+    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) for m in (sys.modules[__package__.partition(".")[0]], os,
                                                                         sys.modules.get("torch")) if m is not None)
     frames = traceback.extract_tb(e.__traceback__)
     mine = [f for f in frames if not os.path.abspath(f.filename).startswith(skip)] or frames
