@@ -1,16 +1,13 @@
 """verify: prove a trainer's gradient accumulation — anyone's, of any model.
 
-    import verify
-
     @verify.adapter(data=verify.data.regression(features=8), plain=plain_factory)
     def factory(spec: verify.Spec):          # your model, loss, optimizer, in spec.dtype on spec.device
         return MyTrainer(spec)               # micro_step / grads / optimizer_step / params
-
     pytest --pyargs verify --verify-trainer mypkg.train:factory -n auto
     python -m verify.selftest --verify-trainer mypkg.train:factory
 
-The public API is `__all__`; every other module and name is internal. Names load on first use, so
-`import verify` costs no hypothesis import.
+The public API is `__all__` (names load on first use: `import verify` costs no hypothesis import); the
+rest is internal. Guide: docs/verify-your-trainer.md; design: docs/design/README.md.
 """
 from __future__ import annotations
 

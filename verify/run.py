@@ -5,18 +5,9 @@ The gates inside the world a launcher started, instead of rank pools spawned on 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m verify.run --verify-trainer mypkg.train:factory --verify-report reports
 
-Every rank joins the launched process group (gloo, or --verify-backend nccl with rank r on cuda:LOCAL_RANK)
-and serves jobs. Rank 0 also starts the controller, a child outside the process group, which runs pytest
-on verify's gate tests (no xdist; the plugin, the report, the verdicts as ever): the data-parallel gates
-draw the launched world, and the worlds below it on subgroups for adapters that declare subgroups, and run
-their jobs on the launched ranks through the store torchrun provides (verify/_internal/ranks/launched.py); the float64 single-process reference and the one-process gates run on rank 0's
-node, as in any pytest run. The controller writes the one report, the launch described in it (nodes,
-ranks per node, backend, rendezvous), and its exit status is rank 0's.
-
-A rank that dies or hangs: torchrun's agent stops the others (SIGTERM: each prints its stacks first), and
-the run exits non-zero. Alone, with no launcher, it runs the gates at world 1 and says how to launch more.
-Exit status: pytest's on every rank (0 all gates passed, 1 a gate failed, 4 a usage error): the controller
-publishes it as it stops the ranks (torchrun's agents each wait for the others only when their ranks succeeded).
+Every rank serves jobs (verify/_internal/ranks/launched.py); rank 0 starts the controller that runs pytest on
+the gate tests and writes the one report. Alone, it runs the gates at world 1. Exit status: pytest's, on every
+rank (0 passed, 1 a gate failed, 4 usage error). Why and how: docs/design/distributed.md, "Launched worlds".
 """
 from __future__ import annotations
 

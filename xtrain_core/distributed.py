@@ -1,31 +1,13 @@
 """Data-parallel gradient accumulation: micro-steps stay local, ONE all-reduce round at the boundary.
 
-World W ranks; each runs N micro-steps of B_local sequences (rank r's shard of each global micro-batch):
+`DistAccumTrainer`: every p.grad is a view into one flat buffer (grads, then two loss slots that ride in the
+last bucket); `sync = world > 1 and micro == N - 1` is the only line that communicates; the boundary divides
+by W (tokens: by the global valid-token count, carried in the loss slots at no extra collective). W == 1 is
+AccumTrainer's arithmetic, bit for bit. `TorchDDPTrainer`: the same schedule on torch DDP with `no_sync()`
+around micro-steps 0..N-2, its loss in one 2-element all-reduce. `shard`: rank r's rows of a micro-batch.
 
-    for micro in 0..N-1:
-        sync = micro == N - 1                  # THE gate: micro-steps 0..N-2 never communicate
-        loss = model.loss_batched(x, y)        # CE mean over B_local·S rows   (tokens: Σ CE, valid count)
-        (loss * (1/N)).backward()              # p.grad are views into `flat`: they SUM locally
-        # sync only: as the last backward fills each bucket (a contiguous slice of `flat`), a hook
-        # launches all_reduce(SUM) on it, so communication overlaps the rest of the backward
-    flat[:P] /= W                              # mean: Σ_ranks Σ_local/(N·B_local·S) / W = mean over N·W·B_local
-                                               # tokens: flat[:P] /= the global valid-token count, flat[-1]
-    clip (pre-scale 1.0); AdamW; LR schedule; flat.zero_()
-
-`flat` (1-D, the params' dtype, P+2 elements):  [ grads, last-registered param first | numerator, denominator ]
-mean: the loss slots are (Σ raw·B_local, N·B_local); tokens: (Σ CE over valid tokens, valid tokens). They
-ride in the last bucket, so the step loss numerator/denominator — and under loss_norm="tokens" the global
-token count the gradient is divided by — cost no collective of their own (torchtitan adds an all-reduce
-of the count, Transformers an all_gather, before the step). Every p.grad is a view into `flat` (like DDP's
-gradient_as_bucket_view): autograd accumulates into it in place, zero copies, zero_grad is one memset.
-
-W == 1 has nobody to talk to: no hooks fire, no collective, and the arithmetic is AccumTrainer's (same
-kernels, bit-identical; tests/harness/test_gates_dist.py proves it).
-
-`TorchDDPTrainer` is the same schedule on torch's DistributedDataParallel with `no_sync()` around the
-forward AND backward of micro-steps 0..N-2: the ecosystem's standard, driven by the same harness. Its
-loss slots travel in one 2-element all-reduce at the boundary, with which tokens mode rescales DDP's
-averaged gradient by W / global count.
+The math, the buckets and the counts: docs/design/distributed.md ("Data parallel"); token weighting:
+docs/design/numerics.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
-"""Accumulation under FSDP2 (torch.distributed.fsdp.fully_shard): parameters and gradients sharded over
-the W ranks, one FSDP unit per transformer block plus the root (embeddings, final norm, head).
+"""Accumulation under FSDP2 (torch.distributed.fsdp.fully_shard): one FSDP unit per transformer block plus
+the root (embeddings, final norm, head), parameters and gradients sharded over the W ranks.
 
-    for micro in 0..N-1:
-        model.set_requires_gradient_sync(micro == N - 1)   # THE gate, set BEFORE the forward
-        loss = model.loss_batched(x, y)                     # each unit all-gathers its parameters
-        (loss * (1/N)).backward()                           # 0..N-2: gradients accumulate UNSHARDED, locally
-                                                            # N-1: each unit reduce-scatters its gradient once
-    clip; AdamW on the shards; LR schedule; zero_grad
+`model.set_requires_gradient_sync(micro == N - 1)` before each forward is the gate: micro-steps 0..N-2
+accumulate unsharded gradients locally, micro-step N-1 reduce-scatters each unit once. reshard_after_forward
+picks 2 or 1 all-gathers per unit per micro-step. The step loss travels in one 2-element all-reduce (tokens:
+it turns FSDP2's average into the global token mean). No fp16 (GradScaler cannot agree across shards).
 
-reshard_after_forward=True frees each unit's gathered parameters after its forward and gathers them again
-for its backward (2 all-gathers per unit per micro-step, least memory); False keeps them to the backward
-(1 all-gather per unit per micro-step). Either way micro-steps 0..N-2 never reduce gradients: the cost of
-the no-sync window is memory — every rank holds its unit's full, unsharded gradient until the boundary.
-
-FSDP2 averages over ranks when it reduces (÷W); the step loss's numerator and denominator travel in one
-2-element all-reduce at the boundary, with which loss_norm="tokens" turns that average into the global
-token mean (as TorchDDPTrainer does). fp16 is not offered: a GradScaler must agree on inf/NaN across the
-shards, which torch.amp.GradScaler does not do for sharded gradients.
+Why, the counts and the measurements: docs/design/distributed.md ("FSDP2"); memory per mode:
+docs/design/memory.md.
 """
 from __future__ import annotations
 

@@ -3,12 +3,10 @@
                              [--device cpu|cuda] [--seed SEED] [--model tiny|small|gpt2-ish]
 torchrun --nproc-per-node W -m xtrain_core.train ... [--ddp-impl xtrain|torch|fsdp2]
 
-Trains the GPT with gradient accumulation: each optimizer step is N micro-steps of B sequences,
-an effective batch of N×B sequences while memory holds one micro-batch.
-
-Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment, W > 1) it trains data-parallel: B is per
-rank, the effective batch is N×B×W, gradients are all-reduced once per optimizer step (gloo on CPU,
-NCCL on CUDA with one GPU per rank, cuda:LOCAL_RANK).
+Trains the GPT with gradient accumulation: each optimizer step is N micro-steps of B sequences, an effective
+batch of N×B sequences while memory holds one micro-batch. Under torchrun (W > 1) it trains data-parallel:
+B is per rank, the effective batch N×B×W, gradients all-reduced once per optimizer step (gloo on CPU, NCCL on
+CUDA with one GPU per rank, cuda:LOCAL_RANK). Design: docs/design/protocol.md, docs/design/distributed.md.
 """
 from __future__ import annotations
 

@@ -1,35 +1,13 @@
-"""The accumulation step.
+"""The accumulation step: `AccumTrainer`, the trainer-under-test interface the verify/ harness drives.
 
-One optimizer step = N micro-steps + one boundary:
-
-    for micro in 0..N-1:                       # each micro-batch is (B, S)
-        loss = model.loss_batched(x, y)        # CE mean over B·S rows
-        (loss if N == 1 else loss * (1/N)).backward()   # .grad SUMS across micro-steps
-    clip_grad_norm_(params, max_norm)          # on the mean gradient of the N·B batch
-    opt.step(); sched.step(); opt.zero_grad()  # once per optimizer step, never per micro-step
-
-The 1/N rides through autograd, so clip and AdamW see exactly the big-batch mean gradient.
-With N == 1 the scale is skipped entirely (not even `* 1.0`), so accum_steps=1 runs the same
-kernels as `plain_step` and is bit-identical to it.
-
-loss_norm="tokens" (padded / variable-length data, targets = IGNORE where there is no token): the mean
-over micro-batches is NOT the batch's token mean when micro-batches hold different numbers of valid
-tokens, so each micro-step backwards the SUM of CE over its valid tokens and the boundary divides the
-accumulated gradient by the window's token count (N == 1: the plain token mean, as the plain step).
-The sum is backwarded divided by the window's target positions, N·B·S (known without looking at the
-data), so gradients keep the mean's magnitude (a raw sum overflows fp16 where the mean does not), and
-the boundary multiplies by N·B·S / tokens.
-A window without a single valid token is skipped: no update, no schedule step, `last_skipped` set.
-
-precision: "fp32"; "bf16" autocast (fp32 parameters and gradients); "fp16" autocast with a GradScaler:
-scaled backward per micro-step, ONE unscale at the boundary (before clipping), one scaler.step/update
-per optimizer step, and an inf/NaN anywhere in the window skips the whole step (schedule included).
-
-`AccumTrainer` is the trainer-under-test interface the verify/ harness drives:
-    micro_step(idx, targets, micro)  -- forward + scaled backward of micro-step `micro` of N
+    micro_step(idx, targets, micro)  -- forward + (loss if N == 1 else loss * (1/N)).backward(): .grad SUMS
     grads()                          -- the boundary gradient: after accumulation, before clip/step
-    optimizer_step() -> loss         -- clip, AdamW, LR schedule, zero_grad; returns the step loss
+    optimizer_step() -> loss         -- clip, AdamW, LR schedule, zero_grad once per step; the step loss
     params()                         -- name -> tensor
+
+loss_norm="tokens" backwards Σ CE / (N·B·S) and rescales at the boundary by N·B·S / tokens (a window without
+a valid token is skipped); precision fp32 | bf16 | fp16 (one GradScaler, one unscale per window).
+Why: docs/design/protocol.md (the math, N == 1, partial windows) and docs/design/numerics.md.
 """
 from __future__ import annotations
 

@@ -1,41 +1,12 @@
-"""xtrain's memory model, one per data-parallel mode: the PREDICTED peak bytes per rank of one configuration
-(N, B), of the same quantity verify.memory's probe measures (pure arithmetic: tests/memory/test_memory_model.py).
-xtrain's adapters offer it through the generic hook `Adapter(predicted_peak=...)` (verify/memory/prediction.py);
-each adapter names its mode, so no name is matched. `ANCHOR`: plain torch on one H200, xtrain's GPT.
+"""xtrain's memory model, one per data-parallel mode (single, xtrain, torch_ddp, fsdp2, fsdp2_keep): the
+PREDICTED peak bytes per rank of one configuration (N, B), of the quantity verify.memory's probe measures
+("cuda": every term; "cpu": what a step allocates above the pre-step RSS). Pure arithmetic, checked by
+tests/memory/test_memory_model.py; offered through the generic hook `Adapter(predicted_peak=...)`
+(`predicted_peak(mode)`; each adapter names its mode, no name is matched). `ANCHOR`: plain torch on one
+H200, xtrain's GPT.
 
-Inputs: P parameter elements of b bytes (fp32: 4), W ranks, FSDP2's units (the root: embeddings, final
-norm, head; then one per block) and a rank's shard (Σ ⌈dim0/W⌉·rest over the parameters, FSDP2's padding),
-A = bytes of the tensors saved for backward by ONE forward at micro-batch B (probes.saved_activation_bytes,
-measured directly, not from a peak: saved tensors, not temporaries) and L = bytes of that forward's logits.
-
-The peak is assumed at the start of the LAST micro-step's backward: every activation alive, the
-gradients held across micro-steps, the parameters gathered at that moment, and the loss's backward
-temporaries (the gradient of the log-probabilities and of the logits: 2·L). Terms per mode:
-
-  single      params P·b, AdamW 2P·b, grads P·b for N ≥ 2 (zero_grad(set_to_none) frees them every step;
-              at N = 1 each appears while the activations it needed are freed: not at the peak), A, 2L
-  xtrain      params, AdamW, the flat buffer (P+2)·b (grads + 2 loss slots; lives from construction), A, 2L
-  torch_ddp   params, AdamW, DDP's buckets P·b, and for N ≥ 2 ANOTHER P·b: zero_grad(set_to_none=True)
-              detaches .grad from the buckets even under gradient_as_bucket_view, so the no-sync micro-steps
-              accumulate into fresh tensors, copied into the buckets by the sync backward (at N = 1 those
-              fresh gradients are copied and freed one by one: not at the peak). Only bucket views with
-              set_to_none=False keep the grads in the buckets; no views and no set_to_none keep a second
-              copy between steps. A, 2L
-  fsdp2       sharded params shard·b, AdamW on the shard 2·shard·b, unsharded grads: N ≥ 2 every unit's,
-  fsdp2_keep  P·b, held through the no-sync window. N = 1: only transiently per unit (each unit reduces and
-              frees its gradient in its own backward): reshard, ONE unit's (the largest) - the peak moves
-              into the backward, where a block is gathered again while its gradient exists; keep, none - the
-              peak is the end of the forward, every unit gathered and no gradient yet. Gathered parameters:
-              reshard after forward, the root (FSDP2 keeps the root gathered from its forward to its
-              backward) + 2 × the largest block (the one in use + one all-gather buffer in flight); keep,
-              every unit P·b + one block in flight. A, 2L
-
-What counts depends on the probe (`probe` argument):
-  "cuda"  torch.cuda.max_memory_allocated: everything, so every term;
-  "cpu"   peak RSS above the RSS right before the measured steps: the terms that exist between steps are in
-          that baseline (params, AdamW state, the flat buffer, DDP's buckets) and drop out; what a step
-          allocates and frees (activations, temporaries, gradients freed by set_to_none, gathered
-          parameters) stays.
+Inputs (P, W, FSDP2 units and shard, activations A, logits L), where the peak is assumed and every term per
+mode and probe: docs/design/memory.md, "Memory per data-parallel mode".
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED = ("verify", "xtrain_core", "xtrain_proof")
 PACKAGES = (*SHIPPED, "planted")
 MAX_LINES = 400
+MAX_DOC = 10  # a module docstring says what the module is for and points at its design note
 # what the generic harness must not reach: xtrain, the bench, and the repository's own folders
 NOT_GENERIC = ("xtrain_core", "xtrain_proof", "planted", "tests", "examples", "benchmarks", "tools")
 
@@ -192,6 +193,20 @@ def test_every_shipped_module_is_at_most_400_lines():
     long = {m: len(p.read_text().splitlines()) for m, p in MODULES.items() if top(m) in SHIPPED}
     long = {m: n for m, n in long.items() if n > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def doc_lines(path: pathlib.Path) -> int | None:
+    """Lines of the module docstring (None: there is none), counted as tests/examples counts a recipe's."""
+    doc = ast.get_docstring(ast.parse(path.read_text(), str(path)), clean=False)
+    return None if doc is None else len(doc.strip().splitlines())
+
+
+def test_every_shipped_module_has_a_docstring_of_at_most_10_lines():
+    # the long story lives in docs/design/ (README.md indexes the notes), told once
+    lines = {m: doc_lines(p) for m, p in MODULES.items() if top(m) in SHIPPED}
+    bad = sorted(f"{MODULES[m].relative_to(ROOT)}: {'no docstring' if n is None else f'{n} lines'}"
+                 for m, n in lines.items() if n is None or n > MAX_DOC)
+    assert not bad, f"module docstrings over {MAX_DOC} lines (move the story into docs/design/):\n  " + "\n  ".join(bad)
 
 
 def test_the_checks_can_fail():

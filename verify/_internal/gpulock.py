@@ -1,14 +1,12 @@
 """Keeps memory tests off a GPU the plugin's gate tests are using, also under pytest-xdist.
 
-NVML's "device memory used" is device-wide: another test's tensors on the same GPU would show up in a
-memory test's figures (torch's allocator peaks are per process and would not). So every test marked
-`gpu` holds a SHARED lock on one lock file for the duration of the test, and every test marked both
-`gpu` and `memory` an EXCLUSIVE one: a memory test waits until no other GPU test runs, and none
-starts while it does, across xdist workers and concurrent pytest sessions of the same user. The plugin's
-gate tests (verify/test_gates*.py) take the shared hold through `gpu_shared`; the project's own tests take
-theirs through an autouse fixture in tests/conftest.py.
-Path: $XTRAIN_GPU_LOCK, else <tmp>/xtrain-gpu-<uid>.lock. Convention: a test that touches CUDA is
-marked `gpu`.
+NVML's "device memory used" is device-wide, so every test marked `gpu` holds a SHARED lock on one lock file
+and every test marked `gpu` and `memory` an EXCLUSIVE one, across xdist workers and concurrent sessions of the
+same user. The plugin's gate tests take the shared hold through `gpu_shared`; the project's tests through an
+autouse fixture in tests/conftest.py. Path: $XTRAIN_GPU_LOCK, else <tmp>/xtrain-gpu-<uid>.lock. Convention:
+a test that touches CUDA is marked `gpu`.
+
+Design: docs/design/memory.md.
 """
 from __future__ import annotations
 

@@ -1,23 +1,12 @@
 """One line under a gate's verdict: the likely cause, by class of failure.
 
-Read from GateFailure's structured fields (gate, case, error, bound), never from its text. A hint the
-raiser set itself (GateFailure.hint, e.g. the determinism diagnosis) wins. The classes, N micro-steps of
-W ranks, `error` the failing check's relative error against the big batch:
+Read from GateFailure's structured fields (gate, case, error, bound), never from its text; a hint the raiser
+set (GateFailure.hint) wins. The classes: N = 1 in one process (nondeterminism), error ≈ N − 1 / 1 − 1/N (the
+1/N missing / twice), the same with W, ≈ tp − 1 on a mesh, a pipeline's scale_grads across outer steps, and
+1e-3 ≤ error ≤ 0.1 (something per micro-batch that belongs to the window). Factors match within 2 %;
+verify/_internal/gates/rerun.py replaces a pattern its re-runs contradict. A hint is a lead, never a verdict.
 
-    N = 1, one process       accumulation does nothing there: the trainer's two runs differ (nondeterminism);
-                              not on a mesh of tp or pp > 1, nor where a re-run found the runs identical
-    error ≈ N − 1             N× the big batch: the 1/N is missing (a sum over micro-steps where a mean belongs)
-    error ≈ 1 − 1/N           ÷N once more: 1/N applied twice
-    error ≈ W − 1, 1 − 1/W    the same two across ranks: no /W, or /W applied twice
-    error ≈ tp − 1            on a mesh, tp× the big batch: the tp ranks of a replica hold the same rows, so
-                              nothing may sum or scale over them (a loss × the tp size, a reduction over tp)
-    pp > 1, chunks, outer ≥ 2 on a mesh: a schedule's scale_grads=True (its default) across outer steps
-    1e-3 ≤ error ≤ 0.1        not a factor, small: something acts per micro-batch that belongs to the window
-                              (an optimizer step or clipping per micro-step, BatchNorm statistics, a per-micro-batch mean)
-
-These are patterns; verify/_internal/gates/rerun.py re-runs the failing case with one knob changed and replaces a
-pattern the re-runs contradict. The factors are exact algebra (a scale of the whole gradient), so they are
-matched within 2 %; a hint is a lead, never a verdict: the verdict line above it is the finding.
+The table: docs/verify-your-trainer.md; design: docs/design/tolerance.md, "Around the policy".
 """
 from __future__ import annotations
 

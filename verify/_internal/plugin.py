@@ -1,22 +1,12 @@
 """The pytest plugin (entry point `pytest11: xtrain-verify`, loaded through _xtrain_pytest/entry.py):
 options, hypothesis profiles, the run report.
 
-    pytest verify -n auto                                           # this repo: xtrain's trainer
-    pytest --pyargs verify --verify-trainer mypkg.train:factory -n auto    # anyone's
+    pytest --pyargs verify --verify-trainer mypkg.train:factory -n auto
 
-Options: --verify-trainer MODULE:FACTORY (default xtrain's), --verify-report DIR (default ./reports of
-the invoking directory), --verify-backend gloo|nccl, --verify-device cpu|cuda. A bad value is a
-one-line usage error naming the option (pytest's exit status 4), before anything is written.
-
-Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (or hypothesis' --hypothesis-profile):
-    dev  random, 10 examples a test (verify._internal.cases.strategies.budget scales floors down; each gate ≥ 3): fast feedback
-    ci   extends hypothesis' built-in ci profile: derandomized, no deadline, print_blob
-    gpu  ci plus more examples, for GPU runners
-Settings are built once here, from the options (the environment under them), and installed as the process's
-(verify._internal.settings.install): xdist workers build theirs from the same options; rank pools get a pickled copy.
-Unset, hypothesis' own default profile stays in force (the plugin is loaded in every pytest run of an
-environment that has xtrain installed, so it changes nothing until asked). Loading it costs no torch
-import: the adapter is loaded when a gate test first asks for it, or at start-up when the option is given.
+Options --verify-trainer, --verify-report, --verify-backend, --verify-device (a bad value: a one-line usage
+error, exit 4); profiles dev / ci / gpu by HYPOTHESIS_PROFILE (unset: hypothesis' default stays). Settings
+are built once here and installed (verify._internal.settings.install). Loading costs no torch import.
+Design: docs/design/layout.md ("The plugin", "The report", "Settings"); profiles: docs/verify-your-trainer.md.
 """
 from __future__ import annotations
 

@@ -1,30 +1,12 @@
 """verify.memory: the peak memory of gradient accumulation follows ONE micro-batch, not N of them.
 
     python -m verify.memory --effective-batch 32 [--trainer xtrain|leaky_graph|MODULE:FACTORY] ...
-
-    from verify.memory import measure, RssProbe, CudaProbe
     row = measure(adapter, spec, micro_batch=B, steps=K, probe=CudaProbe(device, nvml=None))
 
-`measure` is the measurement protocol every configuration goes through, for any adapter (any model):
-
-    1. draw steps + 1 optimizer steps of data up front: each adapter.batch(N·B rows, seed, spec.options),
-       split into N micro-batches of B rows (verify._internal.cases.case.split), floating tensors cast to spec.dtype,
-       everything moved to spec.device;
-    2. build the trainer: adapter(spec);
-    3. ONE warm-up optimizer step (`warmup`, default 1; verify.memory --warmup): it allocates the
-       optimizer state, and its boundary grads() give the bytes of the gradient buffers;
-    4. probe.start(); `steps` measured optimizer steps (no host synchronisation inside them);
-       probe.stop().
-
-xtrain's plain-torch anchor (xtrain_proof/h200_torch_single_E32.json) was measured with the same protocol,
-so the two compare. Modules: `plan` (the configurations), `runners` (the CPU zygote client, the
-GPU runner, the sweeps), `probes`, `invariants`, `prediction` (the adapter's predicted_peak hook:
-`PeakQuery` -> `Prediction`, judged by the ratio), `anchor` (a reference measurement beside ours),
-`report` (assembly, md/png/text), `plot`, `timing`, `_zygote` (the CPU fork server), `cli` (the command
-line, extended by a trainer family's `Wing`): none knows a trainer. `__main__` runs the CLI with xtrain's
-wing (default trainer and short names, --model/--seq-len, the H200 anchor); xtrain's memory model is
-xtrain_proof/memory.py, the memory-modes study benchmarks/memory_modes.py. Importing this package
-imports neither torch nor matplotlib; the probe classes load on first use.
+`measure` is the protocol every configuration goes through, for any adapter: data drawn up front, the trainer
+built, `warmup` optimizer steps, then the probe around `steps` measured steps. Modules: plan, runners,
+probes, invariants, prediction, anchor, report, plot, timing, _zygote, cli (extended by a `Wing`); none knows
+a trainer. Importing this package imports neither torch nor matplotlib. Design: docs/design/memory.md.
 """
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """The CPU probe's process management: each configuration is measured in a FRESH process.
 
-A process's peak-RSS counter only ever grows, and heap the C allocator freed usually stays resident, so
-one process cannot measure two configurations: the second would start from the first one's leftovers.
-Two ways to get a fresh one:
-
-  python -m verify.memory._zygote REQUEST_JSON       one configuration in this new interpreter (exec; slow
-                                                     start: importing torch and its optimizer machinery
-                                                     costs ~3-4 s)
+  python -m verify.memory._zygote REQUEST_JSON       one configuration in this new interpreter (slow start)
   python -m verify.memory._zygote --serve [ADAPTER]  a zygote: imports torch, the harness and the adapter
-                                                     (MODULE:FACTORY) once, allocates no tensors, then for
-                                                     each request line on stdin FORKS a child that
-                                                     measures one configuration and exits. The child has
-                                                     its own address space and its own peak-RSS counter
-                                                     (reset through /proc/self/clear_refs before the
-                                                     measured steps), exactly like an exec'ed process,
-                                                     minus the import time. verify.memory uses this;
-                                                     torch's DataLoader forks workers the same way.
+                                                     once, then FORKS a child per request line on stdin
 
-A request names the adapter (`adapter`: its MODULE:FACTORY reference) and carries Spec.options as a
-base64 pickle (`options`), with N, B, steps, warmup, seed, data_seed, threads. Either way the result is one line
-`MEMPROBE_RESULT {json}` on stdout. A request may carry `env` (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, ...): with WORLD_SIZE > 1 the child joins a gloo process group before building the trainer,
-so a data-parallel trainer can run its collectives.
+A request names the adapter (MODULE:FACTORY), Spec.options as a base64 pickle, N, B, steps, warmup, seeds,
+threads and optionally `env` (WORLD_SIZE > 1: the child joins a gloo group); the result is one line
+`MEMPROBE_RESULT {json}` on stdout.
+Why a fresh process, and why fork: docs/design/memory.md, "CPU isolation".
 """
 from __future__ import annotations
 

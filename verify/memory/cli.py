@@ -1,32 +1,13 @@
-"""python -m verify.memory --effective-batch E [--device auto|cpu|cuda|cuda:K]
-                        [--trainer xtrain|torch_ddp|fsdp2|fsdp2_keep|leaky_graph|MODULE:FACTORY]
-                        [--model tiny|small|gpt2-ish] [--seq-len S] [--steps K] [--warmup K] [--out DIR]
-                        [--threads T] [--anchor JSON]
+"""python -m verify.memory --effective-batch E [--device auto|cpu|cuda|cuda:K] [--trainer NAME|MODULE:FACTORY]
+                        [--model M] [--seq-len S] [--steps K] [--warmup K] [--out DIR] [--threads T] [--anchor JSON]
 
-Measures the peak memory of gradient accumulation and checks that it follows ONE micro-batch, not N.
-
-  sweep A  fixed effective batch E: every N dividing E, with B = E/N
-  sweep B  fixed micro-batch B = 1: N = 1, 2, 4, 8, ... up to E
-
-Each configuration is isolated: on the CPU a fresh process per configuration (peak RSS above the RSS
-right before the measured steps); on a GPU one process with a full allocator reset between
-configurations (torch's max allocated/reserved, plus NVML device memory used sampled by a thread).
-For an adapter that declares a memory model (Adapter(predicted_peak=...); xtrain's trainers do:
-xtrain_proof/memory.py) every configuration also gets a PREDICTED peak of the same quantity the
-probe measures, and the ratio measured/predicted (reported; exit 1 only if absurd).
-Writes OUT/memory-E{E}.json, .md and .png (atomically, all or none). Exit status: 0 PASS, 1 FAIL (an
-invariant fails), 3 INCONCLUSIVE (an invariant cannot be decided at this size: the output says how to make
-it decidable), 2 bad input. The invariants:
-
-  (a) fixed E: peak does not grow as N grows; peak(N=E, B=1) is well below peak(N=1, B=E)
-  (b) fixed B: peak is flat within 2% for N >= 2; peak(N=2) - peak(N=1) <= the gradient buffers
-
-The trainer is any adapter (verify._internal.protocol.Adapter): its data, its model, measured with its own
-defaults. A trainer family may add to this command line (a `Wing`: short trainer names, the default
-trainer, its own flags that build the options, an anchor); `python -m verify.memory` runs with xtrain's
-(xtrain_proof/memory.py: --model and --seq-len set xtrain's options, for adapters whose defaults
-are xtrain's). Under torchrun each rank measures its own process/device; rank 0 writes the report with
-per-rank peaks. Thresholds and what each figure includes: docs/design.md, "Peak memory".
+Measures the peak memory of gradient accumulation and checks that it follows ONE micro-batch, not N: sweep A
+at fixed effective batch E (every N dividing E, B = E/N), sweep B at fixed B = 1 (N = 1, 2, 4, ... up to E),
+each configuration isolated; an adapter's memory model (Adapter(predicted_peak=...)) is reported beside.
+Writes OUT/memory-E{E}.json, .md and .png.
+Exit status: 0 PASS, 1 FAIL (an invariant fails, or an absurd prediction), 3 INCONCLUSIVE (not decidable at
+this size), 2 bad input. A trainer family extends this command line with a `Wing` (xtrain's:
+xtrain_proof/memory.py). Invariants, thresholds and isolation: docs/design/memory.md, "Peak memory".
 """
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """Peak-memory probes, and what a trainer holds between steps.
 
-  CPU  `RssProbe`: peak resident set size of THIS process during the measured steps, above the resident
-       set right before them. It must run in a fresh process per configuration (verify/memory/_zygote.py):
-       a process's peak-RSS counter only ever grows, and heap the C allocator freed usually stays
-       resident, so a second configuration measured in the same process would start from the first one's
-       leftovers (and the figure would depend on the order of the configurations).
-  GPU  `CudaProbe`: torch's caching-allocator peaks (max allocated, max reserved; reset before the
-       measured steps) and, when NVML works, `NvmlSampler`: device memory used (what nvidia-smi shows:
-       CUDA context, every process on that GPU) sampled by a background thread every `period` seconds.
-  NVML missing / failing never raises out of here: `NvmlSampler.open` raises `ProbeUnavailable` with a
-  one-line reason, and a sampler that fails mid-run stops and reports the error instead of a peak.
+  CPU  `RssProbe`: peak RSS of THIS process during the measured steps, above the RSS right before them; one
+       fresh process per configuration (verify/memory/_zygote.py).
+  GPU  `CudaProbe`: torch's allocator peaks (max allocated / reserved) and, when NVML works, `NvmlSampler`:
+       device memory used, sampled by a thread. NVML failing never raises out of here (ProbeUnavailable).
 
 A probe has `start()` and `stop() -> dict` (its figures; `peak_bytes` is the one the invariants check).
+What each probe measures: docs/design/memory.md, "What each probe measures".
 """
 from __future__ import annotations
 

@@ -1,42 +1,13 @@
 """The fault-injection self-test: proof that the gates are live for YOUR trainer.
 
-Every operator of verify.selftest.operators wraps the adapter's trainer and plants one bug; the gates
-then run on the wrapped trainer over a fixed set of cases built from the adapter's `defaults`:
+Every operator of verify.selftest.operators wraps the adapter's trainer and plants one bug; the gates then run
+on the wrapped trainer over fixed cases built from the adapter's `defaults` (single-process, a long window in
+a low precision, every data-parallel world, meshes; padded for an adapter with an ignore_index). A mutant runs
+case by case until a gate rejects it (`--every-case`: the whole matrix); a run that raises is an "error" cell,
+never a kill. Score = killed / operators whose bug can exist for this adapter; the unwrapped trainer must pass
+every gate on every case, at every world.
 
-    single-process   N=1 (K=2), N=3 (B=2, K=2), N=4 (B=1, K=3): equivalence; bit-exact at N=1 when a
-                     plain step is declared; the token-mean gate for an adapter with an ignore_index
-    long window      N=256 (B=1, K=1) in the adapter's first declared low precision (bf16, else fp16), when
-                     it declares one: the long-window gate (every declared low precision). Only the operators
-                     that show there alone (Operator.long) run on it, and only on it
-    data-parallel    every world the gates draw (XTRAIN_DIST_MIN_WORLD..MAX_WORLD, default 1..4, capped
-                     by --max-world), W=1 included: W=1 and 2 (N=3, B=2, K=2), W=3 and 4 (N=2, B=1, K=2),
-                     when the adapter declares data parallelism; for an fp16 adapter with a way to
-                     overflow, the overflow gate too, on the same cases under fp16 (window 0 overflowing in
-                     micro-step 0 on the last rank)
-
-    mesh             adapters with mesh_axes, meshes of at most the largest world: pp=2 (chunks 2, outer 2: N=4),
-                     tp=2 (N=3), and dp=2 × tp=2 (N=3; else dp=2 × pp=2, chunks 2) when 4 ranks fit, else dp=2;
-                     the mesh gate (verify._internal.gates.mesh.check_mesh) against the adapter's own 1×1×1 big batch. Only
-                     the mesh operators (Operator.mesh) run there, and only there
-
-For an adapter with an ignore_index every case but the long window is padded (fixed valid-target counts per row: uneven
-micro-batches and ranks, empty rows, every window holding some valid target), so the token operators
-can show.
-
-A gate's cell says whether it rejects the mutant on some case where the bug exists ("not reached": an
-earlier gate of the same run rejected it first). A mutant is run case by case, in the order above, until a gate
-rejects it: the gates left after that say "not run" (a gate that passed on the cases before says "not run" too: it
-was not judged on every case), since a mutation score needs one kill per operator, as mutation testers count it.
-`--every-case` (every_case=True) fills the whole matrix instead: every gate on every case where the bug exists,
-except that a gate which has already rejected the mutant is not run on it again (its cell cannot change). An
-operator is killed when some gate rejects it on a case where its bug exists; it survives when every
-gate passes on every such case. A run that raises instead (anything but a GateFailure: the factory, the data
-maker, a pool job or its timeout) is an "error" cell with its one-line cause (SelftestResult.errors), never a
-kill; where the unwrapped trainer fails or raises, the mutants' cells there are "error", not run. An operator
-no gate killed with an error cell is "error", and the self-test fails (exit 3) while any run errs. The unwrapped trainer must pass every gate on every case. Score =
-killed / operators whose bug can exist for this adapter (data-parallel-only operators do not apply to
-a single-process trainer, token operators to a trainer without an ignore_index). "The unwrapped trainer
-passes" means on every case, at every world.
+Entry points: `run_selftest`, `python -m verify.selftest`. The cases and the cells: docs/design/self-test.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
-"""The mesh operators' mechanics (issue 18): what verify.selftest.operators plants in a trainer on a dp × pp × tp
-mesh, through what the harness itself may touch — the four methods, the Spec (its mesh: the DeviceMesh of
-verify._internal.ranks.mesh.device_mesh, the one layout every mesh adapter uses) and torch.distributed.
+"""The mesh operators' mechanics: what verify.selftest.operators plants in a trainer on a dp × pp × tp mesh,
+through what the harness itself may touch (the four methods, the Spec and its mesh, torch.distributed).
 
-    pipeline_micro_batch_dropped  micro-batch 0 never reaches the trainer; micro-batch 1 is fed in its place
-                                  (N micro-steps still: a pipeline's schedule keeps its chunk count)
-    dp_reduction_skipped          while the trainer runs, torch.distributed's python reductions on the dp
-                                  group do nothing (each replica keeps its own sum)
-    reduced_over_wrong_group      the same interposition reduces over the tp group instead (without tp:
-                                  over the whole world)
+    pipeline_micro_batch_dropped  micro-batch 1 fed in place of micro-batch 0 (N micro-steps kept)
+    dp_reduction_skipped          torch.distributed's python reductions on the dp group do nothing
+    reduced_over_wrong_group      the same interposition reduces over the tp group (without tp: the world)
 
-The interposition replaces the reductions (REDUCTIONS) as attributes of torch.distributed for the duration of
-each call into the trainer, so it reaches code that looks them up there at call time (`dist.all_reduce(...)`:
-FSDP2's reduce_scatter_single and all_reduce, a hand-written dp loop). It cannot reach a reduction made in
-C++ (DDP's Reducer, c10d's functional collectives) or through a name bound before the call (`from
-torch.distributed import all_reduce`): there the operator changes nothing, survives, and the table says so.
+The interposition replaces REDUCTIONS on torch.distributed for each call into the trainer; a reduction made
+in C++ or through a name bound before the call is out of its reach (the operator survives, the table says so).
+Design: docs/design/self-test.md.
 """
 from __future__ import annotations
 

@@ -1,44 +1,13 @@
-"""Fault operators: each wraps ANY trainer behind the protocol and plants one accumulation bug, without
-knowing the trainer's internals. A wrapper only uses what the harness itself may: the four methods,
-the Spec it hands the factory (so it can build the inner trainer with another accum_steps), the
-batches, the tensors grads() returns, and torch.distributed.
+"""Fault operators: each wraps ANY trainer behind the protocol and plants one accumulation bug, without knowing
+its internals (only the four methods, the Spec, the batches, the tensors grads() returns, torch.distributed).
 
-    drop_micro_step            the inner trainer accumulates N-1 micro-steps; micro-step 0 is skipped
-    repeat_micro_step          N+1 inner micro-steps: micro-step 0's batch runs twice
-    grads_times_N              boundary gradients × N (the 1/N scale missing)
-    grads_over_N               boundary gradients ÷ N (the 1/N scale applied twice)
-    optimizer_step_every_micro the optimizer steps after every micro-step (inner accum_steps=1)
-    zero_grad_in_micro_loop zero_grad inside the micro-loop: only the last micro-batch survives
-    stale_micro_batch          micro-step 0 of step k gets step k-1's last micro-batch (off-by-one loader)
-    loss_sum_not_mean          the reported step loss is the sum of the micro-losses, not their mean
-    extra_collective_micro_0   one 1-element all_reduce on micro-step 0 (numerically invisible)
-    divide_by_world_twice      boundary gradients ÷ W once more (/world applied twice)
-    low_precision_accumulation the window's gradient summed in bf16 / fp16, rounded after every micro-step
-                               (the self-test's long-window case: N = 256 in the adapter's first low precision)
-token weighting (adapters with an ignore_index, on padded windows; counts over the whole window and
-every rank unless said otherwise):
-    per_micro_mean             each micro-batch's own token mean, averaged over the N micro-steps
-    count_from_first_micro  the window's count taken as N × micro-step 0's
-    per_rank_mean        each rank takes the window's count as W × its own
-    all_positions   divided by every target position, padding included (also at N = 1)
-    sequences        divided by the window's number of sequences (also at N = 1)
-
-fp16 (adapters with a way to overflow, verify/_internal/gates/overflow.py; run on the data-parallel cases):
-    skip_decided_on_one_rank  ranks ≥ 1 never see an overflow: where the boundary gradient is
-                               non-finite their inner trainer skips, and the wrapper steps them anyway
-
-mesh (adapters with mesh_axes; run on the self-test's mesh cases only, where they are the only operators;
-verify/selftest/mesh_ops.py says how, and what they cannot reach):
-    pipeline_micro_batch_dropped  micro-batch 1 fed in place of micro-batch 0 (N micro-steps kept)
-    dp_reduction_skipped       torch.distributed's reductions on the dp group do nothing (dp ≥ 2)
-    reduced_over_wrong_group   they run on the tp group instead, else the whole world (dp ≥ 2, another axis)
-
-The token operators know the window's valid counts from the batches and the adapter's ignore_index (the
-ranks' counts through one all_reduce inside grads(), where the harness's reading is not judged); the ones
-that act at N = 1 too divide consistently under every split, so only the token-mean gate can see them.
-
-`exists(case)` says where the bug can exist at all (e.g. N ≥ 2: dropping one of one micro-step is
-not accumulation); the self-test requires every operator to be killed on the cases where it exists.
+    accumulation   drop_micro_step, repeat_micro_step, grads_times_N, grads_over_N, optimizer_step_every_micro,
+                   zero_grad_in_micro_loop, stale_micro_batch, loss_sum_not_mean, extra_collective_micro_0,
+                   divide_by_world_twice, low_precision_accumulation
+    tokens         per_micro_mean, count_from_first_micro, per_rank_mean, all_positions, sequences
+    fp16 / mesh    skip_decided_on_one_rank; pipeline_micro_batch_dropped, dp_reduction_skipped, reduced_over_wrong_group
+`exists(case)` says where a bug can exist; the self-test requires a kill wherever it does. What each plants:
+docs/verify-your-trainer.md (the operator table); design: docs/design/self-test.md.
 """
 from __future__ import annotations
 

@@ -5,29 +5,9 @@ four-method trainer the gates drive.
     trainer = SomeFrameworkTrainer(model, ..., dataset=pull.dataset, collate_fn=pull.collate)
     return pull.start(trainer.train, model)
 
-The framework's own loop runs in a thread. The harness and that thread take turns, never both at once:
-
-* data: `pull.dataset` is a sized map-style dataset whose items are lazy batches. A lazy batch takes the
-  next micro-batch the harness handed `micro_step` at its first real use (`.to(device)`, a key), so a
-  loop that prefetches (accelerate's loader reads one batch ahead, HF 4.46+ fetches the whole window
-  before the first backward) never waits for a batch the harness cannot give yet. `micro_step` returns
-  once the framework waits for a micro-batch it does not have, or has reached the boundary.
-* boundary: the gradient is read BEFORE clipping and before the optimizer step: the thread stops at the
-  first of torch.nn.utils.clip_grad_norm_ / clip_grad_value_ (also when a framework's wrapper calls
-  them) or an optimizer step pre-hook (for a step with a closure, as Lightning's, after the closure:
-  the last backward runs inside it). `grads()` reads the live gradients there; `optimizer_step()` lets
-  the framework clip, step, schedule and zero, and returns once it waits for the next micro-batch.
-  Reading after clipping would hide most of a ×N bug: clipping rescales the wrong gradient.
-* windows: the collective counter attributes traffic by time marks (verify._internal.ranks.comm.Windows). The thread
-  marks each micro-step again at the first module forward after a backward (the forward that begins
-  it), with the label the harness gave that micro-batch, so a window prefetched ahead is counted at the
-  micro-step that computes it.
-* loss: the step loss is the sum of the losses the framework backpropagated in the window (what it
-  differentiates: the gradient `grads()` returns is its gradient), averaged over ranks.
-* failures: an exception in the framework's thread is raised in the harness with its traceback; every
-  wait has a timeout, and a dropped Pull stops its thread.
-
-Hooks are process-wide but act only in a Pull's own thread, so other code is untouched.
+The loop runs in a thread that takes turns with the harness: lazy batches, the boundary read before clipping,
+micro-steps marked at their first forward, the window's backpropagated loss, failures raised with their
+traceback. How and why: docs/design/recipes.md, "The framework owns the loop".
 """
 from __future__ import annotations
 

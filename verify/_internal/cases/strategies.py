@@ -1,25 +1,13 @@
-"""hypothesis strategies for the gates. Bounds are keyword-only; everything shrinks toward the smallest
-case (N=1, B=1, K=1, world 1, the adapter's smallest options), so a failure is reported at its simplest.
+"""hypothesis strategies for the gates; everything shrinks toward the smallest case (N=1, B=1, K=1, world 1).
 
-    cases(adapter)                      (N, B, K, seeds, the adapter's drawn options, precision, and —
-                                        for adapters with an ignore_index — padding), world 1
-    dist_cases(adapter, max_world=4)    the same plus a world size W; B is then per rank
-    mesh_cases(adapter, max_world=4)    a dp × pp × tp mesh over the adapter's mesh_axes (2..max_world ranks),
-                                        N = pipeline_chunks × outer steps; B per dp replica
-    padding(...)                        valid targets per row: empty rows, micro-batches and ranks included
-    overflow_cases(adapter, ...)        (case, micro-step, rank) of the injected-overflow gate
-    mesh_split_cases(adapter, ...)      (case, world) of the mesh split-invariance gate
+    cases(adapter)                      (N, B, K, seeds, options, precision, padding), world 1
+    dist_cases / mesh_cases             the same plus a world W (B per rank) / a dp × pp × tp mesh
+    padding, overflow_cases, mesh_split_cases
 
-Every gate test draws its known-hard cases first, in every profile: corners(adapter, gate, ...) builds them
-(explicit @example's, run before any random case and never shrunk, so a failing corner is reported as it is),
-with_corners() attaches them, and random_budget() gives the random draws what is left of the gate's budget.
-
-A gate's draws are a function of the seed alone (seed_only_draws, which with_corners applies): hypothesis would
-otherwise mix the constants of every local module the drawing process has imported into its draws, so the
-same seed drew other cases under `python -m verify.run` (a launched world) than under pytest.
-
-An adapter's own options come from its `options` hook (a strategy, or a zero-argument callable giving one):
-xtrain's are xtrain_proof/strategies.py.
+Every gate draws its known-hard corners first (corners, with_corners: explicit @example's, never shrunk),
+then random_budget() random draws; seed_only_draws makes a gate's draws a function of the seed alone.
+An adapter's options come from its `options` hook (xtrain's: xtrain_proof/strategies.py).
+Why: docs/design/protocol.md, "Drawing cases".
 """
 from __future__ import annotations
 

@@ -1,29 +1,13 @@
 """The boundary rule: what a trainer's collectives may be, per micro-step and per step, as one declarative row.
 
-A row says, for one optimizer step of a trainer in one sync mode, how many collectives of each family it
-issues on each micro-step before the boundary and at the boundary (micro-step N-1 + optimizer_step()),
-and how many floating-point elements its boundary reductions carry (the bytes per step). Anything the row
-does not name must not happen. Examples (U = FSDP units, the root included):
+A `CountRow` says, for one optimizer step in one sync mode, how many collectives of each family (c10d's
+names merged) are issued on each micro-step before the boundary and at it, and how many floating elements
+the boundary reductions carry; anything it does not name must not happen. A key may name a link
+("all_reduce@inter-node"). Without a declared row (Adapter(counts=...)), `CountRow.default`: nothing before
+the boundary, every gradient element reduced once at it (P ≤ E ≤ parameter elements + SCALARS). `expected`
+collectives are excused first (`excused`).
 
-    DDP, no_sync()                          before: —                   boundary: all_reduce ≥ 1 (buckets)
-    FSDP2, reshard after forward            before: all_gather × 2U     boundary: all_gather × 2U, reduce_scatter × U
-    FSDP2, no reshard after forward         before: all_gather × U      boundary: all_gather × U, reduce_scatter × U
-
-Families merge the names c10d gives one operation on different paths and backends (all_gather,
-_allgather_base, allgather_into_tensor_coalesced, ... are "all_gather"). Where a backend implements an
-operation with another collective (gloo has no reduce-scatter: FSDP2 all-reduces there), the adapter's
-row names what that backend does. A deviation fails with the row and the collectives observed.
-
-A family key may name a link: "all_reduce@intra-node" / "all_reduce@inter-node" (comm.LINKS; a group's link:
-comm.group_links, node = rank // LOCAL_WORLD_SIZE). Where a row qualifies a family, that family's collectives
-are counted per link, so HSDP's "reduce within the node every micro-step, across nodes only at the boundary"
-is a row: before {"all_reduce@intra-node": 1}, boundary {"all_reduce@intra-node": 1, "all_reduce@inter-node": 1}.
-A family the row names without a link counts every link together, as it always did.
-
-A trainer that declares no row (Adapter(counts=...)) is judged by the default row, built from its gradient
-size (CountRow.default): nothing before the boundary, and at the boundary gradient-like collectives of any
-kind and number that carry every gradient element once (P ≤ E ≤ parameter elements + SCALARS). Collectives
-the adapter declares `expected` are excused from either row first (`excused`).
+The table of rows, families, links and HSDP: docs/design/distributed.md, "Count tables".
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """The data-parallel gates, for any adapter that declares data parallelism.
 
-The trainer runs on every rank of a pool (verify/_internal/ranks/pool.py) through the same four methods; the harness
-shards the data, marks a window before every call, and counts every collective with the c10d flight
-recorder (verify/_internal/ranks/comm.py). Its single-process big batch, the reference, is the SAME adapter at
-accum_steps=1 and world 1, run on a one-rank pool beside it. The parent then judges:
+The trainer runs on every rank of a pool (verify/_internal/ranks/pool.py); the harness shards the data, marks
+a window before every call and counts every collective (verify/_internal/ranks/comm.py). The reference is the
+same adapter at accum_steps=1, world 1, on a one-rank pool. Judged: boundary-only (the count row of
+counts.py, or the default row: nothing before the boundary, every gradient element once at it) and
+equivalence (every rank vs the reference under tolerance.py; parameters bitwise identical across ranks).
+Every failure names the rank, the step, the micro-step and the collective(s).
 
-boundary-only   the boundary rule (counts.py): the adapter's count table row, or else the default row,
-                built from the gradient size: micro-steps 0..N-2 issue no collective at all (any op, any
-                dtype), except what the adapter declares `expected` (by op family, dtype class and count).
-                At the boundary (micro-step N-1, grads(), optimizer_step()) the floating-point elements
-                reduced cover every gradient element once, plus at most SCALARS side-channel scalars (the
-                step loss), so the bytes per optimizer step do not depend on N. No reduction outside the
-                trainer's calls. Collectives at construction and inside params() are reported, not judged.
-equivalence     every rank vs the reference, with the one policy of tolerance.py: fp32 step-0 boundary
-                gradients and loss, fp32 losses of every step, float64 losses and parameters of every
-                step; and the parameters bitwise identical across ranks after every step.
-
-Every failure names the rank, the step, the micro-step and the collective(s) involved.
+Design: docs/design/distributed.md, "The data-parallel gates".
 """
 from __future__ import annotations
 

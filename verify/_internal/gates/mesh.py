@@ -1,17 +1,12 @@
-"""The mesh gate: a trainer on dp × pp × tp ranks vs its own 1×1×1 big batch (issue 18, docs/design.md).
+"""The mesh gate: a trainer on dp × pp × tp ranks vs its own 1×1×1 big batch (`check_mesh`).
 
-Every rank of a pool of mesh.size ranks runs the window through the four methods (gates/distributed.py's
-rank_job: the rows of the rank's dp replica, windows marked, collectives read); the same adapter at
-Mesh(), pipeline_chunks=1, accum_steps=1 runs the whole big batch on a one-rank pool beside it. The
-parent assembles each dp replica from what its ranks own (verify/_internal/ranks/mesh.py: the union over pp stages,
-exactly once; the tp ranks of a stage bit-identical) and judges it with the one tolerance policy
-(tolerance.Judge): fp32 step-0 gradients and loss, fp32 losses of every step, float64 losses and
-parameters of every step. The dp replicas hold the same parameters, bit for bit, after every step.
+Every rank runs the window through the four methods on a pool of mesh.size ranks, the same adapter at Mesh(),
+pipeline_chunks=1, accum_steps=1 beside it; each dp replica is assembled from what its ranks own
+(verify/_internal/ranks/mesh.py) and judged by tolerance.Judge, the replicas bit-equal after every step. The
+per-axis counts (gates/mesh_counts.py) come first; the step loss is the last stage's, its tp ranks agreeing
+exactly. Failures name the mesh, the chunks, the outer steps, the replica and the owning stage.
 
-Before the numbers, the counter's verdict per mesh axis (gates/mesh_counts.py): its message names the
-collective. A replica's step loss comes from its last pipeline stage (optimizer_step() returns None elsewhere); the
-tp ranks of that stage must agree on it exactly. Failures name the mesh, the chunks, the outer steps,
-the replica and the stage that owns the parameter.
+Design: docs/design/distributed.md, "Mesh axes".
 """
 from __future__ import annotations
 

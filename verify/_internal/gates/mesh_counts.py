@@ -1,23 +1,12 @@
 """Counts per mesh axis: every collective of a mesh run attributed to the axis whose group it ran on.
 
-The counter (verify/_internal/ranks/comm.py: the flight recorder, plus the hook on ProcessGroup.send / recv that gloo's
-recorder lacks) names each entry's process group; verify._internal.ranks.mesh.device_mesh builds the groups with
-init_device_mesh, whose groups are described "mesh_dp" / "mesh_pp" / "mesh_tp" — except an axis that
-spans the whole world, which reuses the default group. So a collective's axis is its group's, and one on
-the default group while no axis spans the world, or on a private group, is on no mesh axis.
+A collective's axis is its process group's ("mesh_dp" / "mesh_pp" / "mesh_tp" from init_device_mesh; an axis
+spanning the world reuses the default group). A row's unit is an OUTER step (pipeline_chunks micro-steps);
+`counts(case)` gives axis -> CountRow (or a function of the rank's coordinates). dp without a row: the
+boundary-only rule; pp / tp declared: exact by family; undeclared: reported, not judged; a collective on no
+mesh axis inside the trainer's calls fails, naming its group.
 
-The unit of a row is an OUTER step (pipeline_chunks micro-steps, one schedule.step): a pipeline
-communicates only when it runs its schedule. The adapter's `counts(case)` gives, for a mesh case, a dict
-axis -> CountRow (or -> a function (dp_i, pp_i, tp_i) -> CountRow: the stages of a pipeline differ), the
-row's `before` on each outer step but the last, its `boundary` on the last (with optimizer_step()).
-
-    dp, no row declared    boundary-only: nothing on dp before the last outer step; at the boundary at
-                           least one floating reduction over dp when dp > 1
-    pp / tp, declared      exact, by family (send / recv / all_reduce / ...), as gates/counts.py checks
-    pp / tp, not declared  reported, not judged (the result says which axes went unjudged)
-    no mesh axis           any collective inside the trainer's calls fails, naming its group
-
-A failure is the boundary-only gate's, and names the mesh, the rank and its coordinates, the axis.
+Design: docs/design/distributed.md, "Mesh axes" ("Counts per axis").
 """
 from __future__ import annotations
 

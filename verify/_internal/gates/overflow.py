@@ -1,27 +1,13 @@
-"""Injected overflow (fp16): the inf-handling path of a GradScaler trainer, which the other gates never
-reach (their windows are drawn not to overflow).
+"""Injected overflow (fp16): the inf-handling path of a GradScaler trainer, which the other gates never reach.
 
-The case runs K ≥ 2 windows under fp16 on W ranks (rank pools; W = 1 without a process group: in this
-process, on case.device). In window 0 ONE micro-batch on ONE rank (micro-step m,
-rank r, drawn) overflows. Without the adapter's help (the default, any model and any inputs: token ids
-too) the harness makes that micro-step's backward non-finite itself (BackwardInf: an inf in the gradient
-reaching a module's output, the first one backward reaches, in the overflowing rows), as an fp16 overflow
-in the backward would: before anything the trainer does after backward (DDP's bucket all-reduce, its
-accumulation, GradScaler's check). An adapter's own `overflow` hook wins: applied just before that
-micro_step() (verify.data.overflow_rows scales floating rows by 2^20; xtrain arms an inf in the next
-backward's gradient). The big batch (the same adapter at N=1, one rank) holds the same rows, and gets the
-same injection on its one micro-step, for exactly those rows. The verdict, all exact:
+K ≥ 2 windows under fp16 on W ranks; in window 0 ONE micro-step on ONE rank overflows — injected by the
+harness (BackwardInf: an inf in the first module output's gradient backward reaches) unless the adapter's
+`overflow` hook does it — and the big batch gets the same injection. Exact verdicts: skip (window 0 leaves
+every rank's and the big batch's parameters bit-unchanged), scale (with `loss_scale()`: one update per
+window, equal to the big batch's), ranks (bit-equal to rank 0 after every window). Failures are
+GateFailure(gate=Gate.OVERFLOW) naming the window, the rank and where the overflow was.
 
-skip        after window 0, every rank's parameters are bit-equal to its parameters before it (the whole
-            window skipped, on every rank); the big batch's too (otherwise the injection did not overflow:
-            the gate says so, it judges nothing it did not see happen).
-scale       where the trainer has `loss_scale()`: on every rank, after every window, the scale equals the
-            big batch's after its step (one update per window, on every rank alike: a scaler updated per
-            micro-step backs off more than once).
-ranks       after every window (window 1 shows optimizer state a skip must leave alone), every rank's
-            parameters bit-equal to rank 0's.
-
-Every failure is a GateFailure with gate=Gate.OVERFLOW, naming the window, the rank and where the overflow was.
+Design: docs/design/numerics.md, "Injected overflow".
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """Diagnose a failure by re-running it: one knob changed at a time, and the class the differences point to.
 
-A numeric gate's failure says THAT a trainer's runs differ from its big batch; which class of bug it is
-shows in how the difference moves when one thing changes. Run once, on the final (shrunk) failure only,
-by whoever turns it into a verdict (the plugin, the self-test): a few extra runs of the failing case,
-never on a passing gate. The knobs, each the failing case with one thing changed and the same window:
+Run once, on the final (shrunk) failure only, never on a passing gate. The knobs: K=1, W=1, N=1 and the
+adapter's `unclipped(options)`; plus a look at the float64 runs (parameters equal to the big batch's while
+grads() is c ≠ 1 × its gradient: the trainer normalises in its step). A token-mean failure is re-run with
+grads_from="optimizer". Classes tested in tests/harness/test_rerun.py.
 
-    K=1        only step 0: passes → step 0 agrees and a later step differs (state that advances per step)
-    W=1        the same rows on one process: passes → it happens only at W > 1 (across ranks)
-    N=1        the window as one micro-step: fails → not accumulation (nondeterminism at W=1, ranks at W>1)
-    unclipped  the adapter's `unclipped(options)` (clipping off), where declared: passes → clipping is it
-
-plus one look at the float64 runs of the case itself: parameters after every step equal to the big
-batch's while grads() is a constant factor c ≠ 1 of its gradient → the trainer normalises in its step. A
-token-mean failure (judged against the harness's counts, not a big batch) is re-run with the gradient read
-where the optimizer reads it (grads_from="optimizer"): passing so, it names the same class and its factor.
-The classes (and each planted bug's) are tested in tests/harness/test_rerun.py.
+What each re-run shows: docs/verify-your-trainer.md (the hint tables); docs/design/tolerance.md,
+"Around the policy".
 """
 from __future__ import annotations
 

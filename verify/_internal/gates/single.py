@@ -1,14 +1,12 @@
 """The single-process gates, for any adapter. Each raises GateFailure naming what differs.
 
-equivalence  N micro-steps of B rows vs the SAME trainer at accum_steps=1 on the N·B batch, same init
-             and data: fp32 step-0 loss and boundary gradients against the float64 big batch under the
-             policy of tolerance.py, fp32 losses of every step, float64 losses and parameters of every
-             step. So a trainer is judged against its own big-batch semantics, whatever its model.
-bit-exact    accum_steps=1 vs the adapter's declared plain step (no accumulation code at all): every
-             gradient, loss and parameter after K steps torch.equal. Skipped (GateSkipped, with the
-             reason) when the adapter declares no plain step.
+equivalence  N micro-steps of B rows vs the SAME trainer at accum_steps=1 on the N·B batch, same init and
+             data, judged by tolerance.py (fp32 step 0 and every step's loss, float64 every step).
+bit-exact    accum_steps=1 vs the adapter's declared plain step: every gradient, loss and parameter after
+             K steps torch.equal; GateSkipped, with the reason, without a plain step.
 
 An adapter that needs a process group even alone (DDP, Accelerate) is run on a one-rank pool.
+Design: docs/design/tolerance.md, docs/design/protocol.md.
 """
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
 """The token-mean claim, checked against the valid counts the harness knows (adapters with an ignore_index).
 
-An adapter that declares ignore_index claims its loss is Σ loss over valid targets / their number, over
-the whole window. Split invariance compares the trainer with itself, so a trainer that divides by some
-other count that stays the same under every split (every target position, padding included; the count
-+ 1; the number of sequences) passes it. Here fresh float64 trainers from the same seed (so at the same
-parameters) each run whole windows, in one process, N micro-steps of B rows as drawn:
-
-token mean    additivity: for two disjoint padded windows A and B and their union A∪B (A's micro-batches,
-              then B's: 2N micro-steps), n_A·L_A + n_B·L_B = n_AB·L_AB and n_A·g_A + n_B·g_B = n_AB·g_AB for
-              the step-0 loss L and every parameter's boundary gradient g, n the valid counts.
-              padding: A with as many extra rows that hold no valid target, B of them inside each of its
-              micro-batches (B' = 2B), gives A's loss and gradients.
-empty window  a window without a valid target, run after A, leaves every parameter bit-unchanged, and the
-              window after it (B) gives what B gives right after A: nothing moved (no parameter, optimizer
-              state, LR schedule or loss scale). Skipped, saying why, where the adapter declares
-              empty_windows=False.
-
-Bounds: tolerance.bound64 (the trainer's own float64 rounding floor, measured on twins — A∪B and A with
-padding, rows reversed, in one micro-batch —, times κ, the condition number of the two-window sum); the
-empty window's parameters torch.equal; the window after it by the float64 rule of the other gates.
+Split invariance compares a trainer with itself, so a count every split keeps (every position, count + 1,
+sequences) passes it. Here fresh float64 trainers at the same parameters run whole windows:
+token mean    additivity over disjoint windows A, B and A∪B (n·L and n·g add up), and A padded with rows
+              that hold no valid target gives A's loss and gradients;
+empty window  a window without a valid target leaves every parameter bit-unchanged and the next window as
+              without it (skipped where the adapter declares empty_windows=False).
+Bounds: tolerance.bound64 (twin floor × κ of the two-window sum); the empty window torch.equal.
+Design: docs/design/numerics.md ("Token mean", "Empty windows").
 """
 from __future__ import annotations
 

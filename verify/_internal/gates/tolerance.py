@@ -1,52 +1,13 @@
 """The one tolerance policy. Every gate, single-process or distributed, judges numbers here.
 
-Fixed tolerances are wrong both ways (torch.allclose's defaults fail a correct fp32 trainer at N=4; a
-fixed 1e-3 hides a dropped micro-batch), so the bounds are derived per case (docs/design.md §3):
+* fp32, step 0: err(accumulation) ≤ C · max(err(big), err(big, all parameters)) + F · max(1, κ)
+  + F_p · max(0, κ/√n − 1), C = 8, F = 8·eps32, F_p = 8·eps_p (bf16 / fp16 only); every step's loss
+  within LOSS_MAX_REL of the fp32 big batch.
+* float64, all K steps: `bound64(twin_floor(measured), κ)`, floor = min(max(eps32, twin), FLOOR = 8·eps32).
+* bit-exact: torch.equal. A NaN loss (a window without a valid token) agrees only with another NaN.
 
-* fp32, step 0 (before an optimizer step can amplify rounding): the loss and every parameter's
-  boundary gradient, as a relative error against the float64 reference run,
-      err(accumulation) ≤ C · max(err(big batch), err(big batch, all parameters)) + F · max(1, κ)
-                          + F_p · max(0, κ/√n − 1),     C = 8, F = 8·eps32, F_p = 8·eps_p (bf16 / fp16 only)
-  "accumulation is no less accurate than the big batch itself, up to C". The big batch's error over all
-  parameters at once is a floor under the parameter's own: a tensor of a few elements can come out of
-  one rounding luckily exact (seen: a 4-element LayerNorm weight in bf16, 3.8e-4 against 2e-3 overall),
-  and luck is not a scale. κ ≥ 1 is the condition
-  number of the sum accumulation computes for that parameter: max over the blocks of rows summed
-  separately (one micro-step of one rank) of ‖block gradient‖ / ‖batch gradient‖, in float64 (the batch
-  gradient is a convex combination of the block gradients, mean- or token-weighted alike). Where the
-  blocks' gradients cancel (a bias whose gradient sums to ~0), fp32 rounding of the terms is large next
-  to the result in any summation order, and the big batch's own error there is luck, not a scale.
-  Under bf16 / fp16 autocast each term (one block's share, t_i ≈ b_i/n over the n = N·W blocks) also reaches
-  the fp32 sum rounded to the precision p — a weight or bias gradient leaves its kernel in 8 / 11 bits —,
-  legitimately less exact than the big batch's one rounding of the sum. Those n roundings are independent:
-  by the probabilistic rounding analysis (Higham & Mary 2019) their sum is ≲ u_p·√(Σ‖t_i‖²) ≤ u_p·κ·‖sum‖/√n
-  (u_p = eps_p/2), of which the big batch's one rounding (u_p·‖sum‖) is already in C·err(big): F_p allows 16×
-  the rest. It matters only where the blocks cancel (κ ≫ √n); a long window of similar rows (κ ≈ √n or less)
-  gets no extra room, so a low-precision accumulator, whose error grows with N, still shows there.
-* fp32, every step's loss within LOSS_MAX_REL of the fp32 big batch (bf16 / fp16 autocast: step 0 only,
-  by the rule above, each precision judged against its own big batch's rounding; there the step-0 loss,
-  one scalar that can come out of the big batch luckily exact, takes the big batch's error over all
-  parameters as its floor too).
-* float64, all K steps: every loss within C·floor (relative) of the float64 reference and every parameter
-  within C·floor · max(1, max|p_ref|), floor = min(max(eps32, twin), FLOOR). eps32 is what an fp32 run of
-  the same case can resolve: a float64 run that differs from its big batch by less (a float32 constant such
-  as `loss * torch.tensor(1 / N)`, a loss or a token count computed in float32, HF's `logits.float()`,
-  Fabric's "64-true" output cast) is as right as any fp32 run can show, so no float64 check fails it; no
-  declaration is needed. Every structural bug (a missing row, a wrong count, a 1/N off by one, a step of
-  state per micro-step) errs by ≥ 1e-5 relative on the harness's windows (docs/design.md §3: the margins of
-  every planted bug), 10× above C·eps32 ≈ 9.5e-7. `twin` is the reference's OWN rounding, measured per case
-  where eps32 is not enough: the float64 big batch run again as its twin (the same rows in reverse order,
-  equal in exact arithmetic; `twin_diff`) — a float32 part that rounds more than one eps32 (sums of many
-  float32 terms) shows there, and is judged at the precision it has. The floor is capped at FLOOR = 8·eps32,
-  so the bound never exceeds 64·eps32 ≈ 7.6e-6 (× κ for a partial sum whose terms cancel) and an
-  accumulation error ≥ 1e-5 fails.
-  Every float64 check of every gate (equivalence, partial sums, data-parallel, token mean, mesh) uses this one
-  rule: `bound64(twin_floor(measured), κ)`, `measured = twin_diff(ref, twin)`.
-* bit-exact: torch.equal, no tolerance; failures report max|Δ|.
-* float64, the token-mean claim (gates/tokens.py: the trainer on different windows at the same
-  parameters; no big batch to scale by): relative error ≤ C · floor · max(1, κ), floor as above (the
-  twin: the same rows in reverse order), κ the condition number of the sum checked (Σ‖terms‖ / ‖sum‖).
-A step whose loss is undefined (a window without a valid token: NaN) agrees only with another NaN.
+Why these bounds (κ, the all-parameter floor, the low-precision term, the twin, every planted bug's margin):
+docs/design/tolerance.md.
 """
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """Window-level gates: every way to split a window, and every micro-step's contribution.
 
-split invariance   A window of E rows (with drawn padding for adapters that declare an ignore_index) is
-                   one global batch; every (N, B, W) with N·B·W = E must give the float64 big batch's
-                   gradient, loss and K-step parameters, by the same policy as the other gates (each
-                   split runs the equivalence gate at W = 1 and the data-parallel gates at W > 1, whose
-                   references are the same rows). This is where per-micro-batch or per-rank token means,
-                   a count divided twice or a count taken from one micro-step show: they agree with the
-                   big batch only while every micro-batch holds the same number of valid tokens.
-partial sums       For trainers with `partial_grads()`: after micro-step n (boundary not reached), the
-                   gradient the window would have if it ended there equals the float64 big batch of
-                   micro-batches 0..n — so each micro-batch lands exactly once, in order, whatever N
-                   (a micro-step dropped only at N ≥ 64, or an accumulator that doubles each step, show
-                   at the first micro-step where they act, even where clipping hides them in the update).
+split invariance   every (N, B, W) with N·B·W = E of one padded window gives the float64 big batch (the
+                   equivalence gate at W = 1, the data-parallel gates at W > 1): per-micro-batch or
+                   per-rank token means and miscounts show once blocks hold different valid counts.
+partial sums       with `partial_grads()`: after micro-step n, the gradient equals the float64 big batch of
+                   micro-batches 0..n (each lands exactly once, in order, whatever N).
+long window        LONG_N micro-steps in each declared low precision (`check_long_window`).
+
+Design: docs/design/numerics.md, "Every split of a window".
 """
 from __future__ import annotations
 

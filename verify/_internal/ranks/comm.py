@@ -1,21 +1,12 @@
 """Counting collectives: the c10d flight recorder, behind one small module.
 
-Why the flight recorder: it records inside each c10d backend (ProcessGroupGloo /
-ProcessGroupNCCL), below `torch.distributed`'s Python API. So it sees explicit `dist.all_reduce`,
-DDP's C++ reducer, a call made on the backend object directly, a call from another thread and a call
-on a private process group — CommDebugMode (a dispatch mode of the calling thread) misses the last
-three. What it does not see is traffic outside c10d altogether (a trainer's own sockets).
+The recorder records inside each c10d backend, so it sees every path (DDP's C++ reducer, the backend object,
+another thread, a private group) that CommDebugMode misses; not traffic outside c10d. It is private API, so
+everything version-specific is here: enable() before the process group exists, read both `_dump_fr_trace`
+and `_dump_nccl_trace` and merge, `Recorder.read()` returning only newer entries and raising if the ring
+overflowed. Entries belong to the last `mark(label)` at or before their creation time.
 
-It is private API, so everything version-specific is here:
-  * enable() before the process group exists: TORCH_FR_BUFFER_SIZE sizes a ring of the last entries
-    (gloo and NCCL, torch 2.11 and 2.13);
-  * read both `_dump_fr_trace` (gloo, torch 2.11/2.13) and `_dump_nccl_trace` (NCCL on torch 2.11
-    records only there), without stack traces (~1 s the first time otherwise), and merge;
-  * `Recorder.read()` returns only entries newer than the previous read, and raises if the ring
-    overflowed in between (entries lost), so a count is never silently short.
-Entries are attributed to harness-controlled windows by time: the harness calls `mark(label)` before
-each micro-step; an entry belongs to the last mark at or before its `time_created_ns` (same clock as
-`time.time_ns()`).
+Design: docs/design/distributed.md, "The collective counter".
 """
 from __future__ import annotations
 

@@ -1,29 +1,12 @@
 """A launched world as a rank pool: the gates inside a world torchrun (or `srun torchrun`) started.
 
-`python -m verify.run` (verify/run.py) under torchrun: every rank joins the launched process group (env://)
-and serves jobs here; rank 0 also starts the controller, a child process outside the process group that
-runs the gate tests (in-process gates would otherwise see a world of W where they expect one process).
-`LaunchedPool` has RankPool's interface (run / submit / result / alive / close), so the gates reach it
-through `verify._internal.ranks.pool.get_pool(world)` unchanged:
+Under `python -m verify.run` every rank joins the launched process group and serves jobs here; rank 0 also
+starts the controller (a child outside the group) that runs the gate tests. `LaunchedPool` has RankPool's
+interface, so the gates reach it through `get_pool(world)` unchanged. Control plane: torchrun's c10d store
+(jobs under `job/<seq>`, replies under `res/<seq>/<rank>`; no collective). Hypothesis runs on the controller
+only. `sub(W)` runs jobs on subgroups of ranks 0..W-1. A partial failure or timeout marks the world broken.
 
-* Control plane: the c10d store torchrun already provides (its TCPStore, under a prefix of ours). A job is
-  pickled under `job/<seq>`; each rank's reply ("ok", result) or ("err", traceback) under `res/<seq>/<rank>`.
-  No collective carries the control plane, so the flight recorder counts only the trainer's traffic.
-* Every rank polls the store for the next job, rank 0 included; the controller is a store client only.
-* Hypothesis runs on the controller only: it draws, judges and shrinks, and the ranks execute the examples
-  it sends, in order. That is how "every rank draws the same examples, seeded from rank 0" holds, and a
-  verdict is decided once, where every rank's result already is.
-* Failures: a rank's exception comes back as its traceback (DistJobError, as in a pool). A job that errs
-  on some ranks only, or times out, may leave ranks inside a collective: the world is marked broken and
-  later jobs fail at once. Hangs: the process group's timeout is XTRAIN_DIST_TIMEOUT, and each job runs
-  under faulthandler's dump_traceback_later(2 × timeout + 30 s, exit=True): a rank stuck past it prints
-  every thread's stack and exits 1. A rank that dies is torchrun's to handle: its agent stops the node's
-  other ranks (SIGTERM, on which verify.run prints the stacks), the store goes with it, and every rank
-  polling that store exits 1 — no rank is left waiting.
-* Sub-worlds: `sub(W)` (2 ≤ W < world; get_pool(W) hands it out for adapters that declare subgroups) runs each
-  job on ranks 0..W-1 with a RankContext of world W whose `group` is the subgroup of those ranks (made on the
-  first such job by every rank, as dist.new_group requires); ranks ≥ W answer None at once. So one launch
-  covers the worlds below its own, and a collective of a sub-world crosses the nodes its ranks live on.
+Why and how (failures, hangs, exit status, sub-worlds): docs/design/distributed.md, "Launched worlds".
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
-"""The mesh a trainer runs on: data parallel × pipeline stages × tensor parallel (issue 18).
+"""The mesh a trainer runs on: data parallel × pipeline stages × tensor parallel.
 
     verify.Mesh(dp=1, pp=2, tp=2)      4 ranks; rank = (dp_i·pp + pp_i)·tp + tp_i (tp innermost)
 
-The layout is `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))`'s, and
-`device_mesh(spec)` builds exactly that DeviceMesh once per process, so every adapter and the harness
-agree on which rank holds what. The harness hands each micro_step the rows of the rank's dp replica
-(every pp stage and tp rank of a replica gets the same rows), and assembles what the ranks own:
+`device_mesh(spec)` builds init_device_mesh's (dp, pp, tp) DeviceMesh once per process, so adapters and the
+harness agree on who holds what. `assemble(owned, mesh, what)`: per dp replica, the full model's name ->
+tensor, the union over pp stages (owned exactly once), the tp ranks of a stage agreeing bit for bit. grads()
+/ params() are keyed by the FULL model's names; DTensors are gathered outside the judged windows (case.py).
 
-    assemble(owned, mesh, what)    per dp replica, the full model's name -> tensor: the union over pp
-                                   stages (a name owned by two stages, or by none, fails), the tp ranks
-                                   of a stage agreeing bit for bit on every full tensor
-
-A rank's grads() / params() are keyed by the FULL model's parameter names (those of the 1×1×1 reference);
-DTensors are gathered to full tensors by the harness outside the judged windows (case.py).
+Design: docs/design/distributed.md, "Mesh axes".
 """
 from __future__ import annotations
 

@@ -1,37 +1,13 @@
 """Persistent rank pools: `world` worker processes that stay alive across examples.
 
-A cold world-2 spawn + process-group init costs 3–4 s; a job in a warm pool ~16 ms (2-core box, tiny
-model, N=4). So the suite keeps ONE pool per (world, backend) per process (= per pytest-xdist worker):
-
     pool = get_pool(world=2)                      # spawned on first use, reused afterwards
     results = pool.run(fn, *args)                 # fn(ctx, *args) on every rank; a list by rank
 
-* Start: fresh processes, never forks of the test process. For gloo by default from a multiprocessing
-  forkserver that has imported torch once (a world-4 pool starts in ~0.1 s instead of 9–16 s on a
-  2-core box), and on the cpu the trainer's module too (a framework imported once, not by every rank);
-  NCCL pools use plain spawn (CUDA and forks); XTRAIN_POOL_START=spawn|forkserver.
-* Settings: a pool is built with the parent's Settings (an argument, else settings.current()) and sends them
-  to every rank pickled: a rank installs that copy and never reads the knobs from its own environment.
-* Rendezvous: a FileStore in a fresh `tempfile.mkdtemp()` directory — no ports, so parallel xdist
-  workers never collide.
-* Jobs: a picklable top-level callable + args, sent to each rank over its own duplex pipe as plain
-  `pickle` bytes (torch's multiprocessing reductions would pass tensors by file descriptor, which
-  dies with the sender). Pipes rather than queues: no feeder threads (one cause of unclean gloo
-  teardown), and `multiprocessing.connection.wait` gives one timeout over all ranks.
-* A rank that raises sends its traceback; the job then fails with every rank's traceback (and the
-  stacks of ranks still stuck in a collective), and the pool is replaced.
-* A job that outlives its timeout (XTRAIN_DIST_TIMEOUT seconds, default 120) gets each hung rank's
-  Python stacks via faulthandler (SIGUSR1), the pool is killed, and the job fails with the dumps.
-* Stale folders: a folder's name carries its owner's pid; each new pool removes the folders of owners
-  that are gone (SIGKILL leaves no chance to clean up).
-* No orphans: workers die with their parent (PR_SET_PDEATHSIG on Linux, and EOF on their pipe), the
-  parent closes every pool at exit and on SIGTERM; SIGINT is left to the parent (workers ignore it),
-  whose KeyboardInterrupt unwinds into the same cleanup.
-* Shutdown: barrier, destroy_process_group, os._exit(0) in each worker (0/60 teardown aborts vs 4/65
-  without).
-
-The rank side (what each worker process runs) is verify/_internal/ranks/worker.py. Torch is imported lazily: a
-worker turns the flight recorder on (verify/_internal/ranks/comm.py) before torch loads.
+One pool per (world, backend) per process: fresh processes (a forkserver that imported torch for gloo, spawn
+for NCCL), the parent's Settings pickled to each rank, a FileStore rendezvous, jobs as pickle bytes over one
+pipe per rank, tracebacks and hung ranks' stacks on failure, no orphans, a clean shutdown. The rank side is
+verify/_internal/ranks/worker.py; torch loads lazily, after the flight recorder is on.
+Why each choice, and what it measured: docs/design/distributed.md, "Rank pools".
 """
 from __future__ import annotations
 
