@@ -115,7 +115,7 @@ def activations(options, Bs, device, batch) -> dict[int, dict]:
     for B in sorted(set(Bs)):
         x, y = batch(B)
         out[B] = saved_activation_bytes(model, loss, x.to(device), y.to(device))
-    del model
+    del model, loss  # the bound loss method holds the model too
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out

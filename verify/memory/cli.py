@@ -213,13 +213,25 @@ def _check_fits(adapter, options, e_local: int, world: int, device) -> None:
 
     q = PeakQuery(adapter=adapter, options=options, configs=((1, 1), (1, 2)), world=world, device=device,
                   probe="cuda", trainer_class=None)  # "cuda": every tensor, the parameters included
-    p = adapter.predicted_peak(q)
+    if device.type == "cuda":  # the peaks are measured in this process: the model's estimate runs in its own
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+            p = child.submit(_predict, adapter, q).result()
+    else:  # the CPU probe measures each configuration in a fresh process
+        p = adapter.predicted_peak(q)
     if not isinstance(p, Prediction):
         return
     one, two = p.peaks[(1, 1)]["bytes"], p.peaks[(1, 2)]["bytes"]
     check_fits(one + (e_local - 1) * max(0, two - one), device,
                f"--effective-batch {e_local * world} (sweep A runs N=1, B={e_local}{' per rank' if world > 1 else ''})",
                f"pass a smaller --effective-batch (the adapter's memory model, {p.mode}, at B=1 and 2, linear in B)")
+
+
+def _predict(adapter, query):
+    """adapter.predicted_peak(query), in a child process: whatever it allocates on the GPU leaves with it."""
+    return adapter.predicted_peak(query)
 
 
 def build_plan(args, wing: Wing | None = None) -> Plan:
