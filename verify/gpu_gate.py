@@ -19,7 +19,8 @@ from verify._internal.cli import Parser, UsageError, fail, plugin_args, positive
 
 from verify._internal.settings import Settings, SettingError, child_environ, env_of, install
 
-STEP_TIMEOUT = {"gates": 900, "memory": 600, "nccl": 1200, "launched": 1800}  # seconds; another step: 1200
+STEP_TIMEOUT = {"gates": 900, "memory": 600, "nccl": 1200, "launched": 1800}  # seconds
+OTHER_STEP_TIMEOUT = 1200  # a caller's own step (plan's `extra`)
 GO = "gpu-gate/go"  # torchrun's store key rank 0 sets when the launched world may start (pool_launched.connect's prefix)
 
 
@@ -107,16 +108,17 @@ def run_steps(steps, out: str, cwd: str, before=None) -> list[dict]:
             before(name)
         log = os.path.join(out, f"{name}.log")
         print(f"[{i + 1}/{len(steps)}] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        limit = STEP_TIMEOUT.get(name, OTHER_STEP_TIMEOUT)
         t0 = time.monotonic()
         with open(log, "w") as f:
             try:
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
-                                    env={**step_environ(name), **env}, timeout=STEP_TIMEOUT.get(name, 1200),
+                                    env={**step_environ(name), **env}, timeout=limit,
                                     preexec_fn=_die_with_parent if name == "launched" and sys.platform == "linux"
                                     else None).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
-                f.write(f"\nverify.gpu_gate: step {name} timed out after {STEP_TIMEOUT.get(name, 1200)} s\n")
+                f.write(f"\nverify.gpu_gate: step {name} timed out after {limit} s\n")
         dt = time.monotonic() - t0
         results.append(dict(step=name, command=" ".join(cmd), returncode=rc, seconds=round(dt, 1), log=log,
                             last_line=_last_line(log)))

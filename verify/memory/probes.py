@@ -338,10 +338,6 @@ def saved_activation_bytes(model, forward, *args) -> dict:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = forward(*args)
         del loss
-        # a node that saves its own output (softmax, tanh, ...) holds it through the hook: a reference cycle that
-        # only the collector frees, so without it the forward's tensors outlive this call (and a peak measured
-        # after it on the same GPU)
-        gc.collect()
     finally:
         hook.remove()
     return dict(saved_bytes=sum(seen.values()), saved_tensors=len(seen), output_bytes=out[0] if out else 0)
