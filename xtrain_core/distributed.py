@@ -149,6 +149,9 @@ class DistAccumTrainer(MicroSchedule):
             return int(self.flat[-1])
         return super()._window_tokens()
 
+    def _window_count(self):
+        return self.flat[-1].clone() if self.world > 1 else super()._window_count()
+
     def optimizer_step(self) -> torch.Tensor:
         """Clip, step, schedule, zero. Returns the step loss: the mean CE over the global effective batch
         (tokens: over its valid tokens; NaN for a window without one)."""
@@ -157,6 +160,7 @@ class DistAccumTrainer(MicroSchedule):
             loss = self._step_loss()  # AccumTrainer's arithmetic
         else:
             loss = self.flat[-2] / self.flat[-1]  # Σ_ranks numerator / Σ_ranks denominator: a new tensor
+        self._last_loss = loss
         self.flat.zero_()  # zero_grad: the grads are views, so one memset (never set them to None)
         self._reset_window()
         return loss
@@ -181,10 +185,13 @@ class RankAveraged(MicroSchedule):
     def _window_tokens(self) -> int | None:
         return int(self._slots[1]) if self.loss_norm == "tokens" else None
 
+    def _window_count(self):
+        return self._slots[1]
+
     def optimizer_step(self) -> torch.Tensor:
         self._update()
         self.opt.zero_grad(set_to_none=True)
-        loss = self._slots[0] / self._slots[1]
+        loss = self._last_loss = self._slots[0] / self._slots[1]
         self._reset_window()
         return loss
 

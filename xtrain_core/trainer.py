@@ -4,6 +4,8 @@
     grads()                          -- the boundary gradient: after accumulation, before clip/step
     optimizer_step() -> loss         -- clip, AdamW, LR schedule, zero_grad once per step; the step loss
     params()                         -- name -> tensor
+    metrics()                        -- what the step logs: loss, pre-clip grad_norm, clip_coef, applied lr,
+                                        the window's rows (mean) or valid tokens (tokens), over every rank
 
 loss_norm="tokens" backwards Σ CE / (N·B·S) and rescales at the boundary by N·B·S / tokens (a window without
 a valid token is skipped); precision fp32 | bf16 | fp16 (one GradScaler, one unscale per window).
@@ -32,9 +34,12 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig):
     return opt, sched
 
 
-def clip(model: nn.Module, cfg: OptimConfig) -> None:
+def clip(model: nn.Module, cfg: OptimConfig) -> torch.Tensor:
+    """Clips to cfg.max_grad_norm when set; returns the pre-clip total norm either way (what the trainer logs).
+    A tensor, read only when logged: under FSDP2 it is a DTensor whose value costs a collective."""
     if cfg.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
 
 
 def plain_step(model, opt, sched, cfg: OptimConfig, idx, targets) -> torch.Tensor:
@@ -79,6 +84,8 @@ class MicroSchedule:
         self.scaler = torch.amp.GradScaler(p.device.type, init_scale=init_scale) if precision == "fp16" else None
         self.skipped_steps = 0
         self.last_skipped = False
+        self._logged: dict = {}
+        self._last_loss = None
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -198,10 +205,11 @@ class MicroSchedule:
         self._finish_window()
         tokens = self._window_tokens()
         self.last_skipped = tokens == 0
+        self._logged = {"tokens" if self.loss_norm == "tokens" else "rows": self._window_count()}
         if self.last_skipped:
             pass  # no valid token in the window: no update, no schedule step, the scaler untouched
         elif self.scaler is not None:
-            clip(self.model, self.cfg)
+            self._log_step(clip(self.model, self.cfg))
             scale = self.scaler.get_scale()
             self.scaler.step(self.opt)  # skips the step if unscale_ found an inf/NaN in ANY micro-step
             self.scaler.update()
@@ -209,11 +217,34 @@ class MicroSchedule:
             if not self.last_skipped:
                 self.sched.step()
         else:
-            clip(self.model, self.cfg)
+            self._log_step(clip(self.model, self.cfg))
             self.opt.step()
             self.sched.step()
         self.skipped_steps += int(self.last_skipped)
         self._finished = False
+
+    def _window_count(self):
+        """The window's denominator over every rank: its rows (mean) or valid tokens (tokens); overridden by the
+        data-parallel trainers, whose boundary reduced it."""
+        return self._den
+
+    def _log_step(self, norm: torch.Tensor) -> None:
+        """Before the optimizer step: the pre-clip norm (a tensor, read when logged) and the LR it applies."""
+        self._logged.update(grad_norm=norm, lr=self.sched.get_last_lr()[0])
+
+    def metrics(self) -> dict[str, float]:
+        """What the last optimizer step logs, over every rank: loss (the step loss), grad_norm (pre-clip),
+        clip_coef (min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ scales), lr (the one applied), and the
+        window's rows (mean) or valid tokens (tokens). A skipped window (no valid token) logs no norm or LR."""
+        out = {k: float(v) for k, v in self._logged.items() if k != "grad_norm"}
+        norm = self._logged.get("grad_norm")
+        if norm is not None:
+            norm = float(norm.full_tensor() if callable(getattr(norm, "full_tensor", None)) else norm)
+            cap = self.cfg.max_grad_norm
+            out.update(grad_norm=norm, clip_coef=1.0 if cap is None else min(1.0, cap / (norm + 1e-6)))
+        if self._last_loss is not None:
+            out["loss"] = float(self._last_loss)
+        return out
 
     def _step_loss(self) -> torch.Tensor:
         """This window's loss: mean of the raw micro losses (mean), Σ CE / tokens (tokens; NaN if none)."""
@@ -254,6 +285,6 @@ class AccumTrainer(MicroSchedule):
         """Clip, step, schedule, zero. Returns the step loss (NaN for a window without a valid token)."""
         self._update()
         self.opt.zero_grad(set_to_none=True)
-        loss = self._step_loss()
+        loss = self._last_loss = self._step_loss()
         self._reset_window()
         return loss

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from xtrain_core.data import TokenStream
 from xtrain_core.model import IGNORE, build_model
 
+from verify._internal.metrics import Metrics
 from verify._internal.protocol import DDP_EXPECTED, Adapter, Spec
 from xtrain_proof.memory import predicted_peak as peak
 from xtrain_proof.memory_preset import PRESET
@@ -230,21 +231,31 @@ def variant(cls, base: Adapter) -> Adapter:
     return base.replace(factory=make, name=f"broken: {cls.__name__}")
 
 
+def max_norm(options) -> float | None:
+    """The clip threshold of a case (Metrics.max_norm): xtrain clips at optim.max_grad_norm (None: never)."""
+    return (options if options is not None else XtrainOptions()).optim.max_grad_norm
+
+
+# what xtrain's trainers log per step (AccumTrainer.metrics): the window's rows (mean) or valid tokens (tokens)
+METRICS = Metrics(names=("loss", "grad_norm", "clip_coef", "lr", "rows"), max_norm=max_norm)
+TOKEN_METRICS = Metrics(names=("loss", "grad_norm", "clip_coef", "lr", "tokens"), max_norm=max_norm)
+
 _COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions(), precisions=("fp32", "bf16", "fp16"),
-               overflow=overflow_grad, unclipped=unclipped)
+               overflow=overflow_grad, unclipped=unclipped, metrics=METRICS)
+_TOKENS = dict(options=_token_strategy, defaults=XtrainOptions(loss_norm="tokens"), metrics=TOKEN_METRICS)
 
 # subgroups: DistAccumTrainer and TorchDDPTrainer take group=; FSDP2Trainer shards over the default group only
 adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", predicted_peak=peak(None),
                   subgroups=True, memory_preset=PRESET, **_COMMON)
 tokens_adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, ignore_index=IGNORE, subgroups=True,
                          name="xtrain, loss_norm=tokens", predicted_peak=peak(None),
-                         **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
+                         **{**_COMMON, **_TOKENS})
 torch_ddp = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED, subgroups=True,
                     name="xtrain model under torch DDP no_sync()", predicted_peak=peak("torch_ddp"), **_COMMON)
 torch_ddp_tokens = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED, ignore_index=IGNORE,
                            subgroups=True,
                            name="xtrain model under torch DDP no_sync(), loss_norm=tokens", predicted_peak=peak("torch_ddp"),
-                           **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens")})
+                           **{**_COMMON, **_TOKENS})
 fsdp2 = Adapter(factory=fsdp2_factory, process_group=True, counts=fsdp2_row, name="xtrain model under FSDP2",
                 predicted_peak=peak("fsdp2"),
                 **{**_COMMON, "precisions": ("fp32", "bf16")})
@@ -253,8 +264,7 @@ fsdp2_keep = Adapter(factory=fsdp2_keep_factory, process_group=True, counts=fsdp
                      **{**_COMMON, "precisions": ("fp32", "bf16")})
 fsdp2_tokens = Adapter(factory=fsdp2_factory, process_group=True, counts=fsdp2_row, ignore_index=IGNORE,
                        name="xtrain model under FSDP2, loss_norm=tokens", predicted_peak=peak("fsdp2"),
-                       **{**_COMMON, "options": _token_strategy, "defaults": XtrainOptions(loss_norm="tokens"),
-                          "precisions": ("fp32", "bf16")})
+                       **{**_COMMON, **_TOKENS, "precisions": ("fp32", "bf16")})
 single = Adapter(factory=single_factory, plain=PlainTrainer, name="xtrain AccumTrainer", predicted_peak=peak("single"),
                  **_COMMON)
 data_parallel = Adapter(factory=dist_factory, data_parallel=True, subgroups=True, name="xtrain DistAccumTrainer",

@@ -47,7 +47,9 @@ AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 class Trainer(Protocol):
     """The four methods the harness drives, in this order per window of N = Spec.accum_steps micro-steps:
     micro_step() × N, grads(), optimizer_step(), params(). Optional: partial_grads() (what grads() would return
-    if the window ended now, as new tensors) and loss_scale() (the fp16 GradScaler's scale now)."""
+    if the window ended now, as new tensors), loss_scale() (the fp16 GradScaler's scale now) and metrics()
+    (what the trainer logged for the step just taken, {name: float}, as Adapter(metrics=verify.Metrics(...))
+    declares)."""
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> None:
         """One micro-batch (micro = 0..N-1): forward, loss, backward; accumulate, never step. inputs / targets are
         this rank's rows, rows first, on Spec.device, floating ones in Spec.dtype, the trainer's own copies: never
@@ -171,6 +173,9 @@ class Adapter:
     predicted_peak: Callable | None = None
     """verify.memory.PeakQuery -> verify.memory.Prediction | str: the predicted peak per configuration of
     `python -m verify.memory` (the adapter's memory model; xtrain's: xtrain_proof/memory.py)."""
+    metrics: Any = None
+    """A verify.Metrics: what the trainer's metrics() reports per optimizer step and its conventions (the
+    metrics gate, verify/_internal/gates/metrics.py); None: metrics are not checked, and the report says so."""
     memory_preset: Any = None
     """What `python -m verify.memory` adds for this trainer's family when it is the configured default trainer
     (a verify.memory.cli.Wing: short --trainer names, flags, options, the anchor); None: none."""
@@ -198,6 +203,11 @@ class Adapter:
                                f"got {self.predicted_peak!r}")
         object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
         object.__setattr__(self, "mesh_sizes", mesh_sizes(self.mesh_sizes, self.mesh_axes, AdapterError))
+        if self.metrics is not None and type(self.metrics).__name__ != "Metrics":
+            raise AdapterError(f"metrics= must be a verify.Metrics(names=...), got {self.metrics!r}")
+        if self.metrics is not None and self.ignore_index is None and "tokens" in self.metrics.names:
+            raise AdapterError("Metrics.names has 'tokens' but the adapter declares no ignore_index: report 'rows', "
+                               "or declare ignore_index= so the harness can count valid targets")
         if self.grads_from not in GRADS_FROM:
             raise AdapterError(f"grads_from must be one of {', '.join(map(repr, GRADS_FROM))}, got {self.grads_from!r}")
         for f in ("empty_windows", "subgroups"):
@@ -216,7 +226,7 @@ class Adapter:
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
                   "process_group", "data_parallel", "subgroups", "empty_windows", "overflow",
-                  "mesh_axes", "mesh_sizes", "grads_from"):
+                  "mesh_axes", "mesh_sizes", "grads_from", "metrics"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
             if (f == "empty_windows" and self.ignore_index is None) or (f == "subgroups" and not self.data_parallel):
@@ -224,7 +234,7 @@ class Adapter:
             if v != default and v is not None and v != ():
                 out[f] = (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
                           else list(v) if isinstance(v, tuple) else {a: list(n) for a, n in v.items()}
-                          if f == "mesh_sizes" else v)
+                          if f == "mesh_sizes" else v.declared() if f == "metrics" else v)
         return out
 
     def __call__(self, spec: Spec) -> Trainer:
@@ -328,7 +338,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
             empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
             subgroups: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None,
-            memory_preset=None):
+            memory_preset=None, metrics=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
     declared = dict(locals())  # every keyword above is an Adapter field of the same name

@@ -7,6 +7,7 @@ given: a trainer that edits its batch in place could change what the reference s
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,9 @@ class Trace:
     losses: list[float]
     grads0: dict[str, torch.Tensor]
     params: list[dict[str, torch.Tensor]]
+    seen: list[dict] = dataclasses.field(default_factory=list)
+    """With an Observer (adapters that declare metrics): per step, what the trainer reported and what the
+    harness saw of the same step (verify/_internal/metrics.py)."""
 
 
 def split(inputs: torch.Tensor, targets: torch.Tensor, n: int):
@@ -215,23 +219,24 @@ class _NoMarks:
 
 
 def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cpu", rank: int = 0,
-          world: int = 1, windows=None, gate: Gate | None = None) -> Trace:
+          world: int = 1, windows=None, gate: Gate | None = None, observe=None) -> Trace:
     """The harness's loop: shard each global batch, hand each micro-step its own copy, mark a window
     before every trainer call (for the collective counter), and return CPU copies of what came back.
     `gate`: the gate these runs serve, named by a failure (a trainer writing into its batch); None outside
-    the gates ("harness")."""
+    the gates ("harness"). `observe`: a verify._internal.metrics.Observer (the metrics gate's runs)."""
     from verify._internal.ranks.comm import set_active
 
     windows = windows or _NoMarks()
     set_active(windows)  # a Pull trainer re-marks micro-steps from its framework's thread
     try:
-        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate)
+        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe)
     finally:
         set_active(None)
 
 
-def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate) -> Trace:
+def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe) -> Trace:
     losses, params, grads0 = [], [], None
+    stepping = observe.stepping if observe is not None else _not_observed
     for k, (inputs, targets) in enumerate(batches):
         given = []
         for m, (x, y) in enumerate(shard(inputs, targets, accum_steps, rank, world)):
@@ -239,6 +244,8 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
             xc, yc = x.clone(), y.clone()  # the trainer's own copy; x, y stay the harness's
             given.append((m, x, y, xc, yc))
             windows.mark(("micro", k, m))
+            if observe is not None:
+                observe.micro(y)
             trainer.micro_step(xc, yc, m)
         at_step = getattr(trainer, "step_with_grads", None)  # Adapter(grads_from="optimizer"): verify/_internal/atstep.py
         if at_step is None:
@@ -246,16 +253,22 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
             g = trainer.grads()
             if grads0 is None:
                 grads0 = _cpu(g)
+            if observe is not None:
+                observe.grads(g)
             windows.mark(("boundary", k))
-            loss = trainer.optimizer_step()
+            with stepping(trainer):
+                loss = trainer.optimizer_step()
         else:
             windows.mark(("boundary", k))
-            g, loss = at_step()
+            with stepping(trainer):
+                g, loss = at_step()
             if grads0 is None:
                 windows.mark(("grads", k))  # gathering a DTensor is the harness reading, not training traffic
                 grads0 = _cpu(g)
         loss = None if loss is None else float(loss)  # None: a rank that does not know it (a pipeline's first stage)
-        windows.mark(("params", k))
+        windows.mark(("params", k))  # the harness reading: metrics() and params() are reported, not judged
+        if observe is not None:
+            observe.reported(trainer)
         params.append(_cpu(trainer.params()))
         windows.mark(("after", k))
         losses.append(loss)
@@ -267,4 +280,8 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
                         f"{f', rank {rank}' if world > 1 else ''}): the batch it was handed changed in place. A "
                         f"trainer must not modify its batch (clone it first): in a real loop the same storage "
                         f"may be read again", gate=gate)
-    return Trace(losses, grads0 or {}, params)
+    return Trace(losses, grads0 or {}, params, observe.steps if observe is not None else [])
+
+
+def _not_observed(trainer):
+    return contextlib.nullcontext()

@@ -1,0 +1,255 @@
+"""The metrics gate: what a trainer reports per optimizer step (metrics(), declared by verify.Metrics) against
+the harness's own value of the same step, and against the trainer's own big batch; with a declared max_norm,
+also the clip coefficient as the optimizer saw it applied. Judged on the float64 runs (the trainer's own code
+path, its rounding far below any factor a bug puts in), within the float64 bound of tolerance.py.
+
+    check_metrics    one process: N micro-steps vs the big batch at N = 1 (gates/single.py's runners)
+    judge_run        one run (one rank of a data-parallel or mesh world too) against its expected values
+Each failure names the metric, the step, the rank, both numbers and the factor between them where it is a
+count of the case (×N micro-steps, ×W ranks, ...). Design: docs/design/metrics.md.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verify._internal.cases.case import Case, drive, shard
+from verify._internal.metrics import ENABLE, Observer, max_norm_of, norm_of
+from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
+from verify._internal.gates.tolerance import bound64
+
+__all__ = ["check_metrics", "judge_run", "not_declared", "observer", "expected_counts", "MetricsTally"]
+
+F64 = torch.float64
+
+
+def not_declared(adapter) -> str:
+    return f"{adapter.name} declares no reported metrics: loss, grad_norm, clip_coef, lr, tokens, rows not checked ({ENABLE})"
+
+
+def observer(adapter) -> Observer | None:
+    """An Observer for one run of `adapter`, or None when it declares no metrics (drive then observes nothing)."""
+    return Observer(adapter.metrics, adapter.ignore_index) if adapter.metrics is not None else None
+
+
+def expected_counts(adapter, batches) -> list[tuple[int, int]]:
+    """(valid targets, rows) of every step's whole window, over every rank."""
+    out = []
+    for _, y in batches:
+        valid = int((y != adapter.ignore_index).sum()) if adapter.ignore_index is not None else y.numel()
+        out.append((valid, int(y.shape[0])))
+    return out
+
+
+def _factors(case: Case) -> list[tuple[str, float]]:
+    """The counts of a case a wrong normaliser multiplies by, named as a failure says them."""
+    N, W = case.accum_steps, case.world
+    tp = getattr(case.mesh, "tp", 1) if case.mesh is not None else 1
+    out = [("N (micro-steps)", N), ("W (ranks)", W), ("√W (a replicated norm counted per rank)", math.sqrt(W)),
+           ("N·W", N * W), ("√N", math.sqrt(N)), ("tp", tp), ("√tp (replicated tp parameters counted tp times)",
+                                                            math.sqrt(tp))]
+    inv = [(f"1/{name.split(' ')[0]}{name[len(name.split(' ')[0]):]}", 1.0 / f) for name, f in out]
+    return [(n, f) for n, f in out + inv if f != 1.0]
+
+
+def factor_text(got: float, want: float, case: Case, extra=()) -> str:
+    """' (×2 = W (ranks))' where got / want is one of the case's counts (or of `extra`: (name, value) of
+    another quantity `got` may be), else ' (×1.37)'."""
+    if not (math.isfinite(got) and math.isfinite(want)) or want == 0:
+        return ""
+    for name, value in extra:
+        if value is not None and math.isfinite(value) and abs(got - value) <= 1e-6 * max(abs(value), 1e-30):
+            return f" (= {name})"
+    if got == 0:
+        return " (zero)"
+    r = got / want
+    for name, f in _factors(case):
+        if abs(r / f - 1.0) <= 1e-6:
+            return f" (×{r:.4g} = {name})"
+    return f" (×{r:.4g})"
+
+
+class MetricsTally:
+    """What one case checked: metric -> steps checked; metric -> why some step was not; clip steps."""
+
+    def __init__(self):
+        self.checked: dict[str, int] = {}
+        self.unchecked: dict[str, str] = {}
+        self.clipped = self.steps = 0
+        self.worst, self.ratio = "", 0.0
+
+    def ok(self, name: str, err: float, bound: float, what: str) -> None:
+        self.checked[name] = self.checked.get(name, 0) + 1
+        r = err / bound if bound else 0.0
+        if r >= self.ratio:
+            self.worst, self.ratio = what, r
+
+    def extra(self) -> dict:
+        return dict(metrics_checked=dict(self.checked), metrics_unchecked=dict(self.unchecked),
+                    clipped_steps=self.clipped, metric_steps=self.steps)
+
+
+def _close(got: float, want: float, tol: float) -> tuple[bool, float]:
+    """(within, relative error): NaN agrees only with NaN; an exact 0 wants |got| ≤ tol."""
+    if math.isnan(want) or math.isnan(got):
+        return math.isnan(want) and math.isnan(got), 0.0
+    err = abs(got - want) / (abs(want) or 1.0)
+    return err <= tol, err
+
+
+def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, losses: list, *, who: str,
+              rank: int = 0, world: int = 1, big: list[dict] | None = None, last_micro=None, tally=None) -> MetricsTally:
+    """One run's reported metrics, step by step, against what the harness expects of them:
+
+    seen     the run's Observer steps (this rank's)        norms   the harness's global pre-clip norm per step
+    counts   (valid targets, rows) of each whole window     losses  the float64 big batch's step loss per step
+    big      the big batch's own Observer steps (its reported metrics: the same value is expected of both)
+    last_micro  () -> this rank's last micro-batch's float64 loss at step 0 (Metrics(loss="last_micro"))
+    Raises GateFailure('[reported metrics] ...') naming the metric, the step, the rank and the factor."""
+    m, tally = adapter.metrics, tally or MetricsTally()
+    tol = bound64()
+    where = f"rank {rank}: " if world > 1 else ""
+    cap = max_norm_of(m, case.options)
+
+    def fail(msg, k, err=None, b=None):
+        raise GateFailure(f"[{Gate.METRICS}] {where}{msg} ({who}, step {k}); case {case}", gate=Gate.METRICS,
+                          case=case, error=err, bound=b)
+
+    for k, s in enumerate(seen):
+        tally.steps += 1
+        rep, norm = s["reported"], norms[k]
+        empty = counts[k][0] == 0 and adapter.ignore_index is not None
+        stepped = s["stepped"]
+        applied = None
+        if s.get("pre_local") and s.get("applied_local") is not None:
+            applied = math.sqrt(s["applied_local"] / s["pre_local"])  # ‖g as stepped‖ / ‖g pre-clip‖, this rank
+        want_coef = None if cap is None or norm is None else min(1.0, cap / (norm + m.clip_eps))
+        if want_coef is not None and want_coef < 1.0 and stepped:
+            tally.clipped += 1
+        # clipping as applied: the optimizer saw the pre-clip gradient × min(1, max_norm / the GLOBAL norm)
+        if want_coef is not None and stepped:
+            if applied is None:
+                tally.unchecked.setdefault("clip (applied)", "the optimizer's gradients are not params()' tensors, or "
+                                           "grads() was not read (grads_from='optimizer')")
+            else:
+                ok, err = _close(applied, want_coef, tol)
+                if not ok:
+                    fail(f"the clip coefficient applied: the optimizer stepped ‖g‖ × {applied:.6g}, but max_norm "
+                         f"{cap:g} over the global pre-clip norm {norm:.6g} gives {want_coef:.6g}"
+                         f"{factor_text(applied, want_coef, case)}: the coefficient came from a partial or per-rank "
+                         f"norm, or clipping ran before the reduction", k, err, tol)
+                tally.ok("clip (applied)", err, tol, f"clip coefficient applied (step {k})")
+        for name in m.names:
+            if name not in rep:
+                if empty:
+                    continue  # a window without a valid target: a metric may be left out
+                fail(f"metrics() has no {name!r}, which Metrics(names=...) declares", k)
+            got = rep[name]
+            if isinstance(got, str):
+                fail(f"metric {name!r} is {got}, not a number", k)
+            want, extra, why = _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen)
+            if want is None:
+                tally.unchecked.setdefault(name, why)
+                continue
+            ok, err = _close(got, want, 0.0 if name in ("tokens", "rows") else tol)
+            if not ok:
+                fail(f"{name} reported {got!r}, expected {want!r} ({why}){factor_text(got, want, case, extra)}",
+                     k, err, tol)
+            tally.ok(name, err, tol or 1.0, f"{name} (step {k})")
+            if big is not None and k < len(big) and name in big[k]["reported"] and _same_in_big(name, m):
+                ok, err = _close(got, big[k]["reported"][name], 0.0 if name in ("tokens", "rows") else tol)
+                if not ok:
+                    fail(f"{name} reported {got!r}, the big batch reported {big[k]['reported'][name]!r} for the same "
+                         f"step{factor_text(got, big[k]['reported'][name], case)}", k, err, tol)
+    return tally
+
+
+def _same_in_big(name: str, m) -> bool:
+    """Whether the big batch's own report of `name` is the value expected of every split."""
+    return not ((name == "loss" and m.loss == "last_micro") or (name in ("tokens", "rows") and m.counts == "rank"))
+
+
+def _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen):
+    """(value the harness expects, [(name, value) a wrong report may equal], what it is) — value None: this step
+    cannot be checked, and the third item says why."""
+    if name == "loss":
+        if m.loss == "window":
+            return losses[k], (), "the float64 big batch's step loss"
+        if k > 0 or last_micro is None:
+            return None, (), "loss='last_micro' is known to the harness at step 0 only (the initial parameters)"
+        return last_micro(), (("the window's loss", losses[0]),), "the loss of this rank's last micro-batch at step 0"
+    if name in ("grad_norm", "clip_coef") and norm is None:
+        return None, (), "the harness has no pre-clip gradient (grads_from='optimizer' reads it after clipping)"
+    if name == "grad_norm":
+        after = norm * applied if applied is not None else (norm * want_coef if want_coef is not None else None)
+        if m.grad_norm == "pre_clip":
+            return norm, (("the norm after clipping", after if after != norm else None),), (
+                "‖the boundary gradient‖, every element once")
+        if after is None:
+            return None, (), "grad_norm='post_clip' needs max_norm, or the optimizer's view of the step"
+        return after, (("the norm before clipping", norm if after != norm else None),), "‖the gradient as stepped‖"
+    if name == "clip_coef":
+        if want_coef is None:
+            if applied is None:
+                return None, (), "no max_norm declared and the optimizer's gradients were not seen"
+            return applied, (), "the coefficient the optimizer saw applied"
+        return want_coef, (), "min(1, max_norm / (the global pre-clip norm + clip_eps))"
+    if name == "lr":
+        if not s["stepped"]:
+            return None, (), "no optimizer step ran in some window (skipped), so no LR was applied"
+        want = s["lr"] if m.lr == "applied" else s["lr_after"]
+        other = s["lr_after"] if m.lr == "applied" else s["lr"]
+        prev = seen[k - 1]["lr"] if k > 0 else None
+        return want, (("the LR after the scheduler's step (the next step's)" if m.lr == "applied" else
+                       "the LR applied, read before the scheduler's step", other if other != want else None),
+                      ("the previous step's LR", prev if prev != want else None)), (
+            "the LR the optimizer applied" if m.lr == "applied" else "the LR after the scheduler's step")
+    # tokens, rows
+    i = 0 if name == "tokens" else 1
+    micro = s["micro_tokens"] if name == "tokens" else s["micro_rows"]
+    local = sum(micro)
+    want = counts[k][i] if m.counts == "global" else local
+    extra = [(f"micro-step {n}'s count on this rank", float(c)) for n, c in enumerate(micro) if c != want]
+    if local != want:
+        extra.insert(0, ("this rank's count", float(local)))
+    return float(want), tuple(extra), ("the window's, over every rank" if m.counts == "global" else "this rank's")
+
+
+def check_metrics(adapter, case: Case, *, pool=None) -> GateResult:
+    """One process: the float64 accumulation run and the float64 big batch, each against the harness's own
+    values, and against each other (GateSkipped, with how to enable it, for an adapter without metrics)."""
+    from verify._internal.gates.single import run_alone
+
+    if adapter.metrics is None:
+        raise GateSkipped(not_declared(adapter))
+    if case.world != 1:
+        raise ValueError(f"check_metrics takes world-1 cases, got world {case.world}")
+    return run_alone(metrics_gate, adapter, case, pool)
+
+
+def metrics_gate(adapter, case: Case, device: str) -> GateResult:
+    N = case.accum_steps
+    batches = case.batches(adapter)
+
+    def run(n, data=batches):
+        t = adapter(case.spec(accum_steps=n, dtype=F64, device=device, adapter=adapter))
+        return drive(t, data, n, dtype=F64, device=device, gate=Gate.METRICS, observe=observer(adapter))
+
+    acc, big = run(N), run(1)
+    counts = expected_counts(adapter, batches)
+    tally = MetricsTally()
+
+    def last_micro(n):
+        def value():  # at N = 1 the last micro-batch is the whole window
+            if n == 1:
+                return big.losses[0]
+            x, y = shard(*batches[0], n, 0, 1)[n - 1]
+            return run(1, [(x, y)]).losses[0]
+        return value
+
+    for who, tr, n, other in (("the big batch", big, 1, None), ("the accumulation run", acc, N, big)):
+        judge_run(adapter, case, tr.seen, [norm_of(s) for s in tr.seen], counts, big.losses, who=who,
+                  big=None if other is None else other.seen, last_micro=last_micro(n), tally=tally)
+    return GateResult(Gate.METRICS, case, tally.worst, tally.ratio, **tally.extra())
+
