@@ -85,7 +85,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _key(t: torch.Tensor) -> tuple:
-    """A parameter by its storage (the optimizer's tensor and a detached view of it agree)."""
+    """A parameter by its storage: stepped twice (two optimizers, or a retried step), it counts once."""
     t = _local(t)
     return t.data_ptr(), tuple(t.shape), t.dtype
 
@@ -103,10 +103,12 @@ class Observer:
 
     def __init__(self, metrics: Metrics, ignore_index: int | None):
         self.metrics, self.ignore, self.steps = metrics, ignore_index, []
+        self.opts: list = []  # the optimizers an earlier step saw: their own pre-clip gradients are read from then on
         self._new()
 
     def _new(self) -> None:
-        self.cur = dict(micro_tokens=[], micro_rows=[], sumsq=None, pre_local=None, applied_local=None, lr=None,
+        # pre / applied: (Σ g², elements) of this rank's gradients before clipping / as an optimizer stepped them
+        self.cur = dict(micro_tokens=[], micro_rows=[], sumsq=None, pre=None, applied=None, lr=None,
                         lr_after=None, stepped=False, reported={})
 
     def micro(self, targets: torch.Tensor) -> None:
@@ -118,24 +120,24 @@ class Observer:
         full = {k: (v.full_tensor() if callable(getattr(v, "full_tensor", None)) else v) for k, v in g.items()
                 if v is not None}
         self.cur["sumsq"] = {k: _sumsq(v) for k, v in full.items()}
-        self.cur["pre_local"] = sum(_sumsq(_local(v)) for v in g.values() if v is not None)
+        local = [_local(v) for v in g.values() if v is not None]
+        self.cur["pre"] = (sum(map(_sumsq, local)), sum(v.numel() for v in local))
+        if self.opts:  # the optimizer's own view before it clips (FSDP2: this rank's shards, where grads() is whole)
+            self.cur["pre"] = _stepped(self.opts)
 
     @contextlib.contextmanager
     def stepping(self, trainer):
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        ids = {_key(p) for p in trainer.params().values()}  # by storage: params() may return p.detach()
-        seen, opts = {}, []
+        opts = []  # every optimizer stepped inside optimizer_step() is the trainer's
 
-        def pre(opt, args, kwargs):  # every optimizer stepped: the LR and gradients as the step sees them
+        def pre(opt, args, kwargs):  # every optimizer stepped: the LR it applies, first
             if not opts:
-                opts.append(opt)
                 lr = opt.param_groups[0].get("lr")
                 self.cur["lr"] = None if lr is None else float(lr)
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if _key(p) in ids and _key(p) not in seen and p.grad is not None:
-                        seen[_key(p)] = _sumsq(_local(p.grad))
+            if opt not in opts:
+                opts.append(opt)
+                self.cur["applied"] = _stepped(opts)  # its gradients as stepped: after clipping
 
         handle = register_optimizer_step_pre_hook(pre)
         try:
@@ -144,7 +146,7 @@ class Observer:
             handle.remove()
         if opts:
             self.cur["stepped"] = True
-            self.cur["applied_local"] = sum(seen.values()) if seen else None
+            self.opts = opts
             lr = opts[0].param_groups[0].get("lr")
             self.cur["lr_after"] = None if lr is None else float(lr)
 
@@ -163,6 +165,27 @@ class Observer:
         self.cur["had_metrics"] = callable(fn)
         self.steps.append(self.cur)
         self._new()
+
+
+def _stepped(opts) -> tuple[float, int]:
+    """(Σ g², elements) over the local gradients of every parameter these optimizers hold, each storage once."""
+    seen = {}
+    for opt in opts:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and _key(p) not in seen:
+                    g = _local(p.grad)
+                    seen[_key(p)] = (_sumsq(g), g.numel())
+    return sum(s for s, _ in seen.values()), sum(n for _, n in seen.values())
+
+
+def applied_coef(step: dict) -> float | None:
+    """‖this rank's gradient as stepped‖ / ‖the same before clipping‖: the clip coefficient applied, where the
+    two views hold the same elements (None: not stepped, nothing to divide, or different views)."""
+    pre, applied = step.get("pre"), step.get("applied")
+    if pre is None or applied is None or pre[1] != applied[1] or not pre[0] > 0:
+        return None
+    return math.sqrt(applied[0] / pre[0])
 
 
 def norm_of(step: dict) -> float | None:

@@ -23,12 +23,14 @@ from verify._internal.settings import Settings, current
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row
 from verify._internal.gates.diagnose import determinism
+from verify._internal.gates.metrics import judge_world, observer
 from verify._internal.gates.tolerance import Judge, condition, measured_floor
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
 
 DTYPES = (torch.float32, torch.float64)
+F64_DTYPE = torch.float64  # the run whose reported metrics are judged (gates/metrics.py)
 F32, F64 = str(torch.float32), str(torch.float64)
 
 
@@ -82,7 +84,7 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENC
         win.mark(("init",))
         trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter, group=ctx.group))
         trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=rank,
-                      world=world, windows=win, gate=gate)
+                      world=world, windows=win, gate=gate, observe=observer(adapter) if dtype == F64_DTYPE else None)
         del trainer
         comms = win.attribute(ctx.recorder.read())
         out.runs[str(dtype)] = RankRun(trace, comms, ctx.recorder.main_thread,
@@ -98,7 +100,8 @@ def reference_job(ctx, adapter, case: Case, twin_only: bool = False) -> dict:
     refs = {}
     for name, dtype in (() if twin_only else (("big32", torch.float32),)) + (("ref64", torch.float64),):
         trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device), adapter=adapter))
-        refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate=Gate.DP_EQUIVALENCE)
+        refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate=Gate.DP_EQUIVALENCE,
+                           observe=observer(adapter) if dtype == F64_DTYPE and not twin_only else None)
     return refs
 
 
@@ -299,8 +302,10 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
         raise determinism(e, rerun, outcomes[0].runs[F32].trace) from None
+    metrics = judge_world(adapter, case, {o.rank: o.runs[F64].trace for o in outcomes if F64 in o.runs}, ref64,
+                          pool=kpool) if adapter.metrics is not None else {}
     steps = report.steps[(0, F32)]
-    return GateResult(Gate.DP_EQUIVALENCE, case, worst, ratio, comm=report, floor64=floor,
+    return GateResult(Gate.DP_EQUIVALENCE, case, worst, ratio, comm=report, floor64=floor, metrics=metrics,
                       boundary_bytes=[s.boundary_bytes for s in steps],
                       boundary_collectives=[len(s.reduced) for s in steps],
                       boundary_bytes_by_link=[s.bytes_by_link(outcomes[0].runs[F32].links) for s in steps],

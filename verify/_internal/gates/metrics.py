@@ -15,7 +15,7 @@ import math
 import torch
 
 from verify._internal.cases.case import Case, drive, shard
-from verify._internal.metrics import ENABLE, Observer, max_norm_of, norm_of
+from verify._internal.metrics import ENABLE, Observer, applied_coef, max_norm_of, norm_of
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.tolerance import bound64
 
@@ -121,17 +121,15 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
         rep, norm = s["reported"], norms[k]
         empty = counts[k][0] == 0 and adapter.ignore_index is not None
         stepped = s["stepped"]
-        applied = None
-        if s.get("pre_local") and s.get("applied_local") is not None:
-            applied = math.sqrt(s["applied_local"] / s["pre_local"])  # ‖g as stepped‖ / ‖g pre-clip‖, this rank
+        applied = applied_coef(s)  # ‖g as stepped‖ / ‖g pre-clip‖, this rank
         want_coef = None if cap is None or norm is None else min(1.0, cap / (norm + m.clip_eps))
         if want_coef is not None and want_coef < 1.0 and stepped:
             tally.clipped += 1
         # clipping as applied: the optimizer saw the pre-clip gradient × min(1, max_norm / the GLOBAL norm)
         if want_coef is not None and stepped:
             if applied is None:
-                tally.unchecked.setdefault("clip (applied)", "the optimizer's gradients are not params()' tensors, or "
-                                           "grads() was not read (grads_from='optimizer')")
+                tally.unchecked.setdefault("clip (applied)", "the optimizer holds other elements than grads() shows "
+                                           "(its shards, at step 0), or grads() was not read (grads_from='optimizer')")
             else:
                 ok, err = _close(applied, want_coef, tol)
                 if not ok:
@@ -253,3 +251,36 @@ def metrics_gate(adapter, case: Case, device: str) -> GateResult:
                   big=None if other is None else other.seen, last_micro=last_micro(n), tally=tally)
     return GateResult(Gate.METRICS, case, tally.worst, tally.ratio, **tally.extra())
 
+
+
+def block_loss_job(ctx, adapter, case: Case, rank: int) -> float:
+    """On a one-rank pool: the float64 step loss of rank `rank`'s last micro-batch of step 0 alone (the adapter
+    at N = 1 on those rows, the initial parameters): what Metrics(loss="last_micro") reports at step 0."""
+    x, y = shard(*case.batches(adapter)[0], case.accum_steps, rank, case.world)[-1]
+    t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(ctx.device), adapter=adapter))
+    return drive(t, [(x, y)], 1, dtype=F64, device=ctx.device, gate=Gate.METRICS).losses[0]
+
+
+def judge_world(adapter, case: Case, runs: dict, ref, norms: dict | None = None, pool=None) -> dict:
+    """Every rank's float64 run (runs: rank -> Trace, each with its Observer steps) against the one-rank float64
+    big batch `ref` (a Trace with its own): each rank that reports must report the global values. `norms`:
+    rank -> the global pre-clip norm per step (default: the rank's own boundary gradient, which data parallelism
+    replicates). `pool`: where a last-micro-batch reference runs (loss='last_micro'). Returns the tally's extra."""
+    if adapter.metrics is None:
+        return {}
+    counts = expected_counts(adapter, case.batches(adapter))
+    tally = MetricsTally()
+    for rank, tr in sorted(runs.items()):
+        def last_micro(rank=rank):
+            if pool is None:
+                return block_loss_job(_Here(case.device), adapter, case, rank)
+            return pool.run(block_loss_job, adapter, case, rank)[0]
+        mine = norms[rank] if norms is not None else [norm_of(s) for s in tr.seen]
+        judge_run(adapter, case, tr.seen, mine, counts, ref.losses, who=f"{case.world}-rank run", rank=rank,
+                  world=case.ranks, big=ref.seen, last_micro=last_micro, tally=tally)
+    return tally.extra()
+
+
+class _Here:
+    def __init__(self, device):
+        self.device = device
