@@ -176,3 +176,23 @@ def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):
         report.record(check_overflow(verify_adapter, case, micro, rank))
 
     with_corners(overflow, hard, "drawn")()
+
+
+def test_reported_metrics(verify_adapter):
+    """Adapters that declare Metrics: what metrics() logs each step (loss, pre-clip grad_norm, clip_coef, lr,
+    tokens / rows) equals the harness's own value and the big batch's; with a max_norm, the coefficient the
+    optimizer saw applied too (verify/_internal/gates/metrics.py)."""
+    from verify._internal.gates.metrics import check_metrics, not_declared
+
+    if verify_adapter.metrics is None:
+        reason = not_declared(verify_adapter)
+        report.skip(Gate.METRICS, reason)
+        pytest.skip(reason)
+    hard = corners(verify_adapter, "metrics")
+
+    @settings(max_examples=random_budget("metrics", hard), deadline=None)
+    @given(case=cases(verify_adapter, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=3))
+    def metrics(case):  # float64 runs: the drawn precision does not apply
+        report.record(check_metrics(verify_adapter, case.replace(precision="fp32")))
+
+    with_corners(metrics, hard)()

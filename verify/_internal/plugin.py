@@ -242,6 +242,18 @@ def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
+def _reported_adapter(config):
+    """The adapter the report describes: under xdist the controller ran no gate and has not loaded the default
+    trainer; it loads it now, for its declarations (None if it cannot: the workers' failures say why)."""
+    state = config.stash[_KEY]
+    if state["adapter"] is None:
+        try:
+            state["adapter"] = _load(trainer_ref(state["trainer"]), config.stash[_SETTINGS])
+        except Exception:  # noqa: BLE001  (a broken trainer reference is reported by the gates themselves)
+            return None
+    return state["adapter"]
+
+
 class _Reporter:
     """Registered per run: collects gate failures (controller) and writes the report at the end."""
 
@@ -266,12 +278,15 @@ class _Reporter:
         if _is_worker(self.config):
             return
         state, tr = self.config.stash[_KEY], terminalreporter
-        skipped = {name: g["skip_reason"] for name, g in state["stats"].items()
-                   if g.get("skip_reason") and not g.get("examples")}
-        if skipped:
-            tr.write_sep("=", "verify: skipped gates")
-            for name, reason in skipped.items():
-                tr.write_line(f"{name}: {reason}")
+        from verify._internal.report import coverage
+
+        if state["stats"]:
+            adapter = _reported_adapter(self.config)
+            missing, last = coverage(state["stats"], adapter.declarations() if adapter is not None else None)
+            tr.write_sep("=", "verify: not checked")
+            for line in missing:
+                tr.write_line(line)
+            tr.write_line(f"verify: {last}", bold=True)
         failed = tr.stats.get("failed", [])
         if any(getattr(r, "verify_verdict", None) for r in failed) and not self.config.option.force_short_summary:
             self.config.option.verbose = max(self.config.option.verbose, 2)
@@ -295,7 +310,7 @@ class _Reporter:
         from verify._internal import report as rep
 
         folder = state["report"] or os.path.join(str(config.invocation_params.dir), "reports")
-        adapter = state["adapter"]
+        adapter = _reported_adapter(config)
         trainer = state["trainer"] or (adapter.ref if adapter is not None else None) or default_trainer() or "default"
         tr = config.pluginmanager.get_plugin("terminalreporter")
         try:

@@ -39,6 +39,9 @@ BOUNDS = {
                            "equivalence policy vs the 1×1×1 big batch; replicas bit-equal",
     Gate.MESH_SPLIT_INVARIANCE: "one window on every dp × pp × tp mesh of one world: the mesh equivalence policy, "
                                 "each vs the same 1×1×1 big batch",
+    Gate.METRICS: f"float64 runs, every step: each reported metric vs the harness's own value (the pre-clip norm over "
+                  f"every element once, min(1, max_norm / norm), the LR the optimizer applied, the window's counts) and "
+                  f"vs the big batch's report, rel ≤ {FLOAT64_TEXT.split('·max')[0]}; counts exact",
     Gate.OVERFLOW: "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
                    "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
 }
@@ -95,8 +98,13 @@ def record(result) -> None:
         e["examples"] += 1
         _keep_worst(e, result.ratio, result.worst, result.case)
         _keep_floor(e, result)
+        if ex.get("metrics"):  # the same run's reported metrics, judged on its float64 run
+            _metrics_tally(_gate(Gate.METRICS.value), ex["metrics"], result.case)
         return
     s = _gate(_key(gate, result.case))
+    if gate is Gate.METRICS:
+        _metrics_tally(s, result.extra, result.case, result)
+        return
     s["examples"] += 1
     _keep_floor(s, result)
     if gate is Gate.OVERFLOW:  # exact checks, no error to rank: the worlds seen, and the largest world × N as the case
@@ -111,6 +119,61 @@ def record(result) -> None:
         s["meshes"] = sorted(set(s.get("meshes", [])) | {str(result.case.mesh)})
         counted = result.extra.get("counts") or {}
         s["axes_not_counted"] = sorted(set(s.get("axes_not_counted", [])) | set(counted.get("unjudged", [])))
+
+
+def _metrics_tally(s: dict, m: dict, case, result=None) -> None:
+    """One case's metrics (gates/metrics.py MetricsTally.extra): steps checked per metric, why some were not,
+    the worlds, how many steps clipped."""
+    s["examples"] += 1
+    for name, n in m.get("metrics_checked", {}).items():
+        s.setdefault("checked", {})[name] = s.get("checked", {}).get(name, 0) + n
+    for name, why in m.get("metrics_unchecked", {}).items():
+        s.setdefault("unchecked", {}).setdefault(name, why)
+    s["clipped_steps"] = s.get("clipped_steps", 0) + m.get("clipped_steps", 0)
+    s["steps"] = s.get("steps", 0) + m.get("metric_steps", 0)
+    s["worlds"] = sorted(set(s.get("worlds", [])) | {case.world})
+    if result is not None:
+        _keep_worst(s, result.ratio, result.worst, case)
+
+
+def coverage(gates: dict, declarations: dict | None) -> tuple[list[str], str]:
+    """What a run did not check, and its last line: ([one line per gate or metric not checked, with the reason
+    and the declaration that enables it], 'checked G of T gates and M of 6 reported metrics ...')."""
+    from verify._internal.metrics import ENABLE, METRIC_NAMES
+
+    ran = {n.split("@")[0] for n, g in gates.items() if g.get("examples")}
+    lines = []
+    for name in ORDER:
+        if name in ran:
+            continue
+        g = gates.get(name)
+        why = g.get("skip_reason") if g else None
+        lines.append(f"{name}: {why or 'no test of this gate ran in this session (deselected, or not collected)'}")
+    declared = (declarations or {}).get("metrics") or {}
+    names = declared.get("names", [])
+    m = gates.get(Gate.METRICS.value) or {}
+    checked = {k for k, n in m.get("checked", {}).items() if n and k in METRIC_NAMES}
+    for name in METRIC_NAMES:
+        if name in checked:
+            continue
+        if not declared:
+            why = f"the trainer declares no metrics ({ENABLE})"
+        elif name not in names:
+            why = "not in Metrics(names=...): add it there and return it from metrics()"
+        else:
+            why = m.get("unchecked", {}).get(name) or "declared, but no metrics run reached it in this session"
+        lines.append(f"metric {name}: {why}")
+    for name, why in sorted(m.get("unchecked", {}).items()):
+        if name in checked or name not in METRIC_NAMES:
+            lines.append(f"metric {name}, some steps: {why}")
+    g_ran = len(ran & set(ORDER))
+    last = f"checked {g_ran} of {len(ORDER)} gates and {len(checked)} of {len(METRIC_NAMES)} reported metrics"
+    offered = len(ORDER) + len(METRIC_NAMES)
+    if 2 * (g_ran + len(checked)) < offered:
+        last += " — less than half of what the harness can check; the lines above say what would enable the rest"
+    elif lines:
+        last += "; not checked: " + ", ".join(ln.split(":")[0] for ln in lines if ", some steps" not in ln)
+    return lines, last
 
 
 def skip(gate: Gate, reason: str) -> None:
@@ -143,6 +206,13 @@ def merge(into: dict, blob: str) -> None:
             t["float64_floor"] = max(s["float64_floor"], t.get("float64_floor") or 0.0)
         if "expected_before_boundary" in s:
             t["expected_before_boundary"] = t.get("expected_before_boundary", 0) + s["expected_before_boundary"]
+        for name, n in s.get("checked", {}).items():
+            t.setdefault("checked", {})[name] = t.get("checked", {}).get(name, 0) + n
+        for name, why in s.get("unchecked", {}).items():
+            t.setdefault("unchecked", {}).setdefault(name, why)
+        for key in ("clipped_steps", "steps"):
+            if key in s:
+                t[key] = t.get(key, 0) + s[key]
 
 
 # -- writing -----------------------------------------------------------------------------------------
@@ -271,4 +341,31 @@ def render_md(doc: dict) -> str:
     if st:
         lines += ["", "## Self-test (fault injection)", "", st.get("table_md", ""), "",
                   f"Mutation score: **{st.get('score')}** — {st.get('verdict')}"]
+    if gates:
+        lines += ["", "## Reported metrics", "", *_metrics_rows(gates.get(Gate.METRICS.value) or {}, decl)]
+        missing, last = coverage(gates, decl)
+        lines += ["", "## Not checked", ""] + ([f"- {ln}" for ln in missing] or ["- nothing: every gate and metric ran"])
+        lines += ["", f"**{last[0].upper()}{last[1:]}**"]
     return "\n".join(lines) + "\n"
+
+
+def _metrics_rows(m: dict, decl: dict | None) -> list[str]:
+    """The metrics table: per metric, the steps checked, its declared convention, and what was not checked."""
+    from verify._internal.metrics import CONVENTIONS, METRIC_NAMES
+
+    d = (decl or {}).get("metrics") or {}
+    if not d:
+        return ["No metrics declared: none of loss, grad_norm, clip_coef, lr, tokens, rows was checked."]
+    conv = {"loss": "loss", "grad_norm": "grad_norm", "lr": "lr", "tokens": "counts", "rows": "counts"}
+    out = [f"Worlds {m.get('worlds', [])}; {m.get('clipped_steps', 0)} of {m.get('steps', 0)} steps judged had "
+           f"clipping active (coefficient < 1)" + ("; no step clipped, so a coefficient bug could not show"
+                                                   if m.get("steps") and not m.get("clipped_steps") else ""), "",
+           "| metric | steps checked | convention | not checked |", "|---|---|---|---|"]
+    for name in (*METRIC_NAMES, "clip (applied)"):
+        if name not in d.get("names", []) and name != "clip (applied)":
+            out.append(f"| {name} | — | — | not reported |")
+            continue
+        c = conv.get(name)
+        out.append(f"| {name} | {m.get('checked', {}).get(name, 0)} | {d.get(c, CONVENTIONS[c][0]) if c else '—'} | "
+                   f"{m.get('unchecked', {}).get(name, '')} |")
+    return out

@@ -45,7 +45,7 @@ def budget(share: int, least: int, n: int | None = None) -> int:
 # on nearly every padded case, so a fifth of split invariance's share.
 GATE_BUDGETS = {"equivalence": (1, 1), "bit_exact": (1, 1), "split_invariance": (10, 3), "token_mean": (20, 3),
                 "empty_window": (20, 3), "long_windows": (30, 2), "data_parallel": (2, 8), "bytes_per_step": (30, 3),
-                "overflow": (10, 3), "mesh": (10, 3), "mesh_split": (30, 2)}
+                "overflow": (10, 3), "mesh": (10, 3), "mesh_split": (30, 2), "metrics": (20, 3)}
 
 
 def gate_budget(gate: str, n: int | None = None) -> int:
@@ -246,6 +246,7 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
 
     equivalence, token_mean, empty_window   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in window 0
     split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
+    metrics                                 N=3 B=2 K=3, padded: as equivalence's, one step longer
     data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
                                             and one empty on the last rank only
     overflow                                the overflow in the boundary's micro-step (N−1) on the LAST rank of
@@ -257,6 +258,8 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
         return [_base(adapter, N=3, B=2, K=2, padded=True)]
     if gate == "split_invariance":
         return [_base(adapter, N=3, B=2, K=1, padded=True)]
+    if gate == "metrics":  # three steps: a warm-up's LR changes between them
+        return [_base(adapter, N=3, B=2, K=3, padded=True)]
     if gate in ("data_parallel", "bytes_per_step"):
         worlds = sorted({w for w in (max(2, lo), hi) if lo <= w <= hi and w >= 2})
         return [_base(adapter, N=3, B=2, K=2, W=w, padded=True) for w in worlds]
