@@ -24,7 +24,7 @@ from verify._internal.cases.case import Case
 from verify._internal.ranks.mesh import Mesh
 from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
-from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens,
+from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_metrics, broken_numerics, broken_overflow, broken_tokens,
                      broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters, overflow_adapters, pull_loops)
 from xtrain_proof.options import XtrainOptions
 
@@ -92,6 +92,9 @@ TOKENS = _opts(vocab=16, heads=1, d=8, seq_len=4, weight_decay=0.1, warmup_steps
 LONG = _opts(vocab=64, seq=16, heads=1, d=32)
 
 SINGLE = Case(accum_steps=3, micro_batch=2, steps=2, options=SMALL, seed=1, data_seed=2)
+# the metrics gate's: clipping bites at 0.05 in every step, a warm-up moves the LR; TOKEN_WINDOWS' padding
+METRIC = Case(accum_steps=3, micro_batch=2, steps=2, options=_opts(warmup_steps=2, max_grad_norm=0.05), seed=1,
+              data_seed=2)
 N1 = Case(accum_steps=1, micro_batch=3, steps=2, options=SMALL, seed=1, data_seed=2)  # B·S = 24: not a power of 2
 DIST = Case(accum_steps=3, micro_batch=2, steps=2, world=2, options=SMALL, seed=1, data_seed=2)
 DDP = Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=1, data_seed=2)
@@ -136,6 +139,26 @@ PLANTED: tuple[PlantedBug, ...] = (
                r"the trainer wrote into its targets \(step 0, micro-step 0 of \d+\)", N1),
     PlantedBug("leaky_graph", "every micro-step's graph kept until the boundary (retain_graph)",
                broken.leaky_graph, "memory", r"verdict: FAIL", None),
+    # -- what a trainer reports (broken_metrics.py): the metrics gate ---------------------------------------
+    PlantedBug("norm_of_last_micro", "grad_norm of the last micro-step's gradient",
+               broken_metrics.norm_of_last_micro, Gate.METRICS,
+               r"the accumulation run, step 0: grad_norm reported 1\.08\d+, expected 0\.709\d+ .* \(×1\.53", METRIC),
+    PlantedBug("norm_after_clip", "grad_norm after clipping, declared before",
+               broken_metrics.norm_after_clip, Gate.METRICS, r"grad_norm reported .* \(= the norm after clipping\)", METRIC),
+    PlantedBug("norm_after_zero_grad", "grad_norm read after zero_grad: 0 (FSDP2 + accumulation)",
+               broken_metrics.norm_after_zero_grad, Gate.METRICS, r"grad_norm reported 0\.0, .* \(zero\)", METRIC),
+    PlantedBug("lr_before_scheduler_step", "lr read before the scheduler's step, declared after it",
+               broken_metrics.lr_before_scheduler_step, Gate.METRICS,
+               r"lr reported .* \(= the LR applied, read before the scheduler's step\)", METRIC),
+    PlantedBug("tokens_of_one_micro", "the valid-token count of one micro-step",
+               broken_metrics.tokens_of_one_micro, Gate.METRICS,
+               r"tokens reported 3\.0, expected 10\.0 .* \(= micro-step \d's count on this rank\)", TOKEN_WINDOWS.replace(options=_opts(
+                   vocab=16, heads=1, d=8, seq_len=4, warmup_steps=2, loss_norm="tokens"))),
+    PlantedBug("loss_of_last_micro", "the last micro-batch's loss logged as the window's",
+               broken_metrics.loss_of_last_micro, Gate.METRICS,
+               r"loss reported .* \(= the loss of this rank's last micro-batch\)", METRIC),
+    PlantedBug("partial_norm_clip", "the clip coefficient from the norm before the last micro-step",
+               broken_metrics.partial_norm_clip, Gate.METRICS, r"the clip coefficient applied: .* gives", METRIC),
     # -- data parallel (broken_dist.py) ----------------------------------------------------------------------
     PlantedBug("all_reduce_every_micro_step", "an all-reduce after every micro-step (no no_sync)",
                broken_dist.all_reduce_every_micro, Gate.BOUNDARY_ONLY,

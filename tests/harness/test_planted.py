@@ -11,6 +11,7 @@ from planted import broken_tp, ddp_modes, registry as planted
 from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_token_mean)
 from verify._internal.gates.distributed import max_world
 from verify._internal.gates.mesh import check_mesh
+from verify._internal.gates.metrics import check_metrics
 from verify._internal.gates.windows import check_long_window, check_partial_sums, check_split_invariance
 from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
@@ -20,7 +21,7 @@ RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.BIT_EXACT: check_bit_exact, Gat
        Gate.SPLIT_INVARIANCE: lambda a, case, w: check_split_invariance(a, case, max_world=w),
        Gate.LONG_WINDOW: check_long_window, Gate.TOKEN_MEAN: check_token_mean, Gate.EMPTY_WINDOW: check_empty_window,
        Gate.OVERFLOW: check_overflow, Gate.BOUNDARY_ONLY: check_distributed, Gate.DP_EQUIVALENCE: check_distributed,
-       Gate.MESH_EQUIVALENCE: check_mesh, Gate.BYTES_PER_STEP: check_same_bytes}
+       Gate.MESH_EQUIVALENCE: check_mesh, Gate.BYTES_PER_STEP: check_same_bytes, Gate.METRICS: check_metrics}
 # harmless by design, and checked to pass where they are tested; compiled_runs_eager fails the trainer's own
 # guard (DistJobError), not a gate
 CONTROLS = {id(a) for a in (broken.scaled_by_one, broken_dist.fsdp2_switch_after_forward,

@@ -113,7 +113,7 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
     cap = max_norm_of(m, case.options)
 
     def fail(msg, k, err=None, b=None):
-        raise GateFailure(f"[{Gate.METRICS}] {where}{msg} ({who}, step {k}); case {case}", gate=Gate.METRICS,
+        raise GateFailure(f"[{Gate.METRICS}] {where}{who}, step {k}: {msg}; case {case}", gate=Gate.METRICS,
                           case=case, error=err, bound=b)
 
     for k, s in enumerate(seen):
@@ -151,6 +151,8 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
                 tally.unchecked.setdefault(name, why)
                 continue
             ok, err = _close(got, want, 0.0 if name in ("tokens", "rows") else tol)
+            if not ok and name == "loss" and m.loss == "window" and k == 0 and last_micro is not None:
+                extra = (("the loss of this rank's last micro-batch", last_micro()),)  # run only to name a failure
             if not ok:
                 fail(f"{name} reported {got!r}, expected {want!r} ({why}){factor_text(got, want, case, extra)}",
                      k, err, tol)
