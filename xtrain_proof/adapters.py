@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from xtrain_core.config import OptimConfig
 from xtrain_core.data import TokenStream
 from xtrain_core.model import IGNORE, build_model
 
@@ -240,9 +241,13 @@ def max_norm(options) -> float | None:
 METRICS = Metrics(names=("loss", "grad_norm", "clip_coef", "lr", "rows"), max_norm=max_norm)
 TOKEN_METRICS = Metrics(names=("loss", "grad_norm", "clip_coef", "lr", "tokens"), max_norm=max_norm)
 
-_COMMON = dict(data=tokens, options=_strategy, defaults=XtrainOptions(), precisions=("fp32", "bf16", "fp16"),
+# the self-test's and the corners' options: a 2-step warm-up, so the LR moves between the steps of a case
+DEFAULTS = XtrainOptions(optim=OptimConfig(warmup_steps=2))
+
+_COMMON = dict(data=tokens, options=_strategy, defaults=DEFAULTS, precisions=("fp32", "bf16", "fp16"),
                overflow=overflow_grad, unclipped=unclipped, metrics=METRICS)
-_TOKENS = dict(options=_token_strategy, defaults=XtrainOptions(loss_norm="tokens"), metrics=TOKEN_METRICS)
+_TOKENS = dict(options=_token_strategy, defaults=XtrainOptions(optim=OptimConfig(warmup_steps=2), loss_norm="tokens"),
+               metrics=TOKEN_METRICS)
 
 # subgroups: DistAccumTrainer and TorchDDPTrainer take group=; FSDP2Trainer shards over the default group only
 adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", predicted_peak=peak(None),

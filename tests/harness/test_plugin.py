@@ -76,7 +76,7 @@ def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tm
     md = (here / "reports" / "verify-report.md").read_text()
     assert f"| equivalence | {g['equivalence']['examples']} |" in md and "every gate that ran passed" in md
     assert "not a git checkout" in md and "commit `None`" not in md  # tmp_path is no git repository
-    skipped = serial.stdout.split("verify: skipped gates", 1)[1]  # on the terminal too, with the reason
+    skipped = serial.stdout.split("verify: not checked", 1)[1]  # on the terminal too, with the reason
     assert "boundary-only: examples.mlp_regressor.Trainer does not declare data parallelism" in skipped
     other = tmp_path / "elsewhere"
     par = pytest_verify(tmp_path, "--verify-trainer", "examples.mlp_regressor:factory", "-n", "2",

@@ -246,9 +246,9 @@ def _reported_adapter(config):
     """The adapter the report describes: under xdist the controller ran no gate and has not loaded the default
     trainer; it loads it now, for its declarations (None if it cannot: the workers' failures say why)."""
     state = config.stash[_KEY]
-    if state["adapter"] is None:
+    if state.get("adapter") is None:
         try:
-            state["adapter"] = _load(trainer_ref(state["trainer"]), config.stash[_SETTINGS])
+            state["adapter"] = _load(trainer_ref(state.get("trainer")), config.stash[_SETTINGS])
         except Exception:  # noqa: BLE001  (a broken trainer reference is reported by the gates themselves)
             return None
     return state["adapter"]

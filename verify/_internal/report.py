@@ -142,8 +142,9 @@ def coverage(gates: dict, declarations: dict | None) -> tuple[list[str], str]:
     from verify._internal.metrics import ENABLE, METRIC_NAMES
 
     ran = {n.split("@")[0] for n, g in gates.items() if g.get("examples")}
+    every = [*ORDER, *(g.value for g in Gate if g.value not in ORDER and g is not Gate.DETERMINISM)]
     lines = []
-    for name in ORDER:
+    for name in every:
         if name in ran:
             continue
         g = gates.get(name)
@@ -166,9 +167,9 @@ def coverage(gates: dict, declarations: dict | None) -> tuple[list[str], str]:
     for name, why in sorted(m.get("unchecked", {}).items()):
         if name in checked or name not in METRIC_NAMES:
             lines.append(f"metric {name}, some steps: {why}")
-    g_ran = len(ran & set(ORDER))
-    last = f"checked {g_ran} of {len(ORDER)} gates and {len(checked)} of {len(METRIC_NAMES)} reported metrics"
-    offered = len(ORDER) + len(METRIC_NAMES)
+    g_ran = len(ran & set(every))
+    last = f"checked {g_ran} of {len(every)} gates and {len(checked)} of {len(METRIC_NAMES)} reported metrics"
+    offered = len(every) + len(METRIC_NAMES)
     if 2 * (g_ran + len(checked)) < offered:
         last += " — less than half of what the harness can check; the lines above say what would enable the rest"
     elif lines:

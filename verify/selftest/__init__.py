@@ -25,7 +25,7 @@ __all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES", "
 # the table's columns: the gates the self-test runs (split invariance, partial sums, empty windows and bytes per
 # step are the plugin's: the self-test's fixed cases do not draw their windows)
 GATES = (Gate.EQUIVALENCE, Gate.BIT_EXACT, Gate.TOKEN_MEAN, Gate.LONG_WINDOW, Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE,
-         Gate.OVERFLOW, Gate.MESH_EQUIVALENCE)
+         Gate.OVERFLOW, Gate.MESH_EQUIVALENCE, Gate.METRICS)
 DP = (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE)  # the two verdicts of one data-parallel run (check_distributed)
 MESHED = (Gate.BOUNDARY_ONLY, Gate.MESH_EQUIVALENCE)  # the mesh gate's two verdicts: its counter per axis, its numbers
 ERROR = "error"  # a cell where a run raised instead of reaching a verdict, or the unwrapped trainer fails there
@@ -88,6 +88,8 @@ def _column(check: Gate, failure: GateFailure) -> Gate:
     """The column a failure of `check` goes to, read from its `gate` field: a data-parallel run fails either the
     counter (boundary-only) or, for anything else it raises (the numbers, a determinism diagnosis of them, a
     trainer writing into its batch), data-parallel equivalence; every other check's failure is its own."""
+    if failure.gate is Gate.METRICS:  # a data-parallel or mesh run judges its reported metrics last
+        return Gate.METRICS
     if check in (Gate.DP_EQUIVALENCE, Gate.MESH_EQUIVALENCE):  # the mesh gate's counter too: per axis
         return Gate.BOUNDARY_ONLY if failure.gate is Gate.BOUNDARY_ONLY else check
     return check
@@ -109,14 +111,19 @@ def _checks(adapter, case, plain: bool, dist: bool) -> list:
         checks = [(Gate.EQUIVALENCE, check_equivalence)] + ([(Gate.BIT_EXACT, check_bit_exact)]
                                                             if plain and case.accum_steps == 1 else [])
         checks += [(Gate.TOKEN_MEAN, check_token_mean)] if case.lengths is not None else []
+        if adapter.metrics is not None:
+            from verify._internal.gates.metrics import check_metrics
+
+            checks.append((Gate.METRICS, check_metrics))
     else:
         checks = [(Gate.DP_EQUIVALENCE, check_distributed)]
         from verify._internal.gates.overflow import check_overflow, overflow_hook
 
         if overflow_hook(adapter)[0] is not None:
             checks.append((Gate.OVERFLOW, lambda a, c: check_overflow(a, c.replace(precision="fp16"), 0, c.world - 1)))
-    return [(name, check, DP if name is Gate.DP_EQUIVALENCE else MESHED if name is Gate.MESH_EQUIVALENCE else (name,))
-            for name, check in checks]
+    metrics = (Gate.METRICS,) if adapter.metrics is not None else ()  # a world's run judges its metrics too
+    return [(name, check, DP + metrics if name is Gate.DP_EQUIVALENCE else MESHED + metrics
+             if name is Gate.MESH_EQUIVALENCE else (name,)) for name, check in checks]
 
 
 def _cause(e: BaseException) -> str:
@@ -151,10 +158,10 @@ def _run_gates(adapter, case, plain: bool, dist: bool, settled=frozenset(), firs
         except GateFailure as e:
             gate = _column(name, e)
             out[gate] = "kill: " + str(e).splitlines()[0]
-            if gate is Gate.BOUNDARY_ONLY:  # the counter judges first: the numbers were not looked at
-                out.setdefault(columns[1], "not reached")
-            elif len(columns) == 2:
-                out.setdefault(Gate.BOUNDARY_ONLY, "pass")
+            at = columns.index(gate) if gate in columns else 0
+            for i, c in enumerate(columns):  # one run judges its columns in order: counter, numbers, metrics
+                if c != gate:
+                    out.setdefault(c, "pass" if i < at else "not reached")
         except Exception as e:  # noqa: BLE001  (no gate reached a verdict: an error, never a kill)
             out.update(dict.fromkeys(columns, "error: " + _cause(e)))
         if first_kill and any(v.startswith("kill") for v in out.values()):
@@ -338,7 +345,8 @@ def _broken(res, adapter, case, i: int, plain: bool) -> set:
 def _mutant_row(res, op, adapter, plain: bool, every_case: bool, overflow_ok: bool) -> dict:
     """{gate: cell, 'verdict': ...} of one operator over the cases where its bug exists (run_selftest)."""
     mutant, n1 = op.apply(adapter), res.n_single
-    where = [(i, c) for i, c in enumerate(res.cases) if (c.mesh is not None) == op.mesh and op.exists(c)
+    where = [(i, c) for i, c in enumerate(res.cases) if (c.mesh is not None) == op.mesh and op.applies(adapter)
+             and op.exists(c)
              and (c.world > 1 or not op.dist_only) and (c.accum_steps >= LONG_N) == op.long
              and (not op.fp16 or overflow_ok)]
     row = {g: "n/a" for g in GATES}

@@ -5,13 +5,14 @@ its internals (only the four methods, the Spec, the batches, the tensors grads()
                    zero_grad_in_micro_loop, stale_micro_batch, loss_sum_not_mean, extra_collective_micro_0,
                    divide_by_world_twice, low_precision_accumulation
     tokens         per_micro_mean, count_from_first_micro, per_rank_mean, all_positions, sequences
+    metrics        grad_norm_one_shard, grad_norm_last_micro, grad_normpost_clip, grad_norm_zero,
+                   grad_norm_per_rank, lr_previous_step, count_one_micro, loss_last_micro (what metrics() reports)
     fp16 / mesh    skip_decided_on_one_rank; pipeline_micro_batch_dropped, dp_reduction_skipped, reduced_over_wrong_group
 `exists(case)` says where a bug can exist; the self-test requires a kill wherever it does. What each plants:
 docs/verify-your-trainer.md (the operator table); design: docs/design/self-test.md.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,89 +20,11 @@ import torch
 
 from verify._internal.protocol import AUTOCAST
 from verify.selftest.mesh_ops import feed_micro_1_for_0, interposed
+from verify.selftest.metric_ops import world as _world
+from verify.selftest.mutant import Mutant
+from verify.selftest.metric_ops import last_micro_alone, one_micro_count, post_clip, previous_lr, set_metric, shard_norm
 
 __all__ = ["Operator", "OPERATORS"]
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-class Mutant:
-    """The wrapper: delegates to the inner trainer; an operator overrides one behaviour."""
-
-    def __init__(self, op: "Operator", factory, spec, ignore_index=None):
-        from dataclasses import replace
-
-        self.op, self.N, self.ignore, self.precision, self.spec = op, spec.accum_steps, ignore_index, spec.precision, spec
-        self.inner = factory(replace(spec, accum_steps=op.inner_accum(spec.accum_steps)))
-        # per_micro_mean: a second trainer, one micro-batch per window, to read each micro-batch's own mean
-        self.aux = factory(replace(spec, accum_steps=1)) if op.aux else None
-        self._scaled = False  # boundary-gradient operators act once per step
-        self._stale = None  # stale_micro_batch: the previous step's last micro-batch
-        self._reset()
-
-    def _reset(self) -> None:
-        self.counts = [0.0, 0.0, 0.0, 0.0]  # this rank's window: valid targets, target positions, rows, micro-step 0's valid
-        self.micro_grads, self.micro_losses = [], []
-        self.low_sum, self.low_weight = None, 0.0  # low_precision_accumulation: Σ c_m·g_m in bf16 / fp16, Σ c_m
-        self.factor = 1.0
-
-    # -- the protocol --------------------------------------------------------------------------------
-    def micro_step(self, x, y, micro):
-        valid = int((y != self.ignore).sum()) if self.ignore is not None else y.numel()
-        self.counts = [self.counts[0] + valid, self.counts[1] + y.numel(), self.counts[2] + y.shape[0],
-                       self.counts[3] + (valid if micro == 0 else 0)]
-        with self._around():
-            self.op.micro(self, x, y, micro)
-
-    def grads(self):
-        with self._around():
-            g = self.inner.grads()
-        self._boundary(g)
-        return g
-
-    def optimizer_step(self):
-        if self.op.scale is not None and not self._scaled:
-            self._boundary(self.inner.grads())
-        self._scaled = False
-        with self._around():
-            loss = self.op.loss(self, self.inner.optimizer_step())
-        self._reset()
-        return loss
-
-    def params(self):
-        with self._around():
-            return self.inner.params()
-
-    def _around(self):
-        return self.op.around(self) if self.op.around is not None else contextlib.nullcontext()
-
-    def _boundary(self, grads: dict) -> None:
-        if not self._scaled and self.op.scale is not None:
-            f = self.factor = self.op.scale(self)
-            if callable(self.op.replace_grads):
-                self.op.replace_grads(self, grads)
-            elif f != 1.0:
-                with torch.no_grad():
-                    for g in grads.values():
-                        g.mul_(f)
-        self._scaled = True
-
-    def window_counts(self) -> list[float]:
-        """[valid targets, target positions, rows, micro-step 0's valid targets] of the whole window: this
-        rank's, summed over ranks by one all_reduce where there are several (inside grads(): the harness's
-        reading, reported, not judged as training traffic)."""
-        if _world() == 1:
-            return list(self.counts)
-        import torch.distributed as dist
-
-        dev = next(iter(self.inner.params().values())).device
-        t = torch.tensor(self.counts, dtype=torch.float64, device=dev)
-        dist.all_reduce(t)
-        return t.tolist()
 
 
 @dataclass(frozen=True)
@@ -127,18 +50,36 @@ class Operator:
     and a way to overflow: verify._internal.gates.overflow.overflow_hook)."""
 
     mesh: bool = False  # runs on the self-test's mesh cases (verify._internal.gates.mesh), and only there
+    metrics: Callable | None = None  # (wrapper, reported dict) -> the dict metrics() returns instead
+    metric: str = ""
+    """The reported metric the bug is in: it exists only for an adapter whose Metrics declare it (`applies`)."""
     around: Callable | None = None  # (wrapper) -> context manager entered around every call into the trainer
 
     def __reduce__(self):
         # by name: the table's lambdas do not pickle, and a pool rank finds the same operator in OPERATORS
         return _operator, (self.name,)
 
+    def applies(self, adapter) -> bool:
+        """Whether the bug can exist for this adapter at all (a metrics operator: its metric is declared, in the
+        convention it breaks)."""
+        m = adapter.metrics
+        if not self.metric:
+            return True
+        if m is None:
+            return False
+        name, _, convention = self.metric.partition(":")
+        names = ("tokens", "rows") if name == "counts" else (name,)
+        if not any(n in m.names for n in names):
+            return False
+        field = {"tokens": "counts", "rows": "counts"}.get(name, name)
+        return not convention or getattr(m, field, None) == convention or (convention == "max_norm" and m.max_norm is not None)
+
     def apply(self, adapter):
         """The adapter with this fault planted around its factory (pools rebuild it by name)."""
-        inner, ignore = adapter.factory, adapter.ignore_index
+        inner, ignore, declared = adapter.factory, adapter.ignore_index, adapter.metrics
 
         def mutant_factory(spec):
-            return Mutant(self, inner, spec, ignore) if spec.accum_steps > 1 or self.at_n1 else inner(spec)
+            return Mutant(self, inner, spec, ignore, declared) if spec.accum_steps > 1 or self.at_n1 else inner(spec)
 
         return adapter.replace(factory=mutant_factory, ref=adapter.locate(), mutation=self,
                                name=f"{adapter.name} ⊕ {self.name}")
@@ -352,6 +293,26 @@ OPERATORS = {op.name: op for op in [
              PADDED, scale=_count_factor(lambda c, w: c[1]), loss=lambda w, loss: loss * w.factor, at_n1=True),
     Operator("sequences", "divided by the window's number of sequences, not of valid targets",
              PADDED, scale=_count_factor(lambda c, w: c[2]), loss=lambda w, loss: loss * w.factor, at_n1=True),
+    # -- what metrics() reports: exists only where the adapter declares the metric (Operator.applies) ----------
+    Operator("grad_norm_one_shard", "grad_norm over every other parameter (one rank's shard, never reduced)", N2,
+             metrics=shard_norm, metric="grad_norm:pre_clip"),
+    Operator("grad_norm_last_micro", "grad_norm of the last micro-batch's own gradient",
+             lambda c: N2(c) and c.world == 1, micro=last_micro_alone, aux=True, metric="grad_norm:pre_clip",
+             metrics=set_metric("grad_norm", lambda w, out: w.last["own_last"][0])),
+    Operator("grad_normpost_clip", "grad_norm after clipping, declared before", N2, metrics=post_clip,
+             metric="grad_norm:pre_clip"),
+    Operator("grad_norm_zero", "grad_norm read after the gradients were freed: 0", N2,
+             metrics=set_metric("grad_norm", lambda w, out: 0.0), metric="grad_norm"),
+    Operator("grad_norm_per_rank", "grad_norm with every replicated element counted once per rank (×√W)",
+             lambda c: c.world >= 2, metrics=set_metric("grad_norm", lambda w, out: out["grad_norm"] * _world() ** 0.5),
+             metric="grad_norm", dist_only=True, at_n1=True),
+    Operator("lr_previous_step", "lr of the previous step (read on the wrong side of the scheduler's step)",
+             lambda c: c.steps >= 2, metrics=previous_lr, metric="lr", at_n1=True),
+    Operator("count_one_micro", "tokens / rows of the last micro-step only", N2, metrics=one_micro_count,
+             metric="counts:global"),
+    Operator("loss_last_micro", "loss of the last micro-batch logged as the window's",
+             lambda c: N2(c) and c.world == 1, micro=last_micro_alone, aux=True, metric="loss:window",
+             metrics=set_metric("loss", lambda w, out: w.last["own_last"][1])),
     # -- fp16 overflow -------------------------------------------------------------------------------------
     Operator("skip_decided_on_one_rank", "ranks ≥ 1 never see an overflow: they step an overflowing window",
              lambda c: c.world >= 2, scale=lambda w: 1.0, replace_grads=_seen_non_finite, loss=_step_anyway,
