@@ -5,7 +5,7 @@ its internals (only the four methods, the Spec, the batches, the tensors grads()
                    zero_grad_in_micro_loop, stale_micro_batch, loss_sum_not_mean, extra_collective_micro_0,
                    divide_by_world_twice, low_precision_accumulation
     tokens         per_micro_mean, count_from_first_micro, per_rank_mean, all_positions, sequences
-    metrics        grad_norm_one_shard, grad_norm_last_micro, grad_normpost_clip, grad_norm_zero,
+    metrics        grad_norm_one_shard, grad_norm_last_micro, grad_norm_post_clip, grad_norm_zero,
                    grad_norm_per_rank, lr_previous_step, count_one_micro, loss_last_micro (what metrics() reports)
     fp16 / mesh    skip_decided_on_one_rank; pipeline_micro_batch_dropped, dp_reduction_skipped, reduced_over_wrong_group
 `exists(case)` says where a bug can exist; the self-test requires a kill wherever it does. What each plants:
@@ -299,7 +299,7 @@ OPERATORS = {op.name: op for op in [
     Operator("grad_norm_last_micro", "grad_norm of the last micro-batch's own gradient",
              lambda c: N2(c) and c.world == 1, micro=last_micro_alone, aux=True, metric="grad_norm:pre_clip",
              metrics=set_metric("grad_norm", lambda w, out: w.last["own_last"][0])),
-    Operator("grad_normpost_clip", "grad_norm after clipping, declared before", N2, metrics=post_clip,
+    Operator("grad_norm_post_clip", "grad_norm after clipping, declared before", N2, metrics=post_clip,
              metric="grad_norm:pre_clip"),
     Operator("grad_norm_zero", "grad_norm read after the gradients were freed: 0", N2,
              metrics=set_metric("grad_norm", lambda w, out: 0.0), metric="grad_norm"),
