@@ -186,7 +186,7 @@ def test_reported_metrics(verify_adapter):
 
     if verify_adapter.metrics is None:
         reason = not_declared(verify_adapter)
-        report.skip(Gate.METRICS, reason)
+        report.skip(Gate.REPORTED_METRICS, reason)
         pytest.skip(reason)
     hard = corners(verify_adapter, "metrics")
 

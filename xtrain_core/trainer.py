@@ -4,12 +4,10 @@
     grads()                          -- the boundary gradient: after accumulation, before clip/step
     optimizer_step() -> loss         -- clip, AdamW, LR schedule, zero_grad once per step; the step loss
     params()                         -- name -> tensor
-    metrics()                        -- what the step logs: loss, pre-clip grad_norm, clip_coef, applied lr,
-                                        the window's rows (mean) or valid tokens (tokens), over every rank
+    metrics()                        -- what the step logs: loss, grad_norm, clip_coef, lr, rows or tokens
 
-loss_norm="tokens" backwards Σ CE / (N·B·S) and rescales at the boundary by N·B·S / tokens (a window without
-a valid token is skipped); precision fp32 | bf16 | fp16 (one GradScaler, one unscale per window).
-Why: docs/design/protocol.md (the math, N == 1, partial windows) and docs/design/numerics.md.
+loss_norm="tokens": Σ CE / (N·B·S), rescaled at the boundary by N·B·S / tokens (none valid: the window is skipped);
+precision fp32 | bf16 | fp16 (one GradScaler, one unscale per window). Why: docs/design/protocol.md, numerics.md.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def test_a_declared_metric_the_trainer_does_not_report_is_named():
     with pytest.raises(GateFailure, match=r"the big batch, step 0: metrics\(\) has no 'lr', which Metrics\(names=\.\.\.\) "
                                           r"declares") as e:
         check_metrics(forgets_the_lr, METRIC)
-    assert e.value.gate is Gate.METRICS
+    assert e.value.gate is Gate.REPORTED_METRICS
     asked_less = forgets_the_lr.replace(metrics=dataclasses.replace(xtrain.METRICS, names=("loss", "grad_norm")),
                                         ref="tests.harness.test_metrics:forgets_the_lr")
     assert set(check_metrics(asked_less, METRIC).extra["metrics_checked"]) == {"loss", "grad_norm", "clip (applied)"}
@@ -74,7 +74,7 @@ def test_without_metrics_the_gate_is_skipped_and_the_report_says_how():
     lines, last = coverage({Gate.EQUIVALENCE.value: dict(examples=3)}, {})
     assert "metric grad_norm: the trainer declares no metrics (declare @verify.adapter(metrics=verify.Metrics(" \
            in "\n".join(lines)
-    assert last.startswith("checked 1 of 14 gates and 0 of 6 reported metrics — less than half"), last
+    assert last.startswith("checked 1 of 14 gates and 0 of 6 metrics — less than half"), last
 
 
 @pytest.mark.parametrize("field, value, says", [

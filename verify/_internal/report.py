@@ -39,7 +39,7 @@ BOUNDS = {
                            "equivalence policy vs the 1×1×1 big batch; replicas bit-equal",
     Gate.MESH_SPLIT_INVARIANCE: "one window on every dp × pp × tp mesh of one world: the mesh equivalence policy, "
                                 "each vs the same 1×1×1 big batch",
-    Gate.METRICS: f"float64 runs, every step: each reported metric vs the harness's own value (the pre-clip norm over "
+    Gate.REPORTED_METRICS: f"float64 runs, every step: each reported metric vs the harness's own value (the pre-clip norm over "
                   f"every element once, min(1, max_norm / norm), the LR the optimizer applied, the window's counts) and "
                   f"vs the big batch's report, rel ≤ {FLOAT64_TEXT.split('·max')[0]}; counts exact",
     Gate.OVERFLOW: "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
@@ -99,10 +99,10 @@ def record(result) -> None:
         _keep_worst(e, result.ratio, result.worst, result.case)
         _keep_floor(e, result)
         if ex.get("metrics"):  # the same run's reported metrics, judged on its float64 run
-            _metrics_tally(_gate(Gate.METRICS.value), ex["metrics"], result.case)
+            _metrics_tally(_gate(Gate.REPORTED_METRICS.value), ex["metrics"], result.case)
         return
     s = _gate(_key(gate, result.case))
-    if gate is Gate.METRICS:
+    if gate is Gate.REPORTED_METRICS:
         _metrics_tally(s, result.extra, result.case, result)
         return
     s["examples"] += 1
@@ -138,7 +138,7 @@ def _metrics_tally(s: dict, m: dict, case, result=None) -> None:
 
 def coverage(gates: dict, declarations: dict | None) -> tuple[list[str], str]:
     """What a run did not check, and its last line: ([one line per gate or metric not checked, with the reason
-    and the declaration that enables it], 'checked G of T gates and M of 6 reported metrics ...')."""
+    and the declaration that enables it], 'checked G of T gates and M of 6 metrics ...')."""
     from verify._internal.metrics import ENABLE, METRIC_NAMES
 
     ran = {n.split("@")[0] for n, g in gates.items() if g.get("examples")}
@@ -152,7 +152,7 @@ def coverage(gates: dict, declarations: dict | None) -> tuple[list[str], str]:
         lines.append(f"{name}: {why or 'no test of this gate ran in this session (deselected, or not collected)'}")
     declared = (declarations or {}).get("metrics") or {}
     names = declared.get("names", [])
-    m = gates.get(Gate.METRICS.value) or {}
+    m = gates.get(Gate.REPORTED_METRICS.value) or {}
     checked = {k for k, n in m.get("checked", {}).items() if n and k in METRIC_NAMES}
     for name in METRIC_NAMES:
         if name in checked:
@@ -168,7 +168,7 @@ def coverage(gates: dict, declarations: dict | None) -> tuple[list[str], str]:
         if name in checked or name not in METRIC_NAMES:
             lines.append(f"metric {name}, some steps: {why}")
     g_ran = len(ran & set(every))
-    last = f"checked {g_ran} of {len(every)} gates and {len(checked)} of {len(METRIC_NAMES)} reported metrics"
+    last = f"checked {g_ran} of {len(every)} gates and {len(checked)} of {len(METRIC_NAMES)} metrics"
     offered = len(every) + len(METRIC_NAMES)
     if 2 * (g_ran + len(checked)) < offered:
         last += " — less than half of what the harness can check; the lines above say what would enable the rest"
@@ -343,7 +343,7 @@ def render_md(doc: dict) -> str:
         lines += ["", "## Self-test (fault injection)", "", st.get("table_md", ""), "",
                   f"Mutation score: **{st.get('score')}** — {st.get('verdict')}"]
     if gates:
-        lines += ["", "## Reported metrics", "", *_metrics_rows(gates.get(Gate.METRICS.value) or {}, decl)]
+        lines += ["", "## Reported metrics", "", *_metrics_rows(gates.get(Gate.REPORTED_METRICS.value) or {}, decl)]
         missing, last = coverage(gates, decl)
         lines += ["", "## Not checked", ""] + ([f"- {ln}" for ln in missing] or ["- nothing: every gate and metric ran"])
         lines += ["", f"**{last[0].upper()}{last[1:]}**"]

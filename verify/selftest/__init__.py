@@ -25,7 +25,7 @@ __all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES", "
 # the table's columns: the gates the self-test runs (split invariance, partial sums, empty windows and bytes per
 # step are the plugin's: the self-test's fixed cases do not draw their windows)
 GATES = (Gate.EQUIVALENCE, Gate.BIT_EXACT, Gate.TOKEN_MEAN, Gate.LONG_WINDOW, Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE,
-         Gate.OVERFLOW, Gate.MESH_EQUIVALENCE, Gate.METRICS)
+         Gate.OVERFLOW, Gate.MESH_EQUIVALENCE, Gate.REPORTED_METRICS)
 DP = (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE)  # the two verdicts of one data-parallel run (check_distributed)
 MESHED = (Gate.BOUNDARY_ONLY, Gate.MESH_EQUIVALENCE)  # the mesh gate's two verdicts: its counter per axis, its numbers
 ERROR = "error"  # a cell where a run raised instead of reaching a verdict, or the unwrapped trainer fails there
@@ -88,8 +88,8 @@ def _column(check: Gate, failure: GateFailure) -> Gate:
     """The column a failure of `check` goes to, read from its `gate` field: a data-parallel run fails either the
     counter (boundary-only) or, for anything else it raises (the numbers, a determinism diagnosis of them, a
     trainer writing into its batch), data-parallel equivalence; every other check's failure is its own."""
-    if failure.gate is Gate.METRICS:  # a data-parallel or mesh run judges its reported metrics last
-        return Gate.METRICS
+    if failure.gate is Gate.REPORTED_METRICS:  # a data-parallel or mesh run judges its reported metrics last
+        return Gate.REPORTED_METRICS
     if check in (Gate.DP_EQUIVALENCE, Gate.MESH_EQUIVALENCE):  # the mesh gate's counter too: per axis
         return Gate.BOUNDARY_ONLY if failure.gate is Gate.BOUNDARY_ONLY else check
     return check
@@ -114,14 +114,16 @@ def _checks(adapter, case, plain: bool, dist: bool) -> list:
         if adapter.metrics is not None:
             from verify._internal.gates.metrics import check_metrics
 
-            checks.append((Gate.METRICS, check_metrics))
+            # a reporting bug's mutant is judged by the metrics gate first: the others cannot see it
+            first = getattr(adapter.mutation, "metric", "")
+            checks.insert(0 if first else len(checks), (Gate.REPORTED_METRICS, check_metrics))
     else:
         checks = [(Gate.DP_EQUIVALENCE, check_distributed)]
         from verify._internal.gates.overflow import check_overflow, overflow_hook
 
         if overflow_hook(adapter)[0] is not None:
             checks.append((Gate.OVERFLOW, lambda a, c: check_overflow(a, c.replace(precision="fp16"), 0, c.world - 1)))
-    metrics = (Gate.METRICS,) if adapter.metrics is not None else ()  # a world's run judges its metrics too
+    metrics = (Gate.REPORTED_METRICS,) if adapter.metrics is not None else ()  # a world's run judges its metrics too
     return [(name, check, DP + metrics if name is Gate.DP_EQUIVALENCE else MESHED + metrics
              if name is Gate.MESH_EQUIVALENCE else (name,)) for name, check in checks]
 

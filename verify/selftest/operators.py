@@ -5,11 +5,9 @@ its internals (only the four methods, the Spec, the batches, the tensors grads()
                    zero_grad_in_micro_loop, stale_micro_batch, loss_sum_not_mean, extra_collective_micro_0,
                    divide_by_world_twice, low_precision_accumulation
     tokens         per_micro_mean, count_from_first_micro, per_rank_mean, all_positions, sequences
-    metrics        grad_norm_one_shard, grad_norm_last_micro, grad_norm_post_clip, grad_norm_zero,
-                   grad_norm_per_rank, lr_previous_step, count_one_micro, loss_last_micro (what metrics() reports)
+    metrics        grad_norm_{one_shard,last_micro,post_clip,zero,per_rank}, lr_previous_step, count_one_micro, loss_last_micro
     fp16 / mesh    skip_decided_on_one_rank; pipeline_micro_batch_dropped, dp_reduction_skipped, reduced_over_wrong_group
-`exists(case)` says where a bug can exist; the self-test requires a kill wherever it does. What each plants:
-docs/verify-your-trainer.md (the operator table); design: docs/design/self-test.md.
+`exists(case)`, `applies(adapter)`: where a bug can exist (a kill is required there); docs/design/self-test.md.
 """
 from __future__ import annotations
 

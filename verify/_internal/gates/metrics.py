@@ -113,7 +113,7 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
     cap = max_norm_of(m, case.options)
 
     def fail(msg, k, err=None, b=None):
-        raise GateFailure(f"[{Gate.METRICS}] {where}{who}, step {k}: {msg}; case {case}", gate=Gate.METRICS,
+        raise GateFailure(f"[{Gate.REPORTED_METRICS}] {where}{who}, step {k}: {msg}; case {case}", gate=Gate.REPORTED_METRICS,
                           case=case, error=err, bound=b)
 
     for k, s in enumerate(seen):
@@ -234,7 +234,7 @@ def metrics_gate(adapter, case: Case, device: str) -> GateResult:
 
     def run(n, data=batches):
         t = adapter(case.spec(accum_steps=n, dtype=F64, device=device, adapter=adapter))
-        return drive(t, data, n, dtype=F64, device=device, gate=Gate.METRICS, observe=observer(adapter))
+        return drive(t, data, n, dtype=F64, device=device, gate=Gate.REPORTED_METRICS, observe=observer(adapter))
 
     acc, big = run(N), run(1)
     counts = expected_counts(adapter, batches)
@@ -251,7 +251,7 @@ def metrics_gate(adapter, case: Case, device: str) -> GateResult:
     for who, tr, n, other in (("the big batch", big, 1, None), ("the accumulation run", acc, N, big)):
         judge_run(adapter, case, tr.seen, [norm_of(s) for s in tr.seen], counts, big.losses, who=who,
                   big=None if other is None else other.seen, last_micro=last_micro(n), tally=tally)
-    return GateResult(Gate.METRICS, case, tally.worst, tally.ratio, **tally.extra())
+    return GateResult(Gate.REPORTED_METRICS, case, tally.worst, tally.ratio, **tally.extra())
 
 
 
@@ -260,7 +260,7 @@ def block_loss_job(ctx, adapter, case: Case, rank: int) -> float:
     at N = 1 on those rows, the initial parameters): what Metrics(loss="last_micro") reports at step 0."""
     x, y = shard(*case.batches(adapter)[0], case.accum_steps, rank, case.world)[-1]
     t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(ctx.device), adapter=adapter))
-    return drive(t, [(x, y)], 1, dtype=F64, device=ctx.device, gate=Gate.METRICS).losses[0]
+    return drive(t, [(x, y)], 1, dtype=F64, device=ctx.device, gate=Gate.REPORTED_METRICS).losses[0]
 
 
 def judge_world(adapter, case: Case, runs: dict, ref, norms: dict | None = None, pool=None) -> dict:
