@@ -198,8 +198,10 @@ def run(model_cfg, train: TrainConfig, optim: OptimConfig, device, data=None, ou
                 print(f"step {step}: skipped ({why}): no update, schedule not advanced", file=out, flush=True)
         else:
             losses.append(loss)
+        logged = trainer.metrics()  # every rank: under FSDP2 the norm's value is a collective
         if bar:
-            shown = "skipped" if trainer.last_skipped else f"loss {loss:.4f}"
+            shown = "skipped" if trainer.last_skipped else (
+                f"loss {loss:.4f}  grad_norm {logged['grad_norm']:.3g}  lr {logged['lr']:.3g}")
             bar.update(step + 1, f"{shown}  {tokens_seen / dt:,.0f} tok/s")
     dt = time.perf_counter() - t0
     if lead:
