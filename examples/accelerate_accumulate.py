@@ -1,5 +1,5 @@
 """Hugging Face Accelerate: Accelerator(gradient_accumulation_steps=N) and accumulate(), a prepared LambdaLR
-warm-up scheduler and accelerator.clip_grad_norm_.
+warm-up scheduler and accelerator.clip_grad_norm_, the loss, gradient norm and LR the loop logs checked.
 
     pip install "/path/to/xtrain[examples]"      # accelerate (README: Install)
     pytest --pyargs verify --verify-trainer examples.accelerate_accumulate:factory -n auto
@@ -11,6 +11,7 @@ from accelerate import Accelerator
 
 import verify
 
+MAX_NORM = 1.0
 
 def warmup(step):
     """The LR factor of a 3-step linear warm-up."""
@@ -29,6 +30,7 @@ class Trainer:
         # 1 call in a real W-rank run; the harness's one-process reference of that run makes W.
         self.scheduler_calls = spec.scheduler_calls
         self.losses = []
+        self.logged = {}
 
     def micro_step(self, x, y, micro):
         if micro == 0:
@@ -43,14 +45,21 @@ class Trainer:
         return {name: p.grad for name, p in self.acc.unwrap_model(self.model).named_parameters()}
 
     def optimizer_step(self):
-        self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
+        # the total norm of the synced gradients, before clipping (what clip_grad_norm_ returns)
+        norm = self.acc.clip_grad_norm_(self.model.parameters(), MAX_NORM)
         # Accelerate's optimizer and scheduler wrappers step only once the window is complete
         self.opt.step()
         for _ in range(self.scheduler_calls):
             self.sched.step()
         self.opt.zero_grad()
         window_loss = torch.stack(self.losses).mean()
-        return self.acc.reduce(window_loss, "mean")
+        loss = self.acc.reduce(window_loss, "mean")
+        # logged after the scheduler's step, as a loop that logs at its end reads it: the NEXT step's LR
+        self.logged = {"loss": loss, "grad_norm": norm, "lr": self.sched.get_last_lr()[0]}
+        return loss
+
+    def metrics(self):
+        return self.logged
 
     def params(self):
         return dict(self.acc.unwrap_model(self.model).named_parameters())
@@ -60,5 +69,7 @@ class Trainer:
 # one-rank group too, but it enters no_sync() only when num_processes > 1: verify.DDP_WORLD1_EXPECTED declares
 # the all-reduce on every micro-step at world 1 (real behaviour; it excuses nothing at world ≥ 2).
 # scheduler_per_rank: Accelerate steps a prepared scheduler num_processes times per optimizer step.
+# metrics: lr="next", the LR read after the scheduler's step.
+METRICS = verify.Metrics(names=("loss", "grad_norm", "lr"), max_norm=MAX_NORM, lr="next")
 factory = verify.adapter(data=verify.data.regression(features=8), data_parallel=True, scheduler_per_rank=True,
-                         expected=verify.DDP_EXPECTED + verify.DDP_WORLD1_EXPECTED)(Trainer)
+                         expected=verify.DDP_EXPECTED + verify.DDP_WORLD1_EXPECTED, metrics=METRICS)(Trainer)

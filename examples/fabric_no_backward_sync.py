@@ -1,5 +1,6 @@
 """Lightning Fabric: strategy="ddp" with fabric.no_backward_sync(model, enabled=not last), precision
-"64-true" for the float64 runs and "32-true" for the float32 ones.
+"64-true" for the float64 runs and "32-true" for the float32 ones, fabric.clip_gradients at the boundary,
+the loss and gradient norm the loop logs checked.
 
     pip install "xtrain[examples]"      # lightning
     pytest --pyargs verify --verify-trainer examples.fabric_no_backward_sync:factory -n auto
@@ -12,6 +13,7 @@ from lightning.fabric import Fabric
 
 import verify
 
+MAX_NORM = 1.0
 
 class Trainer:
     def __init__(self, spec):
@@ -33,6 +35,7 @@ class Trainer:
         self.model, self.opt = self.fabric.setup(net, opt)
         self.n = spec.accum_steps
         self.loss_sum = 0.0
+        self.logged = {}
 
     def micro_step(self, x, y, micro):
         last = micro == self.n - 1
@@ -51,16 +54,24 @@ class Trainer:
         return {name: p.grad for name, p in self.model.module.named_parameters()}
 
     def optimizer_step(self):
+        # the total norm of the synced gradients, before clipping (what clip_gradients returns with max_norm)
+        norm = self.fabric.clip_gradients(self.model, self.opt, max_norm=MAX_NORM)
         self.opt.step()
         self.opt.zero_grad()
         loss = self.fabric.all_reduce(self.loss_sum / self.n, reduce_op="mean")
         self.loss_sum = 0.0
+        self.logged = {"loss": loss, "grad_norm": norm}
         return loss
+
+    def metrics(self):
+        return self.logged
 
     def params(self):
         return dict(self.model.module.named_parameters())
 
 
 # data_parallel: under a process group Fabric wraps the model in DDP (hence DDP's declared bucket rebuild).
+# metrics: no LR (a constant one, which Fabric does not log).
+METRICS = verify.Metrics(names=("loss", "grad_norm"), max_norm=MAX_NORM)
 factory = verify.adapter(data=verify.data.regression(features=8), data_parallel=True,
-                         expected=verify.DDP_EXPECTED)(Trainer)
+                         expected=verify.DDP_EXPECTED, metrics=METRICS)(Trainer)

@@ -1,8 +1,8 @@
 """Hugging Face transformers.Trainer, its own loop (train()), gradient_accumulation_steps=N: a tiny GPT-2
 built from its config (no download), padded data with labels -100, clipping at the default
-max_grad_norm=1.0, DDP under the harness's process group at world > 1. verify.Pull runs train() in a
-thread, feeds it the harness's micro-batches and reads the gradient before HF clips it
-(docs/verify-your-trainer.md, "The framework owns the loop").
+max_grad_norm=1.0, DDP under the harness's process group at world > 1, the loss, grad_norm and LR that HF
+logs each step checked. verify.Pull runs train() in a thread, feeds it the harness's micro-batches and
+reads the gradient before HF clips it (docs/verify-your-trainer.md, "The framework owns the loop").
 
     pip install "xtrain[examples]"      # transformers, accelerate
     pytest --pyargs verify --verify-trainer examples.hf_trainer:factory -n auto
@@ -11,12 +11,13 @@ thread, feeds it the harness's micro-batches and reads the gradient before HF cl
 import tempfile
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
 
 import verify
 
 VOCAB = 64
 SEQ = 8
+MAX_NORM = 1.0  # TrainingArguments' default max_grad_norm
 
 
 def batch(x, y):
@@ -31,23 +32,37 @@ ALONE = verify.Expected("all_reduce", count=2, world=1, why="accelerate's no_syn
 # DDP broadcasts the model's buffers at every forward (broadcast_buffers=True): GPT-2 before transformers 4.46
 # registers its attention mask (bool) and masked_bias (float) as buffers. Declared; later releases have none.
 BUFFERS = verify.Expected("broadcast", count=2, why="DDP's buffer broadcast at every forward (GPT-2 < 4.46)")
+# What HF logs per optimizer step (state.log_history, logging_steps=1), each with the harness's own value: `loss`
+# (the window's token mean over every rank), `grad_norm` (what clip_grad_norm_ returned: before clipping),
+# `learning_rate` (read before the scheduler's step since transformers 4.5x: the LR applied; 4.45 logs the next).
+METRICS = verify.Metrics(names=("loss", "grad_norm", "lr"), max_norm=MAX_NORM)
 
 
 # empty_windows=False: HF steps AdamW on a window without a valid label (zero gradient, but momentum moves
 # the parameters): such windows are not drawn.
 @verify.adapter(data=verify.data.causal_lm(vocab=VOCAB, seq_len=SEQ), ignore_index=-100, data_parallel=True,
-                expected=(ALONE, *verify.DDP_EXPECTED, BUFFERS), empty_windows=False)
+                expected=(ALONE, *verify.DDP_EXPECTED, BUFFERS), empty_windows=False, metrics=METRICS)
 def factory(spec):
     torch.manual_seed(spec.seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ + 1, n_embd=16, n_layer=1, n_head=2,
                         bos_token_id=0, eos_token_id=0,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: two runs must agree
     model = GPT2LMHeadModel(config).to(spec.device, spec.dtype)
-    # per_device_train_batch_size=1: each item of the Pull dataset is already a whole micro-batch
+    # per_device_train_batch_size=1: each item of the Pull dataset is already a whole micro-batch. max_steps=100
+    # (more than any case runs): the default linear decay moves the LR 1% a step, so the LR applied and the
+    # next step's differ far beyond the metrics gate's bound
     args = TrainingArguments(output_dir=tempfile.gettempdir(), gradient_accumulation_steps=spec.accum_steps,
-                             per_device_train_batch_size=1, max_steps=10**6, learning_rate=1e-3,
-                             use_cpu=spec.device == "cpu", report_to="none", save_strategy="no",
-                             logging_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
+                             per_device_train_batch_size=1, max_steps=100, learning_rate=1e-3,
+                             max_grad_norm=MAX_NORM, use_cpu=spec.device == "cpu", report_to="none",
+                             save_strategy="no", logging_strategy="steps", logging_steps=1, disable_tqdm=True,
+                             dataloader_pin_memory=False)
     pull = verify.Pull(spec, batch=batch)
     trainer = Trainer(model=model, args=args, train_dataset=pull.dataset, data_collator=pull.collate)
-    return pull.start(trainer.train, model)
+    trainer.remove_callback(PrinterCallback)  # logs stay in log_history: the gates build hundreds of trainers
+
+    def logged():
+        """HF's log of the step that just ran."""
+        entry = trainer.state.log_history[-1]
+        return {"loss": entry["loss"], "grad_norm": entry["grad_norm"], "lr": entry["learning_rate"]}
+
+    return pull.start(trainer.train, model, metrics=logged)

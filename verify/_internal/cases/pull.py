@@ -191,16 +191,20 @@ def _install() -> None:
 
         def step_pre(optimizer, args, kwargs):
             ch = _channel()
-            if ch is None:
-                return None
+            if ch is None or ch.passed:
+                return None  # not a Pull's thread, or the clip already met the harness
             closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
-            if closure is None:
-                ch.boundary()
-                return None
+            # The wait runs inside the step, in a closure, not in torch's loop over the pre-hooks: the harness
+            # arms its own pre-hook for its optimizer_step() call while the thread waits, and this step runs
+            # it after the wait (a hook registered during that loop is skipped, or breaks it).
+            armed = set(_step_pre_hooks())
 
-            def closure_then_boundary():  # the window's last backward runs inside the closure
-                out = closure()
+            def closure_then_boundary():  # the window's last backward runs inside a framework's closure
+                out = None if closure is None else closure()
                 ch.boundary()
+                for key, hook in list(_step_pre_hooks().items()):
+                    if key not in armed:
+                        hook(optimizer, args, kwargs)  # its return value cannot apply: the step is running
                 return out
 
             return args[:1], {**kwargs, "closure": closure_then_boundary}
@@ -232,6 +236,13 @@ def _install() -> None:
         _installed = True
 
 
+def _step_pre_hooks() -> dict:
+    """torch's global optimizer step pre-hooks, {id: hook} (its registry: torch offers no public view)."""
+    from torch.optim import optimizer
+
+    return getattr(optimizer, "_global_optimizer_pre_hooks", {})
+
+
 def _run(channel: _Channel, run, cuda_device) -> None:
     _LOCAL.channel = channel
     env = child_environ()  # a copy: what the loop may remove
@@ -256,7 +267,10 @@ class Pull:
     """A framework-owned loop as a verify trainer. `batch(x, y)` turns the harness's micro-batch (this
     rank's rows) into what the framework's loader yields (default: the pair); hand the framework
     `dataset` with batch size 1 and `collate` (each item is already a whole micro-batch), then call
-    `start(run, model)` with the loop (e.g. `trainer.train`) and the model whose parameters it trains."""
+    `start(run, model)` with the loop (e.g. `trainer.train`) and the model whose parameters it trains.
+    `start(..., metrics=logged)`: for an adapter that declares verify.Metrics, `logged()` returns what the
+    framework logged for the step that just ran ({name: number}); metrics() calls it once the loop waits for
+    its next micro-batch, past the step's logging."""
 
     def __init__(self, spec=None, *, batch=None, timeout: float | None = None):
         self.spec = spec
@@ -265,14 +279,16 @@ class Pull:
         self.dataset = _Dataset(self._ch)
         self.model = None
         self._thread = None
+        self._metrics = None
 
     @staticmethod
     def collate(items):
         return items[0]
 
-    def start(self, run, model) -> "Pull":
+    def start(self, run, model, metrics=None) -> "Pull":
         _install()
         self.model = model
+        self._metrics = metrics
         cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self._thread = threading.Thread(target=_run, args=(self._ch, run, cuda), name="verify-pull", daemon=True)
         self._thread.start()
@@ -325,6 +341,10 @@ class Pull:
             dist.all_reduce(loss)  # each rank's share of the objective: the mean over ranks is the step's
             loss = loss / dist.get_world_size()
         return loss
+
+    def metrics(self):
+        self._ch.quiet("log its step")
+        return {} if self._metrics is None else self._metrics()
 
     def params(self):
         self._ch.quiet("stop")
