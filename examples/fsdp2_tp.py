@@ -1,5 +1,6 @@
 """FSDP2 over dp (fully_shard) + DTensor tensor parallel over tp on a 2-D mesh: FSDP2's gradient sync is
 off on micro-steps 0..N-2 (set_requires_gradient_sync), so its reduce-scatter over dp runs at the boundary only.
+The gradient is clipped by its norm over every shard, which metrics() logs.
 
     pytest --pyargs verify --verify-trainer examples.fsdp2_tp:factory -n auto
     python -m verify.selftest --verify-trainer examples.fsdp2_tp:factory
@@ -8,10 +9,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import verify
 from verify._internal.ranks.mesh import device_mesh
+
+MAX_NORM = 10.0  # the clip threshold; the drawn cases' norms straddle it, so clipped and unclipped steps are checked
+
+
+def warmup(step):
+    """The LR factor of a 3-step linear warm-up (the LR moves, so logging the wrong step's would show)."""
+    return min(1.0, (step + 1) / 3)
 
 
 class Trainer:
@@ -22,6 +31,8 @@ class Trainer:
         self.n = spec.accum_steps
         self.dp = spec.mesh.dp
         self.loss = 0.0
+        self.rows = 0
+        self.logged = {}
         # at Mesh() (the 1×1×1 reference) the plain model: no process group needed
         self.fsdp = spec.mesh.size > 1
         if self.fsdp:
@@ -29,6 +40,7 @@ class Trainer:
             parallelize_module(self.model, self.mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
             fully_shard(self.model, mesh=self.mesh["dp"])  # one unit, the root; its reduce-scatter averages over dp
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup)
 
     def micro_step(self, x, y, micro):
         if self.fsdp:
@@ -37,18 +49,36 @@ class Trainer:
         loss = F.mse_loss(self.model(x), y)
         (loss / self.n).backward()
         self.loss += loss.item() / (self.n * self.dp)
+        self.rows += len(y)
 
     def grads(self):
         return {name: p.grad for name, p in self.model.named_parameters()}  # 2-D DTensors: the harness gathers them
 
     def optimizer_step(self):
+        params = list(self.model.parameters())
+        # The norm of the whole gradient: each gradient is a DTensor sharded over dp (FSDP2) and tp, so
+        # get_total_norm's result is a partial sum still to be reduced over both; full_tensor() makes it one
+        # number on every rank, each element counted once (a tp-replicated bias too).
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, norm)
+        lr = self.opt.param_groups[0]["lr"]  # read before the step: the LR this step applies
         self.opt.step()
+        self.sched.step()  # once per optimizer step, after it
         self.opt.zero_grad()
         loss = torch.tensor(self.loss, dtype=torch.float64)
-        self.loss = 0.0
         if self.dp > 1:
             dist.all_reduce(loss, group=self.mesh["dp"].get_group())  # the global batch's mean loss
+        # every replica holds the same number of rows: the window's over every rank
+        self.logged = {"loss": loss.item(), "grad_norm": norm.item(), "lr": lr, "rows": self.rows * self.dp}
+        self.loss = 0.0
+        self.rows = 0
         return loss
+
+    def metrics(self):
+        """What the last step logs: the global loss, the pre-clip norm, the LR, the window's rows over every rank."""
+        return self.logged
 
     def params(self):
         return dict(self.model.named_parameters())
@@ -56,17 +86,22 @@ class Trainer:
 
 def counts(case):
     """Each micro-step: FSDP2's all-gather of its one unit over dp, Rowwise's all-reduce over tp. The boundary
-    adds FSDP2's reduce-scatter over dp (gloo has none: an all-reduce) and the loss's all-reduce."""
-    tp = {"all_reduce": 1} if case.mesh.tp > 1 else {}  # a one-rank tp group reaches no c10d
-    rows = {"tp": verify.CountRow("Rowwise", before=tp, boundary=tp)}
+    adds FSDP2's reduce-scatter over dp (gloo has none: an all-reduce), the loss's all-reduce, and the gradient
+    norm's partial sum reduced over each axis of more than one rank."""
+    rows = {"tp": verify.CountRow("Rowwise", before={}, boundary={})}  # a one-rank tp group reaches no c10d
+    if case.mesh.tp > 1:
+        rows["tp"] = verify.CountRow("Rowwise", before={"all_reduce": 1}, boundary={"all_reduce": 2})
     if case.mesh.dp > 1:
         gather = {"all_gather": 1}
         if verify.Settings.current().backend == "nccl":
-            boundary = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
+            boundary = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
         else:
-            boundary = {"all_gather": 1, "all_reduce": 2}
+            boundary = {"all_gather": 1, "all_reduce": 3}
         rows["dp"] = verify.CountRow("FSDP2, root unit", before=gather, boundary=boundary)
     return rows
 
 
-factory = verify.adapter(data=verify.data.regression(features=8), mesh_axes=("dp", "tp"), counts=counts)(Trainer)
+# metrics: what metrics() logs, and the threshold it clips at (the harness checks the scale the optimizer saw)
+metrics = verify.Metrics(names=("loss", "grad_norm", "lr", "rows"), max_norm=MAX_NORM)
+factory = verify.adapter(data=verify.data.regression(features=8), mesh_axes=("dp", "tp"), counts=counts,
+                         metrics=metrics)(Trainer)

@@ -31,7 +31,8 @@ class Trainer(pipeline_schedule.Trainer):
             dist.all_reduce(t, group=self.dp_group)
 
 
-# the pipeline recipe's data and schedule options, on a dp × pp mesh
+# the pipeline recipe's data, schedule options and metrics, on a dp × pp mesh
 factory = verify.adapter(data=pipeline_schedule.factory.data, mesh_axes=("dp", "pp"),
                          defaults=pipeline_schedule.factory.defaults,
-                         options=pipeline_schedule.factory.options)(Trainer)
+                         options=pipeline_schedule.factory.options,
+                         metrics=pipeline_schedule.factory.metrics)(Trainer)

@@ -119,6 +119,8 @@ def record(result) -> None:
         s["meshes"] = sorted(set(s.get("meshes", [])) | {str(result.case.mesh)})
         counted = result.extra.get("counts") or {}
         s["axes_not_counted"] = sorted(set(s.get("axes_not_counted", [])) | set(counted.get("unjudged", [])))
+        if result.extra.get("metrics"):  # the mesh run's reported metrics, judged on its float64 run
+            _metrics_tally(_gate(Gate.METRICS.value), result.extra["metrics"], result.case)
 
 
 def _metrics_tally(s: dict, m: dict, case, result=None) -> None:

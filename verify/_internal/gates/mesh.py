@@ -4,13 +4,15 @@ Every rank runs the window through the four methods on a pool of mesh.size ranks
 pipeline_chunks=1, accum_steps=1 beside it; each dp replica is assembled from what its ranks own
 (verify/_internal/ranks/mesh.py) and judged by tolerance.Judge, the replicas bit-equal after every step. The
 per-axis counts (gates/mesh_counts.py) come first; the step loss is the last stage's, its tp ranks agreeing
-exactly. Failures name the mesh, the chunks, the outer steps, the replica and the owning stage.
+exactly. Failures name the mesh, the chunks, the outer steps, the replica and the owning stage. Declared
+Metrics are judged last, per rank, against each replica's whole-gradient norm (`mesh_norms`).
 
-Design: docs/design/distributed.md, "Mesh axes".
+Design: docs/design/distributed.md, "Mesh axes"; docs/design/metrics.md, "On a mesh".
 """
 from __future__ import annotations
 
 import functools
+import math
 
 from verify._internal.cases.case import Case, Trace
 from verify._internal.ranks.mesh import MeshError, assemble, meshes, missing, unsupported
@@ -18,10 +20,11 @@ from verify._internal.ranks.pool import get_pool
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.distributed import F32, F64, kappa_job, reference_job, run_distributed
 from verify._internal.gates.counts import declared_row
+from verify._internal.gates.metrics import judge_world
 from verify._internal.gates.mesh_counts import check_mesh_counts
-from verify._internal.gates.tolerance import Judge, measured_floor
+from verify._internal.gates.tolerance import Judge, bound64, measured_floor
 
-__all__ = ["check_mesh", "check_mesh_splits", "assemble_traces", "where"]
+__all__ = ["check_mesh", "check_mesh_splits", "assemble_traces", "mesh_norms", "where"]
 
 GATE = Gate.MESH_EQUIVALENCE
 
@@ -60,6 +63,35 @@ def assemble_traces(traces: list[Trace], case: Case, names) -> list[Trace]:
                 _fail(case, f"replica {d}, stage {mesh.pp - 1}: tp ranks 0 and {bad} return different losses at step "
                             f"{k} ({last[0][k]!r} vs {last[bad][k]!r})")
         out.append(Trace([last[0][k] for k in range(case.steps)], grads[d], [params[k][d] for k in range(case.steps)]))
+    return out
+
+
+def mesh_norms(traces: list[Trace], case: Case) -> dict[int, list]:
+    """rank -> the harness's pre-clip norm of its replica's whole gradient, per step (what grad_norm must be).
+    Each rank's Observer holds Σ g² per name of what its grads() returned (a DTensor gathered whole): pp stages
+    own disjoint names and a stage's tp ranks the same ones, so the replica's sums merge by name, each name
+    once (its copies must agree), and the norm is the square root of the total. None: a step without the
+    pre-clip gradient (grads_from='optimizer')."""
+    mesh, out, tol = case.mesh, {}, bound64()
+    for d in range(mesh.dp):
+        ranks = [mesh.rank(d, s, t) for s in range(mesh.pp) for t in range(mesh.tp)]
+        norms = []
+        for k in range(case.steps):
+            sums = [traces[r].seen[k].get("sumsq") for r in ranks]
+            if any(s is None for s in sums):
+                norms.append(None)
+                continue
+            merged, by = {}, {}
+            for r, s in zip(ranks, sums):
+                for name, v in s.items():
+                    if name in merged and abs(v - merged[name]) > tol * max(abs(v), abs(merged[name])):
+                        _fail(case, f"replica {d}: ranks {by[name]} and {r} hold different gradients of {name!r} at "
+                                    f"step {k} (Σg² {merged[name]!r} vs {v!r}): a parameter's copies on its stage's "
+                                    f"tp ranks must be one tensor")
+                    merged.setdefault(name, v)
+                    by.setdefault(name, r)
+            norms.append(math.sqrt(sum(merged.values())))
+        out.update({r: norms for r in ranks})
     return out
 
 
@@ -134,7 +166,12 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
                                 f"({dt.replace('torch.', '')} run): replicas diverged", k)
                     except GateFailure as e:
                         raise _name_stage(e, stages, case.mesh.pp) from None
-    return GateResult(GATE, case, worst[0], worst[1], floor64=used, counts=counted)
+    metrics = {}
+    if adapter.metrics is not None:  # last, as in gates/distributed.py: every rank's float64 run vs the big batch's
+        f64 = {o.rank: o.runs[F64].trace for o in outcomes}
+        metrics = judge_world(adapter, case, f64, ref, norms=mesh_norms([f64[r] for r in sorted(f64)], case),
+                              pool=kpool)
+    return GateResult(GATE, case, worst[0], worst[1], floor64=used, counts=counted, metrics=metrics)
 
 
 def check_mesh_splits(adapter, case: Case, world: int) -> GateResult:

@@ -99,13 +99,16 @@ def _close(got: float, want: float, tol: float) -> tuple[bool, float]:
 
 
 def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, losses: list, *, who: str,
-              rank: int = 0, world: int = 1, big: list[dict] | None = None, last_micro=None, tally=None) -> MetricsTally:
+              rank: int = 0, world: int = 1, big: list[dict] | None = None, last_micro=None, tally=None,
+              no_loss=frozenset()) -> MetricsTally:
     """One run's reported metrics, step by step, against what the harness expects of them:
 
     seen     the run's Observer steps (this rank's)        norms   the harness's global pre-clip norm per step
     counts   (valid targets, rows) of each whole window     losses  the float64 big batch's step loss per step
     big      the big batch's own Observer steps (its reported metrics: the same value is expected of both)
     last_micro  () -> this rank's last micro-batch's float64 loss at step 0 (Metrics(loss="last_micro"))
+    no_loss  the steps whose optimizer_step() returned None on this rank (a pipeline's earlier stage, as the
+             protocol allows): the rank does not know the loss, so metrics() may leave 'loss' out there
     Raises GateFailure('[reported metrics] ...') naming the metric, the step, the rank and the factor."""
     m, tally = adapter.metrics, tally or MetricsTally()
     tol = bound64()
@@ -140,8 +143,8 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
                 tally.ok("clip (applied)", err, tol, f"clip coefficient applied (step {k})")
         for name in m.names:
             if name not in rep:
-                if empty:
-                    continue  # a window without a valid target: a metric may be left out
+                if empty or (name == "loss" and k in no_loss):
+                    continue  # a window without a valid target, or a rank without the loss: it may be left out
                 fail(f"metrics() has no {name!r}, which Metrics(names=...) declares", k)
             got = rep[name]
             if isinstance(got, str):
@@ -267,19 +270,26 @@ def judge_world(adapter, case: Case, runs: dict, ref, norms: dict | None = None,
     """Every rank's float64 run (runs: rank -> Trace, each with its Observer steps) against the one-rank float64
     big batch `ref` (a Trace with its own): each rank that reports must report the global values. `norms`:
     rank -> the global pre-clip norm per step (default: the rank's own boundary gradient, which data parallelism
-    replicates). `pool`: where a last-micro-batch reference runs (loss='last_micro'). Returns the tally's extra."""
+    replicates). `pool`: where a last-micro-batch reference runs (loss='last_micro'). A mesh case's rank is named
+    with its coordinates; its rows are its dp replica's. Returns the tally's extra."""
     if adapter.metrics is None:
         return {}
     counts = expected_counts(adapter, case.batches(adapter))
     tally = MetricsTally()
     for rank, tr in sorted(runs.items()):
-        def last_micro(rank=rank):
+        who, rows = f"{case.world}-rank run", rank
+        if case.mesh is not None:
+            rows, stage, t = case.mesh.coords(rank)
+            who = f"{case.mesh} run (replica {rows}, stage {stage}, tp rank {t})"
+
+        def last_micro(rows=rows):
             if pool is None:
-                return block_loss_job(_Here(case.device), adapter, case, rank)
-            return pool.run(block_loss_job, adapter, case, rank)[0]
+                return block_loss_job(_Here(case.device), adapter, case, rows)
+            return pool.run(block_loss_job, adapter, case, rows)[0]
         mine = norms[rank] if norms is not None else [norm_of(s) for s in tr.seen]
-        judge_run(adapter, case, tr.seen, mine, counts, ref.losses, who=f"{case.world}-rank run", rank=rank,
-                  world=case.ranks, big=ref.seen, last_micro=last_micro, tally=tally)
+        judge_run(adapter, case, tr.seen, mine, counts, ref.losses, who=who, rank=rank, world=case.ranks,
+                  big=ref.seen, last_micro=last_micro, tally=tally,
+                  no_loss={k for k, loss in enumerate(tr.losses) if loss is None})
     return tally.extra()
 
 
