@@ -120,7 +120,7 @@ def record(result) -> None:
         counted = result.extra.get("counts") or {}
         s["axes_not_counted"] = sorted(set(s.get("axes_not_counted", [])) | set(counted.get("unjudged", [])))
         if result.extra.get("metrics"):  # the mesh run's reported metrics, judged on its float64 run
-            _metrics_tally(_gate(Gate.METRICS.value), result.extra["metrics"], result.case)
+            _metrics_tally(_gate(Gate.REPORTED_METRICS.value), result.extra["metrics"], result.case)
 
 
 def _metrics_tally(s: dict, m: dict, case, result=None) -> None:
