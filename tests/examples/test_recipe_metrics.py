@@ -57,5 +57,5 @@ def test_a_convention_the_framework_does_not_follow_is_rejected(name):
     adapter = _factory(name)
     wrong, metric = RECIPES[name][1], RECIPES[name][2]
     misdeclared = dataclasses.replace(adapter, metrics=dataclasses.replace(adapter.metrics, **wrong))
-    with pytest.raises(GateFailure, match=rf"\[reported metrics\] {metric} reported .*step 0"):
+    with pytest.raises(GateFailure, match=rf"\[reported metrics\] .*step 0: {metric} reported "):
         check_metrics(misdeclared, CASE)
