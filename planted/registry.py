@@ -24,8 +24,9 @@ from verify._internal.cases.case import Case
 from verify._internal.ranks.mesh import Mesh
 from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
-from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_metrics, broken_numerics, broken_overflow, broken_tokens,
-                     broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters, overflow_adapters, pull_loops)
+from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
+                     broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters,
+                     overflow_adapters, pull_loops)
 from xtrain_proof.options import XtrainOptions
 
 
@@ -115,11 +116,14 @@ PIPE = Case(accum_steps=4, micro_batch=2, steps=2, world=1, mesh=Mesh(pp=2), pip
 # two tp ranks, N=3 (so loss × tp, error 1 = tp − 1, is not N − 1), B=4; data seed 1: every micro-batch holds
 # targets of both class shards (shard_local_count divides by no zero: a finite, rank-dependent loss)
 TP = Case(accum_steps=3, micro_batch=4, steps=2, world=1, mesh=Mesh(tp=2), seed=1, data_seed=1)
+# DIST clipping at 0.2: each rank's own gradient and the reduced one clip (at 1.0 neither does, only a log can be wrong)
+CLIPPED = DIST.replace(options=_opts(warmup_steps=2, max_grad_norm=0.2))
 
 _BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
 _FSDP_ROW = r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"
 _SPLIT = r"split N=\d+ B=\d+ W=\d+ of a window of \d+ rows: \["
 _EQ = r"; case N=\d"
+_NORM = r", step 0: grad_norm reported \S+, expected \S+ \(‖the boundary gradient‖, every element once\) "
 
 PLANTED: tuple[PlantedBug, ...] = (
     # -- one process (broken.py) ---------------------------------------------------------------------------
@@ -395,6 +399,18 @@ PLANTED: tuple[PlantedBug, ...] = (
                broken_tp.boundary_over_world, Gate.BOUNDARY_ONLY,
                r"mesh dp=1 pp=1 tp=2, .*axis tp .*step 0, boundary .*count table row 'Colwise/Rowwise \+ loss parallel' "
                r"expects all_reduce×5, observed all_reduce×11", TP),
+    # -- reported metrics across ranks (broken_mesh_metrics.py): a norm or a clip coefficient from part of the gradient
+    PlantedBug("replicated_counted_tp", "logged grad_norm: Σg² summed over tp, a replicated bias tp times (NeMo RL #3788)",
+               broken_mesh_metrics.replicated_counted_tp, Gate.REPORTED_METRICS,
+               r"rank \d: mesh dp=1 pp=1 tp=2 run \(replica 0, stage 0, tp rank \d\)" + _NORM + r"\(×1\.\d+\)", TP),
+    PlantedBug("fsdp2_shard_norm", "logged grad_norm over this rank's FSDP2 shards, never all-reduced",
+               broken_mesh_metrics.fsdp2_shard_norm, Gate.REPORTED_METRICS, r"rank \d: 2-rank run" + _NORM + r"\(×0\.\d+\)", DIST),
+    PlantedBug("clip_before_reduction", "each rank clips its own gradient before the boundary all-reduce",
+               broken_mesh_metrics.clip_before_reduction, Gate.DP_EQUIVALENCE,
+               r"rank \d: gradient \(step 0\) of '[\w.]+': accumulation error", CLIPPED),
+    PlantedBug("clip_coef_per_rank", "the clip coefficient from the norm of this rank's 1/W of the gradient (ZeRO-like)",
+               broken_mesh_metrics.clip_coef_per_rank, Gate.DP_EQUIVALENCE,
+               r"rank \d: (float64 )?parameter '[\w.]+' after step \d", CLIPPED),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

@@ -207,7 +207,7 @@ class MicroSchedule:
         if self.last_skipped:
             pass  # no valid token in the window: no update, no schedule step, the scaler untouched
         elif self.scaler is not None:
-            self._log_step(clip(self.model, self.cfg))
+            self._log_step(self._clip())
             scale = self.scaler.get_scale()
             self.scaler.step(self.opt)  # skips the step if unscale_ found an inf/NaN in ANY micro-step
             self.scaler.update()
@@ -215,7 +215,7 @@ class MicroSchedule:
             if not self.last_skipped:
                 self.sched.step()
         else:
-            self._log_step(clip(self.model, self.cfg))
+            self._log_step(self._clip())
             self.opt.step()
             self.sched.step()
         self.skipped_steps += int(self.last_skipped)
@@ -225,6 +225,11 @@ class MicroSchedule:
         """The window's denominator over every rank: its rows (mean) or valid tokens (tokens); overridden by the
         data-parallel trainers, whose boundary reduced it."""
         return self._den
+
+    def _clip(self) -> torch.Tensor:
+        """The boundary's clip (module-level clip()): its pre-clip norm is what the step logs. A method, so a
+        planted bug (planted/broken_mesh_metrics.py) can change where the norm comes from and nothing else."""
+        return clip(self.model, self.cfg)
 
     def _log_step(self, norm: torch.Tensor) -> None:
         """Before the optimizer step: the pre-clip norm (a tensor, read when logged) and the LR it applies."""

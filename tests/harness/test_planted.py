@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from planted import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens
-from planted import broken_tp, ddp_modes, registry as planted
+from planted import broken_mesh_metrics, broken_tp, ddp_modes, registry as planted
 from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_token_mean)
 from verify._internal.gates.distributed import max_world
 from verify._internal.gates.mesh import check_mesh
@@ -21,7 +21,9 @@ RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.BIT_EXACT: check_bit_exact, Gat
        Gate.SPLIT_INVARIANCE: lambda a, case, w: check_split_invariance(a, case, max_world=w),
        Gate.LONG_WINDOW: check_long_window, Gate.TOKEN_MEAN: check_token_mean, Gate.EMPTY_WINDOW: check_empty_window,
        Gate.OVERFLOW: check_overflow, Gate.BOUNDARY_ONLY: check_distributed, Gate.DP_EQUIVALENCE: check_distributed,
-       Gate.MESH_EQUIVALENCE: check_mesh, Gate.BYTES_PER_STEP: check_same_bytes, Gate.REPORTED_METRICS: check_metrics}
+       Gate.MESH_EQUIVALENCE: check_mesh, Gate.BYTES_PER_STEP: check_same_bytes,
+       # one process: the metrics gate's own runs; W ranks: the data-parallel gate judges every rank's metrics
+       Gate.REPORTED_METRICS: lambda a, case: (check_metrics if case.world == 1 else check_distributed)(a, case)}
 # harmless by design, and checked to pass where they are tested; compiled_runs_eager fails the trainer's own
 # guard (DistJobError), not a gate
 CONTROLS = {id(a) for a in (broken.scaled_by_one, broken_dist.fsdp2_switch_after_forward,
@@ -60,8 +62,8 @@ def test_every_gate_of_the_registry_is_driven():
 
 def test_every_planted_adapter_is_registered():
     registered = {id(b.adapter) for b in planted.PLANTED}
-    modules = (broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens, broken_tp,
-               ddp_modes)
+    modules = (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_numerics, broken_overflow,
+               broken_tokens, broken_tp, ddp_modes)
     missing = [f"{m.__name__}.{k}" for m in modules for k, a in vars(m).items()
                if isinstance(a, Adapter) and a.name.startswith("broken") and id(a) not in registered
                and id(a) not in CONTROLS]
