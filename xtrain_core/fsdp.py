@@ -46,6 +46,20 @@ class FSDP2Trainer(RankAveraged):
         self._backward(self._objective(m.loss_batched, m.loss_sum, idx, targets, micro, alone=self.world == 1))
         self._next_micro = micro + 1
 
+    def _clip(self):
+        """Without clipping, the logged norm must not cost a collective at the boundary (FSDP2's count row has
+        none there): this rank's Σ g² over its shards now, their all-reduce when metrics() reads it."""
+        if self.cfg.max_grad_norm is not None:
+            return super()._clip()  # clip_grad_norm_ over DTensors: the row's one norm all-reduce
+        local = torch.stack([g.detach().double().pow(2).sum() for g in self._grads_list()]).sum()
+
+        def norm() -> torch.Tensor:
+            total = local.clone()
+            dist.all_reduce(total)  # the shards partition every parameter: their sum is the whole gradient's
+            return total.sqrt()
+
+        return norm
+
     def _grads_list(self) -> list[torch.Tensor]:
         return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 for p in self.model.parameters() if p.grad is not None]

@@ -241,6 +241,7 @@ class MicroSchedule:
         window's rows (mean) or valid tokens (tokens). A skipped window (no valid token) logs no norm or LR."""
         out = {k: float(v) for k, v in self._logged.items() if k != "grad_norm"}
         norm = self._logged.get("grad_norm")
+        norm = norm() if callable(norm) else norm  # FSDP2 without clipping: reduced only when read (fsdp.py)
         if norm is not None:
             norm = float(norm.full_tensor() if callable(getattr(norm, "full_tensor", None)) else norm)
             cap = self.cfg.max_grad_norm
