@@ -1,7 +1,9 @@
-"""The historical bug as a reproducible report: Hugging Face transformers' gradient accumulation on padded
-data, before the fix (#34191 / #34373, first released in 4.46) and in a current release.
+"""The historical bugs as a reproducible report: Hugging Face transformers' gradient accumulation on padded
+data (a per-micro-batch token mean), the N× gradient and logged grad_norm of 4.46-4.47 (#35207), the next step's
+LR logged before 4.51 (#36973), the per-rank token mean under DDP before 4.54 (#39395), and a current release
+(KNOWN below).
 
-    python -m benchmarks.frameworks [--versions 4.45.2,current] [--out reports/frameworks] [--cache DIR]
+    python -m benchmarks.frameworks [--versions 4.45.2,4.46.3,4.50.0,current] [--out reports/frameworks] [--cache DIR]
                                     [--profile dev|ci] [--max-world 2] [--timeout SECONDS]
 
 For each transformers version it builds a virtual environment under the cache (default
@@ -12,10 +14,12 @@ Then it runs the HF recipe (examples/hf_trainer.py) through the plugin, from an 
 
     pytest --pyargs verify --verify-trainer examples.hf_trainer:factory --verify-report RUN
 
-and writes OUT/frameworks.json (the common header; per version: the pins, the verdict, each failing gate
-with its shrunk case, the gates' examples and worst error / bound, times) and OUT/frameworks.md. Exit 0
-when every version meets its expectation (a release before 4.46 rejected, later ones passing), 1 when one
-does not, 2 on bad input. pip's and pytest's output go to CACHE/frameworks.log.
+and, in the same venv, the metrics gate on each metric the recipe declares ALONE, on two fixed cases (one
+failing metric hides no other: the plugin's metrics test stops at its first). It writes OUT/frameworks.json
+(the common header; per version: the pins, the verdict, each failing gate with its shrunk case, each metric's
+verdict, the gates' examples and worst error / bound, times) and OUT/frameworks.md. Exit 0 when every version
+meets its expectation (a release before 4.54 rejected, later ones passing), 1 when one does not, 2 on bad
+input. pip's and pytest's output go to CACHE/frameworks.log.
 """
 from __future__ import annotations
 
@@ -33,9 +37,19 @@ from verify._internal.cli import Parser, UsageError, fail, positive_int, writabl
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "examples.hf_trainer:factory"
 TORCH = "torch==2.13.0"  # pinned like the README's install: the local CPU wheel, never a multi-GB CUDA build
-# accelerate of each release's time for the old one (its Trainer predates accelerate 1.x's later changes)
-ACCELERATE = {"4.45.2": "accelerate==1.0.1"}
-FIXED_IN = (4, 46)  # the release with the gradient-accumulation fix: before it the gates must reject
+# accelerate of each release's time for the old ones (their Trainer predates accelerate's later changes)
+ACCELERATE = {"4.45.2": "accelerate==1.0.1", "4.46.3": "accelerate==1.1.1", "4.50.0": "accelerate==1.5.2"}
+FIXED_IN = (4, 54)  # the first release with every known bug below fixed: before it the gates must reject
+# What the gates see on this recipe's GPT-2 before each fix (measured at the releases the report runs, and where
+# said at the neighbouring ones); the metrics gate judges what HF logs (examples/hf_trainer.py).
+PER_MICRO = ("each micro-batch's own token mean on padded data: GPT-2 takes no loss kwargs before 4.50 (4.49 not "
+             "checked), and the Trainer's fix (#34191 / #34373, 4.46) reaches only a model that takes num_items_in_batch")
+NOT_OVER_N = ("the loss of a model without loss kwargs not divided by N before backward: N× the gradient and the "
+              "logged grad_norm (#35207, fixed in 4.48)")
+NEXT_LR = "the LR logged after the scheduler's step: the next step's (#35942, fixed in 4.51 by #36973)"
+PER_RANK = ("under DDP each rank's loss divided by its own valid-target count (average_tokens_across_devices=False "
+            "by default; True from 4.54, #39395)")
+KNOWN = [((4, 50), PER_MICRO), ((4, 48), NOT_OVER_N), ((4, 51), NEXT_LR), ((4, 54), PER_RANK)]
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xtrain-verify", "frameworks")
 
 
@@ -45,6 +59,14 @@ def expectation(version: str) -> str:
         return "passes"
     major, minor = (int(x) for x in version.split(".")[:2])
     return "rejected" if (major, minor) < FIXED_IN else "passes"
+
+
+def known_bugs(version: str) -> list[str]:
+    """The known bugs a release has (none for 'current')."""
+    if version == "current":
+        return []
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return [what for fixed, what in KNOWN if (major, minor) < fixed]
 
 
 def _version(text: str) -> list[str]:
@@ -117,6 +139,46 @@ def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: i
                 test_seconds=_test_seconds(os.path.join(run_dir, "junit.xml")))
 
 
+PROBE_CASES = (dict(accum_steps=2, micro_batch=2, steps=2, seed=1, data_seed=2),
+               dict(accum_steps=3, micro_batch=1, steps=2, seed=1, data_seed=3))
+
+
+def probe_metrics() -> None:
+    """Run inside a version's venv: each metric the recipe declares judged alone by the metrics gate on
+    PROBE_CASES (unpadded, clipping active); prints one JSON line {metric: 'passes' | the first verdict}."""
+    import dataclasses
+    import importlib
+
+    from verify._internal.cases.case import Case
+    from verify._internal.gates.metrics import check_metrics
+    from verify._internal.verdict import GateFailure
+
+    module, name = RECIPE.split(":")
+    adapter = getattr(importlib.import_module(module), name)
+    out = {}
+    for metric in adapter.metrics.names:
+        alone = dataclasses.replace(adapter, metrics=dataclasses.replace(adapter.metrics, names=(metric,)))
+        out[metric] = "passes"
+        for fields in PROBE_CASES:
+            try:
+                check_metrics(alone, Case(**fields))
+            except GateFailure as e:
+                out[metric] = str(e).splitlines()[0]
+                break
+    print(json.dumps(out))
+
+
+def run_probe(py: str, log) -> dict:
+    """probe_metrics in the venv of `py`: {metric: verdict}, or {'error': why}."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    try:
+        out = _run([py, "-c", "from benchmarks.frameworks import probe_metrics; probe_metrics()"], log, cwd=ROOT, env=env)
+        return json.loads(out.strip().splitlines()[-1])
+    except (RuntimeError, ValueError, IndexError) as e:
+        return {"error": str(e)[-300:]}
+
+
 def _test_seconds(path: str) -> dict[str, float]:
     """Each gate test's own time (pytest's junit xml): for a failing one, the time to its shrunk verdict."""
     if not os.path.exists(path):
@@ -154,12 +216,19 @@ def failure_rows(report: dict, seconds: dict | None = None) -> list[dict]:
     return rows
 
 
-def explain(f: dict) -> str | None:
-    """What a failure of this recipe means, where its verdict shows a known class (None otherwise)."""
+def explain(f: dict, known=(PER_MICRO,)) -> str | None:
+    """What a failure of this recipe means, where its verdict shows a known class (None otherwise); `known`: the
+    release's known bugs (known_bugs)."""
     text = f["verdict"]
-    if "nan" in text.lower() and f["gate"] in (Gate.EQUIVALENCE, Gate.TOKEN_MEAN, Gate.SPLIT_INVARIANCE):
+    loss_gates = (Gate.EQUIVALENCE, Gate.TOKEN_MEAN, Gate.SPLIT_INVARIANCE, Gate.DP_EQUIVALENCE)
+    if PER_MICRO in known and "nan" in text.lower() and f["gate"] in loss_gates:
         return ("a micro-batch without a valid target gives 0/0 = NaN where the window's token mean is defined: the "
-                "loss is a mean per micro-batch, not over the window's valid targets (fixed in 4.46, #34191/#34373)")
+                "loss is a mean per micro-batch, not over the window's valid targets")
+    if PER_RANK in known and " W=" in text and f["gate"] in loss_gates:
+        return ("each rank divides by its own valid-target count (a rank without one: 0/0 = NaN), not the window's "
+                "over every rank: average_tokens_across_devices is off by default before 4.54")
+    if f["gate"] == Gate.METRICS:
+        return explain_metric(text)
     ops = re.findall(r"\w+:(\w+) \w+ \[", text)
     if f["gate"] == Gate.BOUNDARY_ONLY and ops and all("broadcast" in op for op in ops):
         return ("broadcasts only, no gradient: DDP (broadcast_buffers=True) sends the model's buffers from rank 0 on "
@@ -168,9 +237,21 @@ def explain(f: dict) -> str | None:
     return None
 
 
+def explain_metric(text: str) -> str | None:
+    """What a metrics verdict of this recipe means, where it shows a known bug (None otherwise)."""
+    if text.startswith("[reported metrics] lr ") and "(= the LR after the scheduler's step" in text:
+        return ("HF logged the LR after stepping its scheduler: the next step's, not the one applied (#35942; "
+                "fixed in 4.51 by #36973)")
+    if text.startswith("[reported metrics] grad_norm ") and "= N (micro-steps)" in text:
+        return ("N× the big batch's: in 4.46-4.47 the loss of a model without loss kwargs (GPT-2's) is not divided "
+                "by gradient_accumulation_steps before backward, so the gradient itself is N× (#35207, fixed in 4.48)")
+    return None
+
+
 def render_md(doc: dict) -> str:
-    out = ["# transformers' gradient accumulation on padded data, through the gates", "",
+    out = ["# transformers' gradient accumulation and logged metrics, through the gates", "",
            f"`{doc['command']}` — commit {doc.get('git_commit') or '(outside a git repository)'}, {doc.get('utc', '')}", "",
+           "Known bugs: " + "; ".join(f"before {a}.{b}, {what}" for (a, b), what in KNOWN) + ".", "",
            "| transformers | accelerate | expected | verdict | gates (s) | venv build (s) |", "|---|---|---|---|---|---|"]
     for v in doc["versions"]:
         i = v["installed"]
@@ -180,12 +261,22 @@ def render_md(doc: dict) -> str:
     for v in doc["versions"]:
         out += ["", f"## transformers {v['installed'].get('transformers', v['version'])}: {v['verdict']}", "",
                 f"pytest: {v['summary'] or '(no summary)'}"]
+        if v.get("known"):
+            out += ["", "Known bugs of this release: " + "; ".join(v["known"]) + "."]
         if v["failures"]:
             out += ["", "| gate | test | minimal case | seconds to the shrunk verdict |", "|---|---|---|---|"]
             out += [f"| {f['gate']} | {f['test']} | `{f['case']}` | {f.get('seconds') or '?'} |" for f in v["failures"]]
             out += ["", "Verdicts:", ""] + [f"- `{f['verdict']}`" + (f" — hint: {f['hint']}" if f["hint"] else "")
-                                            + (f"\n  - what it shows: {explain(f)}" if explain(f) else "")
+                                            + (f"\n  - what it shows: {explain(f, v.get('known', ()))}"
+                                               if explain(f, v.get("known", ())) else "")
                                             for f in v["failures"]]
+        if v.get("metrics"):
+            out += ["", "Each declared metric judged alone by the metrics gate (" +
+                    ", ".join(f"N={c['accum_steps']} B={c['micro_batch']} K={c['steps']}" for c in PROBE_CASES) +
+                    "; clipping active):", "", "| metric | verdict |", "|---|---|"]
+            for name, text in v["metrics"].items():
+                why = explain_metric(text)
+                out.append(f"| {name} | `{text}`" + (f" — {why}" if why else "") + " |")
         gates = {k: g for k, g in (v.get("gates") or {}).items() if g.get("examples")}
         if gates:
             out += ["", "| gate | examples | worst error / bound |", "|---|---|---|"]
@@ -199,7 +290,8 @@ def _ratio(x) -> str:
 
 def main(argv=None) -> int:
     p = Parser(prog="benchmarks.frameworks", description=__doc__.split("\n\n")[0])
-    p.add_argument("--versions", default="4.45.2,current", help="comma-separated releases, or 'current' (newest)")
+    p.add_argument("--versions", default="4.45.2,4.46.3,4.50.0,current",
+                   help="comma-separated releases, or 'current' (newest)")
     p.add_argument("--out", default=os.path.join("reports", "frameworks"))
     p.add_argument("--cache", default=CACHE, help="where the venvs live (never the repository)")
     p.add_argument("--profile", choices=("dev", "ci"), default="dev", help="hypothesis profile of the gate runs")
@@ -229,8 +321,10 @@ def main(argv=None) -> int:
             print(f"transformers {installed['transformers']}: gates ({a.profile} profile) ...", flush=True)
             run = run_gates(py, os.path.join(a.cache, f"run-{version}"), profile=a.profile, max_world=a.max_world,
                             timeout=a.timeout, log=log)
+            metrics = run_probe(py, log)
             v, want = verdict(run), expectation(version)
             rows.append(dict(version=version, installed=installed, expected=want, verdict=v, meets_expectation=v == want,
+                             known=known_bugs(version), metrics=metrics,
                              exit_code=run["exit_code"], seconds=run["seconds"], venv_seconds=round(built, 1),
                              summary=run["summary"], failures=failure_rows(run["report"], run.get("test_seconds")),
                              gates=run["report"].get("gates"), settings=run["report"].get("settings")))

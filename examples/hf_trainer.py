@@ -11,6 +11,7 @@ reads the gradient before HF clips it (docs/verify-your-trainer.md, "The framewo
 import tempfile
 
 import torch
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
 
 import verify
@@ -32,10 +33,16 @@ ALONE = verify.Expected("all_reduce", count=2, world=1, why="accelerate's no_syn
 # DDP broadcasts the model's buffers at every forward (broadcast_buffers=True): GPT-2 before transformers 4.46
 # registers its attention mask (bool) and masked_bias (float) as buffers. Declared; later releases have none.
 BUFFERS = verify.Expected("broadcast", count=2, why="DDP's buffer broadcast at every forward (GPT-2 < 4.46)")
-# What HF logs per optimizer step (state.log_history, logging_steps=1), each with the harness's own value: `loss`
-# (the window's token mean over every rank), `grad_norm` (what clip_grad_norm_ returned: before clipping),
-# `learning_rate` (read before the scheduler's step since transformers 4.5x: the LR applied; 4.45 logs the next).
-METRICS = verify.Metrics(names=("loss", "grad_norm", "lr"), max_norm=MAX_NORM)
+# What HF logs per optimizer step (state.log_history, logging_steps=1) under the harness's names: `loss` (the
+# window's token mean over every rank), `grad_norm` (what clip_grad_norm_ returned: before clipping) and
+# `learning_rate` (read before the scheduler's step: the LR applied; before 4.51 the next step's, a bug).
+LOG_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "lr": "learning_rate"}
+# Before 5.0 HF rounds its logged loss to 4 decimals, which no float64 check tells from a 1e-5 error: not declared
+if int(transformers.__version__.split(".")[0]) >= 5:
+    LOGGED = ("loss", "grad_norm", "lr")
+else:
+    LOGGED = ("grad_norm", "lr")
+METRICS = verify.Metrics(names=LOGGED, max_norm=MAX_NORM)
 
 
 # empty_windows=False: HF steps AdamW on a window without a valid label (zero gradient, but momentum moves
@@ -63,6 +70,6 @@ def factory(spec):
     def logged():
         """HF's log of the step that just ran."""
         entry = trainer.state.log_history[-1]
-        return {"loss": entry["loss"], "grad_norm": entry["grad_norm"], "lr": entry["learning_rate"]}
+        return {name: entry[LOG_KEYS[name]] for name in LOGGED}
 
     return pull.start(trainer.train, model, metrics=logged)

@@ -116,8 +116,12 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
                                                                 "accelerate": "1.0.1"}, 0.0))
     monkeypatch.setattr(fw, "run_gates", lambda py, d, **k: dict(runs[py], seconds=1.5, summary="1 failed",
                                                                        test_seconds={"test_split_invariance": 41.2}))
+    next_lr = ("[reported metrics] lr reported 0.00099, expected 0.001 (the LR the optimizer applied) (= the LR after "
+               "the scheduler's step (the next step's)) (the big batch, step 0); case N=2 B=2 K=2 seed=1 data_seed=2")
+    probes = {"4.45.2": {"grad_norm": "passes", "lr": next_lr}, "current": {"grad_norm": "passes", "lr": "passes"}}
+    monkeypatch.setattr(fw, "run_probe", lambda py, log: probes[py])
     out = tmp_path / "out"
-    assert fw.main(["--out", str(out), "--cache", str(tmp_path / "cache")]) == 0
+    assert fw.main(["--out", str(out), "--versions", "4.45.2,current", "--cache", str(tmp_path / "cache")]) == 0
     doc = json.loads((out / "frameworks.json").read_text())
     assert doc["kind"] == "frameworks" and doc["schema_version"] == SCHEMA_VERSION
     old, new = doc["versions"]
@@ -126,6 +130,12 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     md = (out / "frameworks.md").read_text()
     assert "| 4.45.2 | 1.0.1 | rejected | rejected ✓ |" in md and "| split invariance | test_split_invariance |" in md
     assert old["failures"][0]["seconds"] == 41.2 and "| 41.2 |" in md  # the time to the shrunk verdict
+    # each metric judged alone, its known cause named; a release's known bugs listed (the current one has none)
+    assert old["metrics"] == probes["4.45.2"] and "| lr | `[reported metrics] lr reported 0.00099" in md
+    assert "the next step's, not the one applied (#35942" in md and "| grad_norm | `passes` |" in md
+    assert old["known"] == [what for _, what in fw.KNOWN] and new["known"] == []
+    assert fw.known_bugs("4.50.0") == [fw.NEXT_LR, fw.PER_RANK] and fw.known_bugs("4.54.0") == []
+    assert fw.expectation("4.53.0") == "rejected" and fw.expectation("4.54.0") == "passes"
     runs["4.45.2"] = dict(exit_code=0, report=passing)  # the old release passing would be a finding, not a success
-    assert fw.main(["--out", str(out), "--cache", str(tmp_path / "cache")]) == 1
+    assert fw.main(["--out", str(out), "--versions", "4.45.2,current", "--cache", str(tmp_path / "cache")]) == 1
     assert "not as expected" in (out / "frameworks.md").read_text()

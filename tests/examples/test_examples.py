@@ -2,6 +2,7 @@
 plugin, and the fault-injection self-test on it and on xtrain's own trainer, which must kill every
 operator whose bug can exist while the unwrapped trainer passes."""
 import ast
+import importlib
 import json
 import os
 import subprocess
@@ -30,6 +31,17 @@ NEEDS = {"accelerate_accumulate": [needs_accelerate], "fabric_no_backward_sync":
 
 
 DATA_PARALLEL = ["ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync"]
+METRICS = ["accelerate_accumulate", "fabric_no_backward_sync", "hf_trainer", "lightning_trainer"]  # report metrics
+
+
+def _metrics_judged(name, gates):
+    """The plugin's metrics gate judged every metric the recipe declares (at worlds 1 and 2 too: judge_world), with
+    clipping active on some step."""
+    if name not in METRICS:
+        return
+    declared = importlib.import_module(f"examples.{name}").METRICS.names
+    got = gates["reported metrics"]
+    assert set(got["checked"]) == {*declared, "clip (applied)"} and got["clipped_steps"] > 0, got
 
 
 def _marks(name):
@@ -76,6 +88,7 @@ def test_data_parallel_examples_pass_every_gate(tmp_path, name):
     assert gates["boundary-only"]["boundary_bytes_over_gradient_bytes"][1] < 1.1  # the gradients once (+ the loss)
     assert gates["boundary-only"]["expected_before_boundary"] > 0  # DDP's declared bucket rebuild was seen
     assert "declares no plain" in gates["bit-exact"]["skip_reason"] and "declares no plain" in r.stdout
+    _metrics_judged(name, gates)
 
 
 @pytest.mark.distributed
@@ -98,6 +111,7 @@ def test_framework_recipes_pass_every_gate_at_world_1(tmp_path, name):
     # declared traffic seen: HF (accelerate) at world 1 reduces every micro-step; Lightning broadcasts per batch
     # only among ≥ 2 ranks (its self-test's world-2 case)
     assert (gates["boundary-only"]["expected_before_boundary"] > 0) == (name == "hf_trainer"), gates["boundary-only"]
+    _metrics_judged(name, gates)
 
 
 @pytest.mark.distributed

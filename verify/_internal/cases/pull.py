@@ -188,6 +188,10 @@ def _install() -> None:
             w = before(getattr(clip_grad, name))
             setattr(clip_grad, name, w)
             setattr(nn_utils, name, w)
+        # the two halves of clip_grad_norm_, public since torch 2.6: accelerate >= 1.16 clips with them
+        for name in ("get_total_norm", "clip_grads_with_norm_"):
+            if hasattr(nn_utils, name):
+                setattr(nn_utils, name, before(getattr(nn_utils, name)))
 
         def step_pre(optimizer, args, kwargs):
             ch = _channel()
