@@ -227,7 +227,7 @@ def explain(f: dict, known=(PER_MICRO,)) -> str | None:
     if PER_RANK in known and " W=" in text and f["gate"] in loss_gates:
         return ("each rank divides by its own valid-target count (a rank without one: 0/0 = NaN), not the window's "
                 "over every rank: average_tokens_across_devices is off by default before 4.54")
-    if f["gate"] == Gate.METRICS:
+    if f["gate"] == Gate.REPORTED_METRICS:
         return explain_metric(text)
     ops = re.findall(r"\w+:(\w+) \w+ \[", text)
     if f["gate"] == Gate.BOUNDARY_ONLY and ops and all("broadcast" in op for op in ops):
