@@ -1,9 +1,9 @@
 """The historical bugs as a reproducible report: Hugging Face transformers' gradient accumulation on padded
 data (a per-micro-batch token mean), the N× gradient and logged grad_norm of 4.46-4.47 (#35207), the next step's
-LR logged before 4.51 (#36973), the per-rank token mean under DDP before 4.54 (#39395), and a current release
-(KNOWN below).
+LR logged before 4.51 (#36973), the per-rank token mean under DDP before 4.54 (#39395), the 1/N gradient and
+grad_norm of 5.2-5.5.3 (#45305), and a current release (KNOWN below).
 
-    python -m benchmarks.frameworks [--versions 4.45.2,4.46.3,4.50.0,current] [--out reports/frameworks] [--cache DIR]
+    python -m benchmarks.frameworks [--versions 4.45.2,4.46.3,4.50.0,5.5.3,current] [--out reports/frameworks] [--cache DIR]
                                     [--profile dev|ci] [--max-world 2] [--timeout SECONDS]
 
 For each transformers version it builds a virtual environment under the cache (default
@@ -18,7 +18,7 @@ and, in the same venv, the metrics gate on each metric the recipe declares ALONE
 failing metric hides no other: the plugin's metrics test stops at its first). It writes OUT/frameworks.json
 (the common header; per version: the pins, the verdict, each failing gate with its shrunk case, each metric's
 verdict, the gates' examples and worst error / bound, times) and OUT/frameworks.md. Exit 0 when every version
-meets its expectation (a release before 4.54 rejected, later ones passing), 1 when one does not, 2 on bad
+meets its expectation (a release with a known bug rejected, the others passing), 1 when one does not, 2 on bad
 input. pip's and pytest's output go to CACHE/frameworks.log.
 """
 from __future__ import annotations
@@ -38,10 +38,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "examples.hf_trainer:factory"
 TORCH = "torch==2.13.0"  # pinned like the README's install: the local CPU wheel, never a multi-GB CUDA build
 # accelerate of each release's time for the old ones (their Trainer predates accelerate's later changes)
-ACCELERATE = {"4.45.2": "accelerate==1.0.1", "4.46.3": "accelerate==1.1.1", "4.50.0": "accelerate==1.5.2"}
-FIXED_IN = (4, 54)  # the first release with every known bug below fixed: before it the gates must reject
-# What the gates see on this recipe's GPT-2 before each fix (measured at the releases the report runs, and where
-# said at the neighbouring ones); the metrics gate judges what HF logs (examples/hf_trainer.py).
+ACCELERATE = {"4.45.2": "accelerate==1.0.1", "4.46.3": "accelerate==1.1.1", "4.50.0": "accelerate==1.5.2",
+              "5.5.3": "accelerate==1.13.0"}
+# What the gates see on this recipe's GPT-2 in each range of releases [since, fixed) (measured at the releases the
+# report runs and at their neighbours); the metrics gate judges what HF logs (examples/hf_trainer.py).
 PER_MICRO = ("each micro-batch's own token mean on padded data: GPT-2 takes no loss kwargs before 4.50 (4.49 not "
              "checked), and the Trainer's fix (#34191 / #34373, 4.46) reaches only a model that takes num_items_in_batch")
 NOT_OVER_N = ("the loss of a model without loss kwargs not divided by N before backward: N× the gradient and the "
@@ -49,24 +49,24 @@ NOT_OVER_N = ("the loss of a model without loss kwargs not divided by N before b
 NEXT_LR = "the LR logged after the scheduler's step: the next step's (#35942, fixed in 4.51 by #36973)"
 PER_RANK = ("under DDP each rank's loss divided by its own valid-target count (average_tokens_across_devices=False "
             "by default; True from 4.54, #39395)")
-KNOWN = [((4, 50), PER_MICRO), ((4, 48), NOT_OVER_N), ((4, 51), NEXT_LR), ((4, 54), PER_RANK)]
+TWICE_OVER_N = ("accelerate's backward divides the loss by N a second time: the gradient and the logged grad_norm "
+                "1/N (#45305, fixed in 5.5.4 by #45349)")
+KNOWN = [((0, 0, 0), (4, 50, 0), PER_MICRO), ((4, 46, 0), (4, 48, 0), NOT_OVER_N), ((0, 0, 0), (4, 51, 0), NEXT_LR),
+         ((0, 0, 0), (4, 54, 0), PER_RANK), ((5, 2, 0), (5, 5, 4), TWICE_OVER_N)]
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xtrain-verify", "frameworks")
 
 
 def expectation(version: str) -> str:
-    """'rejected' for a release before the fix, 'passes' for the fix and later ('current': the newest)."""
-    if version == "current":
-        return "passes"
-    major, minor = (int(x) for x in version.split(".")[:2])
-    return "rejected" if (major, minor) < FIXED_IN else "passes"
+    """'rejected' for a release with a known bug, 'passes' otherwise ('current': the newest)."""
+    return "rejected" if known_bugs(version) else "passes"
 
 
 def known_bugs(version: str) -> list[str]:
     """The known bugs a release has (none for 'current')."""
     if version == "current":
         return []
-    major, minor = (int(x) for x in version.split(".")[:2])
-    return [what for fixed, what in KNOWN if (major, minor) < fixed]
+    release = tuple(int(x) for x in (version.split(".") + ["0"])[:3])
+    return [what for since, fixed, what in KNOWN if since <= release < fixed]
 
 
 def _version(text: str) -> list[str]:
@@ -239,19 +239,28 @@ def explain(f: dict, known=(PER_MICRO,)) -> str | None:
 
 def explain_metric(text: str) -> str | None:
     """What a metrics verdict of this recipe means, where it shows a known bug (None otherwise)."""
-    if text.startswith("[reported metrics] lr ") and "(= the LR after the scheduler's step" in text:
+    if re.search(r"\blr reported ", text) and "(= the LR after the scheduler's step" in text:
         return ("HF logged the LR after stepping its scheduler: the next step's, not the one applied (#35942; "
                 "fixed in 4.51 by #36973)")
-    if text.startswith("[reported metrics] grad_norm ") and "= N (micro-steps)" in text:
+    if re.search(r"\bgrad_norm reported ", text) and "= 1/N (micro-steps)" in text:
+        return ("1/N of the big batch's: in 5.2-5.5.3 the Trainer hands accelerate N steps of accumulation, whose "
+                "backward divides the already normalised loss by N again: the gradient itself is 1/N (#45305, fixed "
+                "in 5.5.4 by #45349)")
+    if re.search(r"\bgrad_norm reported ", text) and "= N (micro-steps)" in text:
         return ("N× the big batch's: in 4.46-4.47 the loss of a model without loss kwargs (GPT-2's) is not divided "
                 "by gradient_accumulation_steps before backward, so the gradient itself is N× (#35207, fixed in 4.48)")
     return None
 
 
+def _range(since, fixed) -> str:
+    upto = ".".join(map(str, fixed))
+    return f"before {upto}" if since == (0, 0, 0) else f"from {'.'.join(map(str, since))} to before {upto}"
+
+
 def render_md(doc: dict) -> str:
     out = ["# transformers' gradient accumulation and logged metrics, through the gates", "",
            f"`{doc['command']}` — commit {doc.get('git_commit') or '(outside a git repository)'}, {doc.get('utc', '')}", "",
-           "Known bugs: " + "; ".join(f"before {a}.{b}, {what}" for (a, b), what in KNOWN) + ".", "",
+           "Known bugs: " + "; ".join(f"{_range(since, fixed)}, {what}" for since, fixed, what in KNOWN) + ".", "",
            "| transformers | accelerate | expected | verdict | gates (s) | venv build (s) |", "|---|---|---|---|---|---|"]
     for v in doc["versions"]:
         i = v["installed"]
@@ -290,7 +299,7 @@ def _ratio(x) -> str:
 
 def main(argv=None) -> int:
     p = Parser(prog="benchmarks.frameworks", description=__doc__.split("\n\n")[0])
-    p.add_argument("--versions", default="4.45.2,4.46.3,4.50.0,current",
+    p.add_argument("--versions", default="4.45.2,4.46.3,4.50.0,5.5.3,current",
                    help="comma-separated releases, or 'current' (newest)")
     p.add_argument("--out", default=os.path.join("reports", "frameworks"))
     p.add_argument("--cache", default=CACHE, help="where the venvs live (never the repository)")
