@@ -162,7 +162,6 @@ class Observer:
             except (TypeError, ValueError):
                 out[k] = repr(v)  # the gate names it: a metric must read as a number
         self.cur["reported"] = out
-        self.cur["had_metrics"] = callable(fn)
         self.steps.append(self.cur)
         self._new()
 
