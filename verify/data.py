@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tokens", "causal_lm", "shifted_labels", "regression", "classification", "overflow_rows"]
+__all__ = ["tokens", "causal_lm", "shifted_labels", "regression", "classification", "overflow_rows", "rollouts",
+           "Rollouts", "unpack_rollouts", "packed", "documents", "count_documents"]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -86,3 +87,101 @@ def overflow_rows(trainer, inputs: torch.Tensor, targets: torch.Tensor, rows: sl
     x = inputs.clone()
     x[rows] *= OVERFLOW_FACTOR
     return x, targets
+
+
+# -- policy-gradient rollouts: fixed data the harness owns, split like any batch ---------------------------
+
+ROLLOUT_CHANNELS = 4  # token ids, old log-probs, reference log-probs, the sequence's advantage
+
+
+def rollouts(*, vocab: int, prompt_len: int, completion_len: int):
+    """Policy-gradient batches (GRPO / PPO-shaped), one row per sampled completion: inputs (rows, 4, P + C)
+    float64 — channel 0 the prompt and completion token ids, 1 and 2 the old and the reference policy's
+    log-probabilities of each completion token (0 on the prompt), 3 the row's advantage on every position —
+    and targets (rows, C) int64, the completion token ids. The harness pads completions by setting targets to
+    the ignore_index (down to an empty completion): `unpack_rollouts` turns that into the completion mask.
+    The rollouts are data, not generated: every split of a window sees the same ones."""
+    if vocab < 2 or prompt_len < 1 or completion_len < 1:
+        raise ValueError(f"rollouts needs vocab ≥ 2, prompt_len ≥ 1 and completion_len ≥ 1, got {vocab}, "
+                         f"{prompt_len} and {completion_len}")
+    P, C = prompt_len, completion_len
+
+    def make(rows: int, seed: int):
+        g = _gen(seed)
+        ids = torch.randint(0, vocab, (rows, P + C), generator=g)
+        old = -torch.rand(rows, C, generator=g, dtype=torch.float64) * 3.0 - 0.5  # log-probs in (-3.5, -0.5)
+        ref = old + 0.2 * torch.randn(rows, C, generator=g, dtype=torch.float64)
+        adv = torch.randn(rows, 1, generator=g, dtype=torch.float64)
+        x = torch.zeros(rows, ROLLOUT_CHANNELS, P + C, dtype=torch.float64)
+        x[:, 0] = ids.double()
+        x[:, 1, P:], x[:, 2, P:] = old, ref
+        x[:, 3] = adv
+        return x, ids[:, P:].clone()
+
+    return make
+
+
+class Rollouts(tuple):
+    """What `unpack_rollouts` returns, by name: prompt_ids (rows, P) and completion_ids (rows, C) int64,
+    completion_mask (rows, C) int64 (1 where the target is valid), advantages (rows,), old_logps and ref_logps
+    (rows, C), in the inputs' floating dtype."""
+
+    _fields = ("prompt_ids", "completion_ids", "completion_mask", "advantages", "old_logps", "ref_logps")
+
+    def __new__(cls, *values):
+        return super().__new__(cls, values)
+
+    def __getattr__(self, name):
+        if name in Rollouts._fields:
+            return self[Rollouts._fields.index(name)]
+        raise AttributeError(name)
+
+
+def unpack_rollouts(inputs: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> Rollouts:
+    """A micro-batch of `rollouts` data -> Rollouts. Padded completion positions (targets == ignore_index)
+    are masked out and their ids set to 0, a valid token id for any model."""
+    C = targets.shape[1]
+    ids = inputs[:, 0].round().long()
+    mask = (targets != ignore_index).long()
+    completion = ids[:, -C:] * mask
+    return Rollouts(ids[:, :-C], completion, mask, inputs[:, 3, 0], inputs[:, 1, -C:], inputs[:, 2, -C:])
+
+
+# -- packed rows: several documents per row, never cut by the harness ---------------------------------------
+
+def packed(*, vocab: int, seq_len: int, max_docs: int = 3, ignore_index: int = -100):
+    """Rows that pack 1..max_docs documents back to back: inputs (rows, 2, seq_len) int64 — channel 0 the
+    token ids, channel 1 the position_ids, restarting at 0 where each document starts — and targets
+    (rows, seq_len), each position's next token within its document; a document's last position predicts
+    nothing (ignore_index), so no target crosses a document boundary. The harness splits rows, never a row:
+    a document is never cut."""
+    if vocab < 2 or seq_len < 2 or not 1 <= max_docs <= seq_len // 2:
+        raise ValueError(f"packed needs vocab ≥ 2, seq_len ≥ 2 and 1 ≤ max_docs ≤ seq_len // 2, got {vocab}, "
+                         f"{seq_len} and {max_docs}")
+
+    def make(rows: int, seed: int):
+        g = _gen(seed)
+        ids = torch.randint(0, vocab, (rows, seq_len), generator=g)
+        pos = torch.zeros(rows, seq_len, dtype=torch.int64)
+        y = torch.full((rows, seq_len), ignore_index, dtype=torch.int64)
+        for r in range(rows):
+            docs = int(torch.randint(1, max_docs + 1, (1,), generator=g))
+            cuts = sorted(torch.randperm(seq_len // 2 - 1, generator=g)[:docs - 1].add(1).mul(2).tolist())
+            for start, end in zip([0] + cuts, cuts + [seq_len]):  # every document ≥ 2 tokens: ≥ 1 target
+                pos[r, start:end] = torch.arange(end - start)
+                y[r, start:end - 1] = ids[r, start + 1:end]
+        return torch.stack([ids, pos], dim=1), y
+
+    return make
+
+
+def documents(inputs: torch.Tensor) -> torch.Tensor:
+    """`packed` inputs -> (rows, seq_len) int64 document index of every position within its row (0, 1, ...),
+    from where position_ids restart at 0."""
+    return (inputs[:, 1] == 0).long().cumsum(dim=1) - 1
+
+
+def count_documents(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`packed` inputs -> (rows,) the documents each row holds (for verify.Objective(sequences=...)): every
+    document, one the harness's padding emptied included."""
+    return (inputs[:, 1] == 0).sum(dim=1)

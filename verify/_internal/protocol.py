@@ -89,6 +89,9 @@ class Spec:
     reads `scheduler_calls` (below): the step() calls per optimizer step that follow from it."""
     mesh: Mesh = Mesh()  # dp × pp × tp ranks (Adapter.mesh_axes, verify/_internal/ranks/mesh.py); Mesh() in every reference
     pipeline_chunks: int = 1  # micro-batches per pipeline schedule.step (buffered micro_steps); divides accum_steps
+    terms: tuple[str, ...] | None = None
+    """The objective's terms the loss must hold (Adapter(objective=...) with several terms or a per-micro one;
+    verify/_internal/objective.py); None: every term."""
     group: Any = field(default=None, compare=False, repr=False)
     """The process group to reduce over; None: the default group. Given on the rank, only to adapters that
     declare `subgroups`, in a launched world's sub-world; never pickled (a group lives in one process)."""
@@ -176,6 +179,9 @@ class Adapter:
     metrics: Any = None
     """A verify.Metrics: what the trainer's metrics() reports per optimizer step and its conventions (the
     metrics gate, verify/_internal/gates/metrics.py); None: metrics are not checked, and the report says so."""
+    objective: Any = None
+    """A verify.Objective: how each term of the loss normalises (the normaliser gate, gates/objective.py); None:
+    a token mean with an ignore_index, else a row mean that only the split-based gates judge."""
     memory_preset: Any = None
     """What `python -m verify.memory` adds for this trainer's family when it is the configured default trainer
     (a verify.memory.cli.Wing: short --trainer names, flags, options, the anchor); None: none."""
@@ -205,6 +211,8 @@ class Adapter:
         object.__setattr__(self, "mesh_sizes", mesh_sizes(self.mesh_sizes, self.mesh_axes, AdapterError))
         if self.metrics is not None and type(self.metrics).__name__ != "Metrics":
             raise AdapterError(f"metrics= must be a verify.Metrics(names=...), got {self.metrics!r}")
+        if self.objective is not None and type(self.objective).__name__ != "Objective":
+            raise AdapterError(f"objective= must be a verify.Objective(terms=...), got {self.objective!r}")
         if self.metrics is not None and self.ignore_index is None and "tokens" in self.metrics.names:
             raise AdapterError("Metrics.names has 'tokens' but the adapter declares no ignore_index: report 'rows', "
                                "or declare ignore_index= so the harness can count valid targets")
@@ -226,7 +234,7 @@ class Adapter:
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
                   "process_group", "data_parallel", "subgroups", "empty_windows", "overflow",
-                  "mesh_axes", "mesh_sizes", "grads_from", "metrics"):
+                  "mesh_axes", "mesh_sizes", "grads_from", "metrics", "objective"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
             if (f == "empty_windows" and self.ignore_index is None) or (f == "subgroups" and not self.data_parallel):
@@ -234,7 +242,7 @@ class Adapter:
             if v != default and v is not None and v != ():
                 out[f] = (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
                           else list(v) if isinstance(v, tuple) else {a: list(n) for a, n in v.items()}
-                          if f == "mesh_sizes" else v.declared() if f == "metrics" else v)
+                          if f == "mesh_sizes" else v.declared() if f in ("metrics", "objective") else v)
         return out
 
     def __call__(self, spec: Spec) -> Trainer:
@@ -338,7 +346,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
             empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
             subgroups: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None,
-            memory_preset=None, metrics=None):
+            memory_preset=None, metrics=None, objective=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
     declared = dict(locals())  # every keyword above is an Adapter field of the same name

@@ -44,6 +44,8 @@ class Case:
     dp replicas only) and the ranks are mesh.size. None: plain data parallel over `world` ranks."""
     pipeline_chunks: int = 1
     """Micro-batches per pipeline schedule.step (Spec.pipeline_chunks); divides accum_steps."""
+    terms: tuple | None = None
+    """The objective's terms every run of the case computes (Spec.terms); None: all of them."""
 
     def __post_init__(self):
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -74,7 +76,7 @@ class Case:
         return Spec(accum_steps=self.accum_steps if accum_steps is None else accum_steps, dtype=dtype,
                     device=device or self.device, seed=self.seed, options=self.options,
                     precision="fp32" if dtype == torch.float64 else self.precision,
-                    schedule_world=self.world if per_rank else 1, group=group,
+                    schedule_world=self.world if per_rank else 1, group=group, terms=self.terms,
                     **({} if accum_steps is not None or self.mesh is None else
                        dict(mesh=self.mesh, pipeline_chunks=self.pipeline_chunks)))
 
@@ -111,6 +113,7 @@ class Case:
                     effective_batch=self.effective_batch, seed=self.seed, data_seed=self.data_seed,
                     device=self.device, precision=self.precision,
                     lengths=None if self.lengths is None else list(self.lengths), options=_plain(opts),
+                    **({} if self.terms is None else dict(terms=list(self.terms))),
                     **({} if self.mesh is None else dict(mesh=dataclasses.asdict(self.mesh),
                                                          pipeline_chunks=self.pipeline_chunks)))
 
@@ -118,6 +121,7 @@ class Case:
         w = f" W={self.world}" if self.world != 1 else ""
         p = f" {self.precision}" if self.precision != "fp32" else ""
         pad = "" if self.lengths is None else f" lengths={list(self.lengths)}"
+        pad += "" if self.terms is None else f" terms={','.join(self.terms)}"
         opts = "" if self.options is None else f" {_short(self.options)}"
         if self.mesh is not None:
             w = f" {self.mesh} chunks={self.pipeline_chunks}"

@@ -18,6 +18,7 @@ from hypothesis import example
 from hypothesis import strategies as st
 
 from verify._internal.cases.case import Case
+from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
 
 __all__ = ["cases", "dist_cases", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding", "corners",
@@ -124,6 +125,7 @@ def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_ba
         data_seed=draw(st.integers(0, 2**16)),
         device=device or gate_device(),
         precision=draw(st.sampled_from(adapter.precisions)),
+        terms=window_terms(adapter),
     )
     if adapter.ignore_index is not None and (padded if padded is not None else draw(st.booleans())):
         c = c.replace(lengths=draw(padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=c.micro_batch,
@@ -223,7 +225,7 @@ def _hard_padding(case: Case, seq_len: int) -> tuple:
 
 def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, device: str | None = None) -> Case:
     c = Case(accum_steps=N, micro_batch=B, steps=K, world=W, seed=1, data_seed=2, options=_corner_options(adapter),
-             device=device or gate_device(), precision=adapter.precisions[0])
+             device=device or gate_device(), precision=adapter.precisions[0], terms=window_terms(adapter))
     if padded and adapter.ignore_index is not None:
         c = c.replace(lengths=_hard_padding(c, _row_length(adapter, c.options)))
     return c
