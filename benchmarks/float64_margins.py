@@ -51,13 +51,13 @@ def main(argv=None) -> int:
         return original(self, acc64, ref64, floor, what)
 
     Judge._float64 = record
-    from verify._internal.gates import check_empty_window, check_equivalence, check_token_mean
+    from verify._internal.gates import check_empty_window, check_equivalence, check_normaliser
     from verify._internal.gates.windows import check_long_window, check_partial_sums, check_split_invariance
     from verify._internal.verdict import Gate
 
     RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.PARTIAL_SUMS: check_partial_sums,
            Gate.SPLIT_INVARIANCE: lambda adapter, case, *_: check_split_invariance(adapter, case, max_world=1),
-           Gate.LONG_WINDOW: check_long_window, Gate.TOKEN_MEAN: check_token_mean, Gate.EMPTY_WINDOW: check_empty_window}
+           Gate.LONG_WINDOW: check_long_window, Gate.NORMALISER: check_normaliser, Gate.EMPTY_WINDOW: check_empty_window}
     rows = []
     for b in planted.PLANTED:
         if b.gate not in RUN or b.case is None or b.case.ranks > 1 or b.needs:

@@ -220,7 +220,7 @@ def explain(f: dict, known=(PER_MICRO,)) -> str | None:
     """What a failure of this recipe means, where its verdict shows a known class (None otherwise); `known`: the
     release's known bugs (known_bugs)."""
     text = f["verdict"]
-    loss_gates = (Gate.EQUIVALENCE, Gate.TOKEN_MEAN, Gate.SPLIT_INVARIANCE, Gate.DP_EQUIVALENCE)
+    loss_gates = (Gate.EQUIVALENCE, Gate.NORMALISER, Gate.SPLIT_INVARIANCE, Gate.DP_EQUIVALENCE)
     if PER_MICRO in known and "nan" in text.lower() and f["gate"] in loss_gates:
         return ("a micro-batch without a valid target gives 0/0 = NaN where the window's token mean is defined: the "
                 "loss is a mean per micro-batch, not over the window's valid targets")

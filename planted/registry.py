@@ -298,11 +298,11 @@ PLANTED: tuple[PlantedBug, ...] = (
                OVERFLOW.replace(world=2, options=None), (2, 1)),
     # -- the token mean and empty windows (broken_tokens.py) ---------------------------------------------------
     PlantedBug("all_positions", "÷ every target position, padding included",
-               broken_tokens.all_positions, Gate.TOKEN_MEAN, r"additivity|padding", TOKEN_WINDOWS),
+               broken_tokens.all_positions, Gate.NORMALISER, r"additivity|padding", TOKEN_WINDOWS),
     PlantedBug("count_plus_one", "÷ (valid count + 1)",
-               broken_tokens.count_plus_one, Gate.TOKEN_MEAN, r"additivity", TOKEN_WINDOWS),
+               broken_tokens.count_plus_one, Gate.NORMALISER, r"additivity", TOKEN_WINDOWS),
     PlantedBug("sequences", "÷ the number of sequences with a valid target",
-               broken_tokens.sequences, Gate.TOKEN_MEAN, r"additivity", TOKEN_WINDOWS),
+               broken_tokens.sequences, Gate.NORMALISER, r"additivity", TOKEN_WINDOWS),
     PlantedBug("empty_div_by_zero", "an empty window ÷ 0: NaN, stepped",
                broken_tokens.empty_div_by_zero, Gate.EMPTY_WINDOW,
                r"a window without a valid target \(after window A, 10 valid targets\) changed parameter '.+': "

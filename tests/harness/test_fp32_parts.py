@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import fp32_parts as fp
 from verify._internal.cases.case import Case
-from verify._internal.gates import (GateFailure, check_distributed, check_empty_window, check_equivalence, check_token_mean)
+from verify._internal.gates import (GateFailure, check_distributed, check_empty_window, check_equivalence, check_normaliser)
 from verify._internal.gates.tolerance import EPS32
 from verify._internal.gates.windows import check_partial_sums
 from verify._internal.cases.strategies import budget, cases, dist_cases
@@ -34,7 +34,7 @@ def test_a_float32_part_passes_equivalence_and_partial_sums_undeclared(name, dat
 def test_a_float32_count_passes_the_token_gates_undeclared(data):
     """Padded windows: A, B and A∪B have different counts, so their float32 reciprocals round differently."""
     case = data.draw(cases(fp.count32, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=2, padded=True))
-    assert check_token_mean(fp.count32, case).ratio < 1
+    assert check_normaliser(fp.count32, case).ratio < 1
     check_empty_window(fp.count32, case)
 
 
@@ -63,5 +63,5 @@ def test_a_float32_count_off_by_one_fails_the_token_mean(data):
     case = data.draw(cases(fp.count32, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=2, padded=True))
     E = case.effective_batch
     assume(sum(case.lengths[:E]) and sum(case.lengths[E:2 * E]))
-    with pytest.raises(GateFailure, match=r"^\[token mean\] additivity"):
-        check_token_mean(fp.count32_plus_one, case)
+    with pytest.raises(GateFailure, match=r"^\[normaliser\] term .loss. \(token_mean[^)]*\): additivity"):
+        check_normaliser(fp.count32_plus_one, case)

@@ -8,7 +8,7 @@ import pytest
 
 from planted import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens
 from planted import broken_mesh_metrics, broken_tp, ddp_modes, registry as planted
-from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_token_mean)
+from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_normaliser)
 from verify._internal.gates.distributed import max_world
 from verify._internal.gates.mesh import check_mesh
 from verify._internal.gates.metrics import check_metrics
@@ -19,7 +19,7 @@ from verify._internal.verdict import Gate
 ROOT = Path(__file__).resolve().parents[2]
 RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.BIT_EXACT: check_bit_exact, Gate.PARTIAL_SUMS: check_partial_sums,
        Gate.SPLIT_INVARIANCE: lambda a, case, w: check_split_invariance(a, case, max_world=w),
-       Gate.LONG_WINDOW: check_long_window, Gate.TOKEN_MEAN: check_token_mean, Gate.EMPTY_WINDOW: check_empty_window,
+       Gate.LONG_WINDOW: check_long_window, Gate.NORMALISER: check_normaliser, Gate.EMPTY_WINDOW: check_empty_window,
        Gate.OVERFLOW: check_overflow, Gate.BOUNDARY_ONLY: check_distributed, Gate.DP_EQUIVALENCE: check_distributed,
        Gate.MESH_EQUIVALENCE: check_mesh, Gate.BYTES_PER_STEP: check_same_bytes,
        # one process: the metrics gate's own runs; W ranks: the data-parallel gate judges every rank's metrics

@@ -109,15 +109,15 @@ def test_a_bad_grads_from_or_unclipped_is_one_line_naming_the_field():
 
 
 def test_a_token_mean_failure_of_a_trainer_normalising_in_its_step_names_the_count():
-    from verify._internal.gates import check_token_mean
+    from verify._internal.gates import check_normaliser
 
     case = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
                 lengths=(4, 1, 2, 1, 3, 1, 2, 3, 4, 4, 1, 2))  # window A: 12 valid targets
-    failure = _failure(check_token_mean, _helper("normalise_in_step"), case)
-    assert "divide by the window's count" in hint(failure)  # the raiser's lead, before the re-run
+    failure = _failure(check_normaliser, _helper("normalise_in_step"), case)
+    assert "divide by the window's count of valid targets" in hint(failure)  # the raiser's lead, before the re-run
     line = hint(diagnosed(_helper("normalise_in_step"), failure))
     assert "grads() is 12× the gradient the optimizer steps with" in line and 'grads_from="optimizer"' in line, line
-    check_token_mean(_helper("normalise_in_step_declared"), case)
+    check_normaliser(_helper("normalise_in_step_declared"), case)
     split = Case(accum_steps=2, micro_batch=2, steps=1, seed=1, data_seed=2, lengths=(4, 1, 3, 2))
     from verify._internal.gates.windows import check_split_invariance
     check_split_invariance(_helper("normalise_in_step_declared"), split, max_world=2)

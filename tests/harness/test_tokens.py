@@ -14,7 +14,7 @@ from planted import registry as planted
 from xtrain_proof import adapters as xtrain
 from verify._internal.cases.case import Case
 from verify._internal.gates.windows import LONG_N
-from verify._internal.gates import GateFailure, GateSkipped, check_empty_window, check_equivalence, check_token_mean
+from verify._internal.gates import GateFailure, GateSkipped, check_empty_window, check_equivalence, check_normaliser
 from verify._internal.gates.tokens import windows_case
 from verify._internal.gates.windows import check_split_invariance
 from verify._internal.protocol import AdapterError, Expected
@@ -37,7 +37,7 @@ def _token_cases(adapter):
 @given(data=st.data())
 def test_xtrain_token_weighting_keeps_the_claim(data):
     case = data.draw(_token_cases(xtrain.tokens_adapter))
-    assert check_token_mean(xtrain.tokens_adapter, case).ratio < 1
+    assert check_normaliser(xtrain.tokens_adapter, case).ratio < 1
     check_empty_window(xtrain.tokens_adapter, case)
 
 
@@ -46,12 +46,12 @@ def test_xtrain_token_weighting_keeps_the_claim(data):
 @pytest.mark.parametrize("adapter", [xtrain.torch_ddp_tokens, xtrain.fsdp2_tokens], ids=["ddp", "fsdp2"])
 def test_process_group_token_trainers_keep_the_claim(adapter):
     """Adapters that need a group even alone run both checks on a one-rank pool."""
-    assert check_token_mean(adapter, CASE).ratio < 1
+    assert check_normaliser(adapter, CASE).ratio < 1
     check_empty_window(adapter, CASE)
 
 
 def test_the_claim_holds_at_the_case_the_windows_are_built_from():
-    r = check_token_mean(xtrain.tokens_adapter, CASE)
+    r = check_normaliser(xtrain.tokens_adapter, CASE)
     assert r.extra["valid"] == (10, 11) and r.ratio < 1e-3, r
 
 
@@ -80,14 +80,14 @@ def _exists(name, case) -> bool:
     return True  # empty_div_by_zero: 0/0 on every empty window
 
 
-@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("token mean", "empty window")])
+@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("normaliser", "empty window")])
 @settings(max_examples=budget(10, 3), deadline=None)
 @given(data=st.data())
 def test_planted_token_bugs_are_rejected_by_their_gate(name, data):
     adapter, gate = planted.BY_NAME[name].adapter, planted.BY_NAME[name].gate
     case = data.draw(_token_cases(adapter))
     assume(_exists(name, case))
-    check = check_token_mean if gate is Gate.TOKEN_MEAN else check_empty_window
+    check = check_normaliser if gate is Gate.NORMALISER else check_empty_window
     with pytest.raises(GateFailure, match=rf"^\[{gate}\] ") as e:
         check(adapter, case)
     assert e.value.gate is gate and e.value.case is not None
@@ -100,19 +100,19 @@ def test_the_wrong_counts_pass_every_split_the_other_gates_try(name):
     adapter = planted.BY_NAME[name].adapter
     case = CASE.replace(accum_steps=2, micro_batch=3)
     check_split_invariance(adapter, case.replace(steps=1, lengths=case.lengths[:6]))
-    with pytest.raises(GateFailure, match=r"^\[token mean\] additivity over windows A \(10 valid targets\) and B \(11\)"):
-        check_token_mean(adapter, case)
+    with pytest.raises(GateFailure, match=r"^\[normaliser\] term .loss. \(token_mean[^)]*\): additivity over windows A \(10 valid targets\) and B \(11\)"):
+        check_normaliser(adapter, case)
 
 
 def test_padding_that_is_counted_is_named():
     """Every target position counted: extra rows without a valid target change the loss (window A alone,
     with B empty, so additivity has nothing to add)."""
     case = CASE.replace(lengths=CASE.lengths[:6] + (0,) * 6)
-    with pytest.raises(GateFailure, match=r"^\[token mean\] (additivity|padding: window A \(10 valid targets\) plus 6 rows)"):
-        check_token_mean(bt.all_positions, case)
-    with pytest.raises(GateFailure, match=r"^\[token mean\] padding: window A \(10 valid targets\) plus 6 rows without "
-                                          r"one, inside every micro-batch"):
-        check_token_mean(bt.all_positions, case.replace(lengths=CASE.lengths[:6] * 2))
+    with pytest.raises(GateFailure, match=r"^\[normaliser\] term .loss. \(token_mean[^)]*\): (additivity|padding: window A \(10 valid targets\) plus 6 rows)"):
+        check_normaliser(bt.all_positions, case)
+    with pytest.raises(GateFailure, match=r"^\[normaliser\] term .loss. \(token_mean[^)]*\): padding: window A \(10 valid targets\) plus 6 rows without "
+                                          r"a valid target, inside every micro-batch"):
+        check_normaliser(bt.all_positions, case.replace(lengths=CASE.lengths[:6] * 2))
 
 
 # An empty window that moves the parameters (NaN, or a step on a zero gradient) is named: the planted
@@ -140,8 +140,8 @@ def test_windows_case_builds_two_padded_windows_of_one_process():
 
 
 def test_adapters_without_an_ignore_index_are_skipped_saying_why():
-    for check in (check_token_mean, check_empty_window):
-        with pytest.raises(GateSkipped, match="declares no ignore_index"):
+    for check in (check_normaliser, check_empty_window):
+        with pytest.raises(GateSkipped, match="declares no (objective and no )?ignore_index"):
             check(xtrain.single, CASE.replace(lengths=None))
 
 
@@ -168,7 +168,7 @@ def test_strategies_never_draw_an_empty_window_where_it_is_declared(data):
     assert all(sum(lengths[k * E:(k + 1) * E]) > 0 for k in range(K))
     case = data.draw(_token_cases(_NO_EMPTY))
     assert case.empty_steps() == set()
-    check_token_mean(_NO_EMPTY, case)  # the count is right; only its empty windows are wrong
+    check_normaliser(_NO_EMPTY, case)  # the count is right; only its empty windows are wrong
 
 
 def test_an_all_empty_draw_stays_possible_by_default():
@@ -211,7 +211,7 @@ def test_only_the_token_mean_gate_sees_split_consistent_counts():
     res = run_selftest(alone_no_plain, operators=TOKEN_OPS, every_case=True)  # "passes" needs every case run
     assert res.ok and res.score == "4/4" and res.worlds == [], res.table()  # per_rank_mean: no ranks here
     for op in ("all_positions", "sequences"):
-        assert res.rows[op][Gate.TOKEN_MEAN] == "rejects" and res.rows[op]["equivalence"] == "passes", res.table()
+        assert res.rows[op][Gate.NORMALISER] == "rejects" and res.rows[op]["equivalence"] == "passes", res.table()
     assert res.rows["per_rank_mean"]["verdict"] == "n/a"
 
 
@@ -220,7 +220,7 @@ def test_token_operators_do_not_apply_without_an_ignore_index():
 
     res = run_selftest(xtrain.single, operators=TOKEN_OPS)
     assert res.ok and res.score == "0/0" and not any(c.lengths for c in res.cases)
-    assert all(r["verdict"] == "n/a" for r in res.rows.values()) and not any(Gate.TOKEN_MEAN in r for r in res.baseline.values())
+    assert all(r["verdict"] == "n/a" for r in res.rows.values()) and not any(Gate.NORMALISER in r for r in res.baseline.values())
 
 
 
@@ -325,13 +325,13 @@ def test_a_float32_loss_in_float64_runs_passes_undeclared_and_a_wrong_count_stil
     """The twins can miss a float32 loss (two float32 sums alike): judged at what an fp32 run resolves (eps32),
     it passes undeclared, and a count off by one is still ~1/n away."""
     case = data.draw(_token_cases(fp32_loss))
-    assert check_token_mean(fp32_loss, case).ratio < 1
-    assert check_token_mean(fp32_count, case).ratio < 1 and check_equivalence(fp32_count, case).ratio < 1
+    assert check_normaliser(fp32_loss, case).ratio < 1
+    assert check_normaliser(fp32_count, case).ratio < 1 and check_equivalence(fp32_count, case).ratio < 1
     check_empty_window(fp32_loss, case)
     E = case.effective_batch
     assume(sum(case.lengths[:E]) and sum(case.lengths[E:2 * E]))
-    with pytest.raises(GateFailure, match=r"^\[token mean\] additivity"):
-        check_token_mean(fp32_loss_count_plus_one, case)
+    with pytest.raises(GateFailure, match=r"^\[normaliser\] term .loss. \(token_mean[^)]*\): additivity"):
+        check_normaliser(fp32_loss_count_plus_one, case)
 
 
 def test_two_runs_that_both_end_in_nan_are_not_nondeterminism():

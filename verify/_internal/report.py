@@ -32,8 +32,9 @@ BOUNDS = {
     Gate.SPLIT_INVARIANCE: "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
     Gate.PARTIAL_SUMS: f"after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
                        f"{FLOAT64_TEXT}",
-    Gate.TOKEN_MEAN: "float64, same parameters: counts × token means of windows A, B add up to A∪B's; rows without a valid "
-                     f"target change nothing; rel ≤ {FLOAT64_TEXT} (floor: the twins')",
+    Gate.NORMALISER: "float64, same parameters, each term alone: w × the losses of windows A, B add up to A∪B's (w: the "
+                     "declared normaliser's count); padding and one sequence's halves as it says; rel ≤ "
+                     f"{FLOAT64_TEXT} (floor: the twins')",
     Gate.EMPTY_WINDOW: "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
     Gate.MESH_EQUIVALENCE: "each dp replica assembled (pp stages own each parameter once, tp ranks bit-equal): the "
                            "equivalence policy vs the 1×1×1 big batch; replicas bit-equal",

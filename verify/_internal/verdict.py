@@ -20,7 +20,7 @@ class Gate(StrEnum):
     SPLIT_INVARIANCE = "split invariance"  # every (N, B, W) split of one window (gates/windows.py)
     PARTIAL_SUMS = "partial sums"  # partial_grads() after every micro-step (gates/windows.py)
     LONG_WINDOW = "long window"  # equivalence at N up to 256 in a declared low precision (gates/windows.py)
-    TOKEN_MEAN = "token mean"  # the token-mean claim across windows (gates/tokens.py)
+    NORMALISER = "normaliser"  # each term divides by its declared count: windows add up, padding as declared (gates/objective.py)
     EMPTY_WINDOW = "empty window"  # a window without a valid target changes nothing (gates/tokens.py)
     BOUNDARY_ONLY = "boundary-only"  # the collective counter's verdict (gates/distributed.py)
     DP_EQUIVALENCE = "data-parallel equivalence"  # every rank vs the one-rank big batch (gates/distributed.py)

@@ -24,7 +24,7 @@ __all__ = ["run_selftest", "OPERATORS", "Operator", "SelftestResult", "GATES", "
 
 # the table's columns: the gates the self-test runs (split invariance, partial sums, empty windows and bytes per
 # step are the plugin's: the self-test's fixed cases do not draw their windows)
-GATES = (Gate.EQUIVALENCE, Gate.BIT_EXACT, Gate.TOKEN_MEAN, Gate.LONG_WINDOW, Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE,
+GATES = (Gate.EQUIVALENCE, Gate.BIT_EXACT, Gate.NORMALISER, Gate.LONG_WINDOW, Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE,
          Gate.OVERFLOW, Gate.MESH_EQUIVALENCE, Gate.REPORTED_METRICS)
 DP = (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE)  # the two verdicts of one data-parallel run (check_distributed)
 MESHED = (Gate.BOUNDARY_ONLY, Gate.MESH_EQUIVALENCE)  # the mesh gate's two verdicts: its counter per axis, its numbers
@@ -98,7 +98,7 @@ def _column(check: Gate, failure: GateFailure) -> Gate:
 def _checks(adapter, case, plain: bool, dist: bool) -> list:
     """[(gate, check, columns)] that one case runs (a mesh case: the mesh gate; dist: the data-parallel gates, at
     any world, 1 included; else the single-process ones); `columns`: the table cells that one check fills."""
-    from verify._internal.gates import check_bit_exact, check_distributed, check_equivalence, check_token_mean
+    from verify._internal.gates import check_bit_exact, check_distributed, check_equivalence, check_normaliser
     from verify._internal.gates.windows import check_long_window
 
     if case.mesh is not None:
@@ -110,7 +110,7 @@ def _checks(adapter, case, plain: bool, dist: bool) -> list:
     elif not dist:
         checks = [(Gate.EQUIVALENCE, check_equivalence)] + ([(Gate.BIT_EXACT, check_bit_exact)]
                                                             if plain and case.accum_steps == 1 else [])
-        checks += [(Gate.TOKEN_MEAN, check_token_mean)] if case.lengths is not None else []
+        checks += [(Gate.NORMALISER, check_normaliser)] if case.lengths is not None else []
         if adapter.metrics is not None:
             from verify._internal.gates.metrics import check_metrics
 

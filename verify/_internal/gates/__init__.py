@@ -5,8 +5,9 @@ from verify._internal.gates.distributed import (check_boundary_only, check_dist_
 from verify._internal.gates.overflow import check_overflow
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.single import check_bit_exact, check_equivalence
-from verify._internal.gates.tokens import check_empty_window, check_token_mean
+from verify._internal.gates.objective import check_normaliser
+from verify._internal.gates.tokens import check_empty_window
 
 __all__ = ["check_equivalence", "check_bit_exact", "check_distributed", "check_same_bytes", "check_boundary_only",
            "check_dist_equivalence", "run_distributed", "Gate", "GateResult", "GateSkipped", "GateFailure",
-           "check_token_mean", "check_empty_window", "check_overflow"]
+           "check_normaliser", "check_empty_window", "check_overflow"]

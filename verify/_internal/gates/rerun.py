@@ -127,7 +127,7 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
     """(the one-line diagnosis of a numeric gate's failure from re-runs, or None; {knob: passes}). None also
     where the gate is not numeric or the raiser set its own hint (a determinism diagnosis)."""
     case, gate = getattr(failure, "case", None), getattr(failure, "gate", None)
-    if case is not None and gate == Gate.TOKEN_MEAN:  # judged against the harness's counts, not a big batch
+    if case is not None and gate == Gate.NORMALISER:  # judged against the harness's counts, not a big batch
         c = _at_optimizer(adapter, case)
         return (None if c is None else _normalises(c, "the gradient the optimizer steps with") + "; read where "
                 "the optimizer reads it, the token mean holds"), {}
@@ -160,11 +160,11 @@ def _at_optimizer(adapter, case: Case) -> float | None:
     adapter is no module-level name a rank pool could import)."""
     if adapter.grads_from != "grads" or _pooled(adapter, case):
         return None
-    from verify._internal.gates.tokens import check_token_mean
+    from verify._internal.gates.objective import check_normaliser
 
     alt = adapter.replace(grads_from="optimizer", name=adapter.name)
     try:
-        check_token_mean(alt, case)
+        check_normaliser(alt, case)
     except Exception:  # noqa: BLE001  (a failure, a skip or a crash: no lead)
         return None
     one = case.replace(steps=1, lengths=_lengths(case, 1))

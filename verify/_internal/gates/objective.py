@@ -1,0 +1,227 @@
+"""The normaliser gate: each term of the loss divides by what its declaration says (verify.Objective; undeclared,
+a token mean where the adapter has an ignore_index), checked against the counts the harness knows.
+
+Split invariance compares a trainer with itself, so a count every split keeps (every position, count + 1, sequences
+where tokens are declared) passes it. Here fresh float64 trainers at the same parameters run whole windows, each
+term alone (Spec.terms) where the objective has several; w is the term's weight in a window (objective.py):
+additivity     disjoint windows A, B and A∪B: w_A·L_A + w_B·L_B = w_AB·L_AB, in the loss and every gradient;
+padding        A plus rows without a valid target: w_A·L_A = w_A+P·L_A+P (a token mean: unchanged; a sequence mean:
+               the empty sequences count);
+one sequence   the two halves of one sequence's valid targets add up by the normaliser's in-row weight (valid
+               counts for a mean, plainly for a sum): where a sequence mean and Dr. GRPO's constant part ways;
+big batch      (several terms) the term at N micro-steps vs the same term at accum_steps=1, the factor named;
+per micro      (Objective.per_micro) the window is the mean of its micro-batches, each alone.
+A failure names the term, the check and, for additivity, which normaliser's weights the numbers do fit.
+Bounds: tolerance.bound64 (twin floor × κ of the sum). Design: docs/design/numerics.md ("Normalisers").
+"""
+from __future__ import annotations
+
+import torch
+
+from verify._internal.cases.case import Case, Trace, split
+from verify._internal.gates.metrics import factor_text
+from verify._internal.gates.single import run_alone
+from verify._internal.gates.tokens import _floors, _flip, _Runs, _zeros_like_any, windows_case
+from verify._internal.gates.tolerance import bound64, rel_err
+from verify._internal.objective import NORMALISERS, Weights, objective_of
+from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
+
+__all__ = ["check_normaliser", "not_declared"]
+
+GATE = Gate.NORMALISER
+_COUNTED = {"valid targets": " (targets that are not ignore_index)"}
+
+
+def not_declared(adapter) -> str | None:
+    """Why the gate does not apply to `adapter`, or None."""
+    if objective_of(adapter) is None:
+        return (f"{adapter.name} declares no objective and no ignore_index: its normaliser is not checked (declare "
+                f"@verify.adapter(objective=verify.Objective(terms={{'loss': 'row_mean'}})), or ignore_index= for a "
+                f"token mean)")
+    return None
+
+
+def check_normaliser(adapter, case: Case, *, pool=None) -> GateResult:
+    """Every declared term's normaliser (module docstring); GateFailure naming the term and the check,
+    GateSkipped for an adapter that declares nothing to check."""
+    reason = not_declared(adapter)
+    if reason:
+        raise GateSkipped(reason)
+    return run_alone(normaliser_job, adapter, windows_case(adapter, case), pool)
+
+
+class _Term:
+    """The runs and verdicts of one term."""
+
+    def __init__(self, adapter, case: Case, device: str, name: str, kind: str, several: bool):
+        self.adapter, self.name, self.kind, self.norm = adapter, name, kind, NORMALISERS[kind]
+        self.case = case.replace(terms=(name,)) if several else case
+        self.r = _Runs(adapter, self.case, device)
+        self.w = Weights(adapter, objective_of(adapter))
+        self.label = f"term {name!r} ({kind}: {self.norm.means})"
+        self.worst, self.ratio, self.extra = "", 0.0, {}
+
+    def weight(self, x, y, kind: str | None = None) -> float:
+        return self.w.of(kind or self.kind, x, y)
+
+    def check(self, what: str, err: float, floor: float, kappa: float, why: str, error=None) -> None:
+        b = bound64(floor, kappa)
+        if not err <= b:  # also NaN
+            k = f", κ {kappa:.3g}" if kappa > 1.0 else ""
+            raise GateFailure(f"[{GATE}] {self.label}: {what}: relative error {err:.3e} > {b:.1e} (float64 floor "
+                              f"{floor:.1e}{k}) — {why}; case {self.case}", gate=GATE, case=self.case, error=err,
+                              bound=b, hint=f"the term {self.name!r} is not {self.norm.means}: divide by the window's "
+                                            f"count of {self.norm.weight}{_COUNTED.get(self.norm.weight, '')}, over "
+                                            f"every micro-step and rank")
+        if err / b >= self.ratio:
+            self.worst, self.ratio = f"{self.name}: {what}", err / b
+
+    def adds_up(self, head: str, parts: list, whole, whole_w: float, floors: tuple, why: str, fit=None) -> None:
+        """Σ w_p·(loss, gradient)_p = w·(loss, gradient) of the whole, parts [(w_p, Trace)] at the same parameters."""
+        overall, per = floors
+        parts = [(w, t) for w, t in parts if w]  # a part of weight 0 (no valid target) adds nothing: its loss is NaN
+        if not whole_w:
+            return
+        s = sum(w * t.losses[0] for w, t in parts)
+        want = whole_w * whole.losses[0]
+        kappa = sum(abs(w * t.losses[0]) for w, t in parts) / (abs(want) or 1.0) if len(parts) > 1 else 1.0
+        err = abs(s - want) / (abs(want) or 1.0)
+        if not err <= bound64(overall, kappa) and fit is not None:
+            why += fit()
+        self.check(f"{head} (step-0 loss)", err, overall, kappa, why)
+        traces = [whole, *(t for _, t in parts)]
+        for name in sorted(set(whole.grads0).union(*(t.grads0 for _, t in parts))):
+            zero = _zeros_like_any(traces, name)
+            terms = [w * t.grads0.get(name, zero).double() for w, t in parts]
+            g = whole_w * whole.grads0.get(name, zero).double()
+            gn = g.norm().item()
+            self.check(f"{head}, gradient of {name!r}", rel_err(sum(terms), g), per.get(name, overall),
+                       sum(x.norm().item() for x in terms) / gn if gn > 0 and len(terms) > 1 else 1.0, why)
+
+
+def _fits(term: _Term, windows: list, whole_xy, whole: Trace, floor: float):
+    """' — the losses fit <kind>'s weights instead' for the first other additive normaliser whose weights make
+    the step-0 losses add up, else a line giving the numbers' ratio."""
+    def fit() -> str:
+        for kind, norm in NORMALISERS.items():
+            if kind == term.kind or not norm.additive:
+                continue
+            s = sum(w * t.losses[0] for w, t in ((term.weight(x, y, kind), t) for (x, y), t in windows) if w)
+            want = term.weight(*whole_xy, kind) * whole.losses[0]
+            if abs(s - want) <= bound64(floor) * max(abs(want), 1e-300):
+                return f"; the losses add up with {kind}'s weights ({norm.weight}): {norm.means}"
+        return ""
+    return fit
+
+
+def _halves(y: torch.Tensor, ignore: int):
+    """One row's targets (1, S) -> the row with only the first / only the second half of its valid targets."""
+    valid = (y[0] != ignore).nonzero().flatten()
+    first, second = y.clone(), y.clone()
+    first[0, valid[len(valid) // 2:]] = ignore
+    second[0, valid[:len(valid) // 2]] = ignore
+    return first, second
+
+
+def _term_job(t: _Term, N: int) -> None:
+    r, case = t.r, t.case
+    if t.name in (t.adapter.objective.per_micro if t.adapter.objective is not None else ()):
+        return _per_micro(t, N)
+    a_b = r.run([(r.xa, r.ya), (r.xb, r.yb)], N, GATE)  # step 0 is window A alone
+    a = Trace(a_b.losses[:1], a_b.grads0, a_b.params[:1])
+    union = (torch.cat([r.xa, r.xb]), torch.cat([r.ya, r.yb]))
+    ab = r.run([union], 2 * N, GATE)
+    twins = [(ab, r.run([_flip(union)], 1, GATE))]
+    several = t.case.terms is not None
+    if several:  # the term at N micro-steps vs at accum_steps=1, on window A
+        big = r.run([(r.xa, r.ya)], 1, GATE)
+        twins.append((big, r.run([_flip((r.xa, r.ya))], 1, GATE)))
+    if not t.norm.additive:
+        floors = _floors(twins)
+        return _big_batch(t, a, big, floors) if several else None
+    b = r.run([(r.xb, r.yb)], N, GATE)
+    # a row without a valid target adds 0 to a term over tokens; a row mean's row (a z-loss) may add anything
+    padded = r.ign is not None and t.norm.in_row is not None and int((r.ya != r.ign).sum())
+    if padded:
+        pad, n_pad = r.padded()
+        rows = r.run([pad], n_pad, GATE)
+        twins.append((rows, r.run([_flip(pad)], 1, GATE)))
+    floors = _floors(twins)
+    if several:  # first: a term off by a count of the case is named by its factor
+        _big_batch(t, a, big, floors)
+    wa, wb, wab = t.weight(r.xa, r.ya), t.weight(r.xb, r.yb), t.weight(*union)
+    t.extra = dict(weights=(wa, wb), floor64=floors[0], **({} if r.ign is None else dict(valid=(r.count(r.ya), r.count(r.yb)))))
+    windows = [((r.xa, r.ya), a), ((r.xb, r.yb), b)]
+    counts = f"A ({wa:g} {t.norm.weight}) and B ({wb:g})" if t.norm.weight != "1" else "A and B (a sum: weight 1)"
+    head = f"additivity over windows {counts}, at the same parameters: w_A·L_A + w_B·L_B vs w_AB·L_AB"
+    t.adds_up(head, [(wa, a), (wb, b)], ab, wab, floors,
+              f"the windows' losses {'weighted by ' + t.norm.weight if t.norm.weight != '1' else 'summed'} do not add "
+              f"up to the union's",
+              fit=_fits(t, windows, union, ab, floors[0]))
+    if padded:
+        wp = t.weight(*pad)
+        head = (f"padding: window A ({wa:g} {t.norm.weight}) plus {case.effective_batch} rows without a valid target, "
+                f"inside every micro-batch (w → {wp:g}): w_A·L_A vs w_A+P·L_A+P")
+        why = ("rows without a valid target changed the result by other than the declared weight"
+               + (": padding is counted" if not t.norm.padding_counts else ": empty sequences must count"))
+        t.adds_up(head, [(wa, a)], rows, wp, floors, why)
+    if padded:
+        _one_sequence(t, floors)
+
+
+def _one_sequence(t: _Term, floors: tuple) -> None:
+    """The first row of A that is one sequence with ≥ 2 valid targets, as three one-row windows: its first half,
+    its second half, and whole (the in-row weight of the normaliser)."""
+    r, ign = t.r, t.r.ign
+    for i in range(r.ya.shape[0]):
+        x, y = r.xa[i:i + 1], r.ya[i:i + 1]
+        if int((y != ign).sum()) >= 2 and t.weight(x, y, "seq_mean") == 1.0:
+            break
+    else:
+        return
+    first, second = _halves(y, ign)
+    runs = [r.run([(x, h)], 1, GATE) for h in (first, second, y)]
+    n = [float((h != ign).sum()) for h in (first, second, y)]
+    w = n if t.norm.in_row == "valid" else [1.0, 1.0, 1.0]
+    head = (f"one sequence (row {i} of window A, {int(n[2])} valid targets) as its two halves ({int(n[0])} + "
+            f"{int(n[1])}): " + ("n_1·L_1 + n_2·L_2 vs n·L" if t.norm.in_row == "valid" else "L_1 + L_2 vs L"))
+    why = ("a sequence's halves do not add up " + ("by their valid counts: the term does not divide each sequence by "
+           "its own length" if t.norm.in_row == "valid" else "plainly: the term divides a sequence by its own length "
+           "where a constant is declared"))
+    t.adds_up(head, [(w[0], runs[0]), (w[1], runs[1])], runs[2], w[2], floors, why)
+
+
+def _big_batch(t: _Term, a: Trace, big: Trace, floors: tuple) -> None:
+    overall, per = floors
+    got, want = a.losses[0], big.losses[0]
+    why = f"the term at {t.case.accum_steps} micro-steps is not the big batch's" + factor_text(got, want, t.case)
+    t.check(f"window A at N={t.case.accum_steps} vs the big batch (step-0 loss {got:.6g} vs {want:.6g})",
+            abs(got - want) / (abs(want) or 1.0), overall, 1.0, why)
+    for name in sorted(set(a.grads0) | set(big.grads0)):
+        zero = _zeros_like_any([a, big], name)
+        t.check(f"window A at N={t.case.accum_steps} vs the big batch, gradient of {name!r}",
+                rel_err(a.grads0.get(name, zero), big.grads0.get(name, zero)), per.get(name, overall), 1.0, why)
+
+
+def _per_micro(t: _Term, N: int) -> None:
+    """A per-micro-batch term: window A at N = the mean over its micro-batches of each one alone (accum_steps=1)."""
+    r = t.r
+    a = r.run([(r.xa, r.ya)], N, GATE)
+    blocks = [r.run([xy], 1, GATE) for xy in split(r.xa, r.ya, N)]
+    floors = _floors([(blocks[0], r.run([_flip(split(r.xa, r.ya, N)[0])], 1, GATE))])  # a twin of one micro-batch
+    head = f"per micro-batch: window A at N={N} vs the mean of its {N} micro-batches, each alone"
+    t.adds_up(head, [(1.0 / N, b) for b in blocks], a, 1.0, floors,
+              "the term is not each micro-batch's own value averaged over the micro-steps (declared per_micro)")
+
+
+def normaliser_job(adapter, case: Case, device: str) -> GateResult:
+    obj = objective_of(adapter)
+    several = obj.split
+    worst, ratio, extra = "", 0.0, {}
+    for name, kind in obj.terms.items():
+        t = _Term(adapter, case, device, name, kind, several)
+        _term_job(t, case.accum_steps)
+        extra = extra or t.extra  # the first term's counts (the one term of most objectives)
+        if t.ratio >= ratio:
+            worst, ratio = t.worst, t.ratio
+    return GateResult(GATE, case, worst, ratio, terms=dict(obj.terms), **extra)
