@@ -26,7 +26,7 @@ from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
 from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters,
-                     overflow_adapters, pull_loops)
+                     objective_adapters, overflow_adapters, pull_loops)
 from xtrain_proof.options import XtrainOptions
 
 
@@ -118,6 +118,9 @@ PIPE = Case(accum_steps=4, micro_batch=2, steps=2, world=1, mesh=Mesh(pp=2), pip
 TP = Case(accum_steps=3, micro_batch=4, steps=2, world=1, mesh=Mesh(tp=2), seed=1, data_seed=1)
 # DIST clipping at 0.2: each rank's own gradient and the reduced one clip (at 1.0 neither does, only a log can be wrong)
 CLIPPED = DIST.replace(options=_opts(warmup_steps=2, max_grad_norm=0.2))
+# windows A and B of planted/objective_adapters.py (rows of 6 targets): an empty row, rows of every length
+OBJECTIVE = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
+                 lengths=(6, 1, 2, 0, 3, 5, 2, 3, 4, 4, 1, 2, 6, 6, 5, 0, 3, 6, 2, 1, 4, 6, 6, 6))
 
 _BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
 _FSDP_ROW = r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"
@@ -411,6 +414,24 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("clip_coef_per_rank", "the clip coefficient from the norm of this rank's 1/W of the gradient (ZeRO-like)",
                broken_mesh_metrics.clip_coef_per_rank, Gate.DP_EQUIVALENCE,
                r"rank \d: (float64 )?parameter '[\w.]+' after step \d", CLIPPED),
+    # -- declared objectives (objective_adapters.py): each term's normaliser -------------------------------------
+    PlantedBug("seq_token_weighted", "a token mean where a sequence mean is declared (passes every split)",
+               objective_adapters.seq_token_weighted, Gate.NORMALISER,
+               r"term 'loss' \(seq_mean.*additivity.*add up with token_mean's weights", OBJECTIVE),
+    PlantedBug("seq_nonempty", "÷ the sequences holding a valid target: empty ones dropped (passes every split)",
+               objective_adapters.seq_nonempty, Gate.NORMALISER, r"term 'loss' \(seq_mean.*additivity", OBJECTIVE),
+    PlantedBug("dr_grpo_own_length", "Dr. GRPO's constant from the micro-batch's longest sequence (verl #3741)",
+               objective_adapters.dr_grpo_own_length, Gate.NORMALISER,
+               r"term 'loss' \(seq_sum.*one sequence .*by its own length where a constant is declared", OBJECTIVE),
+    PlantedBug("sum_over_n", "÷ N where a sum is declared",
+               objective_adapters.sum_over_n, Gate.NORMALISER, r"term 'loss' \(sum.*add up with row_mean's weights",
+               OBJECTIVE),
+    PlantedBug("z_missing_over_n", "one term without the 1/N of its sibling (trl PRs #4935, #5828)",
+               objective_adapters.z_missing_over_n, Gate.NORMALISER,
+               r"term 'z' \(row_mean.*vs the big batch .*\(×3 = N \(micro-steps\)\)", OBJECTIVE),
+    PlantedBug("z_over_n_twice", "one term's 1/N applied twice",
+               objective_adapters.z_over_n_twice, Gate.NORMALISER,
+               r"term 'z' \(row_mean.*vs the big batch .*\(×0\.3333 = 1/N \(micro-steps\)\)", OBJECTIVE),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}
