@@ -228,3 +228,7 @@ dr_grpo_own_length = _declare(DrGrpoOwnLength, "seq_sum")
 sum_over_n = _declare(SumOverN, "sum")
 z_missing_over_n = _declare(ZMissingOverN, {"ce": "token_mean", "z": "row_mean"})
 z_over_n_twice = _declare(ZOverNTwice, {"ce": "token_mean", "z": "row_mean"})
+
+# the z term declared per micro-batch (a true non-equivalence the gates then leave out), and that term ÷ N twice
+z_per_micro = _declare(TwoTerms, {"ce": "token_mean", "z": "row_mean"}, per_micro=("z",))
+z_per_micro_over_n_twice = _declare(ZOverNTwice, {"ce": "token_mean", "z": "row_mean"}, per_micro=("z",))

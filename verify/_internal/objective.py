@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["Objective", "NORMALISERS", "Normaliser", "objective_of", "window_terms", "Weights"]
+__all__ = ["Objective", "NORMALISERS", "Normaliser", "objective_of", "window_terms", "Weights", "non_equivalences"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,17 @@ def window_terms(adapter) -> tuple[str, ...] | None:
     if obj is None or not obj.per_micro:
         return None
     return tuple(t for t in obj.terms if t not in obj.per_micro)
+
+
+def non_equivalences(declared: dict | None) -> list[str]:
+    """One line per declared per-micro-batch term (from Adapter.declarations()["objective"]), as the report and
+    the terminal say it: a true non-equivalence, like BatchNorm's per-micro-batch statistics."""
+    obj = declared or {}
+    return [f"term {t!r} vs the big batch: declared per micro-batch (per_micro), a different objective from the big "
+            f"batch's, so every gate but the normaliser judges the loss without it (the normaliser gate checks it is "
+            f"each micro-batch's own value averaged over the micro-steps); for equivalence compute it over the whole "
+            f"window instead (a global-batch term: declare {obj['terms'][t]!r} window-level, or 'batch')"
+            for t in obj.get("per_micro", [])]
 
 
 class Weights:

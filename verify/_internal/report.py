@@ -170,6 +170,9 @@ def coverage(gates: dict, declarations: dict | None) -> tuple[list[str], str]:
     for name, why in sorted(m.get("unchecked", {}).items()):
         if name in checked or name not in METRIC_NAMES:
             lines.append(f"metric {name}, some steps: {why}")
+    from verify._internal.objective import non_equivalences
+
+    lines += non_equivalences((declarations or {}).get("objective"))
     g_ran = len(ran & set(every))
     last = f"checked {g_ran} of {len(every)} gates and {len(checked)} of {len(METRIC_NAMES)} metrics"
     offered = len(every) + len(METRIC_NAMES)
