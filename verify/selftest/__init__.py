@@ -110,7 +110,9 @@ def _checks(adapter, case, plain: bool, dist: bool) -> list:
     elif not dist:
         checks = [(Gate.EQUIVALENCE, check_equivalence)] + ([(Gate.BIT_EXACT, check_bit_exact)]
                                                             if plain and case.accum_steps == 1 else [])
-        checks += [(Gate.NORMALISER, check_normaliser)] if case.lengths is not None else []
+        # the normaliser gate: on padded cases, and on every case of a declared objective without padding
+        if case.lengths is not None or (adapter.objective is not None and adapter.ignore_index is None):
+            checks += [(Gate.NORMALISER, check_normaliser)]
         if adapter.metrics is not None:
             from verify._internal.gates.metrics import check_metrics
 

@@ -16,10 +16,11 @@ __all__ = ["Mutant"]
 class Mutant:
     """The wrapper: delegates to the inner trainer; an operator overrides one behaviour."""
 
-    def __init__(self, op, factory, spec, ignore_index=None, metrics=None):
+    def __init__(self, op, factory, spec, ignore_index=None, metrics=None, objective=None):
         from dataclasses import replace
 
         self.op, self.N, self.ignore, self.precision, self.spec = op, spec.accum_steps, ignore_index, spec.precision, spec
+        self.make, self.objective = factory, objective  # objective operators build the term alone (Spec.terms)
         self.declared, self.prev_lr, self.last = metrics, None, {}  # metrics operators: the declaration, the last window
         self.inner = factory(replace(spec, accum_steps=op.inner_accum(spec.accum_steps)))
         # per_micro_mean: a second trainer, one micro-batch per window, to read each micro-batch's own mean

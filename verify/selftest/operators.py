@@ -5,6 +5,7 @@ its internals (only the four methods, the Spec, the batches, the tensors grads()
                    zero_grad_in_micro_loop, stale_micro_batch, loss_sum_not_mean, extra_collective_micro_0,
                    divide_by_world_twice, low_precision_accumulation
     tokens         per_micro_mean, count_from_first_micro, per_rank_mean, all_positions, sequences
+    objectives     normaliser_applied_twice, aux_reset_per_micro
     metrics        grad_norm_{one_shard,last_micro,post_clip,zero,per_rank}, lr_previous_step, count_one_micro, loss_last_micro
     fp16 / mesh    skip_decided_on_one_rank; pipeline_micro_batch_dropped, dp_reduction_skipped, reduced_over_wrong_group
 `exists(case)`, `applies(adapter)`: where a bug can exist (a kill is required there); docs/design/self-test.md.
@@ -20,6 +21,7 @@ from verify._internal.protocol import AUTOCAST
 from verify.selftest.mesh_ops import feed_micro_1_for_0, interposed
 from verify.selftest.metric_ops import world as _world
 from verify.selftest.mutant import Mutant
+from verify.selftest.objective_ops import batch_term, count_again, per_micro_aux, reset_per_micro
 from verify.selftest.metric_ops import last_micro_alone, one_micro_count, post_clip, previous_lr, set_metric, shard_norm
 
 __all__ = ["Operator", "OPERATORS"]
@@ -52,6 +54,7 @@ class Operator:
     metric: str = ""
     """The reported metric the bug is in: it exists only for an adapter whose Metrics declare it (`applies`)."""
     around: Callable | None = None  # (wrapper) -> context manager entered around every call into the trainer
+    batch_term: bool = False  # the bug is in a declared window-level `batch` term: exists only where one is declared
 
     def __reduce__(self):
         # by name: the table's lambdas do not pickle, and a pool rank finds the same operator in OPERATORS
@@ -61,6 +64,8 @@ class Operator:
         """Whether the bug can exist for this adapter at all (a metrics operator: its metric is declared, in the
         convention it breaks)."""
         m = adapter.metrics
+        if self.batch_term:
+            return batch_term(adapter.objective) is not None
         if not self.metric:
             return True
         if m is None:
@@ -74,10 +79,12 @@ class Operator:
 
     def apply(self, adapter):
         """The adapter with this fault planted around its factory (pools rebuild it by name)."""
-        inner, ignore, declared = adapter.factory, adapter.ignore_index, adapter.metrics
+        inner, ignore, declared, objective = adapter.factory, adapter.ignore_index, adapter.metrics, adapter.objective
 
         def mutant_factory(spec):
-            return Mutant(self, inner, spec, ignore, declared) if spec.accum_steps > 1 or self.at_n1 else inner(spec)
+            if spec.accum_steps > 1 or self.at_n1:
+                return Mutant(self, inner, spec, ignore, declared, objective)
+            return inner(spec)
 
         return adapter.replace(factory=mutant_factory, ref=adapter.locate(), mutation=self,
                                name=f"{adapter.name} ⊕ {self.name}")
@@ -291,6 +298,12 @@ OPERATORS = {op.name: op for op in [
              PADDED, scale=_count_factor(lambda c, w: c[1]), loss=lambda w, loss: loss * w.factor, at_n1=True),
     Operator("sequences", "divided by the window's number of sequences, not of valid targets",
              PADDED, scale=_count_factor(lambda c, w: c[2]), loss=lambda w, loss: loss * w.factor, at_n1=True),
+    # -- declared objectives: a normaliser applied twice; a global-batch term computed per micro-batch ----------
+    Operator("normaliser_applied_twice", "the window's gradient ÷ its count once more (valid targets, else rows)",
+             N2, scale=count_again, loss=lambda w, loss: loss * w.factor),
+    Operator("aux_reset_per_micro", "the batch term's counts reset every micro-step: its micro-batches' mean",
+             lambda c: N2(c) and c.world == 1, micro=reset_per_micro, scale=lambda w: 1.0, replace_grads=per_micro_aux,
+             batch_term=True),
     # -- what metrics() reports: exists only where the adapter declares the metric (Operator.applies) ----------
     Operator("grad_norm_one_shard", "grad_norm over every other parameter (one rank's shard, never reduced)", N2,
              metrics=shard_norm, metric="grad_norm:pre_clip"),
