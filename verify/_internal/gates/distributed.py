@@ -301,7 +301,10 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
         worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, measure)
     except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
-        raise determinism(e, rerun, outcomes[0].runs[F32].trace) from None
+        failure = determinism(e, rerun, outcomes[0].runs[F32].trace)
+        from verify._internal.gates.objective import by_term
+
+        raise by_term(adapter, case, failure, lambda c: check_distributed(adapter, c, pool=pool, ref_pool=ref_pool)) from None
     metrics = judge_world(adapter, case, {o.rank: o.runs[F64].trace for o in outcomes if F64 in o.runs}, ref64,
                           pool=kpool) if adapter.metrics is not None else {}
     steps = report.steps[(0, F32)]

@@ -229,3 +229,24 @@ def normaliser_job(adapter, case: Case, device: str) -> GateResult:
         if t.ratio >= ratio:
             worst, ratio = t.worst, t.ratio
     return GateResult(GATE, case, worst, ratio, terms=dict(obj.terms), **extra)
+
+
+def by_term(adapter, case: Case, failure: GateFailure, check) -> GateFailure:
+    """A gate's failure on a loss of several terms, re-run term by term (`check(case)`, Spec.terms = one term):
+    the first term that fails alone is named, its own message kept; else the failure as it was."""
+    obj = adapter.objective
+    if obj is None or not obj.split or failure.gate is Gate.DETERMINISM or failure.case is None:
+        return failure
+    terms = case.terms if case.terms is not None else tuple(obj.terms)
+    if len(terms) < 2:
+        return failure
+    for term in terms:
+        try:
+            check(case.replace(terms=(term,)))
+        except GateFailure as e:
+            return GateFailure(f"{str(e).split(' ', 1)[0]} term {term!r} alone: {str(e).split(' ', 1)[1]} (found re-running "
+                               f"each term alone after the whole loss failed)", gate=e.gate, case=e.case,
+                               error=e.error, bound=e.bound, hint=e.hint)
+        except GateSkipped:
+            continue
+    return failure

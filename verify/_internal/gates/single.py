@@ -51,7 +51,10 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
         if doomed is not None:
             raise doomed
     except GateFailure as e:  # diagnose before judging: is the trainer deterministic at all?
-        raise determinism(e, lambda: run(N, torch.float32), acc) from None
+        from verify._internal.gates.objective import by_term
+
+        failure = determinism(e, lambda: run(N, torch.float32), acc)
+        raise by_term(adapter, case, failure, lambda c: _equivalence(adapter, c, device)) from None
     return GateResult(gate, case, j.worst, j.worst_ratio, floor64=floor)
 
 
