@@ -29,7 +29,7 @@ def test_a_factory_that_raises_is_an_error_not_a_kill(tmp_path):
     assert "mutation score 1/9 " in r.stdout and "every operator killed" not in r.stdout  # 8, and normaliser_applied_twice
     assert "the unwrapped trainer errs in one process" in r.stdout and "Traceback" not in r.stdout
     st = json.loads((tmp_path / "verify-report.json").read_text())["selftest"]
-    assert not st["ok"] and st["exit_code"] == 3 and st["score"] == "1/8", st["verdict"]
+    assert not st["ok"] and st["exit_code"] == 3 and st["score"] == "1/9", st["verdict"]
     ops = st["operators"]
     assert ops["stale_micro_batch"]["verdict"] == "killed" and ops["grads_times_N"]["verdict"] == ERROR
     assert ops["grads_times_N"]["equivalence"] == ERROR and "| (unwrapped trainer) | error |" in st["table_md"]

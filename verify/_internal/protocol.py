@@ -89,9 +89,7 @@ class Spec:
     reads `scheduler_calls` (below): the step() calls per optimizer step that follow from it."""
     mesh: Mesh = Mesh()  # dp × pp × tp ranks (Adapter.mesh_axes, verify/_internal/ranks/mesh.py); Mesh() in every reference
     pipeline_chunks: int = 1  # micro-batches per pipeline schedule.step (buffered micro_steps); divides accum_steps
-    terms: tuple[str, ...] | None = None
-    """The objective's terms the loss must hold (Adapter(objective=...) with several terms or a per-micro one;
-    verify/_internal/objective.py); None: every term."""
+    terms: tuple[str, ...] | None = None  # the objective's terms the loss must hold (Adapter.objective); None: all
     group: Any = field(default=None, compare=False, repr=False)
     """The process group to reduce over; None: the default group. Given on the rank, only to adapters that
     declare `subgroups`, in a launched world's sub-world; never pickled (a group lives in one process)."""
@@ -205,14 +203,12 @@ class Adapter:
         if self.unclipped is not None and not callable(self.unclipped):
             raise AdapterError(f"unclipped= must be callable (options -> options without clipping), got {self.unclipped!r}")
         if self.predicted_peak is not None and not callable(self.predicted_peak):
-            raise AdapterError(f"predicted_peak= must be callable (verify.memory.PeakQuery -> Prediction | str), "
-                               f"got {self.predicted_peak!r}")
+            raise AdapterError(f"predicted_peak= must be callable (PeakQuery -> Prediction | str), got {self.predicted_peak!r}")
         object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
         object.__setattr__(self, "mesh_sizes", mesh_sizes(self.mesh_sizes, self.mesh_axes, AdapterError))
-        if self.metrics is not None and type(self.metrics).__name__ != "Metrics":
-            raise AdapterError(f"metrics= must be a verify.Metrics(names=...), got {self.metrics!r}")
-        if self.objective is not None and type(self.objective).__name__ != "Objective":
-            raise AdapterError(f"objective= must be a verify.Objective(terms=...), got {self.objective!r}")
+        for f, kind, args in (("metrics", "Metrics", "names"), ("objective", "Objective", "terms")):
+            if getattr(self, f) is not None and type(getattr(self, f)).__name__ != kind:
+                raise AdapterError(f"{f}= must be a verify.{kind}({args}=...), got {getattr(self, f)!r}")
         if self.metrics is not None and self.ignore_index is None and "tokens" in self.metrics.names:
             raise AdapterError("Metrics.names has 'tokens' but the adapter declares no ignore_index: report 'rows', "
                                "or declare ignore_index= so the harness can count valid targets")
@@ -361,8 +357,7 @@ _LOADED: list[str] = []  # the modules load_adapter imported, in order
 
 
 def loaded_modules() -> list[str]:
-    """The trainer modules load_adapter has imported in this process."""
-    return list(_LOADED)
+    return list(_LOADED)  # the trainer modules load_adapter has imported in this process
 
 
 def load_adapter(ref: str, *, option: str = "--verify-trainer") -> Adapter:
@@ -391,8 +386,7 @@ def load_adapter(ref: str, *, option: str = "--verify-trainer") -> Adapter:
             object.__setattr__(obj, "ref", ref)
         return obj
     if not callable(obj):
-        raise AdapterError(f"{option} {ref}: {attr!r} is a {type(obj).__name__}, not callable; name a "
-                           f"factory Spec -> trainer")
+        raise AdapterError(f"{option} {ref}: {attr!r} is a {type(obj).__name__}, not callable; name a factory Spec -> trainer")
     if not _one_positional(obj):
         raise AdapterError(f"{option} {ref}: {attr}{_sig(obj)} must take exactly one argument (a verify.Spec)")
     raise AdapterError(f"{option} {ref}: {attr!r} is a plain function; declare its data with "

@@ -1,6 +1,5 @@
-"""Fault operators: each wraps ANY trainer behind the protocol and plants one accumulation bug, without knowing
-its internals (only the four methods, the Spec, the batches, the tensors grads() returns, torch.distributed).
-
+"""Fault operators: each wraps ANY trainer behind the protocol (its four methods, the Spec, the batches, grads())
+and plants one accumulation bug, without knowing its internals:
     accumulation   drop_micro_step, repeat_micro_step, grads_times_N, grads_over_N, optimizer_step_every_micro,
                    zero_grad_in_micro_loop, stale_micro_batch, loss_sum_not_mean, extra_collective_micro_0,
                    divide_by_world_twice, low_precision_accumulation
@@ -8,7 +7,7 @@ its internals (only the four methods, the Spec, the batches, the tensors grads()
     objectives     normaliser_applied_twice, aux_reset_per_micro
     metrics        grad_norm_{one_shard,last_micro,post_clip,zero,per_rank}, lr_previous_step, count_one_micro, loss_last_micro
     fp16 / mesh    skip_decided_on_one_rank; pipeline_micro_batch_dropped, dp_reduction_skipped, reduced_over_wrong_group
-`exists(case)`, `applies(adapter)`: where a bug can exist (a kill is required there); docs/design/self-test.md.
+`exists(case)`, `applies(adapter)`: where a kill is required; docs/design/self-test.md.
 """
 from __future__ import annotations
 

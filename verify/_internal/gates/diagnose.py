@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from verify._internal.verdict import Gate, GateFailure
+from verify._internal.verdict import Gate, GateFailure, GateSkipped
 from verify._internal.gates.tolerance import _max_abs
 
-__all__ = ["GATE", "HINT", "first_difference", "determinism"]
+__all__ = ["GATE", "HINT", "first_difference", "determinism", "by_term"]
 
 GATE = Gate.DETERMINISM
 HINT = ("make the trainer deterministic under the gates: train-mode dropout or any random number drawn per "
@@ -59,3 +59,24 @@ def determinism(failure: GateFailure, rerun, first=None) -> GateFailure:
                        f"judge its accumulation (reported instead of a [{failure.gate or 'gate'}] failure): likely "
                        f"train-mode dropout, random numbers drawn per micro-step or nondeterministic kernels; case "
                        f"{case}", gate=GATE, case=case, hint=HINT)
+
+
+def by_term(adapter, case: Case, failure: GateFailure, check) -> GateFailure:
+    """A gate's failure on a loss of several terms, re-run term by term (`check(case)`, Spec.terms = one term):
+    the first term that fails alone is named, its own message kept; else the failure as it was."""
+    obj = adapter.objective
+    if obj is None or not obj.split or failure.gate is Gate.DETERMINISM or failure.case is None:
+        return failure
+    terms = case.terms if case.terms is not None else tuple(obj.terms)
+    if len(terms) < 2:
+        return failure
+    for term in terms:
+        try:
+            check(case.replace(terms=(term,)))
+        except GateFailure as e:
+            return GateFailure(f"{str(e).split(' ', 1)[0]} term {term!r} alone: {str(e).split(' ', 1)[1]} (found re-running "
+                               f"each term alone after the whole loss failed)", gate=e.gate, case=e.case,
+                               error=e.error, bound=e.bound, hint=e.hint)
+        except GateSkipped:
+            continue
+    return failure

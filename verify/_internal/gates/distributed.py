@@ -22,7 +22,7 @@ from verify._internal.ranks.pool import get_pool, launched
 from verify._internal.settings import Settings, current
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row
-from verify._internal.gates.diagnose import determinism
+from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.metrics import judge_world, observer
 from verify._internal.gates.tolerance import Judge, condition, measured_floor
 
@@ -302,8 +302,6 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
         failure = determinism(e, rerun, outcomes[0].runs[F32].trace)
-        from verify._internal.gates.objective import by_term
-
         raise by_term(adapter, case, failure, lambda c: check_distributed(adapter, c, pool=pool, ref_pool=ref_pool)) from None
     metrics = judge_world(adapter, case, {o.rank: o.runs[F64].trace for o in outcomes if F64 in o.runs}, ref64,
                           pool=kpool) if adapter.metrics is not None else {}

@@ -1,18 +1,10 @@
 """The normaliser gate: each term of the loss divides by what its declaration says (verify.Objective; undeclared,
 a token mean where the adapter has an ignore_index), checked against the counts the harness knows.
 
-Split invariance compares a trainer with itself, so a count every split keeps (every position, count + 1, sequences
-where tokens are declared) passes it. Here fresh float64 trainers at the same parameters run whole windows, each
-term alone (Spec.terms) where the objective has several; w is the term's weight in a window (objective.py):
-additivity     disjoint windows A, B and A∪B: w_A·L_A + w_B·L_B = w_AB·L_AB, in the loss and every gradient;
-padding        A plus rows without a valid target: w_A·L_A = w_A+P·L_A+P (a token mean: unchanged; a sequence mean:
-               the empty sequences count);
-one sequence   the two halves of one sequence's valid targets add up by the normaliser's in-row weight (valid
-               counts for a mean, plainly for a sum): where a sequence mean and Dr. GRPO's constant part ways;
-big batch      (several terms) the term at N micro-steps vs the same term at accum_steps=1, the factor named;
-per micro      (Objective.per_micro) the window is the mean of its micro-batches, each alone.
-A failure names the term, the check and, for additivity, which normaliser's weights the numbers do fit.
-Bounds: tolerance.bound64 (twin floor × κ of the sum). Design: docs/design/numerics.md ("Normalisers").
+Fresh float64 trainers at the same parameters run whole windows, each term alone (Spec.terms) where the objective
+has several: additivity over disjoint windows by the term's weight, padding, one sequence's halves, the big batch
+(several terms) and per_micro terms. A failure names the term, the check and, for additivity, which normaliser's
+weights the numbers do fit. Bounds: tolerance.bound64. Design: docs/design/numerics.md ("Normalisers").
 """
 from __future__ import annotations
 
@@ -229,24 +221,3 @@ def normaliser_job(adapter, case: Case, device: str) -> GateResult:
         if t.ratio >= ratio:
             worst, ratio = t.worst, t.ratio
     return GateResult(GATE, case, worst, ratio, terms=dict(obj.terms), **extra)
-
-
-def by_term(adapter, case: Case, failure: GateFailure, check) -> GateFailure:
-    """A gate's failure on a loss of several terms, re-run term by term (`check(case)`, Spec.terms = one term):
-    the first term that fails alone is named, its own message kept; else the failure as it was."""
-    obj = adapter.objective
-    if obj is None or not obj.split or failure.gate is Gate.DETERMINISM or failure.case is None:
-        return failure
-    terms = case.terms if case.terms is not None else tuple(obj.terms)
-    if len(terms) < 2:
-        return failure
-    for term in terms:
-        try:
-            check(case.replace(terms=(term,)))
-        except GateFailure as e:
-            return GateFailure(f"{str(e).split(' ', 1)[0]} term {term!r} alone: {str(e).split(' ', 1)[1]} (found re-running "
-                               f"each term alone after the whole loss failed)", gate=e.gate, case=e.case,
-                               error=e.error, bound=e.bound, hint=e.hint)
-        except GateSkipped:
-            continue
-    return failure

@@ -14,7 +14,7 @@ import torch
 
 from verify._internal.cases.case import Case, block_grads, drive, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
-from verify._internal.gates.diagnose import determinism
+from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.tolerance import Judge, condition, measured_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
@@ -51,8 +51,6 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
         if doomed is not None:
             raise doomed
     except GateFailure as e:  # diagnose before judging: is the trainer deterministic at all?
-        from verify._internal.gates.objective import by_term
-
         failure = determinism(e, lambda: run(N, torch.float32), acc)
         raise by_term(adapter, case, failure, lambda c: _equivalence(adapter, c, device)) from None
     return GateResult(gate, case, j.worst, j.worst_ratio, floor64=floor)
