@@ -175,13 +175,17 @@ def packed(*, vocab: int, seq_len: int, max_docs: int = 3, ignore_index: int = -
     return make
 
 
-def documents(inputs: torch.Tensor) -> torch.Tensor:
-    """`packed` inputs -> (rows, seq_len) int64 document index of every position within its row (0, 1, ...),
-    from where position_ids restart at 0."""
+def documents(inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """`packed` inputs -> (rows, seq_len) int64 document index of every position (and so of every target) within
+    its row (0, 1, ...), from where position_ids restart at 0: the segment ids of a block-diagonal mask."""
     return (inputs[:, 1] == 0).long().cumsum(dim=1) - 1
 
 
 def count_documents(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """`packed` inputs -> (rows,) the documents each row holds (for verify.Objective(sequences=...)): every
-    document, one the harness's padding emptied included."""
+    document, one the harness's padding emptied included. Its `.segments` (documents) lets the normaliser gate
+    halve one document of a packed row."""
     return (inputs[:, 1] == 0).sum(dim=1)
+
+
+count_documents.segments = documents

@@ -48,12 +48,15 @@ class Objective:
     """How the loss normalises, term by term: `terms` {name: normaliser} (NORMALISERS); `per_micro` the terms
     computed per micro-batch and averaged over the micro-steps (a declared non-equivalence: every other gate
     judges the loss without them, Spec.terms); `sequences` (inputs, targets) -> int64 (rows,): how many
-    sequences each row holds (packed documents; verify.data.count_documents), None: one per row. With more
-    than one term, or a per-micro one, the factory builds a loss of only the terms Spec.terms names."""
+    sequences each row holds (packed documents; verify.data.count_documents), None: one per row; `segments`
+    (inputs, targets) -> int64 (rows, S): the sequence of each target position, so one sequence of a packed row
+    can be halved (default: the sequences callable's own `.segments`, as count_documents has). With more than
+    one term, or a per-micro one, the factory builds a loss of only the terms Spec.terms names."""
 
     terms: Mapping[str, str] = field(default_factory=lambda: {"loss": "token_mean"})
     per_micro: tuple[str, ...] = ()
     sequences: Callable | None = None
+    segments: Callable | None = None
 
     def __post_init__(self):
         from verify._internal.protocol import AdapterError
@@ -75,6 +78,11 @@ class Objective:
         if self.sequences is not None and not callable(self.sequences):
             raise AdapterError(f"Objective.sequences must be callable (inputs, targets) -> sequences per row, "
                                f"got {self.sequences!r}")
+        if self.segments is None:
+            object.__setattr__(self, "segments", getattr(self.sequences, "segments", None))
+        if self.segments is not None and not callable(self.segments):
+            raise AdapterError(f"Objective.segments must be callable (inputs, targets) -> the sequence of each target "
+                               f"position (rows, S), got {self.segments!r}")
 
     @property
     def split(self) -> bool:
@@ -88,6 +96,8 @@ class Objective:
             out["per_micro"] = list(self.per_micro)
         if self.sequences is not None:
             out["sequences"] = f"{self.sequences.__module__}.{self.sequences.__qualname__}"
+        if self.segments is not None and self.segments is not getattr(self.sequences, "segments", None):
+            out["segments"] = f"{self.segments.__module__}.{self.segments.__qualname__}"
         return out
 
 
@@ -124,7 +134,7 @@ class Weights:
     sequences (Objective.sequences, else rows)."""
 
     def __init__(self, adapter, objective: Objective):
-        self.ignore, self.sequences = adapter.ignore_index, objective.sequences
+        self.ignore, self.sequences, self.segments = adapter.ignore_index, objective.sequences, objective.segments
 
     def of(self, kind: str, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         weight = NORMALISERS[kind].weight

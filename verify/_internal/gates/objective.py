@@ -107,13 +107,32 @@ def _fits(term: _Term, windows: list, whole_xy, whole: Trace, floor: float):
     return fit
 
 
-def _halves(y: torch.Tensor, ignore: int):
-    """One row's targets (1, S) -> the row with only the first / only the second half of its valid targets."""
-    valid = (y[0] != ignore).nonzero().flatten()
+def _halves(y: torch.Tensor, ignore: int, within: torch.Tensor):
+    """One row's targets (1, S) -> the row with only the first / only the second half of the valid targets in
+    `within` (1, S) bool; valid targets outside it stay in both."""
+    valid = ((y[0] != ignore) & within[0]).nonzero().flatten()
     first, second = y.clone(), y.clone()
     first[0, valid[len(valid) // 2:]] = ignore
     second[0, valid[:len(valid) // 2]] = ignore
     return first, second
+
+
+def _sequence_to_halve(t: _Term, x, y):
+    """(within (1, S) bool, what) for row (x, y): the targets to halve and how the headline names them, or None.
+    A row of one sequence: all of it. A packed row (several sequences) only where the objective gives its segments:
+    a sequence mean halves its first sequence of ≥ 2 valid targets (the others' means cancel out of
+    n_1·L_1 + n_2·L_2 = n·L), every other normaliser the row's valid targets (sequences do not weigh inside it)."""
+    valid = y != t.r.ign
+    seqs = t.weight(x, y, "seq_mean")
+    if seqs == 1.0 or (t.kind != "seq_mean" and t.w.segments is not None):
+        return (valid, "" if seqs == 1.0 else f", all {seqs:g} sequences") if int(valid.sum()) >= 2 else None
+    if t.w.segments is None:
+        return None  # a packed row without its segments: which targets form one sequence is not known
+    seg = torch.as_tensor(t.w.segments(x, y)).reshape(y.shape)
+    for d in torch.unique(seg).tolist():
+        if int((valid & (seg == d)).sum()) >= 2:
+            return valid & (seg == d), f", sequence {d} of its {seqs:g}, the others as they are"
+    return None
 
 
 def _term_job(t: _Term, N: int) -> None:
@@ -165,20 +184,22 @@ def _term_job(t: _Term, N: int) -> None:
 
 
 def _one_sequence(t: _Term, floors: tuple) -> None:
-    """The first row of A that is one sequence with ≥ 2 valid targets, as three one-row windows: its first half,
-    its second half, and whole (the in-row weight of the normaliser)."""
+    """The first row of A with a sequence of ≥ 2 valid targets (_sequence_to_halve), as three one-row windows: its
+    first half, its second half, and whole (the in-row weight of the normaliser)."""
     r, ign = t.r, t.r.ign
     for i in range(r.ya.shape[0]):
         x, y = r.xa[i:i + 1], r.ya[i:i + 1]
-        if int((y != ign).sum()) >= 2 and t.weight(x, y, "seq_mean") == 1.0:
+        picked = _sequence_to_halve(t, x, y)
+        if picked is not None:
             break
     else:
         return
-    first, second = _halves(y, ign)
+    within, where = picked
+    first, second = _halves(y, ign, within)
     runs = [r.run([(x, h)], 1, GATE) for h in (first, second, y)]
-    n = [float((h != ign).sum()) for h in (first, second, y)]
+    n = [float(((h != ign) & within).sum()) for h in (first, second, y)]
     w = n if t.norm.in_row == "valid" else [1.0, 1.0, 1.0]
-    head = (f"one sequence (row {i} of window A, {int(n[2])} valid targets) as its two halves ({int(n[0])} + "
+    head = (f"one sequence (row {i} of window A{where}, {int(n[2])} valid targets) as its two halves ({int(n[0])} + "
             f"{int(n[1])}): " + ("n_1·L_1 + n_2·L_2 vs n·L" if t.norm.in_row == "valid" else "L_1 + L_2 vs L"))
     why = ("a sequence's halves do not add up " + ("by their valid counts: the term does not divide each sequence by "
            "its own length" if t.norm.in_row == "valid" else "plainly: the term divides a sequence by its own length "
