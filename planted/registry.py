@@ -26,7 +26,7 @@ from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
 from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters,
-                     objective_adapters, overflow_adapters, pull_loops)
+                     objective_adapters, overflow_adapters, packed_adapters, pull_loops)
 from xtrain_proof.options import XtrainOptions
 
 
@@ -121,6 +121,10 @@ CLIPPED = DIST.replace(options=_opts(warmup_steps=2, max_grad_norm=0.2))
 # windows A and B of planted/objective_adapters.py (rows of 6 targets): an empty row, rows of every length
 OBJECTIVE = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
                  lengths=(6, 1, 2, 0, 3, 5, 2, 3, 4, 4, 1, 2, 6, 6, 5, 0, 3, 6, 2, 1, 4, 6, 6, 6))
+# windows A and B of planted/packed_adapters.py (packed rows of 12 targets, 1-3 documents): empty rows, trailing
+# documents emptied by the padding, rows of every length
+PACKED = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
+              lengths=(12, 3, 7, 0, 9, 11, 5, 12, 8, 10, 1, 6, 12, 4, 11, 0, 9, 12, 2, 7, 12, 10, 5, 12))
 
 _BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
 _FSDP_ROW = r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"
@@ -432,6 +436,23 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("z_over_n_twice", "one term's 1/N applied twice",
                objective_adapters.z_over_n_twice, Gate.NORMALISER,
                r"term 'z' \(row_mean.*vs the big batch .*\(×0\.3333 = 1/N \(micro-steps\)\)", OBJECTIVE),
+    # -- packed rows (packed_adapters.py): a per-document mean declared (seq_mean over verify.data.count_documents)
+    PlantedBug("pack_mean", "one token mean per packed row, averaged over rows (OpenRLHF PR #923)",
+               packed_adapters.pack_mean, Gate.NORMALISER,
+               r"term 'loss' \(seq_mean.*additivity.*add up with row_mean's weights", PACKED),
+    PlantedBug("pack_mean_per_doc", "one token mean per packed row, ÷ the window's documents (passes additivity)",
+               packed_adapters.pack_mean_per_doc, Gate.NORMALISER,
+               r"term 'loss' \(seq_mean.*one sequence \(row \d+ of window A, sequence \d+ of its \d+.*each sequence by "
+               r"its own length", PACKED),
+    PlantedBug("one_doc_per_row", "documents counted per packed row as 1",
+               packed_adapters.one_doc_per_row, Gate.NORMALISER,
+               r"term 'loss' \(seq_mean.*additivity.*add up with row_mean's weights", PACKED),
+    PlantedBug("pack_token_mean", "a token mean over the window's packed tokens where per-document is declared",
+               packed_adapters.pack_token_mean, Gate.NORMALISER,
+               r"term 'loss' \(seq_mean.*additivity.*add up with token_mean's weights", PACKED),
+    PlantedBug("rank_mask_no_restart", "on rank > 0 the mask ignores the restarts (prime-rl PR #2392, axolotl PR #2495)",
+               packed_adapters.rank_mask_no_restart, Gate.DP_EQUIVALENCE,
+               r"rank \d: loss of step 0: accumulation error", DDP),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}
