@@ -55,7 +55,8 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.01)
         self.n, self.group = spec.accum_steps, spec.group
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.window = torch.zeros(3, dtype=spec.dtype, device=spec.device)  # Σ document means, documents, valid targets
+        # the window's Σ document means, documents, valid targets (3,)
+        self.window = torch.zeros(3, dtype=spec.dtype, device=spec.device)
         self.loss = float("nan")
 
     def micro_step(self, x, y, micro):

@@ -108,6 +108,9 @@ def record(result) -> None:
         return
     s["examples"] += 1
     _keep_floor(s, result)
+    if gate is Gate.NORMALISER and result.extra.get("packed_rows"):  # windows of packed rows, and a document halved
+        s["packed_examples"] = s.get("packed_examples", 0) + 1
+        s["packed_halved"] = s.get("packed_halved", 0) + bool(result.extra.get("halved_packed"))
     if gate is Gate.OVERFLOW:  # exact checks, no error to rank: the worlds seen, and the largest world × N as the case
         c, w = result.case, s.get("worst_case")
         s["worlds"] = sorted(set(s.get("worlds", [])) | {c.world})

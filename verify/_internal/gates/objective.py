@@ -135,6 +135,13 @@ def _sequence_to_halve(t: _Term, x, y):
     return None
 
 
+def _packed_rows(t: _Term, x, y) -> int:
+    """Rows of the window holding more than one sequence (packed rows; 0 without Objective.sequences)."""
+    if t.w.sequences is None:
+        return 0
+    return int((torch.as_tensor(t.w.sequences(x, y)) > 1).sum())
+
+
 def _term_job(t: _Term, N: int) -> None:
     r, case = t.r, t.case
     if t.name in (t.adapter.objective.per_micro if t.adapter.objective is not None else ()):
@@ -164,7 +171,9 @@ def _term_job(t: _Term, N: int) -> None:
     # a term over tokens on a window without a valid target: w·L is 0 (its L is NaN); a row mean's rows still count
     wa, wb, wab = (t.weight(x, y) if r.ign is None or t.norm.in_row is None or r.count(y) else 0.0
                    for x, y in ((r.xa, r.ya), (r.xb, r.yb), union))
-    t.extra = dict(weights=(wa, wb), floor64=floors[0], **({} if r.ign is None else dict(valid=(r.count(r.ya), r.count(r.yb)))))
+    packed = _packed_rows(t, r.xa, r.ya) + _packed_rows(t, r.xb, r.yb)
+    t.extra = dict(weights=(wa, wb), floor64=floors[0], packed_rows=packed,
+                   **({} if r.ign is None else dict(valid=(r.count(r.ya), r.count(r.yb)))))
     windows = [((r.xa, r.ya), a), ((r.xb, r.yb), b)]
     counts = f"A ({wa:g} {t.norm.weight}) and B ({wb:g})" if t.norm.weight != "1" else "A and B (a sum: weight 1)"
     head = f"additivity over windows {counts}, at the same parameters: w_A·L_A + w_B·L_B vs w_AB·L_AB"
@@ -195,6 +204,7 @@ def _one_sequence(t: _Term, floors: tuple) -> None:
     else:
         return
     within, where = picked
+    t.extra.update(halved=f"row {i} of window A{where}", halved_packed=bool(where))  # where "": a row of one sequence
     first, second = _halves(y, ign, within)
     runs = [r.run([(x, h)], 1, GATE) for h in (first, second, y)]
     n = [float(((h != ign) & within).sum()) for h in (first, second, y)]
