@@ -48,7 +48,7 @@ def _marks(name):
     return NEEDS.get(name, [])
 
 
-RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp"]
+RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -89,6 +89,17 @@ def test_data_parallel_examples_pass_every_gate(tmp_path, name):
     assert gates["boundary-only"]["expected_before_boundary"] > 0  # DDP's declared bucket rebuild was seen
     assert "declares no plain" in gates["bit-exact"]["skip_reason"] and "declares no plain" in r.stdout
     _metrics_judged(name, gates)
+
+
+@pytest.mark.distributed
+def test_packed_recipe_passes_every_gate_on_packed_windows(tmp_path):
+    """Packed documents, a per-document mean (seq_mean over count_documents), at worlds 1-2 under the dev profile:
+    the normaliser gate's windows hold packed rows and one of its cases halves a document of a packed row."""
+    r, gates = plugin(tmp_path, "packed_documents", (1, 2))
+    norm = gates["normaliser"]
+    assert norm["examples"] >= gate_budget("normaliser", DEV) and gates["equivalence"]["examples"] >= DEV
+    assert norm["packed_examples"] >= 1 and norm["packed_halved"] >= 1, norm
+    assert gates["boundary-only"]["worlds"] == [1, 2] and gates["data-parallel equivalence"]["worst_ratio"] < 1
 
 
 @pytest.mark.distributed
@@ -152,7 +163,8 @@ def selftest(tmp_path, ref, *args, timeout=600):
 # The mesh recipes keep 4 ranks: dp=2 × tp=2 (or × pp=2) is where dp_reduction_skipped and the wrong group show.
 EVERY_CASE = ("examples.mlp_regressor:factory", "examples.ddp_no_sync:factory")  # --every-case on two cheap ones
 CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_accumulate",
-          "examples.fabric_no_backward_sync", "examples.hf_trainer", "examples.lightning_trainer")
+          "examples.fabric_no_backward_sync", "examples.hf_trainer", "examples.lightning_trainer",
+          "examples.packed_documents")
 
 
 @pytest.mark.distributed
@@ -172,6 +184,7 @@ CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_
     pytest.param("examples.lightning_trainer:factory", "17/17", marks=needs_lightning),
     ("examples.tensor_parallel:factory", "19/19"),
     ("examples.fsdp2_tp:factory", "19/19"),
+    ("examples.packed_documents:factory", "16/16"),  # + the token and objective operators, no metrics declared
 ])
 def test_selftest_kills_every_operator(tmp_path, ref, score):
     capped = ref.split(":")[0] in CAPPED

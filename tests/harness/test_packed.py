@@ -159,3 +159,23 @@ def test_segments_default_to_the_sequences_callables_own_and_must_be_callable():
     assert "segments" not in recipe.objective.declared()  # the default is not a declaration of its own
     with pytest.raises(verify.AdapterError, match="Objective.segments must be callable"):
         verify.Objective(sequences=verify.data.count_documents, segments=3)
+
+
+class _NoRestartEverywhere(recipe.Trainer):
+    """Attention across the pack on EVERY rank: a different model, the same one in every split."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.model = pa.NoRestartLM().to(spec.device, spec.dtype)  # the same seed: the same initial weights
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def test_a_mask_that_ignores_the_restarts_everywhere_is_no_accumulation_bug():
+    """What no accumulation gate can see, said by a test: the wrong mask changes the loss's values, but every split
+    of every window computes the same wrong function (its per-document mean still adds up). Only on rank > 0
+    (rank_mask_no_restart, the data-parallel gate) does it break an invariant: rank 0 vs rank 1."""
+    from verify._internal.gates import check_equivalence
+
+    a = verify.adapter(data=recipe.factory.data, ignore_index=IGNORE, objective=recipe.objective)(_NoRestartEverywhere)
+    assert check_normaliser(a, PACKED).ratio < 1 and check_equivalence(a, PACKED).ratio < 1
+    assert check_normaliser(pa.rank_mask_no_restart, PACKED).ratio < 1  # one process: rank 0's model, correct
