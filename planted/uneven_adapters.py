@@ -48,11 +48,15 @@ class GlobalCount:
     def reduce(self):
         ps = list(self.model.parameters())
         flat = torch.cat([p.grad.flatten() for p in ps] + [ps[0].grad.new_tensor([self.num, self.count])])
+        self.local(flat)
         if self.world > 1:
             dist.all_reduce(flat)
         self.divide(flat)
         torch.nn.utils.vector_to_parameters(flat[:-2], [p.grad for p in ps])
         self.num = float(flat[-2])
+
+    def local(self, flat):
+        pass  # nothing before the reduction: sums travel, the count with them
 
     def divide(self, flat):
         flat[:-1] /= flat[-1]  # the global count: every rank's targets
@@ -73,8 +77,11 @@ class GlobalCount:
 class EqualRankWeights(GlobalCount):
     """Planted (trl PR #6713): each rank's mean over its own targets, then the ranks averaged equally."""
 
+    def local(self, flat):
+        flat[:-2] /= self.count  # its own mean (its own count) ...
+
     def divide(self, flat):
-        flat[:-2] /= self.count * self.world  # its own count, then ÷ W: DDP's average of per-rank means
+        flat[:-2] /= self.world  # ... then ÷ W: DDP's average of the per-rank means
         flat[-2] /= flat[-1]
 
 

@@ -25,6 +25,7 @@ from verify._internal.gates.counts import SCALARS, CountRow, check_step, declare
 from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.metrics import judge_world, observer
 from verify._internal.gates.tolerance import Judge, condition, measured_floor
+from verify._internal.gates.uneven import equal_weights
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
@@ -321,6 +322,8 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
         failure = determinism(e, rerun, outcomes[0].runs[F32].trace)
+        failure = equal_weights(adapter, case, failure, outcomes[0].runs[F64 if F64 in outcomes[0].runs else F32]
+                                .trace.grads0, kpool)
         raise by_term(adapter, case, failure, lambda c: check_distributed(adapter, c, pool=pool, ref_pool=ref_pool)) from None
     metrics = judge_world(adapter, case, {o.rank: o.runs[F64].trace for o in outcomes if F64 in o.runs}, ref64,
                           pool=kpool) if adapter.metrics is not None else {}
