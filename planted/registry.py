@@ -442,8 +442,9 @@ PLANTED: tuple[PlantedBug, ...] = (
                r"\(×0\.833\); rank 1: 4 of 10 rows, weight 1/2 where 0\.4 \(×1\.25\)", UNEVEN),
     PlantedBug("lighter_rank_skips", "a rank with one micro-step never reduces (EasyR1 PR #11012)",
                uneven_adapters.lighter_rank_skips, Gate.BOUNDARY_ONLY,
-               r"rank 0 \(2 micro-step\(s\) per window\) hung: waiting in a collective .*rank\(s\) 1 \(1 micro-step"
-               r"(?s:.*)rank 0 did not finish; its Python stacks:.*in reduce", UNEVEN_SHORT, knobs=(("timeout", 10),)),
+               r"rank 0 \(2 micro-step\(s\) per window, in \S+uneven_adapters\.py:\d+ \(reduce\)\) hung: waiting in a "
+               r"collective .*rank\(s\) 1 \(1 micro-step(?s:.*)rank 0 did not finish; its Python stacks:", UNEVEN_SHORT,
+               knobs=(("timeout", 10),)),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

@@ -4,8 +4,7 @@ and plants one accumulation bug, without knowing its internals:
                    zero_grad_in_micro_loop, stale_micro_batch, loss_sum_not_mean, extra_collective_micro_0,
                    divide_by_world_twice, low_precision_accumulation
     tokens         per_micro_mean, count_from_first_micro, per_rank_mean, all_positions, sequences
-    objectives     normaliser_applied_twice, aux_reset_per_micro
-    uneven windows equal_rank_weights
+    objectives     normaliser_applied_twice, aux_reset_per_micro; uneven windows: equal_rank_weights
     metrics        grad_norm_{one_shard,last_micro,post_clip,zero,per_rank}, lr_previous_step, count_one_micro, loss_last_micro
     fp16 / mesh    skip_decided_on_one_rank; pipeline_micro_batch_dropped, dp_reduction_skipped, reduced_over_wrong_group
 `exists(case)`, `applies(adapter)`: where a kill is required; docs/design/self-test.md.

@@ -1,8 +1,7 @@
 """hypothesis strategies for the gates; everything shrinks toward the smallest case (N=1, B=1, K=1, world 1).
 
     cases(adapter)                      (N, B, K, seeds, options, precision, padding), world 1
-    dist_cases / mesh_cases             the same plus a world W (B per rank; uneven windows for an adapter that
-                                        declares `uneven`: uneven_windows) / a dp × pp × tp mesh
+    dist_cases / mesh_cases             the same plus a world W (B per rank; uneven_windows where declared) / a mesh
     padding, uneven_windows, overflow_cases, mesh_split_cases
 
 Every gate draws its known-hard corners first (corners, with_corners: explicit @example's, never shrunk),

@@ -12,6 +12,8 @@ Design: docs/design/distributed.md, "The data-parallel gates".
 from __future__ import annotations
 
 import functools
+import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -193,12 +195,22 @@ def hung(e, case: Case, gate) -> GateFailure:
     micro-steps per window (an uneven window: a lighter rank must still join the boundary), and their stacks."""
     ranks = getattr(e, "hung", [])
     n = lambda r: f"{case.micro_steps(r)} micro-step(s) per window"  # noqa: E731
-    who = "; ".join(f"rank {r} ({n(r)})" for r in ranks) or "some rank"
+    who = "; ".join(f"rank {r} ({n(r)}{_waits_in(str(e), r)})" for r in ranks) or "some rank"
     done = [r for r in range(case.world) if r not in ranks] if case.mesh is None else []
     rest = f"; rank(s) {', '.join(f'{r} ({n(r)})' for r in done)} finished" if done else ""
     return GateFailure(f"[{gate}] {who} hung: waiting in a collective no other rank joined{rest} — every rank must "
                        f"call its boundary reduction on its own last micro-step (micro-step N_r-1), however few it "
                        f"has; case {case}\n{e}", gate=gate, case=case)
+
+
+def _waits_in(text: str, rank: int) -> str:
+    """', in FILE:LINE (FUNCTION)': the innermost frame of `rank`'s dumped stacks outside torch and the harness."""
+    block = text.partition(f"--- rank {rank} did not finish")[2].split("\n--- rank ")[0]
+    for line in block.splitlines():
+        m = re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line)
+        if m and not any(p in m[1] for p in ("site-packages", f"{os.sep}verify{os.sep}_internal{os.sep}")):
+            return f", in {m[1]}:{m[2]} ({m[3]})"
+    return ""
 
 
 def _split(run: RankRun, case: Case, rank: int = 0):
