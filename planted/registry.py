@@ -26,7 +26,7 @@ from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
 from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters,
-                     objective_adapters, overflow_adapters, packed_adapters, pull_loops)
+                     objective_adapters, overflow_adapters, packed_adapters, pull_loops, uneven_adapters)
 from xtrain_proof.options import XtrainOptions
 
 
@@ -119,6 +119,9 @@ TP = Case(accum_steps=3, micro_batch=4, steps=2, world=1, mesh=Mesh(tp=2), seed=
 # DIST clipping at 0.2: each rank's own gradient and the reduced one clip (at 1.0 neither does, only a log can be wrong)
 CLIPPED = DIST.replace(options=_opts(warmup_steps=2, max_grad_norm=0.2))
 # windows A and B of planted/objective_adapters.py (rows of 6 targets): an empty row, rows of every length
+# uneven windows (uneven_adapters.py): rank 1 holds 4 rows in 2 micro-steps, rank 0 6 in 3; UNEVEN_SHORT: rank 1 one
+UNEVEN = Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=1, data_seed=2, rank_rows=((2, 2, 2), (3, 1)))
+UNEVEN_SHORT = Case(accum_steps=2, micro_batch=2, steps=1, world=2, seed=1, data_seed=2, rank_rows=((2, 2), (3,)))
 OBJECTIVE = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
                  lengths=(6, 1, 2, 0, 3, 5, 2, 3, 4, 4, 1, 2, 6, 6, 5, 0, 3, 6, 2, 1, 4, 6, 6, 6))
 # windows A and B of planted/packed_adapters.py (packed rows of 12 targets, 1-3 documents): empty rows, trailing
@@ -453,6 +456,16 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("rank_mask_no_restart", "on rank > 0 the mask ignores the restarts (prime-rl PR #2392, axolotl PR #2495)",
                packed_adapters.rank_mask_no_restart, Gate.DP_EQUIVALENCE,
                r"rank \d: loss of step 0: accumulation error", DDP),
+    # -- uneven windows (uneven_adapters.py): ranks with unequal rows and micro-steps ----------------------------
+    PlantedBug("equal_rank_weights", "each rank's own mean, averaged equally over ranks (trl PR #6713)",
+               uneven_adapters.equal_rank_weights, Gate.DP_EQUIVALENCE,
+               r"own mean averaged equally over the 2 ranks \(÷ W\): rank 0: 6 of 10 rows, weight 1/2 where 0\.6 "
+               r"\(×0\.833\); rank 1: 4 of 10 rows, weight 1/2 where 0\.4 \(×1\.25\)", UNEVEN),
+    PlantedBug("lighter_rank_skips", "a rank with one micro-step never reduces (EasyR1 PR #11012)",
+               uneven_adapters.lighter_rank_skips, Gate.BOUNDARY_ONLY,
+               r"rank 0 \(2 micro-step\(s\) per window, in \S+uneven_adapters\.py:\d+ \(reduce\)\) hung: waiting in a "
+               r"collective .*rank\(s\) 1 \(1 micro-step(?s:.*)rank 0 did not finish; its Python stacks:", UNEVEN_SHORT,
+               knobs=(("timeout", 10),)),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

@@ -78,7 +78,8 @@ def test_the_design_doc_carries_the_registry_table():
 # The self-test's operators that inject a bug the registry also plants (the same fault, applied by a wrapper to
 # any trainer instead of planted in xtrain's): one bug, one name, in both tables.
 SAME_BUG = ("optimizer_step_every_micro", "zero_grad_in_micro_loop", "divide_by_world_twice", "per_micro_mean",
-            "count_from_first_micro", "per_rank_mean", "all_positions", "sequences", "skip_decided_on_one_rank")
+            "count_from_first_micro", "per_rank_mean", "all_positions", "sequences", "skip_decided_on_one_rank",
+            "equal_rank_weights")
 
 
 def test_a_bug_in_both_the_registry_and_the_selftest_has_one_name():

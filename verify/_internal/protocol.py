@@ -168,6 +168,7 @@ class Adapter:
     mesh_axes: tuple[str, ...] = ()  # axes beyond plain data parallel ("dp", "pp", "tp"; verify/_internal/ranks/mesh.py)
     mesh_sizes: dict | None = None  # {axis: sizes it supports}, e.g. {"tp": (2, 4)}; None: every size (verify/_internal/ranks/mesh.py)
     subgroups: bool = False  # honours Spec.group: a launched world runs its sub-worlds on subgroups
+    uneven: bool = False  # normalises by the GLOBAL count: ranks may hold unequal rows / micro-steps (Case.rank_rows)
     unclipped: Callable | None = None
     """options -> the same options with gradient clipping off: lets a failure's diagnosis re-run it unclipped."""
     grads_from: str = "grads"  # "grads": grads(); "optimizer": .grad as optimizer step() begins (verify/_internal/atstep.py)
@@ -214,7 +215,7 @@ class Adapter:
                                "or declare ignore_index= so the harness can count valid targets")
         if self.grads_from not in GRADS_FROM:
             raise AdapterError(f"grads_from must be one of {', '.join(map(repr, GRADS_FROM))}, got {self.grads_from!r}")
-        for f in ("empty_windows", "subgroups"):
+        for f in ("empty_windows", "subgroups", "uneven"):
             if not isinstance(getattr(self, f), bool):
                 raise AdapterError(f"{f} must be True or False, got {getattr(self, f)!r}")
         if self.process_group and not self.data_parallel:
@@ -229,11 +230,11 @@ class Adapter:
         """Every declaration that changes what the gates expect, by name (the report lists them)."""
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
-                  "process_group", "data_parallel", "subgroups", "empty_windows", "overflow",
+                  "process_group", "data_parallel", "subgroups", "uneven", "empty_windows", "overflow",
                   "mesh_axes", "mesh_sizes", "grads_from", "metrics", "objective"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
-            if (f == "empty_windows" and self.ignore_index is None) or (f == "subgroups" and not self.data_parallel):
+            if (f == "empty_windows" and self.ignore_index is None) or (f in ("subgroups", "uneven") and not self.data_parallel):
                 continue  # means nothing without padding / without data parallelism
             if v != default and v is not None and v != ():
                 out[f] = (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
@@ -329,8 +330,7 @@ def _no_trainer(factory: str, obj, missing: list[str]) -> str:
 
 
 def _rebuild(ref: str, mutation) -> Adapter:
-    a = load_adapter(ref)
-    return a if mutation is None else mutation.apply(a)
+    return load_adapter(ref) if mutation is None else mutation.apply(load_adapter(ref))
 
 
 def _qual(fn) -> str:
@@ -341,7 +341,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
             process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
             empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
-            subgroups: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None,
+            subgroups: bool = False, uneven: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None,
             memory_preset=None, metrics=None, objective=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""

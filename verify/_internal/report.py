@@ -97,6 +97,8 @@ def record(result) -> None:
                 b.update(worst_check="largest world × N", worst_case=result.case.as_dict(), worst_case_text=str(result.case))
         e = _gate(_key(Gate.DP_EQUIVALENCE, result.case))
         e["examples"] += 1
+        if getattr(result.case, "uneven", False):  # ranks of unequal windows (Case.rank_rows): how many were run
+            e["uneven_examples"] = e.get("uneven_examples", 0) + 1
         _keep_worst(e, result.ratio, result.worst, result.case)
         _keep_floor(e, result)
         if ex.get("metrics"):  # the same run's reported metrics, judged on its float64 run

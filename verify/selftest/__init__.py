@@ -58,6 +58,9 @@ def selftest_cases(adapter, *, worlds=(1, 2, 3), device: str = "cpu"):
     if adapter.data_parallel:
         dist = [Case(accum_steps=DIST[w][0], micro_batch=DIST[w][1], steps=2, world=w, seed=4 + w, data_seed=20 + w,
                      device=device, options=o) for w in worlds if w in DIST]
+        if getattr(adapter, "uneven", False) and 2 in worlds:  # last: rank 1 holds 4 rows in 2 micro-steps, rank 0 6 in 3
+            dist.append(Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=9, data_seed=29, device=device,
+                             options=o, rank_rows=((2, 2, 2), (3, 1))))
     single = [_padded(adapter, c) for c in single]
     low = [p for p in LOW_PRECISIONS if p in adapter.precisions]
     if low:
@@ -312,7 +315,7 @@ def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", 
     from verify._internal.gates.overflow import overflow_hook
 
     overflow_ok = overflow_hook(adapter)[0] is not None
-    res = SelftestResult(adapter.locate(), cases, {}, worlds=[c.world for c in dist], n_single=len(single),
+    res = SelftestResult(adapter.locate(), cases, {}, worlds=sorted({c.world for c in dist}), n_single=len(single),
                          meshes=[str(c.mesh) for c in meshed])
     total, done = len(cases) * (1 + len(ops)), 0
     for i, case in enumerate(cases):

@@ -4,7 +4,7 @@ and plants one accumulation bug, without knowing its internals:
                    zero_grad_in_micro_loop, stale_micro_batch, loss_sum_not_mean, extra_collective_micro_0,
                    divide_by_world_twice, low_precision_accumulation
     tokens         per_micro_mean, count_from_first_micro, per_rank_mean, all_positions, sequences
-    objectives     normaliser_applied_twice, aux_reset_per_micro
+    objectives     normaliser_applied_twice, aux_reset_per_micro; uneven windows: equal_rank_weights
     metrics        grad_norm_{one_shard,last_micro,post_clip,zero,per_rank}, lr_previous_step, count_one_micro, loss_last_micro
     fp16 / mesh    skip_decided_on_one_rank; pipeline_micro_batch_dropped, dp_reduction_skipped, reduced_over_wrong_group
 `exists(case)`, `applies(adapter)`: where a kill is required; docs/design/self-test.md.
@@ -21,6 +21,7 @@ from verify.selftest.mesh_ops import feed_micro_1_for_0, interposed
 from verify.selftest.metric_ops import world as _world
 from verify.selftest.mutant import Mutant
 from verify.selftest.objective_ops import batch_term, count_again, per_micro_aux, reset_per_micro
+from verify.selftest.uneven_ops import equal_rank_weights, uneven_counts
 from verify.selftest.metric_ops import last_micro_alone, one_micro_count, post_clip, previous_lr, set_metric, shard_norm
 
 __all__ = ["Operator", "OPERATORS"]
@@ -233,10 +234,14 @@ N2 = lambda c: c.accum_steps >= 2  # noqa: E731
 
 def _windows(c) -> list[list[list[list[int]]]]:
     """Padded case -> per step, per global micro-batch, per rank: the rows' valid-target counts (the layout
-    of verify._internal.cases.case.shard)."""
-    E, W, B = c.effective_batch, c.world, c.micro_batch
-    return [[[list(c.lengths[k * E + (m * W + r) * B:k * E + (m * W + r + 1) * B]) for r in range(W)]
-             for m in range(c.accum_steps)] for k in range(c.steps)]
+    of verify._internal.cases.case.shard; on an uneven window a rank past its last micro-step holds none)."""
+    out = []
+    for k in range(c.steps):
+        pos, step = k * c.effective_batch, [[[] for _ in range(c.world)] for _ in range(c.accum_steps)]
+        for m, r, rows in c.layout():
+            step[m][r], pos = list(c.lengths[pos:pos + rows]), pos + rows
+        out.append(step)
+    return out
 
 
 def _shows(c, differs) -> bool:
@@ -303,6 +308,9 @@ OPERATORS = {op.name: op for op in [
     Operator("aux_reset_per_micro", "the batch term's counts reset every micro-step: its micro-batches' mean",
              lambda c: N2(c) and c.world == 1, micro=reset_per_micro, scale=lambda w: 1.0, replace_grads=per_micro_aux,
              batch_term=True),
+    # -- uneven windows (Case.rank_rows): exists only on uneven cases whose ranks hold different counts -----------
+    Operator("equal_rank_weights", "the ranks' own means averaged equally (÷ W), whatever each rank holds",
+             uneven_counts, around=equal_rank_weights, dist_only=True, at_n1=True),
     # -- what metrics() reports: exists only where the adapter declares the metric (Operator.applies) ----------
     Operator("grad_norm_one_shard", "grad_norm over every other parameter (one rank's shard, never reduced)", N2,
              metrics=shard_norm, metric="grad_norm:pre_clip"),

@@ -46,9 +46,21 @@ class Case:
     """Micro-batches per pipeline schedule.step (Spec.pipeline_chunks); divides accum_steps."""
     terms: tuple | None = None
     """The objective's terms every run of the case computes (Spec.terms); None: all of them."""
+    rank_rows: tuple | None = None
+    """Uneven windows (adapters that declare `uneven`): per rank, the rows of each of its micro-steps, e.g.
+    ((2, 2, 2), (3, 1)): rank 1 holds 4 rows in N_1 = 2 micro-steps. accum_steps and micro_batch then follow
+    from it (the longest rank's N_r, the largest micro-batch). None: even, N micro-steps of B rows per rank."""
 
     def __post_init__(self):
         object.__setattr__(self, "precision", Precision(self.precision))
+        if self.rank_rows is not None:
+            rows = tuple(tuple(int(b) for b in r) for r in self.rank_rows)
+            if len(rows) != self.world or self.mesh is not None or not all(rows) or min(map(min, rows)) < 1:
+                raise ValueError(f"Case.rank_rows must hold, for each of the world's {self.world} ranks, at least one "
+                                 f"micro-step of ≥ 1 row (no mesh), got {self.rank_rows}")
+            object.__setattr__(self, "rank_rows", rows)
+            object.__setattr__(self, "accum_steps", max(map(len, rows)))
+            object.__setattr__(self, "micro_batch", max(map(max, rows)))
         if self.mesh is not None and self.mesh.dp != self.world:
             raise ValueError(f"Case.world must be the mesh's dp ({self.mesh}), got {self.world}")
         if self.accum_steps % self.pipeline_chunks:
@@ -61,19 +73,41 @@ class Case:
 
     @property
     def effective_batch(self) -> int:
-        """Rows per optimizer step over all ranks: N·B·W (the one meaning of "effective batch")."""
+        """Rows per optimizer step over all ranks: N·B·W (the one meaning of "effective batch"); uneven: Σ rank_rows."""
+        if self.rank_rows is not None:
+            return sum(map(sum, self.rank_rows))
         return self.accum_steps * self.micro_batch * self.world
 
+    @property
+    def uneven(self) -> bool:
+        return self.rank_rows is not None
+
+    def micro_steps(self, rank: int) -> int:
+        """N_r: the micro-steps rank `rank` runs per optimizer step (accum_steps on an even window)."""
+        return self.accum_steps if self.rank_rows is None else len(self.rank_rows[rank])
+
+    @property
+    def micro_blocks(self) -> int:
+        """The blocks one window's gradient sums over: Σ_r N_r (N·W on an even window)."""
+        return sum(self.micro_steps(r) for r in range(self.world))
+
+    def layout(self) -> list[tuple[int, int, int]]:
+        """(micro-step m, rank r, rows) in the global batch's row order: micro-step by micro-step, rank by rank
+        (a rank whose window has ended takes no rows) — on an even window, shard's order."""
+        rows = self.rank_rows or ((self.micro_batch,) * self.accum_steps,) * self.world
+        return [(m, r, rows[r][m]) for m in range(self.accum_steps) for r in range(self.world) if m < len(rows[r])]
+
     def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None, adapter=None,
-             group=None):
+             group=None, rank: int = 0):
         """The Spec of one run of this case. Given the adapter, a `scheduler_per_rank` declaration makes
         schedule_world this case's world, in the W-rank run and in every one-process reference of it alike.
         The case's mesh and pipeline_chunks apply to its own run only: a run given its own accum_steps (a
-        reference, a block) is one process, Mesh() and one chunk. `group`: the rank's RankContext.group."""
+        reference, a block) is one process, Mesh() and one chunk. `group`: the rank's RankContext.group.
+        Uneven windows: `rank`'s own N_r micro-steps."""
         from verify._internal.protocol import Spec
 
         per_rank = adapter is not None and getattr(adapter, "scheduler_per_rank", False)
-        return Spec(accum_steps=self.accum_steps if accum_steps is None else accum_steps, dtype=dtype,
+        return Spec(accum_steps=self.micro_steps(rank) if accum_steps is None else accum_steps, dtype=dtype,
                     device=device or self.device, seed=self.seed, options=self.options,
                     precision="fp32" if dtype == torch.float64 else self.precision,
                     schedule_world=self.world if per_rank else 1, group=group, terms=self.terms,
@@ -114,6 +148,7 @@ class Case:
                     device=self.device, precision=self.precision,
                     lengths=None if self.lengths is None else list(self.lengths), options=_plain(opts),
                     **({} if self.terms is None else dict(terms=list(self.terms))),
+                    **({} if self.rank_rows is None else dict(rank_rows=[list(r) for r in self.rank_rows])),
                     **({} if self.mesh is None else dict(mesh=dataclasses.asdict(self.mesh),
                                                          pipeline_chunks=self.pipeline_chunks)))
 
@@ -122,6 +157,8 @@ class Case:
         p = f" {self.precision}" if self.precision != "fp32" else ""
         pad = "" if self.lengths is None else f" lengths={list(self.lengths)}"
         pad += "" if self.terms is None else f" terms={','.join(self.terms)}"
+        if self.rank_rows is not None:  # B is then the largest micro-batch: the rows of each rank's micro-steps
+            w += f" rank_rows={[list(r) for r in self.rank_rows]}"
         opts = "" if self.options is None else f" {_short(self.options)}"
         if self.mesh is not None:
             w = f" {self.mesh} chunks={self.pipeline_chunks}"
@@ -165,11 +202,23 @@ def split(inputs: torch.Tensor, targets: torch.Tensor, n: int):
     return list(zip(inputs.chunk(n), targets.chunk(n)))
 
 
-def shard(inputs: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: int, world: int):
+def shard(inputs: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: int, world: int, rank_rows=None):
     """One global step batch (N·W·B, ...) -> rank `rank`'s N micro-batches of (B, ...).
 
     Global micro-batch n is rows [n·W·B, (n+1)·W·B) (the single-process split into N) and rank r takes
-    rows [r·B, (r+1)·B) of it: over ranks and micro-steps the union is the big batch, in order."""
+    rows [r·B, (r+1)·B) of it: over ranks and micro-steps the union is the big batch, in order. `rank_rows`
+    (Case.rank_rows, an uneven window): the same order (Case.layout), rank r taking rank_rows[r][m] rows at m."""
+    if rank_rows is not None:
+        out, start = [], 0
+        for m in range(max(map(len, rank_rows))):
+            for r, mine in enumerate(rank_rows):
+                if m < len(mine):
+                    if r == rank:
+                        out.append((inputs[start:start + mine[m]], targets[start:start + mine[m]]))
+                    start += mine[m]
+        if start != inputs.shape[0]:
+            raise ValueError(f"batch of {inputs.shape[0]} rows is not the {start} rows of rank_rows={rank_rows}")
+        return out
     rows = inputs.shape[0]
     if rows % (accum_steps * world):
         raise ValueError(f"batch of {rows} rows does not split into {accum_steps} micro-steps × {world} ranks")
@@ -185,7 +234,7 @@ def block_grads(adapter, case: "Case", device, gate: Gate | None = None) -> list
     inputs, targets = case.batches(adapter)[0]
     out = []
     for r in range(case.world):
-        for x, y in shard(inputs, targets, case.accum_steps, r, case.world):
+        for x, y in shard(inputs, targets, case.accum_steps, r, case.world, case.rank_rows):
             t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(device), adapter=adapter))
             out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate=gate).grads0)
     return out
@@ -223,27 +272,28 @@ class _NoMarks:
 
 
 def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cpu", rank: int = 0,
-          world: int = 1, windows=None, gate: Gate | None = None, observe=None) -> Trace:
+          world: int = 1, windows=None, gate: Gate | None = None, observe=None, rank_rows=None) -> Trace:
     """The harness's loop: shard each global batch, hand each micro-step its own copy, mark a window
     before every trainer call (for the collective counter), and return CPU copies of what came back.
     `gate`: the gate these runs serve, named by a failure (a trainer writing into its batch); None outside
-    the gates ("harness"). `observe`: a verify._internal.metrics.Observer (the metrics gate's runs)."""
+    the gates ("harness"). `observe`: a verify._internal.metrics.Observer (the metrics gate's runs). `rank_rows`:
+    an uneven window's (Case.rank_rows; accum_steps is then this rank's N_r)."""
     from verify._internal.ranks.comm import set_active
 
     windows = windows or _NoMarks()
     set_active(windows)  # a Pull trainer re-marks micro-steps from its framework's thread
     try:
-        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe)
+        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows)
     finally:
         set_active(None)
 
 
-def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe) -> Trace:
+def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows) -> Trace:
     losses, params, grads0 = [], [], None
     stepping = observe.stepping if observe is not None else _not_observed
     for k, (inputs, targets) in enumerate(batches):
         given = []
-        for m, (x, y) in enumerate(shard(inputs, targets, accum_steps, rank, world)):
+        for m, (x, y) in enumerate(shard(inputs, targets, accum_steps, rank, world, rank_rows)):
             x, y = _to(x, device, dtype), _to(y, device, dtype)
             xc, yc = x.clone(), y.clone()  # the trainer's own copy; x, y stay the harness's
             given.append((m, x, y, xc, yc))

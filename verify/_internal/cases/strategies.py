@@ -1,8 +1,8 @@
 """hypothesis strategies for the gates; everything shrinks toward the smallest case (N=1, B=1, K=1, world 1).
 
     cases(adapter)                      (N, B, K, seeds, options, precision, padding), world 1
-    dist_cases / mesh_cases             the same plus a world W (B per rank) / a dp × pp × tp mesh
-    padding, overflow_cases, mesh_split_cases
+    dist_cases / mesh_cases             the same plus a world W (B per rank; uneven_windows where declared) / a mesh
+    padding, uneven_windows, overflow_cases, mesh_split_cases
 
 Every gate draws its known-hard corners first (corners, with_corners: explicit @example's, never shrunk),
 then random_budget() random draws; seed_only_draws makes a gate's draws a function of the seed alone.
@@ -21,7 +21,7 @@ from verify._internal.cases.case import Case
 from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
 
-__all__ = ["cases", "dist_cases", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding", "corners",
+__all__ = ["cases", "dist_cases", "uneven_windows", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding", "corners",
            "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
@@ -73,29 +73,52 @@ def _options_strategy(adapter):
 
 
 @st.composite
+def uneven_windows(draw, *, world: int, max_accum: int, max_micro_batch: int) -> tuple | None:
+    """Case.rank_rows: per rank, N_r in 1..max_accum micro-steps of 1..max_micro_batch rows each, never the same
+    window on every rank (the last rank then holds one micro-step more, or one row more, or one fewer); shrinks
+    toward one row on every rank but the last, which holds two micro-steps of one. None where the bounds allow
+    no uneven window (one micro-step of one row)."""
+    rows = [tuple(draw(st.lists(st.integers(1, max_micro_batch), min_size=1, max_size=max_accum), label=f"rank {r}"))
+            for r in range(world)]
+    if len(set(rows)) == 1:
+        last = rows[-1]
+        if len(last) < max_accum:
+            rows[-1] = last + (1,)
+        elif max(last) < max_micro_batch:
+            rows[-1] = last[:-1] + (last[-1] + 1,)
+        elif len(last) > 1:
+            rows[-1] = last[:-1]
+        else:
+            return None
+    return tuple(rows)
+
+
+@st.composite
 def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int, seq_len: int,
-            empty_windows: bool = True, some_padding: bool = False) -> tuple:
+            empty_windows: bool = True, some_padding: bool = False, rank_rows=None) -> tuple:
     """Valid targets per row for K steps of N global micro-batches of W·B rows (row order as the harness
     draws them). Each global micro-batch is full, empty, random, or random with one rank's rows empty;
     shrinks toward full rows (no padding), so a failure is shown with the least padding that causes it.
     empty_windows=False (Adapter.empty_windows): no step's window is left without a valid target (its
     first row then keeps one). some_padding=True: the first global micro-batch is never full (shrinking
     toward one target fewer in each of its rows), so a window's micro-batches hold different numbers of
-    valid targets — where a per-micro-batch or per-rank mean and the token mean part ways."""
+    valid targets — where a per-micro-batch or per-rank mean and the token mean part ways. `rank_rows`: an
+    uneven window's rows (Case.rank_rows; a rank past its last micro-step holds no rows of that micro-batch)."""
     out = []
     for i in range(steps * accum_steps):
+        m = i % accum_steps
         forced = some_padding and i == 0
         mode = draw(st.sampled_from(["random", "empty", "rank_empty"] if forced else ["full", "random", "empty", "rank_empty"]))
         empty_rank = draw(st.integers(0, world - 1)) if mode == "rank_empty" else -1
         for r in range(world):
-            for _ in range(micro_batch):
+            for _ in range(micro_batch if rank_rows is None else rank_rows[r][m] if m < len(rank_rows[r]) else 0):
                 if mode == "full":
                     out.append(seq_len)
                 elif mode == "empty" or r == empty_rank:
                     out.append(0)
                 else:
                     out.append(draw(st.integers(1 if forced else 0, seq_len).map(lambda n: seq_len - n)))
-    E = accum_steps * micro_batch * world
+    E = accum_steps * micro_batch * world if rank_rows is None else sum(map(sum, rank_rows))
     if not empty_windows:
         for k in range(steps):
             if not any(out[k * E:(k + 1) * E]):
@@ -110,11 +133,12 @@ def _row_length(adapter, options) -> int:
 @st.composite
 def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int = 4,
           min_steps: int = 1, max_steps: int = 3, device: str | None = None, world: int = 1,
-          padded: bool | None = None, some_padding: bool = False) -> Case:
-    """(N, B, K, seeds, options, precision[, padding]) for `adapter`. N shrinks to min_accum, the rest to
-    their minimum, the precision to the adapter's first. padded: None draws it (adapters with an
+          padded: bool | None = None, some_padding: bool = False, uneven: bool | None = None) -> Case:
+    """(N, B, K, seeds, options, precision[, padding][, uneven windows]) for `adapter`. N shrinks to min_accum,
+    the rest to their minimum, the precision to the adapter's first. padded: None draws it (adapters with an
     ignore_index only), True / False forces it; some_padding: a padded window is never all full rows
-    (padding(some_padding=True))."""
+    (padding(some_padding=True)); uneven: None draws it at W ≥ 2 for an adapter that declares `uneven` (shrinking
+    toward even), False never."""
     c = Case(
         accum_steps=draw(st.integers(min_accum, max_accum)),
         micro_batch=draw(st.integers(1, max_micro_batch)),
@@ -127,11 +151,20 @@ def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_ba
         precision=draw(st.sampled_from(adapter.precisions)),
         terms=window_terms(adapter),
     )
+    if world >= 2 and declares_uneven(adapter) and (uneven if uneven is not None else draw(st.booleans())):
+        c = c.replace(rank_rows=draw(uneven_windows(world=world, max_accum=max_accum, max_micro_batch=max_micro_batch)))
     if adapter.ignore_index is not None and (padded if padded is not None else draw(st.booleans())):
         c = c.replace(lengths=draw(padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=c.micro_batch,
                                            world=world, seq_len=_row_length(adapter, c.options),
-                                           empty_windows=adapter.empty_windows, some_padding=some_padding)))
+                                           empty_windows=adapter.empty_windows, some_padding=some_padding,
+                                           rank_rows=c.rank_rows)))
     return c
+
+
+def declares_uneven(adapter) -> bool:
+    """Uneven windows are drawn only for an adapter that declares them (Adapter.uneven, with data_parallel): an
+    equal-weight average over ranks (DDP's) is right on even windows, wrong on uneven ones."""
+    return bool(getattr(adapter, "uneven", False) and adapter.data_parallel)
 
 
 @st.composite
@@ -165,7 +198,7 @@ def mesh_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4, max_chu
     chunks = draw(st.integers(1, max_chunks)) if mesh.pp > 1 else 1
     outer = draw(st.integers(1, max_outer))
     c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=max_micro_batch, max_steps=max_steps,
-                   device=device, world=mesh.dp, padded=False))
+                   device=device, world=mesh.dp, padded=False, uneven=False))
     return c.replace(accum_steps=chunks * outer, mesh=mesh, pipeline_chunks=chunks)
 
 
@@ -174,7 +207,7 @@ def overflow_cases(draw, adapter, *, min_world: int = 1, max_world: int = 1, **b
     """(case, micro-step, rank) for the injected-overflow gate: an fp16 case of K = 2 windows at a world in
     [min_world, max_world], the micro-step and the rank whose micro-batch overflows in window 0."""
     case = draw(dist_cases(adapter, min_world=min_world, max_world=max_world, max_accum=4, min_steps=2, max_steps=2,
-                           **bounds), label="case").replace(precision="fp16")
+                           uneven=False, **bounds), label="case").replace(precision="fp16")
     micro = draw(st.integers(0, case.accum_steps - 1), label="overflowing micro-step")
     return case, micro, draw(st.integers(0, case.world - 1), label="overflowing rank")
 
@@ -207,25 +240,26 @@ def _corner_options(adapter):
 def _hard_padding(case: Case, seq_len: int) -> tuple:
     """Window 0: micro-batch 0 partly padded (its rows' valid counts differ), micro-batch 1 empty, micro-batch 2
     (N ≥ 3) empty on the last rank only; later windows full but one row. No window is left without a valid target."""
-    E, B, W = case.accum_steps * case.micro_batch * case.world, case.micro_batch, case.world
+    E, W = case.effective_batch, case.world
     out = []
     for k in range(case.steps):
-        for m in range(case.accum_steps):
-            for r in range(W):
-                for b in range(B):
-                    if k == 0 and m == 0:
-                        out.append(max(1, seq_len // 2) if (r, b) == (0, 0) else seq_len - 1)
-                    elif k == 0 and (m == 1 or (m == 2 and r == W - 1)):
-                        out.append(0)
-                    else:
-                        out.append(seq_len - 1 if (m, r, b) == (0, 0, 0) else seq_len)
+        for m, r, rows in case.layout():
+            for b in range(rows):
+                if k == 0 and m == 0:
+                    out.append(max(1, seq_len // 2) if (r, b) == (0, 0) else seq_len - 1)
+                elif k == 0 and (m == 1 or (m == 2 and r == W - 1)):
+                    out.append(0)
+                else:
+                    out.append(seq_len - 1 if (m, r, b) == (0, 0, 0) else seq_len)
     assert len(out) == case.steps * E
     return tuple(out)
 
 
-def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, device: str | None = None) -> Case:
+def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, device: str | None = None,
+          rank_rows=None) -> Case:
     c = Case(accum_steps=N, micro_batch=B, steps=K, world=W, seed=1, data_seed=2, options=_corner_options(adapter),
-             device=device or gate_device(), precision=adapter.precisions[0], terms=window_terms(adapter))
+             device=device or gate_device(), precision=adapter.precisions[0], terms=window_terms(adapter),
+             rank_rows=rank_rows)
     if padded and adapter.ignore_index is not None:
         c = c.replace(lengths=_hard_padding(c, _row_length(adapter, c.options)))
     return c
@@ -250,7 +284,9 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
     split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
     metrics                                 N=3 B=2 K=3, padded: as equivalence's, one step longer
     data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
-                                            and one empty on the last rank only
+                                            and one empty on the last rank only; data_parallel, for an adapter
+                                            that declares `uneven`: also rank_rows (2, 2, 2) on every rank but the
+                                            last, (3, 1) on it (fewer micro-steps, fewer rows), padded
     overflow                                the overflow in the boundary's micro-step (N−1) on the LAST rank of
                                             the top world; at W ≥ 2 also micro-step 0 on rank 1 of W=2
     mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2 with 2 outer steps
@@ -264,7 +300,11 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
         return [_base(adapter, N=3, B=2, K=3, padded=True)]
     if gate in ("data_parallel", "bytes_per_step"):
         worlds = sorted({w for w in (max(2, lo), hi) if lo <= w <= hi and w >= 2})
-        return [_base(adapter, N=3, B=2, K=2, W=w, padded=True) for w in worlds]
+        out = [_base(adapter, N=3, B=2, K=2, W=w, padded=True) for w in worlds]
+        if gate == "data_parallel" and worlds and declares_uneven(adapter):
+            w = worlds[0]
+            out.append(_base(adapter, N=3, B=2, K=2, W=w, padded=True, rank_rows=((2, 2, 2),) * (w - 1) + ((3, 1),)))
+        return out
     if gate == "overflow":
         top = _base(adapter, N=3, B=2, K=2, W=hi).replace(precision="fp16")
         out = [(top, 2, hi - 1)]

@@ -12,19 +12,22 @@ Design: docs/design/distributed.md, "The data-parallel gates".
 from __future__ import annotations
 
 import functools
+import os
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from verify._internal.cases.case import Case, Trace, block_grads, drive, twin
 from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, group_links, link_of
-from verify._internal.ranks.pool import get_pool, launched
+from verify._internal.ranks.pool import DistTimeout, get_pool, launched
 from verify._internal.settings import Settings, current
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row
 from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.metrics import judge_world, observer
 from verify._internal.gates.tolerance import Judge, condition, measured_floor
+from verify._internal.gates.uneven import equal_weights
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
            "max_world", "min_world", "SCALARS"]
@@ -82,9 +85,10 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENC
         ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)
         win = Windows()
         win.mark(("init",))
-        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter, group=ctx.group))
-        trace = drive(trainer, batches, case.accum_steps, dtype=dtype, device=ctx.device, rank=rank,
-                      world=world, windows=win, gate=gate, observe=observer(adapter) if dtype == F64_DTYPE else None)
+        trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter, group=ctx.group, rank=rank))
+        trace = drive(trainer, batches, case.micro_steps(rank), dtype=dtype, device=ctx.device, rank=rank,
+                      world=world, windows=win, gate=gate, observe=observer(adapter) if dtype == F64_DTYPE else None,
+                      rank_rows=case.rank_rows)
         del trainer
         comms = win.attribute(ctx.recorder.read())
         out.runs[str(dtype)] = RankRun(trace, comms, ctx.recorder.main_thread,
@@ -122,10 +126,15 @@ def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None, gate=Gate.
     else:
         ref_pool = ref_pool or get_pool(1)
         ref_pool.submit(reference_job, adapter, case)
+        failure = None
         try:
             outcomes = pool.run(rank_job, adapter, case, gate=gate)
+        except DistTimeout as e:  # a rank waits in a collective nobody else joined: a boundary-only verdict
+            failure = hung(e, case, Gate.BOUNDARY_ONLY if gate is Gate.DP_EQUIVALENCE else gate)
         finally:
             refs = ref_pool.result()[0]
+        if failure is not None:
+            raise failure
     for o in outcomes:
         o.refs = refs
     return outcomes
@@ -181,9 +190,32 @@ class CommReport:
                 for s in self.steps[(rank, dtype)]]
 
 
-def _split(run: RankRun, case: Case):
+def hung(e, case: Case, gate) -> GateFailure:
+    """A W-rank job that timed out (pool.DistTimeout): the failure names the rank(s) that hung, with their
+    micro-steps per window (an uneven window: a lighter rank must still join the boundary), and their stacks."""
+    ranks = getattr(e, "hung", [])
+    n = lambda r: f"{case.micro_steps(r)} micro-step(s) per window"  # noqa: E731
+    who = "; ".join(f"rank {r} ({n(r)}{_waits_in(str(e), r)})" for r in ranks) or "some rank"
+    done = [r for r in range(case.world) if r not in ranks] if case.mesh is None else []
+    rest = f"; rank(s) {', '.join(f'{r} ({n(r)})' for r in done)} finished" if done else ""
+    return GateFailure(f"[{gate}] {who} hung: waiting in a collective no other rank joined{rest} — every rank must "
+                       f"call its boundary reduction on its own last micro-step (micro-step N_r-1), however few it "
+                       f"has; case {case}\n{e}", gate=gate, case=case)
+
+
+def _waits_in(text: str, rank: int) -> str:
+    """', in FILE:LINE (FUNCTION)': the innermost frame of `rank`'s dumped stacks outside torch and the harness."""
+    block = text.partition(f"--- rank {rank} did not finish")[2].split("\n--- rank ")[0]
+    for line in block.splitlines():
+        m = re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line)
+        if m and not any(p in m[1] for p in ("site-packages", f"{os.sep}verify{os.sep}_internal{os.sep}")):
+            return f", in {m[1]}:{m[2]} ({m[3]})"
+    return ""
+
+
+def _split(run: RankRun, case: Case, rank: int = 0):
     """Group a run's collectives by optimizer step; also return reductions outside any trainer call."""
-    N, K = case.accum_steps, case.steps
+    N, K = case.micro_steps(rank), case.steps
     steps = [StepComm([[] for _ in range(N - 1)], [], []) for _ in range(K)]
     init, stray = [], []
     for label, cs in run.comms.items():
@@ -207,13 +239,13 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
     """Raises GateFailure naming the rank, step, micro-step and collective on the first violation of the
     boundary rule (counts.check_step): `row` (a counts.CountRow), the exact collectives of the trainer's sync
     mode, or else the default row built from the gradient size (CountRow.default)."""
-    gate, N, W = Gate.BOUNDARY_ONLY, case.accum_steps, case.world
+    gate, W = Gate.BOUNDARY_ONLY, case.world
     ref = outcomes[0].refs["ref64"]
     P = sum(g.numel() for g in ref.grads0.values())
     report = CommReport(case, P, {}, {})
     for o in outcomes:
         for dt, run in o.runs.items():
-            steps, init, stray = _split(run, case)
+            steps, init, stray = _split(run, case, o.rank if case.mesh is None else 0)
             report.steps[(o.rank, dt)], report.init[(o.rank, dt)] = steps, init
             who = f"rank {o.rank} ({dt.replace('torch.', '')} run)"
 
@@ -238,7 +270,7 @@ def boundary_summary(report: CommReport | None, rank: int, dtype: str, step: int
     if report is None or (rank, dtype) not in report.steps:
         return ""
     s = report.steps[(rank, dtype)][step]
-    N = report.case.accum_steps
+    N = report.case.micro_steps(rank)
     cs = "; ".join(c.describe() for c in s.reduced[:4]) or "no gradient collective"
     return f"; the boundary's collectives (step {step}, micro-step {N - 1} of {N} and optimizer_step()): {cs}"
 
@@ -296,12 +328,14 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     measure = lambda: measured_floor(  # noqa: E731
         ref64, kpool.run(reference_job, adapter, case, True)[0]["ref64"])
     lazy = ((lambda: kpool.run(kappa_job, adapter, case, ref_grads)[0])  # noqa: E731
-            if case.accum_steps * case.world > 1 else None)
+            if case.micro_blocks > 1 else None)
     try:
         worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, measure)
     except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
         failure = determinism(e, rerun, outcomes[0].runs[F32].trace)
+        failure = equal_weights(adapter, case, failure, outcomes[0].runs[F64 if F64 in outcomes[0].runs else F32]
+                                .trace.grads0, kpool)
         raise by_term(adapter, case, failure, lambda c: check_distributed(adapter, c, pool=pool, ref_pool=ref_pool)) from None
     metrics = judge_world(adapter, case, {o.rank: o.runs[F64].trace for o in outcomes if F64 in o.runs}, ref64,
                           pool=kpool) if adapter.metrics is not None else {}
@@ -318,7 +352,8 @@ def check_same_bytes(adapter, case: Case, *, pool=None, ref_pool=None) -> GateRe
     of N·B rows per rank; padded lengths apply to the same rows), must issue the same gradient-like
     collectives at every boundary, carrying the same bytes. Returns the N run's result."""
     got = check_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
-    one_case = case.replace(accum_steps=1, micro_batch=case.accum_steps * case.micro_batch)
+    one_case = (case.replace(rank_rows=tuple((sum(r),) for r in case.rank_rows)) if case.uneven else
+                case.replace(accum_steps=1, micro_batch=case.accum_steps * case.micro_batch))
     one = check_distributed(adapter, one_case, pool=pool, ref_pool=ref_pool)
     for (rank, dt), steps in one.extra["comm"].steps.items():
         a = [(s.boundary_bytes, len(s.reduced)) for s in got.extra["comm"].steps[(rank, dt)]]

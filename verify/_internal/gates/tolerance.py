@@ -157,7 +157,8 @@ class Judge:
                           case=self.case, error=error, bound=bound)
 
     def _within(self, acc: float, big: float, what: str, kappa: float = 1.0, overall: float = 0.0) -> None:
-        precision, blocks = getattr(self.case, "precision", "fp32"), self.case.accum_steps * self.case.world
+        precision = getattr(self.case, "precision", "fp32")
+        blocks = getattr(self.case, "micro_blocks", None) or self.case.accum_steps * self.case.world  # Σ_r N_r
         scale, b = max(big, overall), bound(big, kappa, overall, precision, blocks)
         floor = b - C * scale  # F·max(1, κ) + F_p·max(0, κ/√blocks − 1)
         if not acc <= b:  # also catches NaN

@@ -295,7 +295,7 @@ class LaunchedPool:
             raise DistJobError(f"{what} failed on rank(s) {sorted(errors)} of world {W} on {where}\n"
                                + "\n".join(parts))
         raise DistTimeout(f"{what} timed out after {timeout:.0f} s in the world of {W} on {where}; "
-                          f"rank(s) {stuck} hung\n" + "\n".join(parts))
+                          f"rank(s) {stuck} hung\n" + "\n".join(parts), hung=stuck)
 
     def close(self, timeout: float = 10.0, status: int = 0) -> None:
         """Tell every rank to stop, and to exit with `status` (the run's): each barriers and destroys its group,

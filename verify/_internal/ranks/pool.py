@@ -64,7 +64,9 @@ class DistJobError(AssertionError):
 
 
 class DistTimeout(DistJobError):
-    pass
+    def __init__(self, msg: str = "", hung=()):
+        super().__init__(msg)
+        self.hung = list(hung)  # the ranks that never answered (their stacks are in the message)
 
 
 # -- the parent side ------------------------------------------------------------------------------
@@ -183,7 +185,7 @@ class RankPool:
             head = f"{what} failed on rank(s) {sorted(errors)} of world {self.world}"
             raise DistJobError(head + "\n" + "\n".join(parts))
         raise DistTimeout(f"{what} timed out after {timeout:.0f} s ({ENV_TIMEOUT} overrides) in a pool of world "
-                          f"{self.world} ({self.backend}); rank(s) {stuck} hung\n" + "\n".join(parts))
+                          f"{self.world} ({self.backend}); rank(s) {stuck} hung\n" + "\n".join(parts), hung=stuck)
 
     def _death(self, r: int) -> str:
         """How rank r ended: its pipe closed first, so wait a moment for the process to be reaped."""
