@@ -129,7 +129,9 @@ def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None, gate=Gate.
         failure = None
         try:
             outcomes = pool.run(rank_job, adapter, case, gate=gate)
-        except DistTimeout as e:  # a rank waits in a collective nobody else joined: a boundary-only verdict
+        except DistTimeout as e:  # a rank waits in a collective nobody else joined: a boundary-only verdict;
+            if not in_collective(e):  # a rank stuck in its own code (a sleep, a loader) is an error, not a verdict
+                raise
             failure = hung(e, case, Gate.BOUNDARY_ONLY if gate is Gate.DP_EQUIVALENCE else gate)
         finally:
             refs = ref_pool.result()[0]
@@ -203,13 +205,25 @@ def hung(e, case: Case, gate) -> GateFailure:
                        f"has; case {case}\n{e}", gate=gate, case=case)
 
 
+def _stack(text: str, rank: int) -> list[tuple[str, str, str]]:
+    """(file, line, function) of `rank`'s dumped stack in a pool's timeout message, innermost first."""
+    block = text.partition(f"--- rank {rank} did not finish")[2].split("\n--- rank ")[0]
+    frames = (re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line) for line in block.splitlines())
+    return [m.groups() for m in frames if m]
+
+
+def in_collective(e: DistTimeout) -> bool:
+    """Every hung rank's innermost frame is in torch.distributed or autograd (where DDP's reducer waits)."""
+    waits = [os.sep.join(("torch", d, "")) for d in ("distributed", "autograd")]
+    stacks = [_stack(str(e), r) for r in e.hung]
+    return bool(stacks) and all(s and any(w in s[0][0] for w in waits) for s in stacks)
+
+
 def _waits_in(text: str, rank: int) -> str:
     """', in FILE:LINE (FUNCTION)': the innermost frame of `rank`'s dumped stacks outside torch and the harness."""
-    block = text.partition(f"--- rank {rank} did not finish")[2].split("\n--- rank ")[0]
-    for line in block.splitlines():
-        m = re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line)
-        if m and not any(p in m[1] for p in ("site-packages", f"{os.sep}verify{os.sep}_internal{os.sep}")):
-            return f", in {m[1]}:{m[2]} ({m[3]})"
+    for path, line, fn in _stack(text, rank):
+        if not any(p in path for p in ("site-packages", f"{os.sep}verify{os.sep}_internal{os.sep}")):
+            return f", in {path}:{line} ({fn})"
     return ""
 
 
