@@ -40,12 +40,17 @@ class MoE(torch.nn.Module):
             torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, WIDTH))
             for _ in range(EXPERTS))
 
-    def forward(self, h):
-        """h (rows, S, WIDTH) -> h + the chosen experts' mix, the router's probabilities (rows, S, E), the
-        chosen experts (rows, S, K)."""
+    def route(self, h):
+        """h -> the router's probabilities (rows, S, E), the chosen experts (rows, S, K), each expert's gate."""
         probs = self.router(h).softmax(dim=-1)
         top_p, chosen = probs.topk(TOP_K, dim=-1)
         gates = torch.zeros_like(probs).scatter(-1, chosen, top_p / top_p.sum(dim=-1, keepdim=True))
+        return probs, chosen, gates
+
+    def forward(self, h):
+        """h (rows, S, WIDTH) -> h + the chosen experts' mix, the router's probabilities (rows, S, E), the
+        chosen experts (rows, S, K)."""
+        probs, chosen, gates = self.route(h)
         mixed = sum(gates[..., e:e + 1] * expert(h) for e, expert in enumerate(self.experts))
         return h + mixed, probs, chosen
 

@@ -142,6 +142,13 @@ def step0_checks(acc, big, ref, kappa: dict | None, precision: str):
                (kappa or {}).get(name, 1.0), overall)
 
 
+def _named_factor(got: float, want: float, case) -> str:
+    """' (×0.5 = 1/W (ranks))' where got / want is one of the case's counts, else ''."""
+    from verify._internal.gates.metrics import factor_text  # metrics imports this module
+    text = factor_text(got, want, case)
+    return text if " = " in text else ""
+
+
 class Judge:
     """Applies the policy for one gate and one case; raises GateFailure('[gate] ...; case ...').
     `suffix(step)` may add context to a message (the distributed gate appends the boundary's collectives)."""
@@ -197,9 +204,9 @@ class Judge:
             if name is not None and lazy is not None and needs_kappa(a, b, o):
                 known = known if known is not None else lazy()
                 k = known.get(name, 1.0)
-            if name is None:  # the loss
+            if name is None:  # the loss, named with the count it is off by where it is one (×1/W = ranks)
                 if not self._undefined(acc.losses[0], ref.losses[0], what):
-                    self._within(a, b, what, k, o)
+                    self._within(a, b, what + _named_factor(acc.losses[0], ref.losses[0], self.case), k, o)
                 continue
             if fp16 and not bool(torch.isfinite(acc.grads0[name]).all()) and bool(torch.isfinite(big.grads0[name]).all()):
                 self.fail(f"gradient (step 0) of {name!r} is inf/NaN in fp16 where the big batch's is finite: the scaled "
