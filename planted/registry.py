@@ -26,7 +26,8 @@ from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
 from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters,
-                     objective_adapters, overflow_adapters, packed_adapters, pull_loops, uneven_adapters)
+                     moe_adapters, objective_adapters, overflow_adapters, packed_adapters, pull_loops,
+                     uneven_adapters)
 from xtrain_proof.options import XtrainOptions
 
 
@@ -128,6 +129,9 @@ OBJECTIVE = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
 # documents emptied by the padding, rows of every length
 PACKED = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
               lengths=(12, 3, 7, 0, 9, 11, 5, 12, 8, 10, 1, 6, 12, 4, 11, 0, 9, 12, 2, 7, 12, 10, 5, 12))
+# the MoE recipe (examples/moe_aux.py) on OBJECTIVE's windows; recomputed in the backward; at 2 ranks
+MOE_CKPT = OBJECTIVE.replace(options=moe_adapters.moe_aux.Options(checkpointing=True))
+MOE_DIST = Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=1, data_seed=2)
 
 _BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
 _FSDP_ROW = r"micro-step 0 of \d+ \(before the boundary\): count table row 'FSDP2"
@@ -466,6 +470,19 @@ PLANTED: tuple[PlantedBug, ...] = (
                r"rank 0 \(2 micro-step\(s\) per window, in \S+uneven_adapters\.py:\d+ \(reduce\)\) hung: waiting in a "
                r"collective .*rank\(s\) 1 \(1 micro-step(?s:.*)rank 0 did not finish; its Python stacks:", UNEVEN_SHORT,
                knobs=(("timeout", 10),)),
+    # -- auxiliary losses (moe_adapters.py): examples/moe_aux.py's global-batch load balancing, declared `batch` --
+    PlantedBug("aux_over_world", "the global-batch aux term ÷ W, as if a per-rank mean (Megatron #3672)",
+               moe_adapters.aux_over_world, Gate.DP_EQUIVALENCE,
+               r"term 'aux' alone: rank \d: loss of step 0 \(×0\.5 = 1/W \(ranks\)\)", MOE_DIST),
+    PlantedBug("aux_over_n_twice", "the aux term ÷ N on top of its window normaliser",
+               moe_adapters.aux_over_n_twice, Gate.NORMALISER,
+               r"term 'aux' \(batch.*vs the big batch .*\(×0\.3333 = 1/N \(micro-steps\)\)", OBJECTIVE),
+    PlantedBug("counts_reset_per_micro", "expert counts reset every micro-step: the micro-batch loss (ms-swift #6787)",
+               moe_adapters.counts_reset_per_micro, Gate.NORMALISER,
+               r"term 'aux' \(batch.*vs the big batch .*is not the big batch's", OBJECTIVE),
+    PlantedBug("counts_in_recompute", "expert load tallied again by the checkpoint recompute (NeMo Automodel PR #3247)",
+               moe_adapters.counts_in_recompute, Gate.NORMALISER,
+               r"term 'aux' \(batch.*vs the big batch .*is not the big batch's", MOE_CKPT),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

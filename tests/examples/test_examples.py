@@ -48,7 +48,7 @@ def _marks(name):
     return NEEDS.get(name, [])
 
 
-RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents"]
+RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents", "moe_aux"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -62,7 +62,7 @@ def test_each_recipe_reads_like_a_users_code(name):
     assert not golfed, f"examples/{name}.py: {golfed}"
 
 
-def plugin(tmp_path, name, worlds, *args):
+def plugin(tmp_path, name, worlds, *args, trainer="factory"):
     """The plugin on examples/NAME from an empty directory. Seeded, with its own hypothesis database: the
     assertions below on what was drawn (declared traffic seen, a world-1 window of N ≥ 2) must not depend on
     the dev profile's random draws or on examples another run saved (seen: a CI run drew no such window).
@@ -72,7 +72,7 @@ def plugin(tmp_path, name, worlds, *args):
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
     os.makedirs(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
-                        "--hypothesis-seed=1", "--verify-trainer", f"examples.{name}:factory", "-rs", *args],
+                        "--hypothesis-seed=1", "--verify-trainer", f"examples.{name}:{trainer}", "-rs", *args],
                        capture_output=True, text=True, cwd=tmp_path / "run", env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     return r, json.loads((tmp_path / "run" / "reports" / "verify-report.json").read_text())["gates"]
@@ -152,6 +152,28 @@ def test_mesh_recipes_pass_every_gate(tmp_path, name):
     assert "mesh dp=1 pp=1 tp=2" in gates["mesh equivalence"]["meshes"] and gates["mesh equivalence"]["worst_ratio"] < 1
 
 
+@pytest.mark.distributed
+def test_moe_recipe_passes_every_gate(tmp_path):
+    """A top-2 MoE LM whose load-balancing term counts experts over the whole window (declared `batch`): the
+    normaliser gate per term, equivalence with the checkpointed recompute drawn, and worlds 1 and 2."""
+    r, gates = plugin(tmp_path, "moe_aux", (1, 2))
+    assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == [1, 2]
+    assert gates["normaliser"]["examples"] > 0 and gates["data-parallel equivalence"]["examples"] > 0
+    assert "term 'aux' vs the big batch" not in r.stdout  # global-batch: no non-equivalence to declare
+
+
+@pytest.mark.distributed
+def test_moe_per_micro_aux_is_one_declared_non_equivalence(tmp_path):
+    """aux per micro-batch (per_micro=("aux",)): one line naming the window-level alternative, as for BatchNorm;
+    every gate still passes on the ce alone (the equivalence gate would fail with aux in: its loss is not the big
+    batch's), and the normaliser gate checks aux as each micro-batch's own value."""
+    r, gates = plugin(tmp_path, "moe_aux", (1, 1), trainer="per_micro")
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("term 'aux' vs the big batch: declared per micro-batch")]
+    assert len(line) == 1 and line[0].endswith("(drop it from per_micro: its counts over every micro-step and rank, "
+                                               "a global-batch term)"), r.stdout[-3000:]
+    assert gates["equivalence"]["examples"] >= DEV and gates["normaliser"]["examples"] > 0
+
+
 def selftest(tmp_path, ref, *args, timeout=600):
     return subprocess.run([sys.executable, "-m", "verify.selftest", "--verify-trainer", ref, "--verify-report",
                            str(tmp_path), *args], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=timeout)
@@ -164,7 +186,7 @@ def selftest(tmp_path, ref, *args, timeout=600):
 EVERY_CASE = ("examples.mlp_regressor:factory", "examples.ddp_no_sync:factory")  # --every-case on two cheap ones
 CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_accumulate",
           "examples.fabric_no_backward_sync", "examples.hf_trainer", "examples.lightning_trainer",
-          "examples.packed_documents")
+          "examples.packed_documents", "examples.moe_aux")
 
 
 @pytest.mark.distributed
@@ -185,6 +207,7 @@ CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_
     ("examples.tensor_parallel:factory", "19/19"),
     ("examples.fsdp2_tp:factory", "19/19"),
     ("examples.packed_documents:factory", "16/16"),  # + the token and objective operators, no metrics declared
+    ("examples.moe_aux:factory", "17/17"),  # + the objective operators of ce (token_mean) and aux (batch)
 ])
 def test_selftest_kills_every_operator(tmp_path, ref, score):
     capped = ref.split(":")[0] in CAPPED
@@ -203,6 +226,8 @@ def test_selftest_kills_every_operator(tmp_path, ref, score):
     if "examples.pipeline" in ref or "examples.tensor" in ref or "examples.fsdp2" in ref:  # the mesh cases ran
         assert "| pipeline_micro_batch_dropped |" in st["table_md"] and "killed" in st["operators"][
             "pipeline_micro_batch_dropped"]["verdict"] and " on mesh dp=1 " in st["verdict"]
+    if ref == "examples.moe_aux:factory":  # the expert counts of one micro-step: the global-batch aux is gone
+        assert st["operators"]["aux_reset_per_micro"]["verdict"].startswith("killed"), st["table_md"]
     assert "## Self-test" in (tmp_path / "verify-report.md").read_text()
     cells = [v for op in st["operators"].values() for g, v in op.items() if g != "verdict"]
     assert "not run" not in cells if every else ref != "xtrain_proof.adapters:adapter" or "not run" in cells, \

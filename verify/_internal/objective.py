@@ -125,8 +125,13 @@ def non_equivalences(declared: dict | None) -> list[str]:
     return [f"term {t!r} vs the big batch: declared per micro-batch (per_micro), a different objective from the big "
             f"batch's, so every gate but the normaliser judges the loss without it (the normaliser gate checks it is "
             f"each micro-batch's own value averaged over the micro-steps); for equivalence compute it over the whole "
-            f"window instead (a global-batch term: declare {obj['terms'][t]!r} window-level, or 'batch')"
-            for t in obj.get("per_micro", [])]
+            f"window instead ({_window_level(obj['terms'][t])})" for t in obj.get("per_micro", [])]
+
+
+def _window_level(kind: str) -> str:
+    if kind == "batch":  # already a global-batch term: only its counts' scope changes
+        return "drop it from per_micro: its counts over every micro-step and rank, a global-batch term"
+    return f"a global-batch term: declare {kind!r} window-level, or 'batch'"
 
 
 class Weights:

@@ -74,7 +74,8 @@ def by_term(adapter, case: Case, failure: GateFailure, check) -> GateFailure:
         try:
             check(case.replace(terms=(term,)))
         except GateFailure as e:
-            return GateFailure(f"{str(e).split(' ', 1)[0]} term {term!r} alone: {str(e).split(' ', 1)[1]} (found re-running "
+            tag, rest = str(e).split("] ", 1)  # '[data-parallel equivalence] ...': the tag holds spaces
+            return GateFailure(f"{tag}] term {term!r} alone: {rest} (found re-running "
                                f"each term alone after the whole loss failed)", gate=e.gate, case=e.case,
                                error=e.error, bound=e.bound, hint=e.hint)
         except GateSkipped:

@@ -17,7 +17,7 @@ import torch
 from verify._internal.cases.case import Case, drive, shard
 from verify._internal.metrics import ENABLE, Observer, applied_coef, max_norm_of, norm_of
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
-from verify._internal.gates.tolerance import bound64
+from verify._internal.gates.tolerance import bound64, factor_text
 
 __all__ = ["check_metrics", "judge_run", "not_declared", "observer", "expected_counts", "MetricsTally"]
 
@@ -40,34 +40,6 @@ def expected_counts(adapter, batches) -> list[tuple[int, int]]:
         valid = int((y != adapter.ignore_index).sum()) if adapter.ignore_index is not None else y.numel()
         out.append((valid, int(y.shape[0])))
     return out
-
-
-def _factors(case: Case) -> list[tuple[str, float]]:
-    """The counts of a case a wrong normaliser multiplies by, named as a failure says them."""
-    N, W = case.accum_steps, case.world
-    tp = getattr(case.mesh, "tp", 1) if case.mesh is not None else 1
-    out = [("N (micro-steps)", N), ("W (ranks)", W), ("√W (a replicated norm counted per rank)", math.sqrt(W)),
-           ("N·W", N * W), ("√N", math.sqrt(N)), ("tp", tp), ("√tp (replicated tp parameters counted tp times)",
-                                                            math.sqrt(tp))]
-    inv = [(f"1/{name.split(' ')[0]}{name[len(name.split(' ')[0]):]}", 1.0 / f) for name, f in out]
-    return [(n, f) for n, f in out + inv if f != 1.0]
-
-
-def factor_text(got: float, want: float, case: Case, extra=()) -> str:
-    """' (×2 = W (ranks))' where got / want is one of the case's counts (or of `extra`: (name, value) of
-    another quantity `got` may be), else ' (×1.37)'."""
-    if not (math.isfinite(got) and math.isfinite(want)) or want == 0:
-        return ""
-    for name, value in extra:
-        if value is not None and math.isfinite(value) and abs(got - value) <= 1e-6 * max(abs(value), 1e-30):
-            return f" (= {name})"
-    if got == 0:
-        return " (zero)"
-    r = got / want
-    for name, f in _factors(case):
-        if abs(r / f - 1.0) <= 1e-6:
-            return f" (×{r:.4g} = {name})"
-    return f" (×{r:.4g})"
 
 
 class MetricsTally:

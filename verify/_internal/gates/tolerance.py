@@ -142,6 +142,40 @@ def step0_checks(acc, big, ref, kappa: dict | None, precision: str):
                (kappa or {}).get(name, 1.0), overall)
 
 
+def _factors(case) -> list[tuple[str, float]]:
+    """The counts of a case a wrong normaliser multiplies by, named as a failure says them."""
+    N, W = case.accum_steps, case.world
+    tp = getattr(case.mesh, "tp", 1) if case.mesh is not None else 1
+    out = [("N (micro-steps)", N), ("W (ranks)", W), ("√W (a replicated norm counted per rank)", math.sqrt(W)),
+           ("N·W", N * W), ("√N", math.sqrt(N)), ("tp", tp), ("√tp (replicated tp parameters counted tp times)",
+                                                            math.sqrt(tp))]
+    inv = [(f"1/{name.split(' ')[0]}{name[len(name.split(' ')[0]):]}", 1.0 / f) for name, f in out]
+    return [(n, f) for n, f in out + inv if f != 1.0]
+
+
+def factor_text(got: float, want: float, case, extra=()) -> str:
+    """' (×2 = W (ranks))' where got / want is one of the case's counts (or of `extra`: (name, value) of
+    another quantity `got` may be), else ' (×1.37)'."""
+    if not (math.isfinite(got) and math.isfinite(want)) or want == 0:
+        return ""
+    for name, value in extra:
+        if value is not None and math.isfinite(value) and abs(got - value) <= 1e-6 * max(abs(value), 1e-30):
+            return f" (= {name})"
+    if got == 0:
+        return " (zero)"
+    r = got / want
+    for name, f in _factors(case):
+        if abs(r / f - 1.0) <= 1e-6:
+            return f" (×{r:.4g} = {name})"
+    return f" (×{r:.4g})"
+
+
+def _named_factor(got: float, want: float, case) -> str:
+    """' (×0.5 = 1/W (ranks))' where got / want is one of the case's counts, else ''."""
+    text = factor_text(got, want, case)
+    return text if " = " in text else ""
+
+
 class Judge:
     """Applies the policy for one gate and one case; raises GateFailure('[gate] ...; case ...').
     `suffix(step)` may add context to a message (the distributed gate appends the boundary's collectives)."""
@@ -198,9 +232,9 @@ class Judge:
             if name is not None and lazy is not None and needs_kappa(a, b, o):
                 known = known if known is not None else lazy()
                 k = known.get(name, 1.0)
-            if name is None:  # the loss
+            if name is None:  # the loss, named with the count it is off by where it is one (×1/W = ranks)
                 if not self._undefined(acc.losses[0], ref.losses[0], what):
-                    self._within(a, b, what, k, o)
+                    self._within(a, b, what + _named_factor(acc.losses[0], ref.losses[0], self.case), k, o)
                 continue
             if fp16 and not bool(torch.isfinite(acc.grads0[name]).all()) and bool(torch.isfinite(big.grads0[name]).all()):
                 self.fail(f"gradient (step 0) of {name!r} is inf/NaN in fp16 where the big batch's is finite: the scaled "
