@@ -1,13 +1,7 @@
-"""TRL's GRPOTrainer, its own GRPO loss (GRPOTrainer.training_step -> compute_loss, per loss_type) and its own
-accumulation (gradient_accumulation_steps, steps_per_generation, num_items_in_batch), on the harness's fixed
-rollouts (verify.data.rollouts): a tiny Qwen2 built from its config (no download), DDP through TRL's Accelerator
-at world > 1. Generation is the one thing replaced: the trainer's _generate_and_score_completions returns the
-window's rollouts instead of sampling them, so every split of a window sees the same completions. One adapter per
-loss_type, each declaring its normaliser (docs/design/recipes.md, "TRL's GRPO loss"):
-
-    factory   the token mean over the window and every rank (DAPO: "dapo" from TRL 0.22; before it TRL's
-              token-level loss was "bnpo", its normaliser local to the micro-batch: trl PR #3938)
-    grpo      the sequence mean of token means          dr_grpo   Σ tokens / (sequences × max_completion_length)
+"""TRL's GRPOTrainer: its own loss and accumulation (training_step -> compute_loss per loss_type, steps_per_generation,
+num_items_in_batch) on the harness's fixed rollouts, generation replaced by them; a tiny Qwen2 from its config, DDP
+via TRL's Accelerator at world > 1. Adapters: factory (token-level: "dapo" from TRL 0.22, "bnpo" before, local: trl
+PR #3938), grpo (sequence mean), dr_grpo (Σ tokens / sequences × max_completion_length). docs/design/recipes.md.
 
     pip install "xtrain-verify[trl]"      # trl, transformers, accelerate
     pytest --pyargs verify --verify-trainer examples.trl_grpo:factory
@@ -33,6 +27,11 @@ MAX_NORM = 1.0
 TOOL_MASK = Version(trl.__version__) >= Version("0.26")
 # TRL's token-level (DAPO) aggregation: "dapo" since 0.22 (trl PR #3938); before it, "bnpo" (the default then)
 TOKEN_LEVEL = "dapo" if Version(trl.__version__) >= Version("0.22") else "bnpo"
+# TRL's metrics in compute_loss, per micro-step: global (sum, count) reductions in 1.16.0, per-micro-batch means
+# gathered in 0.21.0 (the two releases measured; a release whose logging differs fails the count table, named)
+GLOBAL_METRICS = Version(trl.__version__) >= Version("0.22")
+METRIC_MEANS = "TRL's logged entropy and clip ratios: (sum, count) over the ranks, every micro-step"
+METRIC_GATHERS = "TRL's logged clip ratios (per sequence or per micro-batch), gathered every micro-step"
 
 
 def no_reward(completions, **kwargs):
@@ -116,8 +115,9 @@ class Trainer:
         loss_mask = torch.cat([r.completion_mask for r in window])
         out = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
                "advantages": torch.cat([r.advantages for r in window]),
-               "old_per_token_logps": torch.cat([r.old_logps for r in window]),
-               "num_items_in_batch": self.acc.gather(loss_mask.sum()).sum()}
+               "old_per_token_logps": torch.cat([r.old_logps for r in window])}
+        if TOKEN_LEVEL == "dapo":  # the count TRL 0.22's token-level loss divides by (0.21 knows no such key)
+            out["num_items_in_batch"] = self.acc.gather(loss_mask.sum()).sum()
         if TOOL_MASK:  # a masked target is attended, not in the loss: TRL's tool_mask (completion_mask: attention)
             out.update(completion_mask=torch.ones_like(loss_mask), tool_mask=loss_mask)
         else:  # one mask for both; the harness masks a completion's tail (padding) and, in one check, its head
@@ -157,13 +157,19 @@ def gradient_elements():
 
 def counts(case):
     """What a window communicates, all at its boundary (TRL generates, then runs the window's micro-steps there):
-    DDP's gradient once (alone, Accelerate's no_sync() is a no-op: once per micro-step), and TRL's metric logging
-    in each micro-step, 4 means reduced as (sum, count) and 2 clip ratios gathered per sequence, plus the
-    logged loss's mean over the ranks."""
+    DDP's gradient once (alone, Accelerate's no_sync() is a no-op: once per micro-step), and, declared as side
+    traffic (sized, per TRL micro-step, no gradient's), TRL's metric logging in compute_loss plus the logged loss's
+    mean over the ranks. Not judged at world 1 (no ranks to count against)."""
     grads = gradient_elements() * (1 if case.world > 1 else case.accum_steps)
-    metrics = case.accum_steps * (4 * 2 + 2 * case.micro_batch) + 1
+    n, rows = case.accum_steps, case.micro_batch  # TRL's micro-steps per window, rows in each
+    if GLOBAL_METRICS:  # entropy and 3 clip ratios as (sum, count) reductions; 2 clip ratios gathered per sequence
+        metrics = (verify.Expected("all_reduce", count=4 * n, dtype="floating", numel=2, why=METRIC_MEANS),
+                   verify.Expected("all_gather", count=2 * n, dtype="floating", numel=rows, why=METRIC_GATHERS))
+    else:  # entropy and 3 clip ratios, each the micro-batch's mean, gathered
+        metrics = (verify.Expected("all_gather", count=4 * n, dtype="floating", numel=1, why=METRIC_GATHERS),)
+    logged = verify.Expected("all_reduce", count=1, dtype="floating", numel=1, why="the logged loss, mean over ranks")
     return verify.CountRow("TRL GRPOTrainer, one generation per window", before={}, boundary=None,
-                           elements=(grads, grads + metrics), carriers=None)
+                           elements=(grads, grads), carriers=None, side=(*metrics, logged))
 
 
 def declare(trainer, normaliser):
