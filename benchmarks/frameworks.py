@@ -1,9 +1,10 @@
 """The historical bugs as a reproducible report: Hugging Face transformers' gradient accumulation on padded
 data (a per-micro-batch token mean), the N× gradient and logged grad_norm of 4.46-4.47 (#35207), the next step's
 LR logged before 4.51 (#36973), the per-rank token mean under DDP before 4.54 (#39395), the 1/N gradient and
-grad_norm of 5.2-5.5.3 (#45305), and a current release (KNOWN below).
+grad_norm of 5.2-5.5.3 (#45305), and a current release (KNOWN below); and TRL's GRPO loss (examples/trl_grpo.py):
+0.21's token-level "bnpo", normalised per micro-batch and rank (trl PR #3938), and the current TRL (trl-VERSION rows).
 
-    python -m benchmarks.frameworks [--versions 4.45.2,4.46.3,4.50.0,5.5.3,current] [--out reports/frameworks] [--cache DIR]
+    python -m benchmarks.frameworks [--versions 4.45.2,4.46.3,4.50.0,5.5.3,current,trl-0.21.0,trl-current] [--out reports/frameworks] [--cache DIR]
                                     [--profile dev|ci] [--max-world 2] [--timeout SECONDS]
 
 For each transformers version it builds a virtual environment under the cache (default
@@ -36,6 +37,7 @@ from verify._internal.cli import Parser, UsageError, fail, positive_int, writabl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "examples.hf_trainer:factory"
+TRL_RECIPE = "examples.trl_grpo:factory"  # a "trl-X.Y.Z" / "trl-current" row: TRL's GRPO loss, token-level
 TORCH = "torch==2.13.0"  # pinned like the README's install: the local CPU wheel, never a multi-GB CUDA build
 # accelerate of each release's time for the old ones (their Trainer predates accelerate's later changes)
 ACCELERATE = {"4.45.2": "accelerate==1.0.1", "4.46.3": "accelerate==1.1.1", "4.50.0": "accelerate==1.5.2",
@@ -53,6 +55,11 @@ TWICE_OVER_N = ("accelerate's backward divides the loss by N a second time: the 
                 "1/N (#45305, fixed in 5.5.4 by #45349)")
 KNOWN = [((0, 0, 0), (4, 50, 0), PER_MICRO), ((4, 46, 0), (4, 48, 0), NOT_OVER_N), ((0, 0, 0), (4, 51, 0), NEXT_LR),
          ((0, 0, 0), (4, 54, 0), PER_RANK), ((5, 2, 0), (5, 5, 4), TWICE_OVER_N)]
+LOCAL_BNPO = ("the token-level loss ('bnpo') divided by each micro-batch's own completion tokens on each rank, then by "
+              "gradient_accumulation_steps: 'exact only with gas=1 and num GPUs=1' (trl PR #3938, 'dapo' from 0.22)")
+KNOWN_TRL = [((0, 0, 0), (0, 22, 0), LOCAL_BNPO)]
+# TRL 0.21's own pins of its time (it needs transformers ≥ 4.55); accelerate below 1.16 as the [trl] extra
+TRL_PINS = {"0.21.0": ["transformers==4.55.4", "accelerate==1.15.0"]}
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xtrain-verify", "frameworks")
 
 
@@ -62,24 +69,38 @@ def expectation(version: str) -> str:
 
 
 def known_bugs(version: str) -> list[str]:
-    """The known bugs a release has (none for 'current')."""
+    """The known bugs a release has (none for 'current' or 'trl-current')."""
+    trl, version = is_trl(version), version.removeprefix("trl-")
     if version == "current":
         return []
     release = tuple(int(x) for x in (version.split(".") + ["0"])[:3])
-    return [what for since, fixed, what in KNOWN if since <= release < fixed]
+    return [what for since, fixed, what in (KNOWN_TRL if trl else KNOWN) if since <= release < fixed]
+
+
+def is_trl(version: str) -> bool:
+    return version.startswith("trl-")
+
+
+def recipe(version: str) -> str:
+    return TRL_RECIPE if is_trl(version) else RECIPE
 
 
 def _version(text: str) -> list[str]:
     out = [v.strip() for v in text.split(",") if v.strip()]
     for v in out:
-        if v != "current" and not re.fullmatch(r"\d+\.\d+(\.\d+)?", v):
-            raise UsageError(f"--versions: {v!r} is not a release number (e.g. 4.45.2) or 'current'")
+        if v.removeprefix("trl-") != "current" and not re.fullmatch(r"\d+\.\d+(\.\d+)?", v.removeprefix("trl-")):
+            raise UsageError(f"--versions: {v!r} is not a release number (e.g. 4.45.2, trl-0.21.0) or 'current'")
     if not out:
         raise UsageError("--versions: give at least one, e.g. 4.45.2,current")
     return out
 
 
 def pins(version: str) -> list[str]:
+    if is_trl(version):
+        release = version.removeprefix("trl-")
+        trl = "trl" if release == "current" else f"trl=={release}"
+        pinned = TRL_PINS.get(release, ["transformers", "accelerate<1.16"])
+        return [TORCH, trl, *pinned, "pytest>=8", "hypothesis>=6.100"]
     tf = "transformers" if version == "current" else f"transformers=={version}"
     return [TORCH, tf, ACCELERATE.get(version, "accelerate"), "pytest>=8", "hypothesis>=6.100"]
 
@@ -87,7 +108,7 @@ def pins(version: str) -> list[str]:
 def venv(version: str, cache: str, log) -> tuple[str, dict, float]:
     """The venv of one transformers version (built once; rebuilt when its pins change): its python, the
     versions installed, and the seconds spent building it (0 when reused)."""
-    where = os.path.join(cache, f"transformers-{version}")
+    where = os.path.join(cache, version if is_trl(version) else f"transformers-{version}")
     py, stamp = os.path.join(where, "bin", "python"), os.path.join(where, "pins.json")
     want = pins(version) + [f"-e {ROOT}"]
     t0 = time.perf_counter()
@@ -95,7 +116,7 @@ def venv(version: str, cache: str, log) -> tuple[str, dict, float]:
         shutil.rmtree(where, ignore_errors=True)
         _run([sys.executable, "-m", "venv", where], log)  # no --system-site-packages: only this transformers
         _run([py, "-m", "pip", "install", "-q", *pins(version), "-e", ROOT], log)
-        installed = json.loads(_run([py, "-c", _VERSIONS], log))
+        installed = json.loads(_run([py, "-c", _TRL_VERSIONS if is_trl(version) else _VERSIONS], log))
         with open(stamp, "w") as f:
             json.dump(dict(pins=want, installed=installed), f)
     return py, json.load(open(stamp))["installed"], time.perf_counter() - t0
@@ -103,6 +124,7 @@ def venv(version: str, cache: str, log) -> tuple[str, dict, float]:
 
 _VERSIONS = ("import json, torch, transformers, accelerate, hypothesis; print(json.dumps({m.__name__: m.__version__ "
              "for m in (torch, transformers, accelerate, hypothesis)}))")
+_TRL_VERSIONS = _VERSIONS.replace("import json,", "import json, trl,").replace("(torch,", "(torch, trl,")
 
 
 def _run(cmd, log, **kw) -> str:
@@ -115,15 +137,15 @@ def _run(cmd, log, **kw) -> str:
     return r.stdout
 
 
-def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: int, log) -> dict:
-    """The plugin on the HF recipe from an empty directory; its report, exit status and time."""
+def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: int, log, trainer=RECIPE) -> dict:
+    """The plugin on `trainer` (the HF recipe) from an empty directory; its report, exit status and time."""
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")}
     env.update(PYTHONPATH=ROOT, HYPOTHESIS_PROFILE=profile, XTRAIN_DIST_MAX_WORLD=str(max_world),
                OMP_NUM_THREADS="1")
     cmd = [py, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-rs",
-           "--verify-trainer", RECIPE, "--verify-report", run_dir, "--junitxml", os.path.join(run_dir, "junit.xml")]
+           "--verify-trainer", trainer, "--verify-report", run_dir, "--junitxml", os.path.join(run_dir, "junit.xml")]
     log.write("$ " + " ".join(cmd) + "\n")
     t0 = time.perf_counter()
     try:
@@ -224,6 +246,10 @@ def explain(f: dict, known=(PER_MICRO,)) -> str | None:
     if PER_MICRO in known and "nan" in text.lower() and f["gate"] in loss_gates:
         return ("a micro-batch without a valid target gives 0/0 = NaN where the window's token mean is defined: the "
                 "loss is a mean per micro-batch, not over the window's valid targets")
+    if LOCAL_BNPO in known and f["gate"] in loss_gates:
+        return ("TRL 0.21's 'bnpo' divides each micro-batch's token sum by that micro-batch's own completion tokens "
+                "(and each rank by its own), then by gradient_accumulation_steps: the window's loss is off by a factor "
+                "that depends on how TRL's shuffle spreads the tokens over the micro-steps (and ranks), not a fixed count")
     if PER_RANK in known and " W=" in text and f["gate"] in loss_gates:
         return ("each rank divides by its own valid-target count (a rank without one: 0/0 = NaN), not the window's "
                 "over every rank: average_tokens_across_devices is off by default before 4.54")
@@ -258,18 +284,20 @@ def _range(since, fixed) -> str:
 
 
 def render_md(doc: dict) -> str:
-    out = ["# transformers' gradient accumulation and logged metrics, through the gates", "",
+    out = ["# transformers' and TRL's gradient accumulation and logged metrics, through the gates", "",
            f"`{doc['command']}` — commit {doc.get('git_commit') or '(outside a git repository)'}, {doc.get('utc', '')}", "",
-           "Known bugs: " + "; ".join(f"{_range(since, fixed)}, {what}" for since, fixed, what in KNOWN) + ".", "",
-           "| transformers | accelerate | expected | verdict | gates (s) | venv build (s) |", "|---|---|---|---|---|---|"]
+           "Known bugs: " + "; ".join(f"{_range(since, fixed)}, {what}" for since, fixed, what in KNOWN) + ". TRL: "
+           + "; ".join(f"{_range(since, fixed)}, {what}" for since, fixed, what in KNOWN_TRL) + ".", "",
+           "| release | recipe | transformers | accelerate | expected | verdict | gates (s) | venv build (s) |",
+           "|---|---|---|---|---|---|---|---|"]
     for v in doc["versions"]:
         i = v["installed"]
         ok = "✓" if v["meets_expectation"] else "✗ (not as expected)"
-        out.append(f"| {i.get('transformers', v['version'])} | {i.get('accelerate', '?')} | {v['expected']} | "
-                   f"{v['verdict']} {ok} | {v['seconds']} | {v['venv_seconds']} |")
+        out.append(f"| {label(v)} | {v.get('recipe', RECIPE)} | {i.get('transformers', v['version'])} | "
+                   f"{i.get('accelerate', '?')} | {v['expected']} | {v['verdict']} {ok} | {v['seconds']} | "
+                   f"{v['venv_seconds']} |")
     for v in doc["versions"]:
-        out += ["", f"## transformers {v['installed'].get('transformers', v['version'])}: {v['verdict']}", "",
-                f"pytest: {v['summary'] or '(no summary)'}"]
+        out += ["", f"## {label(v)}: {v['verdict']}", "", f"pytest: {v['summary'] or '(no summary)'}"]
         if v.get("known"):
             out += ["", "Known bugs of this release: " + "; ".join(v["known"]) + "."]
         if v["failures"]:
@@ -293,14 +321,20 @@ def render_md(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def label(v: dict) -> str:
+    """'transformers 4.45.2' or 'TRL 0.21.0' (a row of the report)."""
+    name = "trl" if is_trl(v["version"]) else "transformers"
+    return f"{'TRL' if name == 'trl' else name} {v['installed'].get(name, v['version'])}"
+
+
 def _ratio(x) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
 def main(argv=None) -> int:
     p = Parser(prog="benchmarks.frameworks", description=__doc__.split("\n\n")[0])
-    p.add_argument("--versions", default="4.45.2,4.46.3,4.50.0,5.5.3,current",
-                   help="comma-separated releases, or 'current' (newest)")
+    p.add_argument("--versions", default="4.45.2,4.46.3,4.50.0,5.5.3,current,trl-0.21.0,trl-current",
+                   help="comma-separated transformers releases, or 'current' (newest); TRL's as trl-0.21.0, trl-current")
     p.add_argument("--out", default=os.path.join("reports", "frameworks"))
     p.add_argument("--cache", default=CACHE, help="where the venvs live (never the repository)")
     p.add_argument("--profile", choices=("dev", "ci"), default="dev", help="hypothesis profile of the gate runs")
@@ -322,22 +356,23 @@ def main(argv=None) -> int:
     rows = []
     with open(os.path.join(a.cache, "frameworks.log"), "w") as log:
         for version in versions:
-            print(f"transformers {version}: venv ...", flush=True)
+            print(f"{version}: venv ...", flush=True)
             try:
                 py, installed, built = venv(version, a.cache, log)
             except RuntimeError as e:
-                fail(f"transformers {version}: could not build its venv: {e}", 1)
-            print(f"transformers {installed['transformers']}: gates ({a.profile} profile) ...", flush=True)
+                fail(f"{version}: could not build its venv: {e}", 1)
+            name = label(dict(version=version, installed=installed))
+            print(f"{name}: gates ({a.profile} profile) ...", flush=True)
             run = run_gates(py, os.path.join(a.cache, f"run-{version}"), profile=a.profile, max_world=a.max_world,
-                            timeout=a.timeout, log=log)
-            metrics = run_probe(py, log)
+                            timeout=a.timeout, log=log, trainer=recipe(version))
+            metrics = {} if is_trl(version) else run_probe(py, log)  # the TRL recipe declares no metrics
             v, want = verdict(run), expectation(version)
-            rows.append(dict(version=version, installed=installed, expected=want, verdict=v, meets_expectation=v == want,
+            rows.append(dict(version=version, recipe=recipe(version), installed=installed, expected=want, verdict=v, meets_expectation=v == want,
                              known=known_bugs(version), metrics=metrics,
                              exit_code=run["exit_code"], seconds=run["seconds"], venv_seconds=round(built, 1),
                              summary=run["summary"], failures=failure_rows(run["report"], run.get("test_seconds")),
                              gates=run["report"].get("gates"), settings=run["report"].get("settings")))
-            print(f"transformers {installed['transformers']}: {v} (expected {want}) in {run['seconds']} s", flush=True)
+            print(f"{name}: {v} (expected {want}) in {run['seconds']} s", flush=True)
     doc = dict(report_header("frameworks"), recipe=RECIPE, profile=a.profile, max_world=a.max_world,
                command="python -m benchmarks.frameworks " + " ".join(argv if argv is not None else sys.argv[1:]),
                versions=rows)

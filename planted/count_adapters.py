@@ -7,6 +7,7 @@ traffic is integer, tiny and correct; declared with `Expected(...)`, such a trai
     undeclared                  the same traffic, not declared: boundary-only rejects it
     declared_at_world_1_only    declared with Expected(world=1): it excuses nothing at W=2
     logs_each_micro_loss        N scalar all-reduces at the boundary: bytes per step grow with N
+    logs_declared               the same, declared as its row's side traffic (sized): passes
 
 Each micro-step backwards the SUM of cross-entropy over its valid targets; the boundary (the end of
 micro-step N-1) all-reduces the summed gradients with the loss numerator riding along, then divides by
@@ -98,3 +99,14 @@ undeclared = verify.adapter(**_common)(CountReducing)
 declared_at_world_1_only = verify.adapter(
     **_common, expected=(verify.Expected("all_reduce", dtype="integer", world=1, why=COUNT),))(CountReducing)
 logs_each_micro_loss = verify.adapter(**_common, expected=counted.expected)(LogsEachMicroLoss)
+
+
+def _logged_row(case):
+    """The gradient and the loss numerator once, plus N one-float logging all-reduces declared as side traffic."""
+    grads = VOCAB * 8 + 8 * VOCAB + VOCAB + 1
+    logs = verify.Expected("all_reduce", count=case.accum_steps, dtype="floating", numel=1, why="each micro loss logged")
+    return verify.CountRow("logs each micro loss", before={}, boundary=None, elements=(grads, grads), carriers=None,
+                           side=(logs,))
+
+
+logs_declared = verify.adapter(**_common, expected=counted.expected, counts=_logged_row)(LogsEachMicroLoss)

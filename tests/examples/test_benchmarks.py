@@ -141,3 +141,27 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     runs["4.45.2"] = dict(exit_code=0, report=passing)  # the old release passing would be a finding, not a success
     assert fw.main(["--out", str(out), "--versions", "4.45.2,current", "--cache", str(tmp_path / "cache")]) == 1
     assert "not as expected" in (out / "frameworks.md").read_text()
+
+
+def test_frameworks_runs_trl_rows_on_the_trl_recipe(tmp_path, monkeypatch):
+    """trl-0.21.0 (its token-level 'bnpo' normalised per micro-batch: known, expected rejected) and trl-current
+    (expected to pass) run examples/trl_grpo.py in their own venvs (trl pinned), beside the transformers rows."""
+    from benchmarks import frameworks as fw
+
+    rejected = {"failures": [{"test": "verify/test_gates.py::test_normaliser", "gate": "normaliser", "hint": None,
+                              "message": "[normaliser] term 'loss' (token_mean) additivity; case N=3 B=2 K=2 seed=1"}]}
+    runs = {"trl-0.21.0": dict(exit_code=1, report=rejected), "trl-current": dict(exit_code=0, report={"failures": []})}
+    seen = []
+    monkeypatch.setattr(fw, "venv", lambda v, cache, log: (v, {"trl": "0.21.0" if v == "trl-0.21.0" else "1.16.0",
+                                                                "transformers": "4.55.4", "accelerate": "1.15.0"}, 0.0))
+    monkeypatch.setattr(fw, "run_gates", lambda py, d, trainer, **k: seen.append(trainer) or dict(
+        runs[py], seconds=1.0, summary="", test_seconds={}))
+    monkeypatch.setattr(fw, "run_probe", lambda py, log: pytest.fail("the TRL recipe declares no metrics to probe"))
+    out = tmp_path / "out"
+    assert fw.main(["--out", str(out), "--versions", "trl-0.21.0,trl-current", "--cache", str(tmp_path / "c")]) == 0
+    assert seen == [fw.TRL_RECIPE] * 2 and fw.known_bugs("trl-0.21.0") == [fw.LOCAL_BNPO] == fw.known_bugs("trl-0.21.9")
+    assert fw.known_bugs("trl-0.22.0") == [] == fw.known_bugs("trl-current")
+    assert fw.pins("trl-0.21.0")[:3] == ["torch==2.13.0", "trl==0.21.0", "transformers==4.55.4"]
+    md = (out / "frameworks.md").read_text()
+    assert "| TRL 0.21.0 | examples.trl_grpo:factory | 4.55.4 | 1.15.0 | rejected | rejected ✓ |" in md
+    assert "## TRL 1.16.0: passes" in md and "TRL 0.21's 'bnpo' divides each micro-batch's token sum" in md

@@ -26,8 +26,9 @@ needs_accelerate = pytest.mark.skipif(_missing("accelerate"), reason="accelerate
 needs_lightning = pytest.mark.skipif(_missing("lightning"), reason="lightning is not installed (the [examples] extra)")
 needs_transformers = pytest.mark.skipif(_missing("transformers") or _missing("accelerate"),
                                         reason="transformers is not installed (the [examples] extra)")
+needs_trl = pytest.mark.skipif(_missing("trl"), reason="trl is not installed (the [trl] extra)")
 NEEDS = {"accelerate_accumulate": [needs_accelerate], "fabric_no_backward_sync": [needs_lightning],
-         "hf_trainer": [needs_transformers], "lightning_trainer": [needs_lightning]}
+         "hf_trainer": [needs_transformers], "lightning_trainer": [needs_lightning], "trl_grpo": [needs_trl]}
 
 
 DATA_PARALLEL = ["ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync"]
@@ -48,7 +49,7 @@ def _marks(name):
     return NEEDS.get(name, [])
 
 
-RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents", "moe_aux"]
+RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents", "moe_aux", "trl_grpo"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -60,6 +61,23 @@ def test_each_recipe_reads_like_a_users_code(name):
     assert doc and len(doc.strip().splitlines()) <= 10, f"examples/{name}.py: its docstring has more than 10 lines"
     golfed = [f"{type(n).__name__} at line {n.lineno}" for n in ast.walk(tree) if isinstance(n, (ast.Lambda, ast.NamedExpr))]
     assert not golfed, f"examples/{name}.py: {golfed}"
+
+
+@pytest.mark.distributed
+@needs_trl
+@pytest.mark.parametrize("adapter", ["factory", "grpo", "dr_grpo"])
+def test_trl_grpo_passes_every_gate_at_worlds_1_and_2(tmp_path, adapter):
+    """TRL's own GRPO loss per loss_type on the fixed rollouts, every gate at worlds 1-2: its declared normaliser,
+    and bytes per step with TRL's per-micro-step metric reductions declared as sized side traffic (CountRow.side)."""
+    env = {**ENV, "XTRAIN_DIST_MIN_WORLD": "1", "XTRAIN_DIST_MAX_WORLD": "2", "XDG_CACHE_HOME": str(tmp_path / "c")}
+    os.makedirs(tmp_path / "run")
+    r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
+                        "--hypothesis-seed=1", "--verify-trainer", f"examples.trl_grpo:{adapter}"], capture_output=True,
+                       text=True, cwd=tmp_path / "run", env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    gates = json.loads((tmp_path / "run" / "reports" / "verify-report.json").read_text())["gates"]
+    assert gates["normaliser"]["examples"] > 0 and gates["boundary-only"]["worlds"] == [1, 2], gates
+    assert gates["boundary-only"]["declared_side_traffic"] > 0, gates["boundary-only"]  # TRL's metrics, seen
 
 
 def plugin(tmp_path, name, worlds, *args, trainer="factory"):
@@ -186,7 +204,8 @@ def selftest(tmp_path, ref, *args, timeout=600):
 EVERY_CASE = ("examples.mlp_regressor:factory", "examples.ddp_no_sync:factory")  # --every-case on two cheap ones
 CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_accumulate",
           "examples.fabric_no_backward_sync", "examples.hf_trainer", "examples.lightning_trainer",
-          "examples.packed_documents", "examples.moe_aux")
+          "examples.packed_documents", "examples.moe_aux",
+          "examples.trl_grpo")
 
 
 @pytest.mark.distributed
@@ -204,6 +223,10 @@ CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_
     pytest.param("examples.fabric_no_backward_sync:factory", "17/17", marks=needs_lightning),
     pytest.param("examples.hf_trainer:factory", "23/23", marks=needs_transformers),  # + the 5 token operators, 7 metrics
     pytest.param("examples.lightning_trainer:factory", "17/17", marks=needs_lightning),
+    pytest.param("examples.trl_grpo:factory", "16/16", marks=needs_trl),  # no metrics declared: no metric operators
+    # row-weighted normalisers on equal micro-batches: per_micro_mean is the correct trainer there, not planted
+    pytest.param("examples.trl_grpo:grpo", "15/15", marks=needs_trl),
+    pytest.param("examples.trl_grpo:dr_grpo", "15/15", marks=needs_trl),
     ("examples.tensor_parallel:factory", "19/19"),
     ("examples.fsdp2_tp:factory", "19/19"),
     ("examples.packed_documents:factory", "16/16"),  # + the token and objective operators, no metrics declared

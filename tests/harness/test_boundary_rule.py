@@ -64,6 +64,18 @@ def test_a_declared_row_goes_through_the_same_check():
     assert "the reductions carry 16 floating elements" in _step(fsdp, [gathers], gathers + [_c("reduce_scatter", 16)])[1]
 
 
+def test_a_rows_side_traffic_is_sized_and_carries_no_gradient():
+    """A framework's metrics, reduced per micro-step at the boundary (TRL's compute_loss): declared by size, they
+    leave the gradient's elements exact; a collective of another size, or one over the count, is carried."""
+    metrics = (Expected("all_reduce", count=4, dtype="floating", numel=2, why="logged means"),)
+    row = CountRow("metrics", before={}, boundary=None, elements=(100, 100), carriers=None, side=metrics)
+    assert _step(row, [[]], [_c("all_reduce", 2)] * 4 + [_c("all_reduce", 100)]) == ([], None)
+    assert "carry 102 floating elements" in _step(row, [[]], [_c("all_reduce", 2)] * 5 + [_c("all_reduce", 100)])[1]
+    assert "carry 103 floating elements" in _step(row, [[]], [_c("all_reduce", 3), _c("all_reduce", 100)])[1]
+    with pytest.raises(ValueError, match="side entry .* has no numel"):  # unsized, it could excuse a gradient
+        CountRow("metrics", side=(Expected("all_reduce", count=4),))
+
+
 # HSDP: group "1" within the node, group "2" across nodes (comm.group_links' map)
 LINKS = {"1": "intra-node", "2": "inter-node"}
 HSDP = CountRow("hsdp", before={"all_reduce@intra-node": 1},

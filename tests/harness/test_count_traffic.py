@@ -55,6 +55,16 @@ def test_boundary_traffic_that_grows_with_n_fails_bytes_per_step():
     check_distributed(ca.logs_each_micro_loss, case)
 
 
+@needs_2
+def test_boundary_traffic_declared_as_sized_side_traffic_passes_bytes_per_step():
+    """The same N logging all-reduces, declared in the row's side (one float each, N per step): the gradient's
+    bytes stay the same at N and N=1, so bytes per step passes (TRL's metrics: examples/trl_grpo.py)."""
+    r = check_same_bytes(ca.logs_declared, PADDED)
+    side = r.extra["comm"].steps[(0, "torch.float32")][0].side
+    assert [c.numel for c in side] == [1] * PADDED.accum_steps
+    assert r.extra["declared_side_traffic"] == 2 * 2 * 2 * PADDED.accum_steps  # ranks × dtypes × steps × N
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["counted", "gathered"])
 def test_declared_count_traffic_passes_every_gate_through_the_plugin(tmp_path, name):

@@ -74,3 +74,18 @@ def test_a_bad_declaration_says_which_field(kwargs, says):
         verify.Objective(**kwargs)
     with pytest.raises(verify.AdapterError, match="objective= must be a verify.Objective"):
         verify.adapter(data=oa._tokens, objective={"loss": "sum"})(oa.Normalised)
+
+
+def test_a_mean_of_micro_batch_means_is_planted_only_where_micro_batches_weigh_unequally():
+    """per_micro_mean is the correct trainer under a row-weighted normaliser on the harness's equal micro-batches
+    (an equivalent mutant: TRL's grpo and dr_grpo recipes); a bug under a token mean, a sum, or packed rows."""
+    from verify.selftest.objective_ops import micro_weights_differ
+    from verify.selftest.operators import OPERATORS
+
+    assert not any(micro_weights_differ(verify.Objective(terms={"loss": k})) for k in ("row_mean", "seq_mean", "seq_sum"))
+    assert all(micro_weights_differ(verify.Objective(terms={"loss": k})) for k in ("token_mean", "sum"))
+    assert micro_weights_differ(verify.Objective(terms={"loss": "seq_mean"}, sequences=verify.data.count_documents))
+    assert micro_weights_differ(None) and not micro_weights_differ(verify.Objective(terms={"a": "seq_mean", "b": "batch"}))
+    op = OPERATORS["per_micro_mean"]
+    assert op.applies(oa.token_mean) and op.applies(oa.summed) and op.applies(oa.two_terms)
+    assert not op.applies(oa.seq_mean) and not op.applies(oa.seq_sum)

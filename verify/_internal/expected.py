@@ -20,12 +20,16 @@ class Expected:
     why: str = ""
     world: int | None = None
     """Only in runs of this world size (None: every world), e.g. a one-rank group's own reductions."""
+    numel: int | None = None
+    """Only collectives of this many elements (None: any size); CountRow.side entries must give it."""
 
     def __post_init__(self):
         if self.dtype not in ("integer", "floating", "any"):
             raise ValueError(f"Expected.dtype must be 'integer', 'floating' or 'any', got {self.dtype!r}")
         if not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"Expected.count must be an integer ≥ 1, got {self.count!r}")
+        if self.numel is not None and (not isinstance(self.numel, int) or self.numel < 0):
+            raise ValueError(f"Expected.numel must be an integer ≥ 0 or None, got {self.numel!r}")
 
 
 # torch DDP rebuilds its buckets once, in the first forward after the first synchronised backward (micro-step

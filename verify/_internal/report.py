@@ -83,6 +83,8 @@ def record(result) -> None:
         b["examples"] += 1
         b["worlds"] = sorted(set(b.get("worlds", [])) | {w})
         b["expected_before_boundary"] = b.get("expected_before_boundary", 0) + len(ex["comm"].expected_used)
+        if ex.get("declared_side_traffic"):  # a row's sized metric traffic at the boundary (CountRow.side)
+            b["declared_side_traffic"] = b.get("declared_side_traffic", 0) + ex["declared_side_traffic"]
         # world 1 has nobody to reduce with; a case whose reference has no gradient (every window without a valid
         # target) has no gradient bytes to divide by
         if w > 1 and ex["gradient_bytes"]:

@@ -10,6 +10,17 @@ import torch
 __all__ = ["batch_term", "count_again", "reset_per_micro", "per_micro_aux"]
 
 
+def micro_weights_differ(objective) -> bool:
+    """Whether a mean of micro-batch means can differ from the window's under `objective`: a window-level term
+    weighs a micro-batch by its valid targets (token_mean), by 1 (sum), or by declared sequences per row. By its
+    rows (row_mean, seq_mean, seq_sum with one sequence per row) the harness's equal micro-batches weigh the
+    same, and the mean of their means is the window's: no bug to plant (an equivalent mutant)."""
+    if objective is None or objective.sequences is not None:
+        return True
+    kinds = [k for t, k in objective.terms.items() if t not in objective.per_micro and k != "batch"]
+    return any(k in ("token_mean", "sum") for k in kinds)
+
+
 def batch_term(objective) -> str | None:
     """The first window-level term declared `batch` (a global-batch auxiliary loss), or None."""
     if objective is None:

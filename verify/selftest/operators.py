@@ -20,7 +20,7 @@ from verify._internal.protocol import AUTOCAST
 from verify.selftest.mesh_ops import feed_micro_1_for_0, interposed
 from verify.selftest.metric_ops import world as _world
 from verify.selftest.mutant import Mutant
-from verify.selftest.objective_ops import batch_term, count_again, per_micro_aux, reset_per_micro
+from verify.selftest.objective_ops import batch_term, count_again, micro_weights_differ, per_micro_aux, reset_per_micro
 from verify.selftest.uneven_ops import equal_rank_weights, uneven_counts
 from verify.selftest.metric_ops import last_micro_alone, one_micro_count, post_clip, previous_lr, set_metric, shard_norm
 
@@ -55,6 +55,7 @@ class Operator:
     """The reported metric the bug is in: it exists only for an adapter whose Metrics declare it (`applies`)."""
     around: Callable | None = None  # (wrapper) -> context manager entered around every call into the trainer
     batch_term: bool = False  # the bug is in a declared window-level `batch` term: exists only where one is declared
+    unequal_micro: bool = False  # a mean of micro-batch means: a bug only where micro-batches weigh unequally
 
     def __reduce__(self):
         # by name: the table's lambdas do not pickle, and a pool rank finds the same operator in OPERATORS
@@ -66,6 +67,8 @@ class Operator:
         m = adapter.metrics
         if self.batch_term:
             return batch_term(adapter.objective) is not None
+        if self.unequal_micro and not micro_weights_differ(adapter.objective):
+            return False
         if not self.metric:
             return True
         if m is None:
@@ -291,7 +294,7 @@ OPERATORS = {op.name: op for op in [
     # -- token weighting ----------------------------------------------------------------------------------
     Operator("per_micro_mean", "each micro-batch's own token mean, averaged over the N micro-steps",
              lambda c: UNEVEN_MICRO(c) and c.world == 1, micro=_per_micro, scale=lambda w: 1.0,
-             replace_grads=_mean_of_micro_means, loss=_micro_mean_loss, aux=True),
+             replace_grads=_mean_of_micro_means, loss=_micro_mean_loss, aux=True, unequal_micro=True),
     Operator("count_from_first_micro", "the window's valid count taken as N × micro-step 0's",
              FIRST_MICRO, scale=_count_factor(lambda c, w: w.N * c[3]),
              loss=lambda w, loss: loss * w.factor),

@@ -5,7 +5,7 @@ names merged) are issued on each micro-step before the boundary and at it, and h
 the boundary reductions carry; anything it does not name must not happen. A key may name a link
 ("all_reduce@inter-node"). Without a declared row (Adapter(counts=...)), `CountRow.default`: nothing before
 the boundary, every gradient element reduced once at it (P ≤ E ≤ parameter elements + SCALARS). `expected`
-collectives are excused first (`excused`).
+collectives are excused first (`excused`); a row's `side` (sized metric traffic at the boundary) is no gradient's.
 
 The table of rows, families, links and HSDP: docs/design/distributed.md, "Count tables".
 """
@@ -42,8 +42,15 @@ class CountRow:
     # skips whole (a window without a valid token: no clip, no update), e.g. clipping's norm all-reduce
     carriers: tuple | None = REDUCTIONS  # families whose floating elements are the gradient's; None: every
     # gradient-like collective (comm.Collective.kind). A sharded trainer's all-gathers are parameters, not gradients
+    side: tuple = ()  # Expected entries WITH numel: the boundary window's non-gradient traffic (a framework's
+    # logged metrics, reduced per micro-step), at most count each per step; not carried, not in bytes per step
 
     def __post_init__(self):
+        for e in self.side:
+            if getattr(e, "numel", None) is None:
+                raise ValueError(f"CountRow {self.mode!r}: side entry {e!r} has no numel; give each side entry the "
+                                 f"elements of its collective (Expected(op, count, numel=...)), so it cannot excuse "
+                                 f"a gradient")
         keys = [(name, k) for name in ("before", "boundary", "first_micro", "skipped")
                 for k in (getattr(self, name) or {})]
         for name, k in keys:
@@ -141,13 +148,14 @@ def _ok(v, n: int) -> bool:
 def excused(cs: list, expected, k: int, m: int, world: int) -> tuple[list, list]:
     """Split the collectives of micro-step m of step k in a run of `world` ranks into (declared-expected
     (Expected, Collective) pairs, the rest). An Expected matches a collective of its op's family and dtype
-    class, at most `count` per window; one with a `world` excuses traffic only in runs of that world size."""
+    class (and `numel`, where it gives one), at most `count` per window; one with a `world` excuses traffic only in
+    runs of that world size."""
     budget = {i: e.count for i, e in enumerate(expected) if (e.world is None or e.world == world)
               and (e.step is None or e.step == k) and (e.micro is None or e.micro == m)}
     ok, rest = [], []
     for c in cs:
         for i, e in enumerate(expected):
-            if (budget.get(i, 0) > 0 and family(e.op) == family(c.op)
+            if (budget.get(i, 0) > 0 and family(e.op) == family(c.op) and e.numel in (None, c.numel)
                     and e.dtype in ("any", "floating" if c.floating else "integer")):
                 budget[i] -= 1
                 ok.append((e, c))
@@ -186,8 +194,10 @@ def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expec
     0..N-2, `boundary` those of micro-step N-1 and optimizer_step(). Returns (the (micro-step, Expected,
     Collective) the declaration excused, the first failure's text or None). `skipped`: a step without a valid
     token, which the trainer skips whole (the row's `skipped` collectives left out). `links`: the rank's process
-    groups -> link (comm.group_links), for a row that counts per link."""
+    groups -> link (comm.group_links), for a row that counts per link. The row's `side` is taken out of the
+    boundary first (never carried; StepComm.side reports it)."""
     N, default, used = len(micro) + 1, row.mode == DEFAULT_MODE, []
+    boundary = excused(boundary, row.side, k, N - 1, W)[1]
     for m, cs in enumerate(micro):
         ok, rest = excused(cs, expected, k, m, W)
         used += [(m, e, c) for e, c in ok]

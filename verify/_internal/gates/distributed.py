@@ -23,7 +23,7 @@ from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, group
 from verify._internal.ranks.pool import DistTimeout, get_pool, launched
 from verify._internal.settings import Settings, current
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
-from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row
+from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row, excused
 from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.metrics import judge_world, observer
 from verify._internal.gates.tolerance import Judge, condition, measured_floor
@@ -156,10 +156,12 @@ class StepComm:
     micro: list  # per micro-step 0..N-2: [Collective]
     boundary: list  # every collective at micro-step N-1 + optimizer_step()
     params: list  # inside grads() and params(): the harness reading state (reported only)
+    side: list = field(default_factory=list)  # of `boundary`: the declared row's side traffic (metrics), no gradient
 
     @property
     def reduced(self) -> list:
-        return [c for c in self.boundary if _reduces(c)]
+        side = {id(c) for c in self.side}
+        return [c for c in self.boundary if _reduces(c) and id(c) not in side]
 
     @property
     def boundary_elements(self) -> int:
@@ -268,6 +270,8 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
 
             for where, c in stray[:1]:
                 fail(f"gradient-like collective {where}: {c.describe(run.main_thread)}")
+            for k, s in enumerate(steps):  # what the row declares as side traffic carries no gradient bytes
+                s.side = [c for _, c in excused(s.boundary, row.side if row else (), k, N - 1, W)[0]]
             if row is not None and W == 1:
                 continue  # alone there is nothing to count against a data-parallel row (world 1 = the plain path)
             rule, empty = row or CountRow.default(P, run.n_params), case.empty_steps()
@@ -358,7 +362,8 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
                       boundary_bytes=[s.boundary_bytes for s in steps],
                       boundary_collectives=[len(s.reduced) for s in steps],
                       boundary_bytes_by_link=[s.bytes_by_link(outcomes[0].runs[F32].links) for s in steps],
-                      gradient_bytes=4 * report.grad_elements)
+                      gradient_bytes=4 * report.grad_elements,
+                      declared_side_traffic=sum(len(s.side) for ss in report.steps.values() for s in ss))
 
 
 def check_same_bytes(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
