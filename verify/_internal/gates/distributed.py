@@ -271,7 +271,7 @@ def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(),
             for where, c in stray[:1]:
                 fail(f"gradient-like collective {where}: {c.describe(run.main_thread)}")
             for k, s in enumerate(steps):  # what the row declares as side traffic carries no gradient bytes
-                s.side = [c for _, c in excused(s.boundary, row.side if row else (), k, N - 1, W)[0]]
+                s.side = [c for _, c in excused(s.boundary, row.side if row else (), k, case.micro_steps(o.rank) - 1, W)[0]]
             if row is not None and W == 1:
                 continue  # alone there is nothing to count against a data-parallel row (world 1 = the plain path)
             rule, empty = row or CountRow.default(P, run.n_params), case.empty_steps()
