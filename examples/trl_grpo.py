@@ -3,7 +3,7 @@ num_items_in_batch) on the harness's fixed rollouts, generation replaced by them
 via TRL's Accelerator at world > 1. Adapters: factory (token-level: "dapo" from TRL 0.22, "bnpo" before, local: trl
 PR #3938), grpo (sequence mean), dr_grpo (Σ tokens / sequences × max_completion_length). docs/design/recipes.md.
 
-    pip install "xtrain-verify[trl]"      # trl, transformers, accelerate
+    pip install "xtrain-verify[trl]"      # trl, transformers, accelerate (or [examples]: every recipe)
     pytest --pyargs verify --verify-trainer examples.trl_grpo:factory
     python -m verify.selftest --verify-trainer examples.trl_grpo:factory
 """

@@ -26,7 +26,7 @@ needs_accelerate = pytest.mark.skipif(_missing("accelerate"), reason="accelerate
 needs_lightning = pytest.mark.skipif(_missing("lightning"), reason="lightning is not installed (the [examples] extra)")
 needs_transformers = pytest.mark.skipif(_missing("transformers") or _missing("accelerate"),
                                         reason="transformers is not installed (the [examples] extra)")
-needs_trl = pytest.mark.skipif(_missing("trl"), reason="trl is not installed (the [trl] extra)")
+needs_trl = pytest.mark.skipif(_missing("trl"), reason="trl is not installed (the [examples] extra)")
 NEEDS = {"accelerate_accumulate": [needs_accelerate], "fabric_no_backward_sync": [needs_lightning],
          "hf_trainer": [needs_transformers], "lightning_trainer": [needs_lightning], "trl_grpo": [needs_trl]}
 
