@@ -115,7 +115,7 @@ SCHEMA_VERSION = 1
 # frameworks the recipes drive. A fresh machine resolves the newest releases pyproject allows, so every report
 # and every pytest run's header names what was resolved (a new release is then visible where it changed things).
 DEPENDENCIES = ("torch", "numpy", "hypothesis", "pytest", "pytest-xdist", "nvidia-ml-py", "matplotlib",
-                "transformers", "accelerate", "lightning")
+                "transformers", "accelerate", "lightning", "trl")
 
 
 def versions() -> dict:
