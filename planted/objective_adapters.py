@@ -181,6 +181,27 @@ class DrGrpoOwnLength(SeqSum):
         return ce.sum() / mask.sum(1).max().clamp(min=1)
 
 
+class MicroTokenMean(Normalised):
+    def numerator(self, ce, mask, micro):  # each micro-batch's own token mean (clamped, as TRL 0.21's bnpo), ÷ N
+        return ce.sum() / mask.sum().clamp(min=1)
+
+    def units(self, ce, mask):
+        return 1.0
+
+
+class ShuffledMicroTokenMean(MicroTokenMean):
+    """TRL 0.21's GRPOTrainer: the window's rows shuffled before they are split, then each micro-batch's own mean."""
+
+    def micro_step(self, x, y, micro):
+        self.held = [*getattr(self, "held", []), (x, y)] if micro else [(x, y)]
+        if micro < self.n - 1:
+            return
+        xs, ys = torch.cat([a for a, _ in self.held]), torch.cat([b for _, b in self.held])
+        order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(len(xs)))
+        for xm, ym in zip(xs[order].chunk(self.n), ys[order].chunk(self.n)):
+            super().micro_step(xm, ym, micro)
+
+
 class SumOverN(Summed):
     def numerator(self, ce, mask, micro):
         return ce.sum() / self.n
@@ -225,6 +246,8 @@ two_terms = _declare(TwoTerms, {"ce": "token_mean", "z": "row_mean"})
 seq_token_weighted = _declare(Normalised, "seq_mean")
 seq_nonempty = _declare(SeqNonEmpty, "seq_mean")
 dr_grpo_own_length = _declare(DrGrpoOwnLength, "seq_sum")
+micro_token_mean = _declare(MicroTokenMean, "token_mean")
+shuffled_micro_token_mean = _declare(ShuffledMicroTokenMean, "token_mean")
 sum_over_n = _declare(SumOverN, "sum")
 z_missing_over_n = _declare(ZMissingOverN, {"ce": "token_mean", "z": "row_mean"})
 z_over_n_twice = _declare(ZOverNTwice, {"ce": "token_mean", "z": "row_mean"})

@@ -94,8 +94,11 @@ class _Term:
 
 def _fits(term: _Term, windows: list, whole_xy, whole: Trace, floor: float):
     """' — the losses fit <kind>'s weights instead' for the first other additive normaliser whose weights make
-    the step-0 losses add up, else a line giving the numbers' ratio."""
+    the step-0 losses add up (a token mean first asks whether it is a mean of micro-batch means), else ''."""
     def fit() -> str:
+        micro = _micro_means(term, floor, term.case.accum_steps)
+        if micro:
+            return micro
         for kind, norm in NORMALISERS.items():
             if kind == term.kind or not norm.additive:
                 continue
@@ -103,8 +106,31 @@ def _fits(term: _Term, windows: list, whole_xy, whole: Trace, floor: float):
             want = term.weight(*whole_xy, kind) * whole.losses[0]
             if abs(s - want) <= bound64(floor) * max(abs(want), 1e-300):
                 return f"; the losses add up with {kind}'s weights ({norm.weight}): {norm.means}"
-        return ""
+        # a trainer that reorders the window (TRL shuffles it) hides which rows shared a micro-batch; at one row per
+        # micro-batch the order cannot matter (a sequence mean would have fitted its weights above)
+        return _micro_means(term, floor, term.r.xa.shape[0])
     return fit
+
+
+def _micro_means(t: _Term, floor: float, n: int) -> str:
+    """'; at N=n ... the mean of its micro-batches' own losses' where a failing token mean is exactly that, else ''."""
+    r = t.r
+    if t.kind != "token_mean" or n < 2 or r.xa.shape[0] % n:
+        return ""
+    at_n = r.run([(r.xa, r.ya)], n, GATE).losses[0]
+    # a micro-batch without a valid target adds 0 to the sum and 1 to the micro-steps (its mean alone may read NaN)
+    alone = [r.run([xy], 1, GATE).losses[0] if r.count(xy[1]) else 0.0 for xy in split(r.xa, r.ya, n)]
+    mean = sum(alone) / n
+    kappa = sum(abs(v) for v in alone) / (abs(sum(alone)) or 1.0)
+    if not abs(at_n - mean) <= bound64(floor, kappa) * max(abs(mean), 1e-300):  # also NaN
+        return ""
+    b = r.xa.shape[0] // n
+    where = "" if n == t.case.accum_steps else (f" (at one row per micro-batch, where the order the trainer gives the "
+                                                f"window's rows cannot matter)")
+    return (f"; at N={n} B={b}{where} window A's loss {at_n:.6g} is the mean of its micro-batches' own losses "
+            f"({mean:.6g}): the count of valid targets is taken per micro-batch and the means averaged over the "
+            f"micro-steps — a normaliser counted over one micro-batch, off by a factor that depends on how the "
+            f"window's tokens fall into its micro-batches")
 
 
 def _halves(y: torch.Tensor, ignore: int, within: torch.Tensor):
