@@ -249,7 +249,9 @@ def explain(f: dict, known=(PER_MICRO,)) -> str | None:
     if LOCAL_BNPO in known and f["gate"] in loss_gates:
         return ("TRL 0.21's 'bnpo' divides each micro-batch's token sum by that micro-batch's own completion tokens "
                 "(and each rank by its own), then by gradient_accumulation_steps: the window's loss is off by a factor "
-                "that depends on how TRL's shuffle spreads the tokens over the micro-steps (and ranks), not a fixed count")
+                "that depends on how TRL's shuffle spreads the tokens over the micro-steps (and ranks); the normaliser "
+                "gate names the class: at one row per micro-batch the loss is the mean of the micro-batches' own token "
+                "means")
     if PER_RANK in known and " W=" in text and f["gate"] in loss_gates:
         return ("each rank divides by its own valid-target count (a rank without one: 0/0 = NaN), not the window's "
                 "over every rank: average_tokens_across_devices is off by default before 4.54")

@@ -251,16 +251,19 @@ def _split(run: RankRun, case: Case, rank: int = 0):
     return steps, init, stray
 
 
-def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(), row=None) -> CommReport:
+def check_boundary_only(outcomes: list[RankOutcome], case: Case, *, expected=(), row=None, row64=None) -> CommReport:
     """Raises GateFailure naming the rank, step, micro-step and collective on the first violation of the
     boundary rule (counts.check_step): `row` (a counts.CountRow), the exact collectives of the trainer's sync
-    mode, or else the default row built from the gradient size (CountRow.default)."""
+    mode, or else the default row built from the gradient size (CountRow.default); `row64` the float64 run's
+    (the row of the case at fp32; default `row`)."""
     gate, W = Gate.BOUNDARY_ONLY, case.world
     ref = outcomes[0].refs["ref64"]
     P = sum(g.numel() for g in ref.grads0.values())
     report = CommReport(case, P, {}, {})
+    declared = row
     for o in outcomes:
         for dt, run in o.runs.items():
+            row = row64 if dt == F64 and row64 is not None else declared
             steps, init, stray = _split(run, case, o.rank if case.mesh is None else 0)
             report.steps[(o.rank, dt)], report.init[(o.rank, dt)] = steps, init
             who = f"rank {o.rank} ({dt.replace('torch.', '')} run)"
@@ -339,7 +342,9 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
         raise GateSkipped(f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))")
     outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
     row = declared_row(adapter, case)
-    report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row)
+    # the float64 reference run has no autocast (precision fp32): a framework's collectives follow its precision
+    row64 = declared_row(adapter, case.replace(precision="fp32")) if case.precision != "fp32" else row
+    report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row, row64=row64)
     kpool = (pool if case.world == 1 else ref_pool) or get_pool(1)  # where the reference ran
     ref64 = outcomes[0].refs["ref64"]
     ref_grads = ref64.grads0

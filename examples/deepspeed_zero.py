@@ -1,0 +1,140 @@
+"""DeepSpeed: deepspeed.initialize with gradient_accumulation_steps, engine.backward / engine.step every micro-step
+(the engine steps the optimizer at its own boundary), ZeRO stage 0-3 drawn by the harness, gradient clipping by
+the engine; torch's AdamW as the client optimizer. gloo ranks on CPU (DeepSpeed's CPU accelerator), NCCL on GPUs.
+Adapters: factory (fp32, stages 0-3) and bf16 (bf16 parameters, gradients accumulated in fp32: BF16_Optimizer at
+stage 1, ZeRO's own fp32 buffers at 2-3; DeepSpeed refuses that mix at stage 0).
+
+    pip install "xtrain-verify[deepspeed]"
+    pytest --pyargs verify --verify-trainer examples.deepspeed_zero:factory -n auto
+    python -m verify.selftest --verify-trainer examples.deepspeed_zero:factory
+"""
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator, set_accelerator
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+from hypothesis import strategies as st
+
+import verify
+
+MAX_NORM = 1.0
+FEATURES, HIDDEN = 8, 32
+
+
+@dataclass(frozen=True)
+class Options:
+    stage: int = 0  # ZeRO stage: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
+
+
+def use_float64_reductions():
+    """DeepSpeed's accelerators list the dtypes stage 0 may all-reduce, float64 not among them; the harness's
+    reference runs are float64, so this process's accelerator (DeepSpeed's own, CPU or CUDA) gets it added."""
+    accel = get_accelerator()
+    if torch.float64 in accel.supported_dtypes():
+        return
+    base = type(accel)
+
+    class WithFloat64(base):
+        def supported_dtypes(self):
+            return [*base.supported_dtypes(self), torch.float64]
+
+    set_accelerator(WithFloat64())
+
+
+class Trainer:
+    BF16 = False
+
+    def __init__(self, spec):
+        options = spec.options or Options()
+        use_float64_reductions()
+        torch.manual_seed(spec.seed)
+        net = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+        net = net.to(spec.device, spec.dtype)
+        world = dist.get_world_size()
+        config = {
+            "train_micro_batch_size_per_gpu": 1,  # rows per micro-batch: the harness's, checked by nothing here
+            "train_batch_size": spec.accum_steps * world,
+            "gradient_accumulation_steps": spec.accum_steps,
+            "gradient_clipping": MAX_NORM,
+            "zero_optimization": {"stage": options.stage},
+            "zero_allow_untested_optimizer": True,  # torch's AdamW as the client optimizer
+            "steps_per_print": 2**31,
+        }
+        self.bf16 = self.BF16 and spec.precision == "bf16"
+        if self.bf16:
+            config["bf16"] = {"enabled": True}
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        self.engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config, dist_init_required=False)
+        self.n, self.world = spec.accum_steps, world
+        self.loss_sum = 0.0
+        self.logged = {}
+
+    def micro_step(self, x, y, micro):
+        if self.bf16:
+            x = x.to(torch.bfloat16)  # the engine cast the model to bf16; the loss is taken in fp32
+        loss = F.mse_loss(self.engine(x).float(), y.float())
+        # the engine divides by gradient_accumulation_steps and reduces at its boundary (stage 0-1), or every
+        # micro-step into its partitioned buffers (stage 2-3)
+        self.engine.backward(loss)
+        if micro < self.n - 1:
+            self.engine.step()  # before the boundary: the engine only counts the micro-step
+        self.loss_sum += loss.item()
+
+    def grads(self):
+        # the reduced gradient, whole (ZeRO holds each rank's partition; this gathers it), in the accumulation dtype
+        return {name: safe_get_full_grad(p) for name, p in self.engine.module.named_parameters()}
+
+    def optimizer_step(self):
+        self.engine.step()  # the boundary: clip, step, zero the gradients
+        loss = torch.tensor(self.loss_sum / self.n, dtype=torch.float64)
+        dist.all_reduce(loss)
+        loss = loss / self.world
+        self.logged = {"loss": loss.item()}
+        self.loss_sum = 0.0
+        return loss
+
+    def metrics(self):
+        """What the last step logs: the global batch's mean loss (the engine's get_global_grad_norm() is None at
+        stage 0, where it clips with torch's clip_grad_norm_ and keeps no norm)."""
+        return self.logged
+
+    def params(self):
+        out = {}
+        for name, p in self.engine.module.named_parameters():
+            full = safe_get_full_fp32_param(p)  # the master weights where ZeRO or bf16 keeps them apart
+            out[name] = p if full is None else full
+        return out
+
+
+class BF16Trainer(Trainer):
+    BF16 = True
+
+
+def counts(case):
+    """What DeepSpeed's engine communicates in one optimizer step, per stage, on gloo (measured at 0.19.8, then
+    declared; the table with the reasons: docs/design/distributed.md, "Count tables")."""
+    stage = (case.options or Options()).stage
+    bf16 = case.precision == "bf16"
+    tensors = 4  # parameter tensors (two Linear layers' weight and bias): ZeRO-3 gathers each at most twice a pass
+    gathers = (0, 2 * tensors)
+    before = {0: {}, 1: {}, 2: {"all_reduce": 1},
+              3: {"all_reduce": 1, "all_gather": gathers, "broadcast": (0, None)}}[stage]
+    # the boundary: the gradient (stage 0-1), or the last micro-step's (2-3); the clip norm; stage 1-2's parameter
+    # all-gather; bf16's overflow flag (stage 2); the recipe's loss
+    boundary = {0: {"all_reduce": 3}, 1: {"all_reduce": 2 if bf16 else 3, "all_gather": 1},
+                2: {"all_reduce": 4 if bf16 else 3, "all_gather": 1},
+                3: {"all_reduce": 3, "all_gather": gathers, "broadcast": (0, None)}}[stage]
+    return verify.CountRow(mode=f"ZeRO-{stage}{' bf16' if bf16 else ''}", before=before, boundary=boundary)
+
+
+STAGES = st.builds(Options, stage=st.sampled_from([0, 1, 2, 3]))
+metrics = verify.Metrics(names=("loss",), max_norm=MAX_NORM)
+factory = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
+                         options=STAGES, defaults=Options(), metrics=metrics, counts=counts)(Trainer)
+bf16 = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
+                      options=st.builds(Options, stage=st.sampled_from([1, 2, 3])), defaults=Options(stage=1),
+                      precisions=("fp32", "bf16"), metrics=metrics, counts=counts)(BF16Trainer)
