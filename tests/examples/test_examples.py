@@ -27,8 +27,10 @@ needs_lightning = pytest.mark.skipif(_missing("lightning"), reason="lightning is
 needs_transformers = pytest.mark.skipif(_missing("transformers") or _missing("accelerate"),
                                         reason="transformers is not installed (the [examples] extra)")
 needs_trl = pytest.mark.skipif(_missing("trl"), reason="trl is not installed (the [examples] extra)")
+needs_deepspeed = pytest.mark.skipif(_missing("deepspeed"), reason="deepspeed is not installed (the [examples] extra)")
 NEEDS = {"accelerate_accumulate": [needs_accelerate], "fabric_no_backward_sync": [needs_lightning],
-         "hf_trainer": [needs_transformers], "lightning_trainer": [needs_lightning], "trl_grpo": [needs_trl]}
+         "hf_trainer": [needs_transformers], "lightning_trainer": [needs_lightning], "trl_grpo": [needs_trl],
+         "deepspeed_zero": [needs_deepspeed]}
 
 
 DATA_PARALLEL = ["ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync"]
@@ -49,7 +51,8 @@ def _marks(name):
     return NEEDS.get(name, [])
 
 
-RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents", "moe_aux", "trl_grpo"]
+RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents", "moe_aux", "trl_grpo",
+                             "deepspeed_zero"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -122,6 +125,16 @@ def test_packed_recipe_passes_every_gate_on_packed_windows(tmp_path):
     assert norm["examples"] >= gate_budget("normaliser", DEV) and gates["equivalence"]["examples"] >= DEV
     assert norm["packed_examples"] >= 1 and norm["packed_halved"] >= 1, norm
     assert gates["boundary-only"]["worlds"] == [1, 2] and gates["data-parallel equivalence"]["worst_ratio"] < 1
+
+
+@pytest.mark.distributed
+@needs_deepspeed
+def test_deepspeed_passes_every_gate(tmp_path):
+    """DeepSpeed's engine (ZeRO stage drawn per case, fp32) through the plugin at worlds 1-2; every stage's count
+    row at world 2 is tests/examples/test_deepspeed.py's."""
+    r, gates = plugin(tmp_path, "deepspeed_zero", (1, 2))
+    assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == [1, 2], gates
+    assert gates["data-parallel equivalence"]["worst_ratio"] < 1 and "metric loss" not in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.distributed
@@ -209,7 +222,7 @@ EVERY_CASE = ("examples.mlp_regressor:factory", "examples.ddp_no_sync:factory") 
 CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_accumulate",
           "examples.fabric_no_backward_sync", "examples.hf_trainer", "examples.lightning_trainer",
           "examples.packed_documents", "examples.moe_aux",
-          "examples.trl_grpo")
+          "examples.trl_grpo", "examples.deepspeed_zero")
 
 
 @pytest.mark.distributed
@@ -235,6 +248,7 @@ CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_
     ("examples.fsdp2_tp:factory", "19/19"),
     ("examples.packed_documents:factory", "16/16"),  # + the token and objective operators, no metrics declared
     ("examples.moe_aux:factory", "17/17"),  # + the objective operators of ce (token_mean) and aux (batch)
+    pytest.param("examples.deepspeed_zero:factory", "12/12", marks=needs_deepspeed),  # a loss metric only
 ])
 def test_selftest_kills_every_operator(tmp_path, ref, score):
     capped = ref.split(":")[0] in CAPPED

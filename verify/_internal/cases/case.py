@@ -227,17 +227,22 @@ def shard(inputs: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: i
              targets[(n * world + rank) * b:(n * world + rank + 1) * b]) for n in range(accum_steps)]
 
 
-def block_grads(adapter, case: "Case", device, gate: Gate | None = None) -> list[dict]:
-    """float64 step-0 boundary gradient of every block of rows one micro-step of one rank sums (the
-    adapter at accum_steps=1 on that block alone): the terms of the sum accumulation computes. `gate`:
-    whose runs these are (drive)."""
+def block_runs(adapter, case: "Case", device, gate: Gate | None = None) -> list:
+    """float64 step-0 Trace of every block of rows one micro-step of one rank sums (the adapter at
+    accum_steps=1 on that block alone): the terms of the sums accumulation computes, its loss's and its
+    gradient's. `gate`: whose runs these are (drive)."""
     inputs, targets = case.batches(adapter)[0]
     out = []
     for r in range(case.world):
         for x, y in shard(inputs, targets, case.accum_steps, r, case.world, case.rank_rows):
             t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(device), adapter=adapter))
-            out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate=gate).grads0)
+            out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate=gate))
     return out
+
+
+def block_grads(adapter, case: "Case", device, gate: Gate | None = None) -> list[dict]:
+    """The step-0 boundary gradients of block_runs."""
+    return [t.grads0 for t in block_runs(adapter, case, device, gate)]
 
 
 TWIN_COPIES = 3

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verify._internal.cases.case import Case, Trace, block_grads, drive, twin
+from verify._internal.cases.case import Case, Trace, block_runs, drive, twin
 from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, group_links, link_of
 from verify._internal.ranks.pool import DistTimeout, get_pool, launched
 from verify._internal.settings import Settings, current
@@ -26,7 +26,7 @@ from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row, excused
 from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.metrics import judge_world, observer
-from verify._internal.gates.tolerance import Judge, condition, measured_floor
+from verify._internal.gates.tolerance import Judge, conditions, measured_floor
 from verify._internal.gates.uneven import equal_weights
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
@@ -109,10 +109,10 @@ def reference_job(ctx, adapter, case: Case, twin_only: bool = False) -> dict:
     return refs
 
 
-def kappa_job(ctx, adapter, case: Case, ref_grads: dict) -> dict:
-    """On a one-rank pool, when a check needs it (lazy κ): κ per parameter of the sum over every rank's
-    micro-blocks (tolerance.condition) against the float64 reference's gradient `ref_grads`."""
-    return condition(block_grads(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref_grads)
+def kappa_job(ctx, adapter, case: Case, ref) -> dict:
+    """On a one-rank pool, when a check needs it (lazy κ): κ per parameter and of the loss, of the sums over every
+    rank's micro-blocks (tolerance.conditions) against the float64 reference Trace `ref`."""
+    return conditions(block_runs(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref)
 
 
 def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None, gate=Gate.DP_EQUIVALENCE) -> list[RankOutcome]:
@@ -347,10 +347,9 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row, row64=row64)
     kpool = (pool if case.world == 1 else ref_pool) or get_pool(1)  # where the reference ran
     ref64 = outcomes[0].refs["ref64"]
-    ref_grads = ref64.grads0
     measure = lambda: measured_floor(  # noqa: E731
         ref64, kpool.run(reference_job, adapter, case, True)[0]["ref64"])
-    lazy = ((lambda: kpool.run(kappa_job, adapter, case, ref_grads)[0])  # noqa: E731
+    lazy = ((lambda: kpool.run(kappa_job, adapter, case, ref64)[0])  # noqa: E731
             if case.micro_blocks > 1 else None)
     try:
         worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, measure)

@@ -136,7 +136,7 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
     kpool = (pool if case.ranks == 1 else ref_pool) or get_pool(1)  # where the reference ran
     measure = functools.cache(lambda: measured_floor(
         ref, kpool.run(reference_job, adapter, case, True)[0]["ref64"]))
-    kappa = functools.cache(lambda: kpool.run(kappa_job, adapter, case, ref.grads0)[0])
+    kappa = functools.cache(lambda: kpool.run(kappa_job, adapter, case, ref)[0])
     lazy = kappa if case.accum_steps * case.world > 1 else None
     worst, used = ("", 0.0), None
     for d in range(case.mesh.dp):

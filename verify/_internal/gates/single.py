@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from verify._internal.cases.case import Case, block_grads, drive, twin
+from verify._internal.cases.case import Case, block_runs, drive, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import by_term, determinism
-from verify._internal.gates.tolerance import Judge, condition, measured_floor
+from verify._internal.gates.tolerance import Judge, conditions, measured_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
 
@@ -44,7 +44,7 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
             floor = j.float64(acc64, ref64, measure)
         except GateFailure as e:
             doomed = e
-        kappa = (lambda: condition(block_grads(adapter, case, device, gate), ref64.grads0)) if N > 1 else None
+        kappa = (lambda: conditions(block_runs(adapter, case, device, gate), ref64)) if N > 1 else None
         j.accumulator(acc)
         j.step0(acc, big, ref64, kappa, doomed=doomed)
         j.loss_trajectory(acc, big)

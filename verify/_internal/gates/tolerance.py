@@ -17,7 +17,8 @@ import torch
 
 from verify._internal.verdict import Gate, GateFailure
 
-__all__ = ["GateFailure", "C", "FLOOR", "EPS32", "EPS", "LOSS_MAX_REL", "KAPPA_EXACT_ABOVE", "rel_err", "condition",
+__all__ = ["GateFailure", "C", "FLOOR", "EPS32", "EPS", "LOSS", "LOSS_MAX_REL", "KAPPA_EXACT_ABOVE", "rel_err", "condition",
+           "conditions",
            "bound", "needs_kappa", "overall_error", "step0_checks", "twin_diff", "twin_floor", "measured_floor",
            "bound64", "Judge", "STEP0_TEXT", "FLOAT64_TEXT"]
 
@@ -26,6 +27,7 @@ EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 EPS = {"fp32": EPS32, "bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
 C = 8.0
 FLOOR = 8 * EPS32
+LOSS = "(loss)"  # the loss's key in a κ dict (conditions), beside the parameters' names
 LOSS_MAX_REL = 1e-3  # fp32 losses after AdamW steps: measured ≤ 2.4e-7 on correct trainers
 # FLOOR caps the float64 floor: C·FLOOR = 64·eps32 ≈ 7.6e-6 < 1e-5, so a real accumulation error of 1e-5
 # relative fails however noisy the reference is (a twin that differs by more is not rounding).
@@ -82,6 +84,17 @@ def condition(blocks: list[dict], ref: dict) -> dict:
     return out
 
 
+def conditions(runs: list, ref) -> dict:
+    """κ of every step-0 sum, from float64 block runs (Traces) against the float64 reference Trace: per parameter
+    (condition), and the loss's under LOSS: max over blocks of |L_block| / |L| (a loss whose blocks cancel, as
+    policy-gradient losses over advantages of both signs do, is resolved no better than its largest block)."""
+    out = condition([t.grads0 for t in runs], ref.grads0)
+    lr = ref.losses[0]
+    top = max((abs(t.losses[0]) for t in runs if t.losses and math.isfinite(t.losses[0])), default=0.0)
+    out[LOSS] = top / abs(lr) if math.isfinite(lr) and lr != 0 else 1.0
+    return out
+
+
 def twin_diff(ref, twin) -> float:
     """The float64 reference's own rounding, from two mathematically equal runs of it (Traces; `twin` saw the
     same rows in another order): the largest relative difference over the losses of every step, the step-0
@@ -135,8 +148,8 @@ def step0_checks(acc, big, ref, kappa: dict | None, precision: str):
     # One scalar is the luckiest tensor of all: under autocast the big batch's loss can come out of a different
     # kernel path near-exact (seen: fp16 N=7, 1.9e-7 against 2.7e-6 typical), so its floor is the big batch's
     # error over all gradients, as for any one parameter. fp32 keeps FLOOR alone.
-    yield ("loss of step 0", None, abs(acc.losses[0] - lr) / scale, abs(big.losses[0] - lr) / scale, 1.0,
-           overall if precision != "fp32" else 0.0)
+    yield ("loss of step 0", None, abs(acc.losses[0] - lr) / scale, abs(big.losses[0] - lr) / scale,
+           (kappa or {}).get(LOSS, 1.0), overall if precision != "fp32" else 0.0)
     for name, g in ref.grads0.items():
         yield (f"gradient (step 0) of {name!r}", name, rel_err(acc.grads0[name], g), rel_err(big.grads0[name], g),
                (kappa or {}).get(name, 1.0), overall)
@@ -229,9 +242,9 @@ class Judge:
         known = kappa if isinstance(kappa, dict) else None
         self.note = " (κ not computed: the float64 run fails too)" if doomed is not None and callable(kappa) else ""
         for what, name, a, b, k, o in step0_checks(acc, big, ref, known, self.case.precision):
-            if name is not None and lazy is not None and needs_kappa(a, b, o):
+            if lazy is not None and needs_kappa(a, b, o):
                 known = known if known is not None else lazy()
-                k = known.get(name, 1.0)
+                k = known.get(LOSS if name is None else name, 1.0)
             if name is None:  # the loss, named with the count it is off by where it is one (×1/W = ranks)
                 if not self._undefined(acc.losses[0], ref.losses[0], what):
                     self._within(a, b, what + _named_factor(acc.losses[0], ref.losses[0], self.case), k, o)

@@ -1,0 +1,37 @@
+"""DeepSpeed's engine (examples/deepspeed_zero.py) at each ZeRO stage on one case at world 2: its count row (what
+the stage reduces, gathers and broadcasts before and at the boundary) holds, and the ranks' result is the big
+batch's. bf16 with fp32 accumulation at stage 1 is the configuration of DeepSpeed PR #7985 (BF16_Optimizer, a
+boundary micro-batch left out of the average in 0.18.6-0.18.9): the current release passes it here, and
+benchmarks/frameworks.py proves the old ones rejected."""
+import importlib.util
+
+import pytest
+
+from verify._internal.cases.case import Case
+from verify._internal.gates import check_distributed, check_equivalence
+
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not installed (the [examples] extra)")]
+
+
+def _case(stage, precision="fp32", world=2):
+    from examples.deepspeed_zero import Options
+
+    return Case(accum_steps=3, micro_batch=2, steps=2, world=world, seed=1, data_seed=2, options=Options(stage=stage),
+                precision=precision)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_zero_stage_meets_its_count_row_and_the_big_batch(stage):
+    from examples.deepspeed_zero import factory
+
+    r = check_distributed(factory, _case(stage))
+    assert r.ratio < 1 and r.extra["comm"].steps, r
+    assert check_equivalence(factory, _case(stage, world=1)).ratio < 1
+
+
+def test_bf16_with_fp32_accumulation_at_stage_1_passes_on_this_release():
+    from examples.deepspeed_zero import bf16
+
+    assert check_distributed(bf16, _case(1, "bf16")).ratio < 1
