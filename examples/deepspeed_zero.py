@@ -1,8 +1,8 @@
 """DeepSpeed: deepspeed.initialize with gradient_accumulation_steps, engine.backward / engine.step every micro-step
 (the engine steps the optimizer at its own boundary), ZeRO stage 0-3 drawn by the harness, gradient clipping by
 the engine; torch's AdamW as the client optimizer. gloo ranks on CPU (DeepSpeed's CPU accelerator), NCCL on GPUs.
-Adapters: factory (fp32, stages 0-3) and bf16 (bf16 parameters, gradients accumulated in fp32: BF16_Optimizer at
-stage 1, ZeRO's own fp32 buffers at 2-3; DeepSpeed refuses that mix at stage 0).
+Adapters: factory (fp32, stages 0-3), bf16 (bf16 parameters, gradients accumulated in fp32: BF16_Optimizer at
+stage 1, ZeRO's fp32 buffers at 2-3; DeepSpeed refuses that mix at 0) and bf16_zero1 (stage 1 only: PR #7985's).
 
     pip install "xtrain-verify[deepspeed]"
     pytest --pyargs verify --verify-trainer examples.deepspeed_zero:factory -n auto
@@ -149,3 +149,7 @@ factory = verify.adapter(data=verify.data.regression(features=FEATURES), data_pa
 bf16 = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
                       options=st.builds(Options, stage=st.sampled_from([1, 2, 3])), defaults=Options(stage=1),
                       precisions=("fp32", "bf16"), metrics=metrics, counts=bf16_counts)(BF16Trainer)
+# the configuration of DeepSpeed PR #7985 alone: bf16, grad_accum_dtype fp32, ZeRO-1 (BF16_Optimizer)
+bf16_zero1 = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
+                            options=st.just(Options(stage=1)), defaults=Options(stage=1), precisions=("fp32", "bf16"),
+                            metrics=metrics, counts=bf16_counts)(BF16Trainer)

@@ -103,6 +103,7 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     current release passing. The report names both, the gate and the case; exit 0 only when every verdict
     is the expected one."""
     from benchmarks import frameworks as fw
+    from benchmarks import stacks
 
     rejected = {"failures": [{"test": "verify/test_gates.py::test_split_invariance", "hint": "a per-micro-batch mean",
                               "gate": "split invariance",
@@ -128,40 +129,59 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     assert (old["verdict"], old["expected"], new["verdict"], new["expected"]) == ("rejected", "rejected", "passes", "passes")
     assert old["failures"][0]["gate"] == "split invariance" and old["failures"][0]["case"].endswith("lengths=[8, 7]")
     md = (out / "frameworks.md").read_text()
-    assert "| 4.45.2 | 1.0.1 | rejected | rejected ✓ |" in md and "| split invariance | test_split_invariance |" in md
+    assert ("| transformers 4.45.2 | examples.hf_trainer:factory | transformers 4.45.2, accelerate 1.0.1 | rejected | "
+            "rejected ✓ |") in md and "| split invariance | test_split_invariance |" in md
     assert old["failures"][0]["seconds"] == 41.2 and "| 41.2 |" in md  # the time to the shrunk verdict
     # each metric judged alone, its known cause named; a release's known bugs listed (the current one has none)
     assert old["metrics"] == probes["4.45.2"] and "| lr | `[reported metrics] lr reported 0.00099" in md
     assert "the next step's, not the one applied (#35942" in md and "| grad_norm | `passes` |" in md
-    assert old["known"] == [fw.PER_MICRO, fw.NEXT_LR, fw.PER_RANK] and new["known"] == []
-    assert fw.known_bugs("4.50.0") == [fw.NEXT_LR, fw.PER_RANK] and fw.known_bugs("4.54.0") == []
-    assert fw.known_bugs("4.46.3") == [fw.PER_MICRO, fw.NOT_OVER_N, fw.NEXT_LR, fw.PER_RANK]
-    assert fw.known_bugs("5.5.3") == [fw.TWICE_OVER_N] and fw.known_bugs("5.5.4") == [] == fw.known_bugs("5.1")
-    assert fw.expectation("4.53.0") == "rejected" and fw.expectation("5.5.4") == "passes"
+    tf = stacks.STACKS[""]
+    assert old["known"] == [stacks.PER_MICRO, stacks.NEXT_LR, stacks.PER_RANK] and new["known"] == []
+    bugs = lambda r: [k.what for k in tf.bugs(r)]  # noqa: E731
+    assert bugs("4.50.0") == [stacks.NEXT_LR, stacks.PER_RANK] and bugs("4.54.0") == []
+    assert bugs("4.46.3") == [stacks.PER_MICRO, stacks.NOT_OVER_N, stacks.NEXT_LR, stacks.PER_RANK]
+    assert bugs("5.5.3") == [stacks.TWICE_OVER_N] and bugs("5.5.4") == [] == bugs("5.1")
     runs["4.45.2"] = dict(exit_code=0, report=passing)  # the old release passing would be a finding, not a success
     assert fw.main(["--out", str(out), "--versions", "4.45.2,current", "--cache", str(tmp_path / "cache")]) == 1
     assert "not as expected" in (out / "frameworks.md").read_text()
 
 
-def test_frameworks_runs_trl_rows_on_the_trl_recipe(tmp_path, monkeypatch):
-    """trl-0.21.0 (its token-level 'bnpo' normalised per micro-batch: known, expected rejected) and trl-current
-    (expected to pass) run examples/trl_grpo.py in their own venvs (trl pinned), beside the transformers rows."""
+def test_frameworks_runs_each_stacks_recipes_and_an_uninstallable_release_is_one_row(tmp_path, monkeypatch):
+    """trl-0.21.0 runs the recipe its known bug concerns (expected rejected); trl-current every TRL loss type;
+    deepspeed-0.18.8 the #7985 configuration, deepspeed-current the stage-drawing adapters. A release pip cannot
+    install is one row saying so, and the others still run."""
     from benchmarks import frameworks as fw
+    from benchmarks import stacks
 
     rejected = {"failures": [{"test": "verify/test_gates.py::test_normaliser", "gate": "normaliser", "hint": None,
                               "message": "[normaliser] term 'loss' (token_mean) additivity; case N=3 B=2 K=2 seed=1"}]}
-    runs = {"trl-0.21.0": dict(exit_code=1, report=rejected), "trl-current": dict(exit_code=0, report={"failures": []})}
     seen = []
-    monkeypatch.setattr(fw, "venv", lambda v, cache, log: (v, {"trl": "0.21.0" if v == "trl-0.21.0" else "1.16.0",
-                                                                "transformers": "4.55.4", "accelerate": "1.15.0"}, 0.0))
-    monkeypatch.setattr(fw, "run_gates", lambda py, d, trainer, **k: seen.append(trainer) or dict(
-        runs[py], seconds=1.0, summary="", test_seconds={}))
-    monkeypatch.setattr(fw, "run_probe", lambda py, log: pytest.fail("the TRL recipe declares no metrics to probe"))
+
+    def venv(v, cache, log):
+        if v == "lightning-9.9.9":
+            raise RuntimeError("pip ... exited 1: ERROR: No matching distribution found for lightning==9.9.9")
+        return v, {"trl": "0.21.0" if v == "trl-0.21.0" else "1.16.0", "deepspeed": "0.18.8"}, 0.0
+
+    def run_gates(py, d, trainer, **k):
+        seen.append((py, trainer))
+        bad = py in ("trl-0.21.0", "deepspeed-0.18.8")
+        return dict(exit_code=1 if bad else 0, report=rejected if bad else {"failures": []}, seconds=1.0, summary="",
+                    test_seconds={})
+
+    monkeypatch.setattr(fw, "venv", venv)
+    monkeypatch.setattr(fw, "run_gates", run_gates)
+    monkeypatch.setattr(fw, "run_probe", lambda py, log: pytest.fail("only the HF recipe's metrics are probed"))
     out = tmp_path / "out"
-    assert fw.main(["--out", str(out), "--versions", "trl-0.21.0,trl-current", "--cache", str(tmp_path / "c")]) == 0
-    assert seen == [fw.TRL_RECIPE] * 2 and fw.known_bugs("trl-0.21.0") == [fw.LOCAL_BNPO] == fw.known_bugs("trl-0.21.9")
-    assert fw.known_bugs("trl-0.22.0") == [] == fw.known_bugs("trl-current")
-    assert fw.pins("trl-0.21.0")[:3] == ["torch==2.13.0", "trl==0.21.0", "transformers==4.55.4"]
+    tokens = "trl-0.21.0,trl-current,deepspeed-0.18.8,deepspeed-current,lightning-9.9.9"
+    assert fw.main(["--out", str(out), "--versions", tokens, "--cache", str(tmp_path / "c")]) == 0
+    assert seen == [("trl-0.21.0", stacks.TRL), *[("trl-current", r) for r in stacks.STACKS["trl"].recipes],
+                    ("deepspeed-0.18.8", stacks.DEEPSPEED_BF16),
+                    *[("deepspeed-current", r) for r in stacks.STACKS["deepspeed"].recipes]]
+    assert stacks.STACKS["trl"].pins("0.21.0")[:3] == ["torch==2.13.0", "trl==0.21.0", "transformers==4.55.4"]
+    doc = json.loads((out / "frameworks.json").read_text())
+    last = doc["versions"][-1]
+    assert last["verdict"] == "not installed" and "No matching distribution" in last["error"], last
     md = (out / "frameworks.md").read_text()
-    assert "| TRL 0.21.0 | examples.trl_grpo:factory | 4.55.4 | 1.15.0 | rejected | rejected ✓ |" in md
-    assert "## TRL 1.16.0: passes" in md and "TRL 0.21's 'bnpo' divides each micro-batch's token sum" in md
+    assert "| TRL 0.21.0 | examples.trl_grpo:factory | trl 0.21.0, deepspeed 0.18.8 | rejected | rejected ✓ |" in md
+    assert "TRL 0.21's 'bnpo' divides each micro-batch's token sum" in md and "Not installable here: `pip" in md
+    assert "## DeepSpeed 0.18.8, examples.deepspeed_zero:bf16_zero1: rejected" in md

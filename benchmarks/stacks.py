@@ -1,0 +1,164 @@
+"""The release matrix's stacks: for each framework, the recipes a release runs, what a venv of it pins, and the
+known accumulation bugs by release range, with what their verdicts mean (benchmarks/frameworks.py runs them).
+
+A version token is STACK-RELEASE (trl-0.21.0, deepspeed-current) or a bare release of transformers (4.45.2).
+A release with known bugs runs the recipes those bugs concern (its expected verdict: rejected); a release without
+runs the stack's recipes (expected: passes). A row per (release, recipe).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from verify._internal.verdict import Gate
+
+TORCH = "torch==2.13.0"  # pinned like the README's install: the local CPU wheel, never a multi-GB CUDA build
+TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+HF, TRL = "examples.hf_trainer:factory", "examples.trl_grpo:factory"
+DEEPSPEED_BF16 = "examples.deepspeed_zero:bf16_zero1"
+
+
+@dataclass(frozen=True)
+class Known:
+    """A bug of the releases [since, fixed) of a stack, shown by `recipe`."""
+    since: tuple
+    fixed: tuple
+    what: str
+    recipe: str
+
+
+@dataclass(frozen=True)
+class Stack:
+    key: str  # the version token's prefix ("" for transformers)
+    title: str
+    package: str
+    recipes: tuple
+    shown: tuple  # the distributions whose installed versions a row shows
+    known: tuple = ()
+    extra_pins: dict = field(default_factory=dict)  # release -> the pins of its time (other packages)
+    default_pins: tuple = ()
+    probe_metrics: bool = False  # the metrics gate on each declared metric alone (the HF recipe)
+
+    def pins(self, release: str) -> list[str]:
+        own = self.package if release == "current" else f"{self.package}=={release}"
+        return [TORCH, own, *self.extra_pins.get(release, self.default_pins), *TOOLS]
+
+    def bugs(self, release: str) -> list[Known]:
+        if release == "current":
+            return []
+        r = tuple(int(x) for x in (release.split(".") + ["0"])[:3])
+        return [k for k in self.known if k.since <= r < k.fixed]
+
+    def rows(self, release: str) -> list[tuple[str, list[str]]]:
+        """(recipe, the known bugs it shows on this release) for each recipe the release runs."""
+        bugs = self.bugs(release)
+        if not bugs:
+            return [(r, []) for r in self.recipes]
+        recipes = list(dict.fromkeys(k.recipe for k in bugs))
+        return [(r, [k.what for k in bugs if k.recipe == r]) for r in recipes]
+
+
+# -- transformers: the HF recipe (examples/hf_trainer.py), GPT-2 on padded data -------------------------------
+PER_MICRO = ("each micro-batch's own token mean on padded data: GPT-2 takes no loss kwargs before 4.50 (4.49 not "
+             "checked), and the Trainer's fix (#34191 / #34373, 4.46) reaches only a model that takes num_items_in_batch")
+NOT_OVER_N = ("the loss of a model without loss kwargs not divided by N before backward: N× the gradient and the "
+              "logged grad_norm (#35207, fixed in 4.48)")
+NEXT_LR = "the LR logged after the scheduler's step: the next step's (#35942, fixed in 4.51 by #36973)"
+PER_RANK = ("under DDP each rank's loss divided by its own valid-target count (average_tokens_across_devices=False "
+            "by default; True from 4.54, #39395)")
+TWICE_OVER_N = ("accelerate's backward divides the loss by N a second time: the gradient and the logged grad_norm "
+                "1/N (#45305, fixed in 5.5.4 by #45349)")
+# TRL: its GRPO loss (examples/trl_grpo.py) on the harness's fixed rollouts
+LOCAL_BNPO = ("the token-level loss ('bnpo') divided by each micro-batch's own completion tokens on each rank, then by "
+              "gradient_accumulation_steps: 'exact only with gas=1 and num GPUs=1' (trl PR #3938, 'dapo' from 0.22)")
+# DeepSpeed (examples/deepspeed_zero.py)
+BOUNDARY_LEFT_OUT = ("BF16_Optimizer (bf16, grad_accum_dtype fp32, ZeRO-1) adds the boundary micro-batch to the "
+                     "rank-local fp32 buffer after the all-reduce: it is left out of the average (PR #7985, 0.19.0)")
+
+STACKS = {s.key: s for s in [
+    Stack("", "transformers", "transformers", (HF,), ("transformers", "accelerate"), probe_metrics=True,
+          known=(Known((0, 0, 0), (4, 50, 0), PER_MICRO, HF), Known((4, 46, 0), (4, 48, 0), NOT_OVER_N, HF),
+                 Known((0, 0, 0), (4, 51, 0), NEXT_LR, HF), Known((0, 0, 0), (4, 54, 0), PER_RANK, HF),
+                 Known((5, 2, 0), (5, 5, 4), TWICE_OVER_N, HF)),
+          # accelerate of each release's time for the old ones (their Trainer predates accelerate's later changes)
+          extra_pins={"4.45.2": ["accelerate==1.0.1"], "4.46.3": ["accelerate==1.1.1"], "4.50.0": ["accelerate==1.5.2"],
+                      "5.5.3": ["accelerate==1.13.0"]}, default_pins=("accelerate",)),
+    Stack("trl", "TRL", "trl", (TRL, "examples.trl_grpo:grpo", "examples.trl_grpo:dr_grpo"),
+          ("trl", "transformers", "accelerate"), known=(Known((0, 0, 0), (0, 22, 0), LOCAL_BNPO, TRL),),
+          extra_pins={"0.21.0": ["transformers==4.55.4", "accelerate==1.15.0"]},
+          default_pins=("transformers", "accelerate<1.16")),
+    Stack("deepspeed", "DeepSpeed", "deepspeed", ("examples.deepspeed_zero:factory", "examples.deepspeed_zero:bf16"),
+          ("deepspeed",), known=(Known((0, 18, 6), (0, 19, 0), BOUNDARY_LEFT_OUT, DEEPSPEED_BF16),)),
+    Stack("accelerate", "Accelerate", "accelerate", ("examples.accelerate_accumulate:factory",), ("accelerate",)),
+    Stack("lightning", "Lightning", "lightning",
+          ("examples.lightning_trainer:factory", "examples.fabric_no_backward_sync:factory"), ("lightning",)),
+]}
+
+
+def parse(token: str) -> tuple[Stack, str]:
+    """'trl-0.21.0' -> (TRL's stack, '0.21.0'); '4.45.2' -> (transformers', '4.45.2'). ValueError if unknown."""
+    key, _, release = token.rpartition("-")
+    if key not in STACKS:
+        raise ValueError(f"{token!r}: stack {key!r} is not one of {', '.join(k for k in STACKS if k)} (or a bare "
+                         f"transformers release)")
+    if release != "current" and not re.fullmatch(r"\d+\.\d+(\.\d+)?", release):
+        raise ValueError(f"{token!r} is not a release number (e.g. 4.45.2, trl-0.21.0, deepspeed-0.18.8) or 'current'")
+    return STACKS[key], release
+
+
+def explain(f: dict, known=()) -> str | None:
+    """What a failure means, where its verdict shows a known class (None otherwise); `known`: the row's bugs."""
+    text = f["verdict"]
+    loss_gates = (Gate.EQUIVALENCE, Gate.NORMALISER, Gate.SPLIT_INVARIANCE, Gate.DP_EQUIVALENCE)
+    if PER_MICRO in known and "nan" in text.lower() and f["gate"] in loss_gates:
+        return ("a micro-batch without a valid target gives 0/0 = NaN where the window's token mean is defined: the "
+                "loss is a mean per micro-batch, not over the window's valid targets")
+    if LOCAL_BNPO in known and f["gate"] in loss_gates:
+        return ("TRL 0.21's 'bnpo' divides each micro-batch's token sum by that micro-batch's own completion tokens "
+                "(and each rank by its own), then by gradient_accumulation_steps: the window's loss is off by a factor "
+                "that depends on how TRL's shuffle spreads the tokens over the micro-steps (and ranks); the normaliser "
+                "gate names the class: at one row per micro-batch the loss is the mean of the micro-batches' own token "
+                "means")
+    if BOUNDARY_LEFT_OUT in known and f["gate"] == Gate.DP_EQUIVALENCE:
+        return ("each rank's boundary gradient lacks the other ranks' last micro-batch: only data parallelism (W ≥ 2) "
+                "with N ≥ 2 shows it, the bf16 ranks against the float64 big batch")
+    if PER_RANK in known and " W=" in text and f["gate"] in loss_gates:
+        return ("each rank divides by its own valid-target count (a rank without one: 0/0 = NaN), not the window's "
+                "over every rank: average_tokens_across_devices is off by default before 4.54")
+    if f["gate"] == Gate.REPORTED_METRICS:
+        return explain_metric(text)
+    ops = re.findall(r"\w+:(\w+) \w+ \[", text)
+    if f["gate"] == Gate.BOUNDARY_ONLY and ops and all("broadcast" in op for op in ops):
+        return ("broadcasts only, no gradient: DDP (broadcast_buffers=True) sends the model's buffers from rank 0 on "
+                "every forward, no_sync() or not — real per-micro-step traffic (this GPT-2 keeps its causal mask, "
+                "bool positions², and masked_bias as buffers), not the accumulation bug")
+    return None
+
+
+def explain_metric(text: str) -> str | None:
+    """What a metrics verdict of the HF recipe means, where it shows a known bug (None otherwise)."""
+    if re.search(r"\blr reported ", text) and "(= the LR after the scheduler's step" in text:
+        return ("HF logged the LR after stepping its scheduler: the next step's, not the one applied (#35942; "
+                "fixed in 4.51 by #36973)")
+    if re.search(r"\bgrad_norm reported ", text) and "= 1/N (micro-steps)" in text:
+        return ("1/N of the big batch's: in 5.2-5.5.3 the Trainer hands accelerate N steps of accumulation, whose "
+                "backward divides the already normalised loss by N again: the gradient itself is 1/N (#45305, fixed "
+                "in 5.5.4 by #45349)")
+    if re.search(r"\bgrad_norm reported ", text) and "= N (micro-steps)" in text:
+        return ("N× the big batch's: in 4.46-4.47 the loss of a model without loss kwargs (GPT-2's) is not divided "
+                "by gradient_accumulation_steps before backward, so the gradient itself is N× (#35207, fixed in 4.48)")
+    return None
+
+
+def known_text() -> list[str]:
+    """One line per stack with known bugs, for the report's head."""
+    out = []
+    for s in STACKS.values():
+        if s.known:
+            out.append(f"{s.title}: " + "; ".join(f"{_range(k.since, k.fixed)}, {k.what}" for k in s.known) + ".")
+    return out
+
+
+def _range(since, fixed) -> str:
+    upto = ".".join(map(str, fixed))
+    return f"before {upto}" if since == (0, 0, 0) else f"from {'.'.join(map(str, since))} to before {upto}"
