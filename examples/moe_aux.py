@@ -7,6 +7,7 @@ micro-step, every rank: the Qwen global-batch balancing), with AdamW and a manua
     XTRAIN_DIST_MIN_WORLD=2 XTRAIN_DIST_MAX_WORLD=2 pytest --pyargs verify --verify-trainer examples.moe_aux:factory -n 2
     pytest --pyargs verify --verify-trainer examples.moe_aux:per_micro     # aux per micro-batch: a declared difference
 """
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -232,10 +233,16 @@ def data(rows, seed):
 # objective: the ce is a token mean; aux is a function of the whole window (`batch`: checked against the big batch)
 # options: checkpointing on or off, drawn by the harness (both must give the same numbers)
 # data_parallel: a manual all-reduce at the boundary of micro-step N-1 (no collective before it)
+def checkpointed(options, on):
+    """The options with the MoE layer's recompute on or off: the path-parity gate runs both on the same windows."""
+    return dataclasses.replace(options or Options(), checkpointing=on)
+
+
 OBJECTIVE = verify.Objective(terms={"ce": "token_mean", "aux": "batch"})
 OPTIONS = st.builds(Options, checkpointing=st.booleans())
 factory = verify.adapter(data=data, ignore_index=IGNORE, objective=OBJECTIVE, options=OPTIONS, defaults=Options(),
-                         data_parallel=True)(Trainer)
+                         data_parallel=True, parity=verify.Parity(name="activation checkpointing", apply=checkpointed))(
+    Trainer)
 # the aux term per micro-batch: a different objective from the big batch's, declared; the ce is still checked
 per_micro = verify.adapter(data=data, ignore_index=IGNORE, options=OPTIONS, defaults=Options(), data_parallel=True,
                            objective=verify.Objective(terms={"ce": "token_mean", "aux": "batch"}, per_micro=("aux",)))(

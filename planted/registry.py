@@ -26,7 +26,7 @@ from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
 from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters,
-                     moe_adapters, objective_adapters, overflow_adapters, packed_adapters, pull_loops,
+                     moe_adapters, objective_adapters, overflow_adapters, packed_adapters, parity_adapters, pull_loops,
                      uneven_adapters)
 from xtrain_proof.options import XtrainOptions
 
@@ -451,6 +451,12 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("z_over_n_twice", "one term's 1/N applied twice",
                objective_adapters.z_over_n_twice, Gate.NORMALISER,
                r"term 'z' \(row_mean.*vs the big batch .*\(×0\.3333 = 1/N \(micro-steps\)\)", OBJECTIVE),
+    # -- path parity (parity_adapters.py): activation checkpointing declared as a switch that must not matter ------
+    PlantedBug("rows_counted_in_forward", "the rows counted in a checkpointed forward: twice when the backward recomputes "
+               "it (NeMo Automodel PR #3247); each side alone passes every other gate",
+               parity_adapters.rows_counted_in_forward, Gate.PATH_PARITY,
+               r"activation checkpointing on vs off.*differs \(off vs on\) \(‖on‖ / ‖off‖ = 0\.5\)", OBJECTIVE.replace(
+                   lengths=None)),
     # -- packed rows (packed_adapters.py): a per-document mean declared (seq_mean over verify.data.count_documents)
     PlantedBug("pack_mean", "one token mean per packed row, averaged over rows (OpenRLHF PR #923)",
                packed_adapters.pack_mean, Gate.NORMALISER,

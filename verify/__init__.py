@@ -31,7 +31,7 @@ def _other_verify() -> None:
 _other_verify()
 __all__ = [
     # the protocol your trainer implements, and how to declare its adapter
-    "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data", "Metrics", "Objective",
+    "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data", "Metrics", "Objective", "Parity",
     # what a sync mode may communicate: expected collectives, a mode's exact counts, a mesh's axes
     "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "CountRow", "Windows", "Mesh",
     # loops the framework owns (HF Trainer, Lightning): the pull-mode driver
@@ -49,7 +49,7 @@ _WHERE = {
     "Trainer": ("verify._internal.protocol", "Trainer"), "Spec": ("verify._internal.protocol", "Spec"),
     "Adapter": ("verify._internal.protocol", "Adapter"), "adapter": ("verify._internal.protocol", "adapter"),
     "AdapterError": ("verify._internal.protocol", "AdapterError"), "Metrics": ("verify._internal.metrics", "Metrics"),
-    "Objective": ("verify._internal.objective", "Objective"),
+    "Objective": ("verify._internal.objective", "Objective"), "Parity": ("verify._internal.gates.parity", "Parity"),
     "Expected": ("verify._internal.protocol", "Expected"), "DDP_EXPECTED": ("verify._internal.protocol", "DDP_EXPECTED"),
     "DDP_WORLD1_EXPECTED": ("verify._internal.protocol", "DDP_WORLD1_EXPECTED"),
     "CountRow": ("verify._internal.gates.counts", "CountRow"), "Windows": ("verify._internal.ranks.comm", "Windows"),

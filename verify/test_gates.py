@@ -99,6 +99,28 @@ def test_normaliser(verify_adapter):
     with_corners(normaliser, hard)()
 
 
+def test_path_parity(verify_adapter):
+    """A switch the adapter declares must not change the result (verify.Parity: activation checkpointing, a fused
+    loss, compile): on vs off on the same windows, bit for bit where the math is the same
+    (verify/_internal/gates/parity.py)."""
+    from verify._internal.gates.parity import check_parity
+
+    if verify_adapter.parity is None:
+        reason = (f"{verify_adapter.name} declares no switch that must leave the result unchanged (declare "
+                  f"@verify.adapter(parity=verify.Parity(name=..., apply=...)), e.g. activation checkpointing)")
+        report.skip(Gate.PATH_PARITY, reason)
+        pytest.skip(reason)
+    hard = corners(verify_adapter, "parity")
+
+    @settings(max_examples=random_budget("parity", hard), deadline=None)
+    @given(case=cases(verify_adapter, max_accum=4, max_micro_batch=2, max_steps=2,
+                      padded=verify_adapter.ignore_index is not None))
+    def parity(case):
+        report.record(check_parity(verify_adapter, case))
+
+    with_corners(parity, hard)()
+
+
 def test_empty_window_is_no_step(verify_adapter):
     """Adapters with an ignore_index: a window without a valid target leaves the parameters bit-unchanged and
     the next window as if it had not been there — unless the adapter declares empty_windows=False."""

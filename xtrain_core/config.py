@@ -27,6 +27,9 @@ class ModelConfig:
     n_head: int = 2
     d_model: int = 64
     """Residual width; must be divisible by n_head."""
+    checkpoint: bool = False
+    """Recompute each block's activations in the backward (torch.utils.checkpoint): the memory of one block's
+    input per layer instead of all its activations, for one more forward. The same numbers, bit for bit."""
 
     def __post_init__(self):
         for f in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):

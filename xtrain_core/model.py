@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
@@ -55,7 +56,10 @@ class GPT(nn.Module):
         # (B=1) pay per kernel. Not a registered buffer, so DDP has nothing to broadcast.
         masked = torch.ones(T, T, device=idx.device, dtype=torch.bool).triu(1)
         for b in self.blocks:
-            x = b(x, masked)
+            if self.cfg.checkpoint and torch.is_grad_enabled():
+                x = checkpoint(b, x, masked, use_reentrant=False)  # forward again in the backward: same ops, same bits
+            else:
+                x = b(x, masked)
         return self.head(self.ln(x))
 
     def loss_batched(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,11 @@ from xtrain_core.data import TokenStream
 from xtrain_core.model import IGNORE, build_model
 
 from verify._internal.metrics import Metrics
+from verify._internal.gates.parity import Parity
 from verify._internal.protocol import DDP_EXPECTED, Adapter, Spec
 from xtrain_proof.memory import predicted_peak as peak
 from xtrain_proof.memory_preset import PRESET
-from xtrain_proof.options import XtrainOptions, unclipped
+from xtrain_proof.options import XtrainOptions, checkpointed, unclipped
 
 __all__ = ["XtrainOptions", "overflow_grad", "adapter", "tokens_adapter", "torch_ddp", "torch_ddp_tokens", "fsdp2", "fsdp2_keep",
            "fsdp2_tokens", "single", "data_parallel"]
@@ -250,10 +251,12 @@ _TOKENS = dict(options=_token_strategy, defaults=XtrainOptions(optim=OptimConfig
                metrics=TOKEN_METRICS)
 
 # subgroups: DistAccumTrainer and TorchDDPTrainer take group=; FSDP2Trainer shards over the default group only
+# parity: ModelConfig.checkpoint recomputes each block in the backward, the same numbers bit for bit
+CHECKPOINTING = Parity(name="activation checkpointing", apply=checkpointed)
 adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, name="xtrain", predicted_peak=peak(None),
-                  subgroups=True, memory_preset=PRESET, **_COMMON)
+                  subgroups=True, memory_preset=PRESET, parity=CHECKPOINTING, **_COMMON)
 tokens_adapter = Adapter(factory=factory, plain=PlainTrainer, data_parallel=True, ignore_index=IGNORE, subgroups=True,
-                         name="xtrain, loss_norm=tokens", predicted_peak=peak(None),
+                         name="xtrain, loss_norm=tokens", predicted_peak=peak(None), parity=CHECKPOINTING,
                          **{**_COMMON, **_TOKENS})
 torch_ddp = Adapter(factory=torch_ddp_factory, process_group=True, expected=DDP_EXPECTED, subgroups=True,
                     name="xtrain model under torch DDP no_sync()", predicted_peak=peak("torch_ddp"), **_COMMON)

@@ -29,6 +29,12 @@ class XtrainOptions:
                 f"optim(lr={o.lr:g} wd={o.weight_decay:g} clip={o.max_grad_norm} warmup={o.warmup_steps}){norm}")
 
 
+def checkpointed(options, on: bool):
+    """The same options with activation checkpointing on or off (Adapter.parity: the two must agree bit for bit)."""
+    options = options if options is not None else XtrainOptions()
+    return dataclasses.replace(options, model=dataclasses.replace(options.model, checkpoint=on))
+
+
 def unclipped(options):
     """The same options with gradient clipping off (Adapter.unclipped: a failure's diagnosis re-runs it so)."""
     if options is None:

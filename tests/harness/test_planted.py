@@ -8,11 +8,12 @@ import pytest
 
 from planted import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens
 from planted import broken_mesh_metrics, broken_tp, ddp_modes, moe_adapters, packed_adapters, registry as planted
-from planted import uneven_adapters
+from planted import parity_adapters, uneven_adapters
 from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_normaliser)
 from verify._internal.gates.distributed import max_world
 from verify._internal.gates.mesh import check_mesh
 from verify._internal.gates.metrics import check_metrics
+from verify._internal.gates.parity import check_parity
 from verify._internal.gates.windows import check_long_window, check_partial_sums, check_split_invariance
 from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
@@ -22,7 +23,7 @@ RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.BIT_EXACT: check_bit_exact, Gat
        Gate.SPLIT_INVARIANCE: lambda a, case, w: check_split_invariance(a, case, max_world=w),
        Gate.LONG_WINDOW: check_long_window, Gate.NORMALISER: check_normaliser, Gate.EMPTY_WINDOW: check_empty_window,
        Gate.OVERFLOW: check_overflow, Gate.BOUNDARY_ONLY: check_distributed, Gate.DP_EQUIVALENCE: check_distributed,
-       Gate.MESH_EQUIVALENCE: check_mesh, Gate.BYTES_PER_STEP: check_same_bytes,
+       Gate.MESH_EQUIVALENCE: check_mesh, Gate.BYTES_PER_STEP: check_same_bytes, Gate.PATH_PARITY: check_parity,
        # one process: the metrics gate's own runs; W ranks: the data-parallel gate judges every rank's metrics
        Gate.REPORTED_METRICS: lambda a, case: (check_metrics if case.world == 1 else check_distributed)(a, case)}
 # harmless by design, and checked to pass where they are tested; compiled_runs_eager fails the trainer's own
@@ -64,7 +65,7 @@ def test_every_gate_of_the_registry_is_driven():
 def test_every_planted_adapter_is_registered():
     registered = {id(b.adapter) for b in planted.PLANTED}
     modules = (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_numerics, broken_overflow,
-               broken_tokens, broken_tp, ddp_modes, moe_adapters, packed_adapters, uneven_adapters)
+               broken_tokens, broken_tp, ddp_modes, moe_adapters, packed_adapters, parity_adapters, uneven_adapters)
     missing = [f"{m.__name__}.{k}" for m in modules for k, a in vars(m).items()
                if isinstance(a, Adapter) and a.name.startswith("broken") and id(a) not in registered
                and id(a) not in CONTROLS]

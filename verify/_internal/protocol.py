@@ -181,6 +181,9 @@ class Adapter:
     objective: Any = None
     """A verify.Objective: how each term of the loss normalises (the normaliser gate, gates/objective.py); None:
     a token mean with an ignore_index, else a row mean that only the split-based gates judge."""
+    parity: Any = None
+    """A verify.Parity: a switch of the trainer's options that must not change the result (activation
+    checkpointing, a fused loss, compile), run on and off on the same windows (gates/parity.py); None: none."""
     memory_preset: Any = None
     """What `python -m verify.memory` adds for this trainer's family when it is the configured default trainer
     (a verify.memory.cli.Wing: short --trainer names, flags, options, the anchor); None: none."""
@@ -207,7 +210,8 @@ class Adapter:
             raise AdapterError(f"predicted_peak= must be callable (PeakQuery -> Prediction | str), got {self.predicted_peak!r}")
         object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
         object.__setattr__(self, "mesh_sizes", mesh_sizes(self.mesh_sizes, self.mesh_axes, AdapterError))
-        for f, kind, args in (("metrics", "Metrics", "names"), ("objective", "Objective", "terms")):
+        for f, kind, args in (("metrics", "Metrics", "names"), ("objective", "Objective", "terms"),
+                              ("parity", "Parity", "name, apply")):
             if getattr(self, f) is not None and type(getattr(self, f)).__name__ != kind:
                 raise AdapterError(f"{f}= must be a verify.{kind}({args}=...), got {getattr(self, f)!r}")
         if self.metrics is not None and self.ignore_index is None and "tokens" in self.metrics.names:
@@ -231,7 +235,7 @@ class Adapter:
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
                   "process_group", "data_parallel", "subgroups", "uneven", "empty_windows", "overflow",
-                  "mesh_axes", "mesh_sizes", "grads_from", "metrics", "objective"):
+                  "mesh_axes", "mesh_sizes", "grads_from", "metrics", "objective", "parity"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
             if (f == "empty_windows" and self.ignore_index is None) or (f in ("subgroups", "uneven") and not self.data_parallel):
@@ -342,7 +346,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
             empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
             subgroups: bool = False, uneven: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None,
-            memory_preset=None, metrics=None, objective=None):
+            memory_preset=None, metrics=None, objective=None, parity=None):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
     declared = dict(locals())  # every keyword above is an Adapter field of the same name

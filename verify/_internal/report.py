@@ -45,6 +45,8 @@ BOUNDS = {
                   f"vs the big batch's report, rel ≤ {FLOAT64_TEXT.split('·max')[0]}; counts exact",
     Gate.OVERFLOW: "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
                    "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
+    Gate.PATH_PARITY: "the declared switch on vs off, same windows and init: every loss, step-0 gradient and parameter "
+                      "torch.equal (exact), else the equivalence policy with the off side as the big batch",
 }
 ORDER = tuple(g.value for g in BOUNDS)  # the report's gate order: BOUNDS' order
 EXACT = (Gate.BIT_EXACT, Gate.EMPTY_WINDOW)  # torch.equal or a failure: no error / bound to rank

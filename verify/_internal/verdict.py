@@ -30,6 +30,7 @@ class Gate(StrEnum):
     # since the two run on different adapters (mesh axes / an ignore_index) and one may be skipped where the other runs
     MESH_SPLIT_INVARIANCE = "mesh split invariance"
     OVERFLOW = "overflow"  # an fp16 window overflowing on one rank (gates/overflow.py)
+    PATH_PARITY = "path parity"  # a declared switch (checkpointing, ...) on vs off on the same windows (gates/parity.py)
     REPORTED_METRICS = "reported metrics"  # what metrics() logs vs the harness's own values and the big batch's (gates/metrics.py)
     # Not a claim of its own: reported instead of a numeric gate's failure when two identical runs of the
     # trainer differ (gates/diagnose.py), since no comparison of runs can judge such a trainer.

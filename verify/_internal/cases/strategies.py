@@ -46,7 +46,7 @@ def budget(share: int, least: int, n: int | None = None) -> int:
 # on nearly every padded case, so a fifth of split invariance's share.
 GATE_BUDGETS = {"equivalence": (1, 1), "bit_exact": (1, 1), "split_invariance": (10, 3), "normaliser": (20, 3),
                 "empty_window": (20, 3), "long_windows": (30, 2), "data_parallel": (2, 8), "bytes_per_step": (30, 3),
-                "overflow": (10, 3), "mesh": (10, 3), "mesh_split": (30, 2), "metrics": (20, 3)}
+                "overflow": (10, 3), "mesh": (10, 3), "mesh_split": (30, 2), "metrics": (20, 3), "parity": (10, 3)}
 
 
 def gate_budget(gate: str, n: int | None = None) -> int:
@@ -280,7 +280,8 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
     """The known-hard cases of `gate` (a GATE_BUDGETS key) for `adapter`, within [min_world, max_world], in the
     form the gate test's @given draws (a Case; overflow: (case, micro, rank); mesh_split: (case, world)):
 
-    equivalence, normaliser, empty_window    N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in window 0
+    equivalence, normaliser, empty_window,   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in
+    parity                                  window 0
     split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
     metrics                                 N=3 B=2 K=3, padded: as equivalence's, one step longer
     data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
@@ -292,7 +293,7 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
     mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2 with 2 outer steps
     """
     lo, hi = min_world, max(min_world, max_world)
-    if gate in ("equivalence", "normaliser", "empty_window"):
+    if gate in ("equivalence", "normaliser", "empty_window", "parity"):
         return [_base(adapter, N=3, B=2, K=2, padded=True)]
     if gate == "split_invariance":
         return [_base(adapter, N=3, B=2, K=1, padded=True)]
