@@ -25,7 +25,8 @@ from verify._internal.ranks.mesh import Mesh
 from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
 from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
-                     broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, ddp_modes, hsdp_adapters,
+                     broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, cp_adapters, ddp_modes,
+                     hsdp_adapters,
                      moe_adapters, objective_adapters, overflow_adapters, packed_adapters, parity_adapters, pull_loops,
                      uneven_adapters)
 from xtrain_proof.options import XtrainOptions
@@ -130,6 +131,7 @@ OBJECTIVE = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
 PACKED = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
               lengths=(12, 3, 7, 0, 9, 11, 5, 12, 8, 10, 1, 6, 12, 4, 11, 0, 9, 12, 2, 7, 12, 10, 5, 12))
 # the MoE recipe (examples/moe_aux.py) on OBJECTIVE's windows; recomputed in the backward; at 2 ranks
+CP = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, mesh=Mesh(cp=2))  # a sequence over 2 ranks
 MOE_CKPT = OBJECTIVE.replace(options=moe_adapters.moe_aux.Options(checkpointing=True))
 MOE_DIST = Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=1, data_seed=2)
 
@@ -451,6 +453,20 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("z_over_n_twice", "one term's 1/N applied twice",
                objective_adapters.z_over_n_twice, Gate.NORMALISER,
                r"term 'z' \(row_mean.*vs the big batch .*\(×0\.3333 = 1/N \(micro-steps\)\)", OBJECTIVE),
+    # -- the context-parallel axis (cp_adapters.py, on examples/context_parallel.py): the count over dp × cp once --
+    PlantedBug("count_over_dp_only", "the valid-target count reduced over dp only: under by cp (verl PR #5993)",
+               cp_adapters.count_over_dp_only, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=1 cp=2, .*loss of step 0 \(×2 = cp \(context-parallel ranks\)\)", CP),
+    PlantedBug("count_of_whole_rows", "each cp rank counts its rows whole, then over dp × cp: over by cp (prime-rl "
+               "PR #2562)", cp_adapters.count_of_whole_rows, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=1 cp=2, .*loss of step 0 \(×0\.5 = 1/cp \(context-parallel ranks\)\)", CP),
+    PlantedBug("loss_times_cp", "a leftover × cp_size on the reduced loss and gradient (Megatron #673)",
+               cp_adapters.loss_times_cp, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=1 cp=2, .*loss of step 0 \(×2 = cp \(context-parallel ranks\)\)", CP),
+    PlantedBug("local_mean_nan", "each cp rank's own token mean: a rank without a valid target gives 0/0 = NaN "
+               "(mcore-bridge PR #104)", cp_adapters.local_mean_nan, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=1 cp=2, .*loss of step 0: nan vs the big batch's [\d.]+ \(one of them undefined\)",
+               CP.replace(lengths=(3, 4, 2, 1, 4, 3) * 2)),
     # -- path parity (parity_adapters.py): activation checkpointing declared as a switch that must not matter ------
     PlantedBug("rows_counted_in_forward", "the rows counted in a checkpointed forward: twice when the backward recomputes "
                "it (NeMo Automodel PR #3247); each side alone passes every other gate",

@@ -327,3 +327,23 @@ def test_an_axis_without_a_row_is_reported_unjudged_and_rows_are_keyed_by_axis()
     assert check_mesh(broken_mesh.pipe_uncounted, _case(Mesh(pp=2), 2, 2)).extra["counts"]["unjudged"] == ["pp"]
     with pytest.raises(ValueError, match="keyed by axis"):
         check_mesh(broken_mesh.pipe_bad_counts, _case(Mesh(pp=2), 2, 2))
+
+
+def test_a_cp_axis_numbers_ranks_inside_each_stage_and_slices_each_row():
+    """cp sits between pp and tp: rank = ((dp_i·pp + pp_i)·cp + cp_i)·tp + tp_i; coords stay (dp_i, pp_i, tp_i),
+    cp_of names the cp index; cp rank c holds tokens [c·S/cp, (c+1)·S/cp) of every row; a cp that does not divide
+    the rows' length is refused."""
+    import torch
+
+    from verify._internal.ranks.mesh import cp_slice, meshes
+
+    m = Mesh(dp=2, cp=2, tp=2)
+    assert m.size == 8 and [m.cp_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [m.coords(r) for r in (0, 3, 5)] == [(0, 0, 0), (0, 0, 1), (1, 0, 1)] and m.rank(1, 0, 1, 1) == 7
+    assert m.stage_ranks(1, 0) == [4, 5, 6, 7] and str(m) == "mesh dp=2 pp=1 tp=2 cp=2"
+    x = torch.arange(16).view(2, 8)
+    assert torch.equal(cp_slice(x, x, Mesh(cp=4), 2)[0], torch.tensor([[4, 5], [12, 13]]))
+    with pytest.raises(ValueError, match="cp=3 does not divide the rows' 8 tokens"):
+        cp_slice(x, x, Mesh(cp=3), 0)
+    assert Mesh(dp=2, cp=2) in meshes(("dp", "cp"), 4) and Mesh(cp=4) in meshes(("dp", "cp"), 4)
+    assert all(m.tp == 1 and m.pp == 1 for m in meshes(("dp", "cp"), 4))

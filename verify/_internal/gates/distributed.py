@@ -21,6 +21,7 @@ import torch
 from verify._internal.cases.case import Case, Trace, block_runs, drive, twin
 from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, group_links, link_of
 from verify._internal.ranks.pool import DistTimeout, get_pool, launched
+from verify._internal.ranks.mesh import cp_slice
 from verify._internal.settings import Settings, current
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row, excused
@@ -77,9 +78,11 @@ class RankOutcome:
 
 def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENCE) -> RankOutcome:
     """On every rank: the trainer in each dtype, windows marked, collectives read. On a mesh the rows are
-    the rank's dp replica's (every pp stage and tp rank of a replica gets the same)."""
+    the rank's dp replica's (every pp stage and tp rank of a replica gets the same; a cp rank its tokens of them)."""
     batches = case.batches(adapter)
     rank, world = (case.mesh.coords(ctx.rank)[0], case.mesh.dp) if case.mesh is not None else (ctx.rank, ctx.world)
+    if case.mesh is not None and case.mesh.cp > 1:  # the harness owns the split of each sequence's tokens over cp
+        batches = [cp_slice(x, y, case.mesh, ctx.rank) for x, y in batches]
     out = RankOutcome(ctx.rank, {})
     for dtype in dtypes:
         ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)

@@ -15,7 +15,7 @@ import functools
 import math
 
 from verify._internal.cases.case import Case, Trace
-from verify._internal.ranks.mesh import MeshError, assemble, meshes, missing, unsupported
+from verify._internal.ranks.mesh import MeshError, _who, assemble, meshes, missing, unsupported
 from verify._internal.ranks.pool import get_pool
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.distributed import F32, F64, kappa_job, reference_job, run_distributed
@@ -53,15 +53,17 @@ def assemble_traces(traces: list[Trace], case: Case, names) -> list[Trace]:
     except MeshError as e:
         _fail(case, str(e))
     for d in range(mesh.dp):
-        last = [traces[mesh.rank(d, mesh.pp - 1, t)].losses for t in range(mesh.tp)]
+        ranks = mesh.stage_ranks(d, mesh.pp - 1)
+        last = [traces[r].losses for r in ranks]
         for k in range(case.steps):
             if last[0][k] is None:
                 _fail(case, f"replica {d}: the last stage (stage {mesh.pp - 1}) returned no loss from optimizer_step() "
                             f"at step {k}: the ranks that compute the loss return it")
-            bad = next((t for t in range(1, mesh.tp) if last[t][k] != last[0][k]), None)
+            bad = next((i for i in range(1, len(ranks)) if last[i][k] != last[0][k]
+                        and not (last[i][k] != last[i][k] and last[0][k] != last[0][k])), None)  # NaN = NaN here
             if bad is not None:
-                _fail(case, f"replica {d}, stage {mesh.pp - 1}: tp ranks 0 and {bad} return different losses at step "
-                            f"{k} ({last[0][k]!r} vs {last[bad][k]!r})")
+                _fail(case, f"replica {d}, stage {mesh.pp - 1}: {_who(mesh, ranks[bad])} return different losses at "
+                            f"step {k} ({last[0][k]!r} vs {last[bad][k]!r})")
         out.append(Trace([last[0][k] for k in range(case.steps)], grads[d], [params[k][d] for k in range(case.steps)]))
     return out
 
@@ -74,7 +76,7 @@ def mesh_norms(traces: list[Trace], case: Case) -> dict[int, list]:
     pre-clip gradient (grads_from='optimizer')."""
     mesh, out, tol = case.mesh, {}, bound64()
     for d in range(mesh.dp):
-        ranks = [mesh.rank(d, s, t) for s in range(mesh.pp) for t in range(mesh.tp)]
+        ranks = [r for s in range(mesh.pp) for r in mesh.stage_ranks(d, s)]
         norms = []
         for k in range(case.steps):
             sums = [traces[r].seen[k].get("sumsq") for r in ranks]

@@ -1,6 +1,6 @@
 """Counts per mesh axis: every collective of a mesh run attributed to the axis whose group it ran on.
 
-A collective's axis is its process group's ("mesh_dp" / "mesh_pp" / "mesh_tp" from init_device_mesh; an axis
+A collective's axis is its process group's ("mesh_dp" / "mesh_pp" / "mesh_cp" / "mesh_tp" from init_device_mesh; an axis
 spanning the world reuses the default group). A row's unit is an OUTER step (pipeline_chunks micro-steps);
 `counts(case)` gives axis -> CountRow (or a function of the rank's coordinates). dp without a row: the
 boundary-only rule; pp / tp declared: exact by family; undeclared: reported, not judged; a collective on no
@@ -63,7 +63,8 @@ def check_mesh_counts(outcomes, case: Case, rows: dict | None, expected=()) -> d
     for o in outcomes:
         coords = mesh.coords(o.rank)
         for dt, run in o.runs.items():
-            who = (f"rank {o.rank} (dp={coords[0]} pp={coords[1]} tp={coords[2]}, {dt.replace('torch.', '')} run)")
+            cp = f" cp={mesh.cp_of(o.rank)}" if mesh.cp > 1 else ""
+            who = (f"rank {o.rank} (dp={coords[0]} pp={coords[1]} tp={coords[2]}{cp}, {dt.replace('torch.', '')} run)")
             desc = lambda c: c.describe(run.main_thread)  # noqa: E731
 
             def fail(msg):

@@ -159,9 +159,10 @@ def _factors(case) -> list[tuple[str, float]]:
     """The counts of a case a wrong normaliser multiplies by, named as a failure says them."""
     N, W = case.accum_steps, case.world
     tp = getattr(case.mesh, "tp", 1) if case.mesh is not None else 1
+    cp = getattr(case.mesh, "cp", 1) if case.mesh is not None else 1
     out = [("N (micro-steps)", N), ("W (ranks)", W), ("√W (a replicated norm counted per rank)", math.sqrt(W)),
            ("N·W", N * W), ("√N", math.sqrt(N)), ("tp", tp), ("√tp (replicated tp parameters counted tp times)",
-                                                            math.sqrt(tp))]
+                                                            math.sqrt(tp)), ("cp (context-parallel ranks)", cp)]
     inv = [(f"1/{name.split(' ')[0]}{name[len(name.split(' ')[0]):]}", 1.0 / f) for name, f in out]
     return [(n, f) for n, f in out + inv if f != 1.0]
 

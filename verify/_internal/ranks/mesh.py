@@ -1,6 +1,8 @@
-"""The mesh a trainer runs on: data parallel × pipeline stages × tensor parallel.
+"""The mesh a trainer runs on: data parallel × pipeline stages × context parallel × tensor parallel.
 
-    verify.Mesh(dp=1, pp=2, tp=2)      4 ranks; rank = (dp_i·pp + pp_i)·tp + tp_i (tp innermost)
+    verify.Mesh(dp=1, pp=2, tp=2)      4 ranks; rank = ((dp_i·pp + pp_i)·cp + cp_i)·tp + tp_i (tp innermost)
+    verify.Mesh(dp=2, cp=2)            each sequence's tokens split over 2 cp ranks: the harness gives cp rank c
+                                       tokens [c·S/cp, (c+1)·S/cp) of every row of its dp replica (cp_slice)
 
 `device_mesh(spec)` builds init_device_mesh's (dp, pp, tp) DeviceMesh once per process, so adapters and the
 harness agree on who holds what. `assemble(owned, mesh, what)`: per dp replica, the full model's name ->
@@ -14,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Mesh", "AXES", "device_mesh", "assemble", "MeshError", "check_spec", "mesh_axes", "mesh_sizes", "meshes",
-           "unsupported"]
+           "unsupported", "cp_slice"]
 
-AXES = ("dp", "pp", "tp")  # outermost first: the order of init_device_mesh's dims and of coords()
+AXES = ("dp", "pp", "cp", "tp")  # outermost first: the order of init_device_mesh's dims (cp only where > 1)
 
 
 class MeshError(ValueError):
@@ -26,11 +28,12 @@ class MeshError(ValueError):
 
 @dataclass(frozen=True)
 class Mesh:
-    """dp × pp × tp ranks. Frozen; `size` ranks in all; coords(rank) -> (dp_i, pp_i, tp_i)."""
+    """dp × pp × cp × tp ranks. Frozen; `size` ranks in all; coords(rank) -> (dp_i, pp_i, tp_i), cp_of(rank)."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self):
         for axis in AXES:
@@ -40,22 +43,41 @@ class Mesh:
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is outside {self} ({self.size} ranks)")
-        return rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp
+        return rank // (self.pp * self.cp * self.tp), rank // (self.cp * self.tp) % self.pp, rank % self.tp
 
-    def rank(self, dp_i: int, pp_i: int, tp_i: int) -> int:
-        return (dp_i * self.pp + pp_i) * self.tp + tp_i
+    def cp_of(self, rank: int) -> int:
+        return rank // self.tp % self.cp
+
+    def rank(self, dp_i: int, pp_i: int, tp_i: int, cp_i: int = 0) -> int:
+        return ((dp_i * self.pp + pp_i) * self.cp + cp_i) * self.tp + tp_i
+
+    def stage_ranks(self, dp_i: int, pp_i: int) -> list[int]:
+        """The ranks of one replica's stage: its cp × tp ranks, which hold one gradient between them."""
+        return [self.rank(dp_i, pp_i, t, c) for c in range(self.cp) for t in range(self.tp)]
 
     def axes(self) -> tuple[str, ...]:
         """The axes wider than one rank, outermost first."""
         return tuple(a for a in AXES if getattr(self, a) > 1)
 
     def __str__(self):
-        return f"mesh dp={self.dp} pp={self.pp} tp={self.tp}"
+        return f"mesh dp={self.dp} pp={self.pp} tp={self.tp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+
+
+def cp_slice(x, y, mesh: Mesh, rank: int):
+    """The tokens of every row that cp rank `rank` holds: [c·S/cp, (c+1)·S/cp) of dim 1 (ValueError where cp does
+    not divide S: declare mesh_sizes={'cp': ...} among the divisors of your rows' length)."""
+    if mesh.cp == 1:
+        return x, y
+    S = y.shape[1]
+    if S % mesh.cp:
+        raise ValueError(f"{mesh}: cp={mesh.cp} does not divide the rows' {S} tokens")
+    c, n = mesh.cp_of(rank), S // mesh.cp
+    return x[:, c * n:(c + 1) * n], y[:, c * n:(c + 1) * n]
 
 
 def check_spec(spec) -> None:
@@ -107,9 +129,10 @@ def meshes(axes, world: int, sizes: dict | None = None) -> list:
     """Every verify.Mesh of exactly `world` ranks wider than one rank only along `axes` (dp, pp, tp) and
     within `sizes` (Adapter.mesh_sizes), fewest axes first (a failure shrinks toward the simplest mesh)."""
     top = lambda a: world if a in axes else 1  # noqa: E731
-    out = [Mesh(dp=d, pp=p, tp=world // (d * p)) for d in range(1, top("dp") + 1) for p in range(1, top("pp") + 1)
-           if world % (d * p) == 0 and (world // (d * p) == 1 or "tp" in axes)]
-    return sorted((m for m in out if unsupported(m, sizes) is None), key=lambda m: (len(m.axes()), m.dp, m.pp))
+    out = [Mesh(dp=d, pp=p, cp=c, tp=world // (d * p * c)) for d in range(1, top("dp") + 1)
+           for p in range(1, top("pp") + 1) for c in range(1, top("cp") + 1)
+           if world % (d * p * c) == 0 and (world // (d * p * c) == 1 or "tp" in axes)]
+    return sorted((m for m in out if unsupported(m, sizes) is None), key=lambda m: (len(m.axes()), m.dp, m.pp, m.cp))
 
 
 _MESHES: dict = {}  # (mesh, device type, world) -> DeviceMesh, per process: building one creates process groups
@@ -117,7 +140,7 @@ _MESHES: dict = {}  # (mesh, device type, world) -> DeviceMesh, per process: bui
 
 def device_mesh(spec):
     """The DeviceMesh of `spec.mesh` over this process's default group (whose world must be mesh.size),
-    dims ("dp", "pp", "tp"); built once per process and mesh (group creation is a collective every rank
+    dims ("dp", "pp", "tp"), with "cp" before "tp" where cp > 1; built once per process and mesh (group creation is a collective every rank
     enters, so all ranks must ask for the same meshes in the same order — they do: they run one case)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -132,7 +155,8 @@ def device_mesh(spec):
     kind = str(spec.device).split(":")[0]
     key = (mesh, kind, world)
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(kind, (mesh.dp, mesh.pp, mesh.tp), mesh_dim_names=AXES)
+        dims = [a for a in AXES if a != "cp" or mesh.cp > 1]
+        _MESHES[key] = init_device_mesh(kind, tuple(getattr(mesh, a) for a in dims), mesh_dim_names=tuple(dims))
     return _MESHES[key]
 
 
@@ -147,18 +171,18 @@ def assemble(owned: list[dict], mesh: Mesh, what: str) -> list[dict]:
         replica, by = {}, {}
         for s in range(mesh.pp):
             first = owned[mesh.rank(d, s, 0)]
-            for t in range(1, mesh.tp):
-                other = owned[mesh.rank(d, s, t)]
+            for r in mesh.stage_ranks(d, s)[1:]:
+                other, who = owned[r], _who(mesh, r)
                 if set(other) != set(first):
                     diff = sorted(set(other) ^ set(first))[:3]
-                    raise MeshError(f"replica {d}, stage {s}: tp ranks 0 and {t} own different {what} names "
-                                    f"({diff}): every tp rank of a stage returns the same names")
+                    raise MeshError(f"replica {d}, stage {s}: {who} own different {what} names ({diff}): every tp "
+                                    f"(and cp) rank of a stage returns the same names")
                 for name, v in first.items():
                     o = other[name]
                     if not (o.shape == v.shape and o.dtype == v.dtype and torch_equal(o, v)):
-                        raise MeshError(f"replica {d}, stage {s}: tp ranks 0 and {t} disagree on the full "
-                                        f"{what} of {name!r} ({_delta(o, v)}): the tp ranks of a stage must hold one "
-                                        f"tensor, bit for bit")
+                        raise MeshError(f"replica {d}, stage {s}: {who} disagree on the full {what} of {name!r} "
+                                        f"({_delta(o, v)}): the tp (and cp) ranks of a stage must hold one tensor, "
+                                        f"bit for bit")
             for name, v in first.items():
                 if name in by:
                     raise MeshError(f"replica {d}: {what} of {name!r} owned twice, by stage {by[name]} and "
@@ -166,6 +190,12 @@ def assemble(owned: list[dict], mesh: Mesh, what: str) -> list[dict]:
                 by[name], replica[name] = s, v
         out.append(replica)
     return out
+
+
+def _who(mesh: Mesh, rank: int) -> str:
+    """'tp ranks 0 and 1' (a stage's first rank and `rank`), or with cp 'ranks (cp 0, tp 0) and (cp 1, tp 0)'."""
+    t = rank % mesh.tp
+    return f"tp ranks 0 and {t}" if mesh.cp == 1 else f"ranks (cp 0, tp 0) and (cp {mesh.cp_of(rank)}, tp {t})"
 
 
 def missing(replica: dict, names, mesh: Mesh, d: int, what: str) -> None:
@@ -177,9 +207,12 @@ def missing(replica: dict, names, mesh: Mesh, d: int, what: str) -> None:
 
 
 def torch_equal(a, b) -> bool:
+    """Bit for bit, NaN where the other has NaN (two ranks that both divided 0/0 hold one tensor: the judge, not
+    this check, names the NaN)."""
     import torch
 
-    return bool(torch.equal(a, b))
+    return bool(torch.equal(a, b)) or bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() \
+        else bool(torch.equal(a, b))
 
 
 def _delta(a, b) -> str:
