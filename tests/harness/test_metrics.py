@@ -74,7 +74,7 @@ def test_without_metrics_the_gate_is_skipped_and_the_report_says_how():
     lines, last = coverage({Gate.EQUIVALENCE.value: dict(examples=3)}, {})
     assert "metric grad_norm: the trainer declares no metrics (declare @verify.adapter(metrics=verify.Metrics(" \
            in "\n".join(lines)
-    assert last.startswith("checked 1 of 14 gates and 0 of 6 metrics — less than half"), last
+    assert last.startswith("checked 1 of 15 gates and 0 of 6 metrics — less than half"), last
 
 
 @pytest.mark.parametrize("field, value, says", [

@@ -1,10 +1,9 @@
 """What the harness drives, and how a user hands it their trainer.
 
-A trainer implements four methods and the harness owns the loop around them (`Trainer` below: each
-method's contract). An `Adapter` declares everything else the harness needs — the data, the plain step,
-options, data parallelism, expected collectives, precisions, padding, meshes, the memory model — without
-the harness knowing the model, loss or optimizer. Every declaration is described once, in the guide's
-"Declarations" (docs/verify-your-trainer.md); the layout of the harness in docs/design/protocol.md.
+A trainer implements four methods and the harness owns the loop around them (`Trainer` below: each method's
+contract). An `Adapter` declares everything else the harness needs (data, plain step, options, data parallelism,
+collectives, precisions, padding, meshes, objective, the memory model) without knowing the model, loss or
+optimizer. Each declaration is described once, in docs/verify-your-trainer.md ("Declarations").
 """
 from __future__ import annotations
 
@@ -181,9 +180,7 @@ class Adapter:
     objective: Any = None
     """A verify.Objective: how each term of the loss normalises (the normaliser gate, gates/objective.py); None:
     a token mean with an ignore_index, else a row mean that only the split-based gates judge."""
-    parity: Any = None
-    """A verify.Parity: a switch of the trainer's options that must not change the result (activation
-    checkpointing, a fused loss, compile), run on and off on the same windows (gates/parity.py); None: none."""
+    parity: Any = None  # a verify.Parity: a switch of the options that must not change the result (gates/parity.py)
     memory_preset: Any = None
     """What `python -m verify.memory` adds for this trainer's family when it is the configured default trainer
     (a verify.memory.cli.Wing: short --trainer names, flags, options, the anchor); None: none."""
@@ -210,8 +207,7 @@ class Adapter:
             raise AdapterError(f"predicted_peak= must be callable (PeakQuery -> Prediction | str), got {self.predicted_peak!r}")
         object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
         object.__setattr__(self, "mesh_sizes", mesh_sizes(self.mesh_sizes, self.mesh_axes, AdapterError))
-        for f, kind, args in (("metrics", "Metrics", "names"), ("objective", "Objective", "terms"),
-                              ("parity", "Parity", "name, apply")):
+        for f, kind, args in (("metrics", "Metrics", "names"), ("objective", "Objective", "terms"), ("parity", "Parity", "name")):
             if getattr(self, f) is not None and type(getattr(self, f)).__name__ != kind:
                 raise AdapterError(f"{f}= must be a verify.{kind}({args}=...), got {getattr(self, f)!r}")
         if self.metrics is not None and self.ignore_index is None and "tokens" in self.metrics.names:
@@ -360,8 +356,8 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
 _LOADED: list[str] = []  # the modules load_adapter imported, in order
 
 
-def loaded_modules() -> list[str]:
-    return list(_LOADED)  # the trainer modules load_adapter has imported in this process
+def loaded_modules() -> list[str]:  # the trainer modules load_adapter has imported in this process
+    return list(_LOADED)
 
 
 def load_adapter(ref: str, *, option: str = "--verify-trainer") -> Adapter:
@@ -400,5 +396,5 @@ def load_adapter(ref: str, *, option: str = "--verify-trainer") -> Adapter:
 def _sig(fn) -> str:
     try:
         return str(inspect.signature(fn))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # a builtin or C callable without one
         return "(...)"

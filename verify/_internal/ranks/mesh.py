@@ -1,8 +1,7 @@
 """The mesh a trainer runs on: data parallel × pipeline stages × context parallel × tensor parallel.
 
     verify.Mesh(dp=1, pp=2, tp=2)      4 ranks; rank = ((dp_i·pp + pp_i)·cp + cp_i)·tp + tp_i (tp innermost)
-    verify.Mesh(dp=2, cp=2)            each sequence's tokens split over 2 cp ranks: the harness gives cp rank c
-                                       tokens [c·S/cp, (c+1)·S/cp) of every row of its dp replica (cp_slice)
+    verify.Mesh(dp=2, cp=2)            cp rank c holds tokens [c·S/cp, (c+1)·S/cp) of every row (cp_slice)
 
 `device_mesh(spec)` builds init_device_mesh's (dp, pp, tp) DeviceMesh once per process, so adapters and the
 harness agree on who holds what. `assemble(owned, mesh, what)`: per dp replica, the full model's name ->
