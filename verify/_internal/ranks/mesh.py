@@ -3,10 +3,9 @@
     verify.Mesh(dp=1, pp=2, tp=2)      4 ranks; rank = ((dp_i·pp + pp_i)·cp + cp_i)·tp + tp_i (tp innermost)
     verify.Mesh(dp=2, cp=2)            cp rank c holds tokens [c·S/cp, (c+1)·S/cp) of every row (cp_slice)
 
-`device_mesh(spec)` builds init_device_mesh's (dp, pp, tp) DeviceMesh once per process, so adapters and the
-harness agree on who holds what. `assemble(owned, mesh, what)`: per dp replica, the full model's name ->
-tensor, the union over pp stages (owned exactly once), the tp ranks of a stage agreeing bit for bit. grads()
-/ params() are keyed by the FULL model's names; DTensors are gathered outside the judged windows (case.py).
+`device_mesh(spec)` builds the DeviceMesh once per process, so adapters and the harness agree on who holds
+what. `assemble(owned, mesh, what)`: per dp replica, name -> tensor, the union over pp stages (owned once), the
+tp and cp ranks of a stage agreeing bit for bit; keyed by the FULL model's names (DTensors gathered: case.py).
 
 Design: docs/design/distributed.md, "Mesh axes".
 """
