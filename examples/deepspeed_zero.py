@@ -29,13 +29,16 @@ class Options:
     stage: int = 0  # ZeRO stage: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
 
 
-def use_float64_reductions():
-    """DeepSpeed's accelerators list the dtypes stage 0 may all-reduce, float64 not among them; the harness's
-    reference runs are float64, so this process's accelerator (DeepSpeed's own, CPU or CUDA) gets it added."""
+def use_accelerator(device: str):
+    """DeepSpeed's accelerator for this run's device (a GPU box's gloo ranks on CPU take the CPU one), with float64
+    among the dtypes stage 0 may all-reduce: DeepSpeed lists none, and the harness's reference runs are float64."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    base = CUDA_Accelerator if device.startswith("cuda") else CPU_Accelerator
     accel = get_accelerator()
-    if torch.float64 in accel.supported_dtypes():
+    if isinstance(accel, base) and torch.float64 in accel.supported_dtypes():
         return
-    base = type(accel)
 
     class WithFloat64(base):
         def supported_dtypes(self):
@@ -53,7 +56,7 @@ class Trainer:
             # the bf16 adapter's fp32 / float64 runs are its references: the math, run at stage 0 (each stage's own
             # fp32 path is factory's to prove; ZeRO-1/2's cannot step on the CPU accelerator in 0.18.6-0.18.9)
             options = Options(stage=0)
-        use_float64_reductions()
+        use_accelerator(str(spec.device))
         torch.manual_seed(spec.seed)
         net = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
         net = net.to(spec.device, spec.dtype)
