@@ -76,7 +76,7 @@ class Trainer:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         self.engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config, dist_init_required=False)
-        self.n, self.world = spec.accum_steps, world
+        self.n, self.world, self.device = spec.accum_steps, world, spec.device
         self.loss_sum = 0.0
         self.logged = {}
 
@@ -97,7 +97,7 @@ class Trainer:
 
     def optimizer_step(self):
         self.engine.step()  # the boundary: clip, step, zero the gradients
-        loss = torch.tensor(self.loss_sum / self.n, dtype=torch.float64)
+        loss = torch.tensor(self.loss_sum / self.n, dtype=torch.float64, device=self.device)  # NCCL: on the GPU
         dist.all_reduce(loss)
         loss = loss / self.world
         self.logged = {"loss": loss.item()}
