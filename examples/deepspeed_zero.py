@@ -52,6 +52,8 @@ class Trainer:
 
     def __init__(self, spec):
         options = spec.options or Options()
+        if options.stage == 3 and spec.dtype == torch.float64 and str(spec.device).startswith("cuda"):
+            options = Options(stage=0)  # ZeRO-3's zero.Init refuses float64 on CUDA: this reference runs the math
         if self.BF16 and spec.precision != "bf16":
             # the bf16 adapter's fp32 / float64 runs are its references: the math, run at stage 0 (each stage's own
             # fp32 path is factory's to prove; ZeRO-1/2's cannot step on the CPU accelerator in 0.18.6-0.18.9)
