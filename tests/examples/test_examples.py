@@ -17,6 +17,10 @@ from verify._internal.cases.strategies import gate_budget
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
+# JIT-built extensions (DeepSpeed's CPU comm op: ~70 s of compiling on 2 cores) in one place for every run below,
+# the plugin runs' own XDG_CACHE_HOME notwithstanding: built once per box, not once per test
+ENV.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                    "torch_extensions"))
 DEV = settings.get_profile("dev").max_examples  # the examples a gate draws in the runs below
 EXAMPLES = ["mlp_regressor", "ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync", "hf_trainer",
             "lightning_trainer"]
