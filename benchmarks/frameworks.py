@@ -36,8 +36,8 @@ from verify._internal.cli import Parser, UsageError, fail, positive_int, writabl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xtrain-verify", "frameworks")
-DEFAULT = ("4.45.2,4.46.3,4.50.0,5.5.3,current,trl-0.21.0,trl-current,deepspeed-0.18.8,deepspeed-current,"
-           "accelerate-1.0.1,accelerate-current,lightning-2.4.0,lightning-current")
+DEFAULT = ("4.45.2,4.46.3,4.50.0,5.5.3,current,trl-0.21.0,trl-current,deepspeed-0.18.8,deepspeed-0.19.5,"
+           "deepspeed-current,accelerate-1.0.1,accelerate-current,lightning-2.4.0,lightning-current")
 
 
 def _versions(text: str) -> list[str]:

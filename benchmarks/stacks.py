@@ -16,6 +16,7 @@ TORCH = "torch==2.13.0"  # pinned like the README's install: the local CPU wheel
 TOOLS = ["pytest>=8", "hypothesis>=6.100"]
 HF, TRL = "examples.hf_trainer:factory", "examples.trl_grpo:factory"
 DEEPSPEED_BF16 = "examples.deepspeed_zero:bf16_zero1"
+DEEPSPEED_MUON = "examples.deepspeed_zero:muon_zero3"
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ TWICE_OVER_N = ("accelerate's backward divides the loss by N a second time: the 
 LOCAL_BNPO = ("the token-level loss ('bnpo') divided by each micro-batch's own completion tokens on each rank, then by "
               "gradient_accumulation_steps: 'exact only with gas=1 and num GPUs=1' (trl PR #3938, 'dapo' from 0.22)")
 # DeepSpeed (examples/deepspeed_zero.py)
+MUON_PER_MICRO = ("Muon under ZeRO-3 applies Newton–Schulz inside the reduce hook on every micro-batch, not once to the "
+                  "window's gradient (#8443, fixed by PR #8600 in 0.19.8; Muon reached ZeRO-3 in 0.18.9)")
 BOUNDARY_LEFT_OUT = ("BF16_Optimizer (bf16, grad_accum_dtype fp32, ZeRO-1) adds the boundary micro-batch to the "
                      "rank-local fp32 buffer after the all-reduce: it is left out of the average (PR #7985, 0.19.0)")
 
@@ -87,8 +90,10 @@ STACKS = {s.key: s for s in [
           ("trl", "transformers", "accelerate"), known=(Known((0, 0, 0), (0, 22, 0), LOCAL_BNPO, TRL),),
           extra_pins={"0.21.0": ["transformers==4.55.4", "accelerate==1.15.0"]},
           default_pins=("transformers", "accelerate<1.16")),
-    Stack("deepspeed", "DeepSpeed", "deepspeed", ("examples.deepspeed_zero:factory", "examples.deepspeed_zero:bf16"),
-          ("deepspeed",), known=(Known((0, 18, 6), (0, 19, 0), BOUNDARY_LEFT_OUT, DEEPSPEED_BF16),)),
+    Stack("deepspeed", "DeepSpeed", "deepspeed", ("examples.deepspeed_zero:factory", "examples.deepspeed_zero:bf16",
+                                                  DEEPSPEED_MUON),
+          ("deepspeed",), known=(Known((0, 18, 6), (0, 19, 0), BOUNDARY_LEFT_OUT, DEEPSPEED_BF16),
+                                 Known((0, 18, 9), (0, 19, 8), MUON_PER_MICRO, DEEPSPEED_MUON))),
     Stack("accelerate", "Accelerate", "accelerate", ("examples.accelerate_accumulate:factory",), ("accelerate",)),
     Stack("lightning", "Lightning", "lightning",
           ("examples.lightning_trainer:factory", "examples.fabric_no_backward_sync:factory"), ("lightning",)),
@@ -119,6 +124,9 @@ def explain(f: dict, known=()) -> str | None:
                 "that depends on how TRL's shuffle spreads the tokens over the micro-steps (and ranks); the normaliser "
                 "gate names the class: at one row per micro-batch the loss is the mean of the micro-batches' own token "
                 "means")
+    if MUON_PER_MICRO in known and f["gate"] in loss_gates:
+        return ("the boundary gradient grads() reads is already Newton–Schulz-orthogonalised, per micro-batch: "
+                "N micro-steps give N orthogonalisations of partial gradients where the big batch gives one")
     if BOUNDARY_LEFT_OUT in known and f["gate"] == Gate.DP_EQUIVALENCE:
         return ("each rank's boundary gradient lacks the other ranks' last micro-batch: only data parallelism (W ≥ 2) "
                 "with N ≥ 2 shows it, the bf16 ranks against the float64 big batch")

@@ -2,7 +2,7 @@
 (the engine steps the optimizer at its own boundary), ZeRO stage 0-3 drawn by the harness, gradient clipping by
 the engine; torch's AdamW as the client optimizer. gloo ranks on CPU (DeepSpeed's CPU accelerator), NCCL on GPUs.
 Adapters: factory (fp32, stages 0-3), bf16 (bf16 parameters, gradients accumulated in fp32: BF16_Optimizer at
-stage 1, ZeRO's fp32 buffers at 2-3; DeepSpeed refuses that mix at 0) and bf16_zero1 (stage 1 only: PR #7985's).
+stage 1, ZeRO's fp32 buffers at 2-3; refused at 0), bf16_zero1 (PR #7985's stage 1) and muon_zero3 (Muon, ZeRO-3).
 
     pip install "xtrain-verify[deepspeed]"
     pytest --pyargs verify --verify-trainer examples.deepspeed_zero:factory -n auto
@@ -49,6 +49,7 @@ def use_accelerator(device: str):
 
 class Trainer:
     BF16 = False
+    MUON = False
 
     def __init__(self, spec):
         options = spec.options or Options()
@@ -76,7 +77,14 @@ class Trainer:
         if self.bf16:
             config["bf16"] = {"enabled": True}
             config["data_types"] = {"grad_accum_dtype": "fp32"}
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        if self.MUON:  # DeepSpeed's Muon: Newton–Schulz on the weight matrices, its own Adam on the rest
+            config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-2}}
+            config["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed's Muon needs whole gradients
+            for p in net.parameters():
+                p.use_muon = p.ndim == 2
+            opt = None
+        else:
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         self.engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config, dist_init_required=False)
         self.n, self.world, self.device = spec.accum_steps, world, spec.device
         self.loss_sum = 0.0
@@ -123,6 +131,10 @@ class BF16Trainer(Trainer):
     BF16 = True
 
 
+class MuonTrainer(Trainer):
+    MUON = True
+
+
 def counts(case):
     """What DeepSpeed's engine communicates in one optimizer step, per stage, on gloo (measured at 0.19.8, then
     declared; the table with the reasons: docs/design/distributed.md, "Count tables")."""
@@ -158,3 +170,13 @@ bf16 = verify.adapter(data=verify.data.regression(features=FEATURES), data_paral
 bf16_zero1 = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
                             options=st.just(Options(stage=1)), defaults=Options(stage=1), precisions=("fp32", "bf16"),
                             metrics=metrics, counts=bf16_counts)(BF16Trainer)
+def muon_counts(case):
+    """ZeRO-3's row with Muon: one all-reduce more at the boundary (Muon's own, measured at 0.19.8)."""
+    row = counts(case)
+    return verify.CountRow(mode=row.mode + " Muon", before=row.before, boundary={**row.boundary, "all_reduce": 4})
+
+
+# DeepSpeed's Muon under ZeRO-3 (its Newton–Schulz belongs on the window's gradient, once per step: #8443)
+muon_zero3 = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
+                            options=st.just(Options(stage=3)), defaults=Options(stage=3), counts=muon_counts)(
+    MuonTrainer)

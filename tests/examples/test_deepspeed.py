@@ -35,3 +35,18 @@ def test_bf16_with_fp32_accumulation_at_stage_1_passes_on_this_release():
     from examples.deepspeed_zero import bf16
 
     assert check_distributed(bf16, _case(1, "bf16")).ratio < 1
+
+
+def test_muon_under_zero3_passes_on_this_release():
+    """DeepSpeed's Muon orthogonalises the window's gradient once per step from 0.19.8 (PR #8600); before, once per
+    micro-batch in the reduce hook (#8443), which the equivalence gate rejects at world 1 (the release matrix)."""
+    from packaging.version import Version
+
+    import deepspeed
+    from examples.deepspeed_zero import muon_zero3
+
+    if Version(deepspeed.__version__) < Version("0.19.8"):
+        pytest.skip(f"deepspeed {deepspeed.__version__} has #8443 (benchmarks/stacks.py)")
+    case = _case(3).replace(accum_steps=4, micro_batch=1)
+    assert check_equivalence(muon_zero3, case.replace(world=1)).ratio < 1
+    assert check_distributed(muon_zero3, case).ratio < 1
