@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verify._internal.cases.case import Case, Trace, block_runs, drive, twin
-from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, group_links, link_of
+from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, family, group_links, link_of
 from verify._internal.ranks.pool import DistTimeout, get_pool, launched
 from verify._internal.ranks.mesh import cp_slice
 from verify._internal.settings import Settings, current
@@ -147,8 +147,7 @@ def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None, gate=Gate.
 
 # -- the counter's verdict -------------------------------------------------------------------------
 
-def _reduces(c: Collective) -> bool:
-    """Floating data that is not a broadcast or barrier: gradient-like traffic."""
+def _reduces(c: Collective) -> bool:  # floating data that is not a broadcast or barrier: gradient-like traffic
     return c.kind == "gradient"
 
 
@@ -381,9 +380,16 @@ def check_same_bytes(adapter, case: Case, *, pool=None, ref_pool=None) -> GateRe
     one_case = (case.replace(rank_rows=tuple((sum(r),) for r in case.rank_rows)) if case.uneven else
                 case.replace(accum_steps=1, micro_batch=case.accum_steps * case.micro_batch))
     one = check_distributed(adapter, one_case, pool=pool, ref_pool=ref_pool)
+    row = declared_row(adapter, case)  # its carriers: a sharded engine's boundary all-gathers carry parameters
+    carriers = row.carriers if row is not None else None  # (ZeRO-3's follow its prefetch trace: they vary with N)
+
+    def carried(s):  # (bytes, collectives) of the boundary's gradient families
+        cs = [c for c in s.reduced if carriers is None or family(c.op) in carriers]
+        return sum(c.nbytes for c in cs), len(cs)
+
     for (rank, dt), steps in one.extra["comm"].steps.items():
-        a = [(s.boundary_bytes, len(s.reduced)) for s in got.extra["comm"].steps[(rank, dt)]]
-        b = [(s.boundary_bytes, len(s.reduced)) for s in steps]
+        a = [carried(s) for s in got.extra["comm"].steps[(rank, dt)]]
+        b = [carried(s) for s in steps]
         if a != b:
             k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
             raise GateFailure(
