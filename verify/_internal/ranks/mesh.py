@@ -209,8 +209,9 @@ def torch_equal(a, b) -> bool:
     this check, names the NaN)."""
     import torch
 
-    return bool(torch.equal(a, b)) or bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() \
-        else bool(torch.equal(a, b))
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _delta(a, b) -> str:
