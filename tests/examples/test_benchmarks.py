@@ -85,6 +85,32 @@ def test_bench_dist_steps_under_torchrun_cpu(tmp_path):
         assert counted["per_window"]["micro 0"] == [], (side, counted["per_window"])
 
 
+@pytest.mark.distributed
+def test_fsdp2_reduce_dtype_reports_each_paths_dtype(tmp_path):
+    """pytorch #190626 as a reported row: the counter names the dtype of the norm weight's tp all-reduce on the
+    plain (N = 1) and the accumulation (N = 4) path, the gates pass both, and the state follows the dtypes seen."""
+    out = tmp_path / "fsdp2-reduce-dtype.json"
+    _run(["-m", "benchmarks.fsdp2_reduce_dtype"], out, timeout=300)
+    doc = _report(out)
+    rows = doc["rows"]
+    assert [(r["dp"], r["tp"], r["N"]) for r in rows] == [(1, 2, 1), (1, 2, 4), (2, 2, 1), (2, 2, 4)]
+    assert all(r["verdict"] == "passed" and r["worst_ratio"] < 1 for r in rows), rows
+    seen = [r["norm_grad_tp_reduce"] for r in rows]
+    assert all(len(d) == 1 and d[0] in ("bfloat16", "float32") for d in seen), seen  # one dtype, counted on every rank
+    plain = {r["norm_grad_tp_reduce"][0] for r in rows if r["N"] == 1}
+    accum = {r["norm_grad_tp_reduce"][0] for r in rows if r["N"] > 1}
+    assert accum == {"float32"}, accum  # FSDP2 upcasts the accumulated gradient to reduce_dtype first
+    assert doc["state"] == ("present" if plain != accum else "absent")
+    assert (tmp_path / "fsdp2-reduce-dtype.md").read_text().count("| dp=") == 4
+
+
+def test_fsdp2_reduce_dtype_bad_out_is_one_line_exit_2(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "benchmarks.fsdp2_reduce_dtype", "--out", str(tmp_path / "x.md")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--out must name a .json file" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not os.listdir(tmp_path)
+
+
 # -- benchmarks/frameworks.py: the venvs and the HF runs are stood in for (the real run is minutes of installs) --
 
 def test_frameworks_bad_input_is_one_line_exit_2(tmp_path):
