@@ -89,7 +89,7 @@ STACKS = {s.key: s for s in [
     Stack("trl", "TRL", "trl", (TRL, "examples.trl_grpo:grpo", "examples.trl_grpo:dr_grpo"),
           ("trl", "transformers", "accelerate"), known=(Known((0, 0, 0), (0, 22, 0), LOCAL_BNPO, TRL),),
           extra_pins={"0.21.0": ["transformers==4.55.4", "accelerate==1.15.0"]},
-          default_pins=("transformers", "accelerate<1.16")),
+          default_pins=("transformers", "accelerate")),
     Stack("deepspeed", "DeepSpeed", "deepspeed", ("examples.deepspeed_zero:factory", "examples.deepspeed_zero:bf16",
                                                   DEEPSPEED_MUON),
           ("deepspeed",), known=(Known((0, 18, 6), (0, 19, 0), BOUNDARY_LEFT_OUT, DEEPSPEED_BF16),

@@ -36,6 +36,10 @@ def use_accelerator(device: str):
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
     base = CUDA_Accelerator if device.startswith("cuda") else CPU_Accelerator
+    if base is CPU_Accelerator:
+        # DeepSpeed's shared-memory all-reduce kernel serves inference only (deepspeed.comm.inference_all_reduce);
+        # the CPU accelerator JIT-compiles it as the engine starts (~70 s on 2 cores). Training never calls it.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     accel = get_accelerator()
     if isinstance(accel, base) and torch.float64 in accel.supported_dtypes():
         return
