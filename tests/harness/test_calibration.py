@@ -207,7 +207,34 @@ def test_an_error_no_floor_allows_is_judged_without_a_twin():
     acc.losses = [1.0 + 1e-4]
     with pytest.raises(GateFailure, match=r"float64 loss at step 0: .+ = 8·9\.54e-07 \(the largest floor any reference"):
         Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1)).float64(
-            acc, ref, lambda: pytest.fail("twin measured for an error no floor allows"))
+            acc, ref, lambda i: pytest.fail("twin measured for an error no floor allows"))
+
+
+@pytest.mark.parametrize("draws, runs, passes", [([4.0, 0.0, 0.0], 1, True), ([1.0, 1.0, 4.0], 3, True),
+                                                 ([1.0, 2.0, 1.5], 3, False)])
+def test_each_twin_runs_only_where_the_ones_before_left_a_check_failing(draws, runs, passes):
+    """An error 3·C·eps32 (inside the cap): twin i + 1 is run only where the most twins 0..i measured still
+    fails the check; where every twin draws small the check fails, naming how many were run."""
+    import torch
+
+    from verify._internal.cases.case import Trace
+    from verify._internal.gates.tolerance import Judge
+
+    w = torch.ones(4, dtype=torch.float64)
+    acc, ref = Trace([1.0], {"w": w}, [{"w": w * (1 + 3 * C * EPS32)}]), Trace([1.0], {"w": w}, [{"w": w}])
+    calls = []
+
+    def measure(i):
+        calls.append(i)
+        return draws[i] * EPS32
+
+    judge = Judge("equivalence", Case(accum_steps=2, micro_batch=1, steps=1))
+    if passes:
+        assert judge.float64(acc, ref, measure) == max(draws[:runs]) * EPS32
+    else:
+        with pytest.raises(GateFailure, match=r"the most of 3 twins"):
+            judge.float64(acc, ref, measure)
+    assert calls == list(range(runs))
 
 
 def test_batch_norm_is_a_true_non_equivalence_not_nondeterminism():

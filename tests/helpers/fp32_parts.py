@@ -5,6 +5,9 @@ UNDECLARED (issue 26: they are judged at what an fp32 run of the same case resol
     loss32      the loss computed in float32 (`F.mse_loss(...).float()`): the loss values carry fp32 rounding
     count32     token-weighted cross-entropy (ignore_index), divided at the boundary by the window's valid
                 count through a float32 reciprocal (`torch.tensor(count, dtype=float32).reciprocal()`)
+    mse32       one process, the loss on float32 outputs and targets (`F.mse_loss(out.float(), y.float())`),
+                clip_grad_norm_, AdamW: where a gradient element cancels, AdamW's gain puts the float32
+                rounding into the parameters (one twin is one draw of it: tolerance.md, "one draw")
 
 All are data-parallel (the gradient all-reduced once at the boundary) and expose partial_grads(). Beside
 them, the same float32 parts with a structural bug (off_by_one_n, count32_plus_one), which must still fail.
@@ -119,6 +122,38 @@ class Count32:
         return dict(self.model.named_parameters())
 
 
+class Mse32:
+    """The textbook loop of a user's MLP whose loss upcasts for safety: in a float64 run it is a downcast."""
+
+    def __init__(self, spec):
+        torch.manual_seed(spec.seed)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.model = net.to(spec.device, spec.dtype)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.n, self.losses = spec.accum_steps, []
+
+    def micro_step(self, x, y, micro):
+        loss = F.mse_loss(self.model(x).float(), y.float())
+        (loss if self.n == 1 else loss / self.n).backward()
+        self.losses.append(loss.detach().double())
+
+    def partial_grads(self):  # the window's gradient had it ended after len(self.losses) micro-steps
+        return {k: p.grad * (self.n / len(self.losses)) for k, p in self.model.named_parameters()}
+
+    def grads(self):
+        return {k: p.grad for k, p in self.model.named_parameters()}
+
+    def optimizer_step(self):
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad()
+        loss, self.losses = torch.stack(self.losses).mean(), []
+        return loss
+
+    def params(self):
+        return dict(self.model.named_parameters())
+
+
 def flat_count(count: int, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor([float(count)], dtype=like.dtype, device=like.device)
 
@@ -133,6 +168,7 @@ constant = verify.adapter(data=_reg, data_parallel=True)(Constant)
 loss32 = verify.adapter(data=_reg, data_parallel=True)(Loss32)
 count32 = verify.adapter(data=verify.data.tokens(vocab=VOCAB, seq_len=5), data_parallel=True,
                          ignore_index=IGNORE)(Count32)
+mse32 = verify.adapter(data=verify.data.regression(features=8))(Mse32)
 
 
 # -- structural bugs beside the same float32 parts: still rejected ------------------------------------------

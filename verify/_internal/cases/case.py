@@ -245,16 +245,18 @@ def block_grads(adapter, case: "Case", device, gate: Gate | None = None) -> list
     return [t.grads0 for t in block_runs(adapter, case, device, gate)]
 
 
-TWIN_COPIES = 3
+# The twins, in the order they are run: each copy count an odd prime, so every division by a row or token count
+# rounds differently from the reference's and from the other twins' (×2 is exact in binary: 6 copies round as 3).
+TWIN_COPIES = (3, 5, 7)
 
 
-def twin(batches):
-    """The same global batches with their rows (whole sequences) in reverse order, TWIN_COPIES times over:
+def twin(batches, copies: int = TWIN_COPIES[0]):
+    """The same global batches with their rows (whole sequences) in reverse order, `copies` times over:
     equal in exact arithmetic for a loss that is a mean over rows or valid tokens, so a reference run on
-    them measures its own rounding. Reversal changes every sum's order; three copies (not a power of two)
-    change every division by a row or token count, so a float32 loss shows in the gradients, not only in
-    the loss (a batch of one row has no order to change)."""
-    return [(x.flip(0).repeat(TWIN_COPIES, *[1] * (x.dim() - 1)), y.flip(0).repeat(TWIN_COPIES, *[1] * (y.dim() - 1)))
+    them measures its own rounding. Reversal changes every sum's order; an odd count of copies changes every
+    division by a row or token count, so a float32 loss shows in the gradients, not only in the loss (a batch
+    of one row has no order to change)."""
+    return [(x.flip(0).repeat(copies, *[1] * (x.dim() - 1)), y.flip(0).repeat(copies, *[1] * (y.dim() - 1)))
             for x, y in batches]
 
 

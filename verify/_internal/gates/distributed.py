@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verify._internal.cases.case import Case, Trace, block_runs, drive, twin
+from verify._internal.cases.case import TWIN_COPIES, Case, Trace, block_runs, drive, twin
 from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, family, group_links, link_of
 from verify._internal.ranks.pool import DistTimeout, get_pool, launched
 from verify._internal.ranks.mesh import cp_slice
@@ -100,15 +100,15 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENC
     return out
 
 
-def reference_job(ctx, adapter, case: Case, twin_only: bool = False) -> dict:
-    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64
-    (or, with twin=True, only the float64 big batch's twin: its rows reversed, case.twin)."""
-    batches = twin(case.batches(adapter)) if twin_only else case.batches(adapter)
+def reference_job(ctx, adapter, case: Case, twin_of: int | None = None) -> dict:
+    """On a one-rank pool: the same adapter at accum_steps=1 on the whole big batch, fp32 and float64 (or,
+    given `twin_of` i, only the float64 big batch's twin i: case.twin, TWIN_COPIES[i] copies)."""
+    batches = case.batches(adapter) if twin_of is None else twin(case.batches(adapter), TWIN_COPIES[twin_of])
     refs = {}
-    for name, dtype in (() if twin_only else (("big32", torch.float32),)) + (("ref64", torch.float64),):
+    for name, dtype in (() if twin_of is not None else (("big32", torch.float32),)) + (("ref64", torch.float64),):
         trainer = adapter(case.spec(accum_steps=1, dtype=dtype, device=str(ctx.device), adapter=adapter))
         refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate=Gate.DP_EQUIVALENCE,
-                           observe=observer(adapter) if dtype == F64_DTYPE and not twin_only else None)
+                           observe=observer(adapter) if dtype == F64_DTYPE and twin_of is None else None)
     return refs
 
 
@@ -349,8 +349,8 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row, row64=row64)
     kpool = (pool if case.world == 1 else ref_pool) or get_pool(1)  # where the reference ran
     ref64 = outcomes[0].refs["ref64"]
-    measure = lambda: measured_floor(  # noqa: E731
-        ref64, kpool.run(reference_job, adapter, case, True)[0]["ref64"])
+    measure = lambda i: measured_floor(  # noqa: E731
+        ref64, kpool.run(reference_job, adapter, case, i)[0]["ref64"])
     lazy = ((lambda: kpool.run(kappa_job, adapter, case, ref64)[0])  # noqa: E731
             if case.micro_blocks > 1 else None)
     try:

@@ -136,8 +136,8 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
     runs = {dt: assemble_traces([o.runs[dt].trace for o in outcomes], case, ref.grads0) for dt in (F32, F64)}
     stages = _stage_of([o.runs[F32].trace for o in outcomes], case)
     kpool = (pool if case.ranks == 1 else ref_pool) or get_pool(1)  # where the reference ran
-    measure = functools.cache(lambda: measured_floor(
-        ref, kpool.run(reference_job, adapter, case, True)[0]["ref64"]))
+    measure = functools.cache(lambda i: measured_floor(
+        ref, kpool.run(reference_job, adapter, case, i)[0]["ref64"]))
     kappa = functools.cache(lambda: kpool.run(kappa_job, adapter, case, ref)[0])
     lazy = kappa if case.accum_steps * case.world > 1 else None
     worst, used = ("", 0.0), None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from verify._internal.cases.case import Case, block_runs, drive, twin
+from verify._internal.cases.case import TWIN_COPIES, Case, block_runs, drive, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.tolerance import Judge, conditions, measured_floor
@@ -37,7 +37,7 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
 
     acc, big = run(N, torch.float32), run(1, torch.float32)
     acc64, ref64 = kept(N), kept(1)
-    measure = lambda: measured_floor(ref64, kept(1, twin(batches), "twin"))  # noqa: E731
+    measure = lambda i: measured_floor(ref64, kept(1, twin(batches, TWIN_COPIES[i]), f"twin {i}"))  # noqa: E731
     j, doomed, floor = Judge(gate, case), None, None
     try:
         try:  # the float64 verdict, looked at first and raised last: a case that fails anyway computes no κ
