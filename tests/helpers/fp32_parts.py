@@ -122,36 +122,22 @@ class Count32:
         return dict(self.model.named_parameters())
 
 
-class Mse32:
-    """The textbook loop of a user's MLP whose loss upcasts for safety: in a float64 run it is a downcast."""
+class Mse32(MeanLoss):
+    """A user's MLP whose loss upcasts for safety (in a float64 run, a downcast), clipped, then AdamW."""
 
     def __init__(self, spec):
         torch.manual_seed(spec.seed)
         net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         self.model = net.to(spec.device, spec.dtype)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.n, self.losses = spec.accum_steps, []
+        self.n, self.losses, self.world = spec.accum_steps, [], 1
 
-    def micro_step(self, x, y, micro):
-        loss = F.mse_loss(self.model(x).float(), y.float())
-        (loss if self.n == 1 else loss / self.n).backward()
-        self.losses.append(loss.detach().double())
-
-    def partial_grads(self):  # the window's gradient had it ended after len(self.losses) micro-steps
-        return {k: p.grad * (self.n / len(self.losses)) for k, p in self.model.named_parameters()}
-
-    def grads(self):
-        return {k: p.grad for k, p in self.model.named_parameters()}
+    def loss(self, x, y):
+        return F.mse_loss(self.model(x).float(), y.float())
 
     def optimizer_step(self):
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad()
-        loss, self.losses = torch.stack(self.losses).mean(), []
-        return loss
-
-    def params(self):
-        return dict(self.model.named_parameters())
+        return super().optimizer_step()
 
 
 def flat_count(count: int, like: torch.Tensor) -> torch.Tensor:
