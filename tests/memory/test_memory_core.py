@@ -218,8 +218,10 @@ def test_nvml_sampler_failing_mid_run_reports_instead_of_raising():
 
 
 _RSS_SCRIPT = """
-import json, torch
-from verify.memory import RssProbe
+import json, sys, torch
+from verify.memory import RssProbe, probes
+if sys.argv[1:] == ["no-reset"]:
+    probes.reset_hwm = lambda: False  # as where /proc/self/clear_refs is refused
 p = RssProbe()
 p.start()
 x = torch.ones(48 * 2**20 // 4)  # 48 MiB, touched
@@ -227,30 +229,28 @@ print(json.dumps(p.stop(), default=str))
 """
 
 
-def test_rss_probe_sees_a_resident_allocation():
-    """In a fresh interpreter: in a long-lived xdist worker another test's memory, released while the probe
-    runs, lowers the resident set by more than the 48 MiB allocated (seen in CI: peak 0 over a 1.3 GB base)."""
+def _rss_probe(*args) -> dict:
+    """The probe's row in a fresh interpreter: in a long-lived xdist worker another test's memory, released while
+    the probe runs, lowers the resident set by more than what was allocated (seen in CI: peak 0 over a 1.3 GB
+    base; and 5.6 MiB for 8 MiB without the reset)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], capture_output=True, text=True, timeout=120,
+    r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, *args], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": root})
     assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_rss_probe_sees_a_resident_allocation():
+    out = _rss_probe()
     assert out["peak_bytes"] >= 44 * MiB, out
 
 
-def test_rss_probe_without_hwm_reset_says_so(monkeypatch):
+def test_rss_probe_without_hwm_reset_says_so():
     """Where /proc/self/clear_refs is refused, ru_maxrss still covers the warm-up: the row must say whether
     the measured steps set the peak (hwm_exact) instead of passing off an upper bound as exact."""
-    from verify.memory import probes
-
-    monkeypatch.setattr(probes, "reset_hwm", lambda: False)
-    p = probes.RssProbe()
-    p.start()
-    x = torch.ones(8 * MiB // 4)
-    out = p.stop()
-    del x
+    out = _rss_probe("no-reset")
     assert out["hwm_source"] == "ru_maxrss (no reset)"
-    assert out["peak_bytes"] >= 7 * MiB or out["hwm_exact"] is False, out
+    assert out["peak_bytes"] >= 44 * MiB or out["hwm_exact"] is False, out
 
 
 def test_report_write_is_all_or_nothing(tmp_path, monkeypatch):
