@@ -3,8 +3,7 @@
 * fp32, step 0: err(accumulation) ≤ C · max(err(big), err(big, all parameters)) + F · max(1, κ)
   + F_p · max(0, κ/√n − 1), C = 8, F = 8·eps32, F_p = 8·eps_p (bf16 / fp16 only); every step's loss
   within LOSS_MAX_REL of the fp32 big batch.
-* float64, all K steps: `bound64(twin_floor(measured), κ)`, floor = min(max(eps32, twin), FLOOR = 8·eps32);
-  twin: the most of the reference's twins run so far (up to len(TWIN_COPIES), each only where needed).
+* float64, all K steps: `bound64(twin_floor(measured), κ)`, floor = min(max(eps32, twin), 8·eps32), twin: the most run.
 * bit-exact: torch.equal. A NaN loss (a window without a valid token) agrees only with another NaN.
 
 Why these bounds (κ, the all-parameter floor, the low-precision term, the twin, every planted bug's margin):
