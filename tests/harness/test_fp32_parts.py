@@ -96,3 +96,21 @@ def test_one_twin_is_one_draw_of_the_reference_rounding():
     with pytest.raises(GateFailure, match=r"'0\.bias' after step 0: .+ the most of 3 twins"):
         Judge("equivalence", ONE_DRAW).float64(acc64, ref64, lambda i: floors[0])  # three draws as small as the first
     assert check_equivalence(fp.mse32, ONE_DRAW).extra["floor64"] == FLOOR
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("i", range(len(TWIN_COPIES)))
+def test_the_pooled_reference_runs_each_twin(i):
+    """The data-parallel and mesh gates measure twin i on their one-rank pool (reference_job): the same float64
+    run as twin i in this process, bit for bit."""
+    from verify._internal.gates.distributed import reference_job
+    from verify._internal.ranks.pool import get_pool
+
+    case = Case(accum_steps=2, micro_batch=3, steps=2, seed=4, data_seed=5)
+    pooled = get_pool(1).run(reference_job, fp.loss32, case, i)[0]
+    assert set(pooled) == {"ref64"}
+    here = drive(fp.loss32(case.spec(accum_steps=1, dtype=torch.float64, adapter=fp.loss32)),
+                 twin(case.batches(fp.loss32), TWIN_COPIES[i]), 1, dtype=torch.float64)
+    assert pooled["ref64"].losses == here.losses
+    for name, g in here.grads0.items():
+        assert torch.equal(pooled["ref64"].grads0[name], g), name
