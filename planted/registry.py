@@ -499,7 +499,7 @@ PLANTED: tuple[PlantedBug, ...] = (
                uneven_adapters.lighter_rank_skips, Gate.BOUNDARY_ONLY,
                r"rank 0 \(2 micro-step\(s\) per window, in \S+uneven_adapters\.py:\d+ \(reduce\)\) hung: waiting in a "
                r"collective .*rank\(s\) 1 \(1 micro-step(?s:.*)rank 0 did not finish; its Python stacks:", UNEVEN_SHORT,
-               knobs=(("timeout", 10),)),
+               slow=True, knobs=(("timeout", 10),)),  # a job time-out: ~11 s, CI only
     # -- auxiliary losses (moe_adapters.py): examples/moe_aux.py's global-batch load balancing, declared `batch` --
     PlantedBug("aux_over_world", "the global-batch aux term ÷ W, as if a per-rank mean (Megatron #3672)",
                moe_adapters.aux_over_world, Gate.DP_EQUIVALENCE,
