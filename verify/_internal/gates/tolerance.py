@@ -36,10 +36,6 @@ LOSS_MAX_REL = 1e-3  # fp32 losses after AdamW steps: measured ≤ 2.4e-7 on cor
 # bound: below it κ ≥ 1 could only lower the reported error / bound, never change a verdict. The partial-sum
 # gate measures its twin floor on the same terms (reported ratios stay < this share, or are exact).
 KAPPA_EXACT_ABOVE = 0.5
-# A float64 check may run each of the reference's twins (TWIN_COPIES), each only where the ones before left it
-# failing: one twin is one draw of the reference's rounding, and where one element carries the deviation (a
-# cancelled gradient under AdamW's gain) a correct run lands > C× one draw with p ≈ 8%, > C× the most of 3 with
-# p ≈ 0.15% (docs/design/tolerance.md).
 
 # The bounds in words, built from the constants above (the report prints them; the docs quote them and a test
 # checks the quote): what `bound` and `bound64` compute, κ and the all-parameter term included.
@@ -322,7 +318,7 @@ class Judge:
     def _float64(self, acc64, ref64, floor: float, what: str = "") -> None:
         rel = bound64(floor)
         floor = twin_floor(floor)
-        what = what or ("what an fp32 run resolves" if floor == EPS32 else _twins_text(0))
+        what = what or "what an fp32 run resolves"  # the first judgement, at eps32
         why = f" = {C:g}·{floor:.2e} ({what})"
         for k, (la, lr) in enumerate(zip(acc64.losses, ref64.losses)):
             if self._undefined(la, lr, f"float64 loss at step {k}", k):
