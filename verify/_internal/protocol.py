@@ -13,33 +13,18 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
 from verify._internal.atstep import GRADS_FROM, OptimizerGrads
 from verify._internal.expected import DDP_EXPECTED, DDP_WORLD1_EXPECTED, Expected
+from verify._internal.precision import AUTOCAST, Precision
 from verify._internal.ranks.mesh import Mesh, check_spec, mesh_axes, mesh_sizes
 from verify._internal.verdict import raised_at
 
 __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter",
            "AdapterError", "Precision", "AUTOCAST"]
-
-
-class Precision(StrEnum):
-    """The precisions a trainer may support (Adapter.precisions) and a case runs in (Case.precision, Spec.precision):
-    fp32, or autocast to bf16 / fp16 over parameters in the run's dtype. A member equals its string."""
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-    def __repr__(self) -> str:  # a case prints as it is written: Case(..., precision='fp16')
-        return repr(self.value)
-
-
-AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
-"""The autocast dtype of each low precision."""
 
 
 @runtime_checkable
