@@ -513,6 +513,10 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("counts_in_recompute", "expert load tallied again by the checkpoint recompute (NeMo Automodel PR #3247)",
                moe_adapters.counts_in_recompute, Gate.NORMALISER,
                r"term 'aux' \(batch.*vs the big batch .*is not the big batch's", MOE_CKPT),
+    # -- issue 42 item 5 (windows): a run past 256 micro-steps (broken_numerics.py) ----------------------------------
+    PlantedBug("narrow_counter", "a uint8 run-long micro-step counter finds window starts: wraps at 256",
+               broken_numerics.narrow_counter, Gate.EQUIVALENCE, r"float64 parameter '[\w.]+' after step 1: ",
+               Case(accum_steps=129, micro_batch=1, steps=2, options=TINY, seed=1, data_seed=2)),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

@@ -22,7 +22,8 @@ from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
 
 __all__ = ["cases", "dist_cases", "uneven_windows", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding", "corners",
-           "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+           "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS",
+           "LONG_CORNER"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
 # must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
@@ -276,6 +277,11 @@ def _mesh_corner(adapter, axis: str, B: int = 2):
     return c.replace(accum_steps=chunks * 2, mesh=mesh, pipeline_chunks=chunks)
 
 
+# The long-window corner: K = 2 windows of N = 129 micro-steps, 258 in the run: past 256, where a uint8 counter
+# wraps (window 0 alone passes 128, an int8's), and N divides neither, so a wrapped count lands mid-window.
+LONG_CORNER = (129, 2)
+
+
 def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> list:
     """The known-hard cases of `gate` (a GATE_BUDGETS key) for `adapter`, within [min_world, max_world], in the
     form the gate test's @given draws (a Case; overflow: (case, micro, rank); mesh_split: (case, world)):
@@ -291,12 +297,15 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
     overflow                                the overflow in the boundary's micro-step (N−1) on the LAST rank of
                                             the top world; at W ≥ 2 also micro-step 0 on rank 1 of W=2
     mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2 with 2 outer steps
+    long_windows                            N=129 B=1 K=2 (LONG_CORNER): a run of more than 256 micro-steps
     """
     lo, hi = min_world, max(min_world, max_world)
     if gate in ("equivalence", "normaliser", "empty_window", "parity"):
         return [_base(adapter, N=3, B=2, K=2, padded=True)]
     if gate == "split_invariance":
         return [_base(adapter, N=3, B=2, K=1, padded=True)]
+    if gate == "long_windows":
+        return [_base(adapter, N=LONG_CORNER[0], B=1, K=LONG_CORNER[1])]
     if gate == "metrics":  # three steps: a warm-up's LR changes between them
         return [_base(adapter, N=3, B=2, K=3, padded=True)]
     if gate in ("data_parallel", "bytes_per_step"):
