@@ -93,6 +93,14 @@ def test_dev_profile_rejects_a_counter_that_wraps_past_256_micro_steps(tmp_path)
     assert "[equivalence] float64 parameter" in r.stdout and "case N=129 B=1 K=2" in r.stdout, r.stdout[-3000:]
 
 
+@pytest.mark.slow
+def test_dev_profile_rejects_a_short_last_window_divided_by_n(tmp_path):
+    r = _plugin(tmp_path, "planted.short_adapters:nominal_n", "big_batch")
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "(step 1 is the short last window: 2 of N=3 micro-batches" in r.stdout, r.stdout[-3000:]
+    assert "hint: it differs in the short last window" in r.stdout, r.stdout[-3000:]
+
+
 def _drawn(adapter, at_seed: int, n: int = 30) -> list:
     from hypothesis import Phase, given, seed, settings
 

@@ -96,7 +96,7 @@ def uneven_windows(draw, *, world: int, max_accum: int, max_micro_batch: int) ->
 
 @st.composite
 def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int, seq_len: int,
-            empty_windows: bool = True, some_padding: bool = False, rank_rows=None) -> tuple:
+            empty_windows: bool = True, some_padding: bool = False, rank_rows=None, last_window=None) -> tuple:
     """Valid targets per row for K steps of N global micro-batches of W·B rows (row order as the harness
     draws them). Each global micro-batch is full, empty, random, or random with one rank's rows empty;
     shrinks toward full rows (no padding), so a failure is shown with the least padding that causes it.
@@ -104,9 +104,10 @@ def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int,
     first row then keeps one). some_padding=True: the first global micro-batch is never full (shrinking
     toward one target fewer in each of its rows), so a window's micro-batches hold different numbers of
     valid targets — where a per-micro-batch or per-rank mean and the token mean part ways. `rank_rows`: an
-    uneven window's rows (Case.rank_rows; a rank past its last micro-step holds no rows of that micro-batch)."""
+    uneven window's rows (Case.rank_rows; a rank past its last micro-step holds no rows of that micro-batch).
+    `last_window`: the last window's micro-batches where it is short (Case.last_window)."""
     out = []
-    for i in range(steps * accum_steps):
+    for i in range(steps * accum_steps - (0 if last_window is None else accum_steps - last_window)):
         m = i % accum_steps
         forced = some_padding and i == 0
         mode = draw(st.sampled_from(["random", "empty", "rank_empty"] if forced else ["full", "random", "empty", "rank_empty"]))
@@ -134,12 +135,14 @@ def _row_length(adapter, options) -> int:
 @st.composite
 def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int = 4,
           min_steps: int = 1, max_steps: int = 3, device: str | None = None, world: int = 1,
-          padded: bool | None = None, some_padding: bool = False, uneven: bool | None = None) -> Case:
+          padded: bool | None = None, some_padding: bool = False, uneven: bool | None = None,
+          short: bool = False) -> Case:
     """(N, B, K, seeds, options, precision[, padding][, uneven windows]) for `adapter`. N shrinks to min_accum,
     the rest to their minimum, the precision to the adapter's first. padded: None draws it (adapters with an
     ignore_index only), True / False forces it; some_padding: a padded window is never all full rows
     (padding(some_padding=True)); uneven: None draws it at W ≥ 2 for an adapter that declares `uneven` (shrinking
-    toward even), False never."""
+    toward even), False never; short: True draws, for an adapter that declares `short_last_window` (world 1, N ≥ 2),
+    whether the last window is short and its 1..N−1 micro-batches (shrinking toward full windows)."""
     c = Case(
         accum_steps=draw(st.integers(min_accum, max_accum)),
         micro_batch=draw(st.integers(1, max_micro_batch)),
@@ -154,12 +157,20 @@ def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_ba
     )
     if world >= 2 and declares_uneven(adapter) and (uneven if uneven is not None else draw(st.booleans())):
         c = c.replace(rank_rows=draw(uneven_windows(world=world, max_accum=max_accum, max_micro_batch=max_micro_batch)))
+    if short and world == 1 and c.accum_steps >= 2 and declares_short(adapter) and draw(st.booleans()):
+        c = c.replace(last_window=draw(st.integers(1, c.accum_steps - 1).map(lambda n: c.accum_steps - n)))
     if adapter.ignore_index is not None and (padded if padded is not None else draw(st.booleans())):
         c = c.replace(lengths=draw(padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=c.micro_batch,
                                            world=world, seq_len=_row_length(adapter, c.options),
                                            empty_windows=adapter.empty_windows, some_padding=some_padding,
-                                           rank_rows=c.rank_rows)))
+                                           rank_rows=c.rank_rows, last_window=c.last_window)))
     return c
+
+
+def declares_short(adapter) -> bool:
+    """Short last windows are drawn only for an adapter that declares them (Adapter.short_last_window): a trainer
+    told nothing divides every window by N, right only on full ones."""
+    return bool(getattr(adapter, "short_last_window", False))
 
 
 def declares_uneven(adapter) -> bool:
@@ -241,10 +252,9 @@ def _corner_options(adapter):
 def _hard_padding(case: Case, seq_len: int) -> tuple:
     """Window 0: micro-batch 0 partly padded (its rows' valid counts differ), micro-batch 1 empty, micro-batch 2
     (N ≥ 3) empty on the last rank only; later windows full but one row. No window is left without a valid target."""
-    E, W = case.effective_batch, case.world
-    out = []
+    W, out = case.world, []
     for k in range(case.steps):
-        for m, r, rows in case.layout():
+        for m, r, rows in case.layout(k):
             for b in range(rows):
                 if k == 0 and m == 0:
                     out.append(max(1, seq_len // 2) if (r, b) == (0, 0) else seq_len - 1)
@@ -252,15 +262,15 @@ def _hard_padding(case: Case, seq_len: int) -> tuple:
                     out.append(0)
                 else:
                     out.append(seq_len - 1 if (m, r, b) == (0, 0, 0) else seq_len)
-    assert len(out) == case.steps * E
+    assert len(out) == sum(map(case.rows_of, range(case.steps)))
     return tuple(out)
 
 
 def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, device: str | None = None,
-          rank_rows=None) -> Case:
+          rank_rows=None, last_window=None) -> Case:
     c = Case(accum_steps=N, micro_batch=B, steps=K, world=W, seed=1, data_seed=2, options=_corner_options(adapter),
              device=device or gate_device(), precision=adapter.precisions[0], terms=window_terms(adapter),
-             rank_rows=rank_rows)
+             rank_rows=rank_rows, last_window=last_window)
     if padded and adapter.ignore_index is not None:
         c = c.replace(lengths=_hard_padding(c, _row_length(adapter, c.options)))
     return c
@@ -287,7 +297,8 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
     form the gate test's @given draws (a Case; overflow: (case, micro, rank); mesh_split: (case, world)):
 
     equivalence, normaliser, empty_window,   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in
-    parity                                  window 0
+    parity                                  window 0; equivalence, for an adapter that declares short_last_window:
+                                            also the same with window 1 short (last_window=2)
     split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
     metrics                                 N=3 B=2 K=3, padded: as equivalence's, one step longer
     data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
@@ -301,7 +312,9 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
     """
     lo, hi = min_world, max(min_world, max_world)
     if gate in ("equivalence", "normaliser", "empty_window", "parity"):
-        return [_base(adapter, N=3, B=2, K=2, padded=True)]
+        short = gate == "equivalence" and declares_short(adapter)  # then also window 1 short: 2 of 3 micro-batches
+        return [_base(adapter, N=3, B=2, K=2, padded=True)] + ([_base(adapter, N=3, B=2, K=2, padded=True,
+                                                                      last_window=2)] if short else [])
     if gate == "split_invariance":
         return [_base(adapter, N=3, B=2, K=1, padded=True)]
     if gate == "long_windows":
