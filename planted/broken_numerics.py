@@ -19,6 +19,8 @@ mixed precision (fp16 GradScaler, bf16):
 long windows:
     drop_micro_63           micro-step 63 never backwards (only when N ≥ 64)
     doubling_buffer         the accumulated gradient doubles before each micro-step adds to it
+    narrow_counter          a run-long micro-step counter in uint8 finds each window's start: it wraps at 256, so a
+                            window holding micro-step 256 restarts there (only once the RUN passes 256 micro-steps)
 """
 from __future__ import annotations
 
@@ -142,6 +144,19 @@ class DoublingBuffer(Planted, AccumTrainer):
             torch._foreach_mul_(self._grads_list(), 2.0)
 
 
+class NarrowCounter(Planted, AccumTrainer):
+    """zero_grad where its own micro-step counter says a window starts (count % N == 0), the count kept in a uint8:
+    right until the run's 256th micro-step, where the count wraps to 0 — mid-window wherever N does not divide 256,
+    dropping what that window had accumulated. Only a run of more than 256 micro-steps (K ≥ 2 at N > 128) shows it."""
+
+    def before(self, idx, targets, micro):
+        count = getattr(self, "_count", None)
+        count = self._count = torch.zeros((), dtype=torch.uint8) if count is None else count
+        if int(count) % self.accum_steps == 0:
+            self.opt.zero_grad(set_to_none=True)
+        count += 1  # uint8: 255 + 1 == 0
+
+
 def _adapter(cls, base=xtrain.single):
     return xtrain.variant(cls, base)
 
@@ -159,6 +174,7 @@ manual_unscale_every_micro = _adapter(ManualUnscaleEveryMicro)
 bf16_accumulation_buffer = _adapter(Bf16AccumulationBuffer)
 drop_micro_63 = _adapter(DropMicro63)
 doubling_buffer = _adapter(DoublingBuffer)
+narrow_counter = _adapter(NarrowCounter)
 
 
 # -- a poisoned window, for the fp16 "skip the whole step" check (xtrain-specific: it reaches into .grad) --

@@ -28,7 +28,7 @@ from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_me
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, cp_adapters, ddp_modes,
                      hsdp_adapters,
                      moe_adapters, objective_adapters, overflow_adapters, packed_adapters, parity_adapters, pull_loops,
-                     uneven_adapters)
+                     short_adapters, uneven_adapters)
 from xtrain_proof.options import XtrainOptions
 
 
@@ -513,6 +513,20 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("counts_in_recompute", "expert load tallied again by the checkpoint recompute (NeMo Automodel PR #3247)",
                moe_adapters.counts_in_recompute, Gate.NORMALISER,
                r"term 'aux' \(batch.*vs the big batch .*is not the big batch's", MOE_CKPT),
+    # -- issue 42 items 5-6 (windows): a run past 256 micro-steps (broken_numerics.py), a short last window of one
+    # process (short_adapters.py: window 1 holds 2 of N = 3 micro-batches, its big batch one step on those 4 rows) --
+    PlantedBug("narrow_counter", "a uint8 run-long micro-step counter finds window starts: wraps at 256",
+               broken_numerics.narrow_counter, Gate.EQUIVALENCE, r"float64 parameter '[\w.]+' after step 1: ",
+               Case(accum_steps=129, micro_batch=1, steps=2, options=TINY, seed=1, data_seed=2)),
+    PlantedBug("nominal_n", "a short last window divided by N, not its own count",
+               short_adapters.nominal_n, Gate.EQUIVALENCE,
+               r"after step 1: .*\(step 1 is the short last window: 2 of N=3 micro-batches",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, last_window=2)),
+    PlantedBug("positions_disagree", "token-weighted: micro-steps ÷ N·B·S, the boundary × the positions seen",
+               short_adapters.positions_disagree, Gate.EQUIVALENCE,
+               r"after step 1: .*\(step 1 is the short last window: 2 of N=3 micro-batches",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, last_window=2,
+                    lengths=(4, 1, 0, 3, 2, 4, 4, 0, 1, 3))),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

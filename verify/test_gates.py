@@ -25,7 +25,7 @@ def test_accumulation_equals_big_batch(verify_adapter):
     hard = corners(verify_adapter, "equivalence")
 
     @settings(max_examples=random_budget("equivalence", hard), deadline=None)
-    @given(case=cases(verify_adapter))
+    @given(case=cases(verify_adapter, short=True))  # a short last window only where declared (short_last_window)
     def equivalence(case):
         report.record(check_equivalence(verify_adapter, case))
 
@@ -147,19 +147,22 @@ def test_empty_window_is_no_step(verify_adapter):
 def test_long_accumulation_and_partial_sums(verify_adapter):
     """N = 64..256 micro-steps: the equivalence gate, and — for trainers with partial_grads() — each
     micro-step's contribution landing exactly once (the gradient after micro-step n vs the float64 big
-    batch of micro-batches 0..n)."""
+    batch of micro-batches 0..n). The corner first: K = 2 windows of N = 129, a run past 256 micro-steps."""
     from verify._internal.gates import GateSkipped
     from verify._internal.gates.windows import check_long_window, check_partial_sums
+
+    # the corner's low-precision window is the drawn one's (N = 256, one window: the policy judges its step 0)
+    hard = [(c, c.replace(accum_steps=LONG_N, steps=1)) for c in corners(verify_adapter, "long_windows")]
 
     # No shrink phase: a window cannot shrink below N=64 here, and each attempt replays 64..256 micro-steps
     # plus the float64 references, so hypothesis' shrinker ran into its 300 s cap (transformers 4.45.2:
     # 317 s, still at N=135) while the other gates give the same bug's minimal case in seconds.
-    @settings(max_examples=gate_budget("long_windows"), deadline=None,
+    @settings(max_examples=random_budget("long_windows", hard), deadline=None,
               phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target))
-    @given(data=st.data())
-    def long_windows(data):
-        case = data.draw(cases(verify_adapter, min_accum=64, max_accum=LONG_N, max_micro_batch=1, max_steps=2),
-                         label="case")
+    @given(drawn=st.tuples(cases(verify_adapter, min_accum=64, max_accum=LONG_N, max_micro_batch=1, max_steps=2),
+                           cases(verify_adapter, min_accum=LONG_N, max_accum=LONG_N, max_micro_batch=1, max_steps=1)))
+    def long_windows(drawn):
+        case, low = drawn
         report.record(check_equivalence(verify_adapter, case))
         try:
             report.record(check_partial_sums(verify_adapter, case))
@@ -167,13 +170,10 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
             report.skip(Gate.PARTIAL_SUMS, str(e))
         # Every declared low precision, at the longest window: a bf16 / fp16 accumulator's error grows with N
         # (one step: the float64 run, precision-free, already ran K steps above).
-        low = data.draw(cases(verify_adapter, min_accum=LONG_N, max_accum=LONG_N, max_micro_batch=1, max_steps=1),
-                        label="low-precision case")
         for r in check_long_window(verify_adapter, low):
             report.record(r)
 
-    with seed_only_draws():
-        long_windows()
+    with_corners(long_windows, hard, "drawn")()
 
 
 def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):

@@ -42,6 +42,16 @@ def test_pipeline_corner_has_two_chunks_and_two_outer_steps_on_pp_2():
     assert world == 2 and split.pipeline_chunks == 2 and split.accum_steps == 4 and split.mesh is None
 
 
+def test_every_profile_starts_the_long_windows_with_a_run_past_256_micro_steps():
+    """A narrow counter (uint8: wraps at 256) shows only in a run of more than 256 micro-steps; the long-window gate's
+    random draws (N = 64..256, K = 1..2) rarely reach one, so its corner is one (planted narrow_counter: rejected
+    there and at N=200 K=2, passing at N=128 K=2, 256 micro-steps — measured, the registry holds its case)."""
+    for adapter in (xtrain.adapter, xtrain.tokens_adapter, xtrain.single.replace(precisions=("fp32",))):
+        (c,) = corners(adapter, "long_windows")
+        assert c.accum_steps * c.steps > 256 and c.accum_steps > 128 and 256 % c.accum_steps, c
+        assert (c.micro_batch, c.world, c.lengths) == (1, 1, None)  # the cheapest such run: B = 1, unpadded
+
+
 def test_corners_replace_random_draws_within_the_budget():
     for gate in GATE_BUDGETS:
         hard = corners(xtrain.tokens_adapter, gate, min_world=1, max_world=4)
@@ -74,6 +84,21 @@ def test_dev_profile_rejects_scale_grads_under_outer_accumulation(tmp_path):
     assert "[mesh equivalence] mesh dp=1 pp=2 tp=1, chunks=2, outer=2" in r.stdout, r.stdout[-3000:]
     # the correct controls pass the same corners: found_inf_all_reduced_* (test_overflow.py, on both ranks) and
     # the pipeline recipe with scale_grads=False (the example tests run its mesh gates through the plugin)
+
+
+@pytest.mark.slow
+def test_dev_profile_rejects_a_counter_that_wraps_past_256_micro_steps(tmp_path):
+    r = _plugin(tmp_path, "planted.broken_numerics:narrow_counter", "long_accumulation")
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "[equivalence] float64 parameter" in r.stdout and "case N=129 B=1 K=2" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_dev_profile_rejects_a_short_last_window_divided_by_n(tmp_path):
+    r = _plugin(tmp_path, "planted.short_adapters:nominal_n", "big_batch")
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "(step 1 is the short last window: 2 of N=3 micro-batches" in r.stdout, r.stdout[-3000:]
+    assert "hint: it differs in the short last window" in r.stdout, r.stdout[-3000:]
 
 
 def _drawn(adapter, at_seed: int, n: int = 30) -> list:

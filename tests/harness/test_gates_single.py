@@ -90,3 +90,75 @@ def test_reference_is_the_same_trainer_in_float64():
     case = Case(accum_steps=3, micro_batch=2, steps=2,
                 options=XtrainOptions(model=SMALL, seq_len=8, optim=OptimConfig(lr=1e-2, max_grad_norm=0.05)))
     check_equivalence(a, case)
+
+
+# -- short last windows (issue 42 item 6; planted/short_adapters.py, its two bugs are registry rows) --------------
+
+def test_a_short_last_window_holds_fewer_rows_and_a_declared_trainer_is_told_so():
+    from planted import short_adapters as sa
+    from verify._internal.protocol import Spec
+
+    c = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, last_window=2)
+    assert [x.shape[0] for x, _ in c.batches(sa.own_count)] == [6, 4]
+    assert (c.window_of(0), c.window_of(1), c.rows_of(1), c.as_dict()["last_window"]) == (3, 2, 4, 2)
+    assert "last_window=2" in str(c) and [(m, b) for m, _, b in c.layout(1)] == [(0, 2), (1, 2)]
+    spec = c.spec(adapter=sa.own_count)  # the big batch: one step per window, on that window's rows
+    assert (spec.windows, c.spec(accum_steps=1, adapter=sa.own_count).windows) == ((3, 2), (1, 1))
+    assert [spec.window(k) for k in range(3)] == [3, 2, 3]  # past the run: accum_steps
+    assert c.spec(adapter=sa.own_count.replace(short_last_window=False)).windows is None
+    with pytest.raises(ValueError, match=r"Case.last_window must be 1..2 \(fewer than accum_steps\)"):
+        c.replace(last_window=3)
+    with pytest.raises(ValueError, match="Case.last_window must be"):
+        Case(accum_steps=3, micro_batch=1, steps=1, world=2, last_window=1)
+    with pytest.raises(ValueError, match=r"Spec.windows must list each window's micro-batches: accum_steps=3 each"):
+        Spec(accum_steps=3, windows=(2, 3))
+
+
+@pytest.mark.parametrize("name", ["own_count", "window_tokens"])
+def test_a_trainer_normalising_by_its_own_window_passes_short_and_full_windows(name):
+    """÷ Spec.window(k) micro-batches, or (token-weighted) ÷ the window's valid targets after it: the corners (a
+    short one among them, padded for the token one) and drawn cases; the nominal-N bugs are the registry's."""
+    from hypothesis import Phase, seed
+
+    from planted import short_adapters as sa
+    from verify._internal.cases.strategies import corners, with_corners
+
+    adapter = getattr(sa, name)
+    hard = corners(adapter, "equivalence")
+    assert [c.last_window for c in hard] == [None, 2] and bool(hard[1].lengths) == (name == "window_tokens")
+    drawn = []
+
+    @seed(3)
+    @settings(max_examples=12, database=None, deadline=None, phases=(Phase.explicit, Phase.generate))
+    @given(case=cases(adapter, max_accum=4, max_micro_batch=2, short=True))
+    def equivalence(case):
+        drawn.append(case)
+        check_equivalence(adapter, case)
+
+    with_corners(equivalence, hard)()
+    assert any(c.last_window for c in drawn[len(hard):]), drawn  # the draws hold short windows too
+
+
+def test_an_undeclared_adapter_draws_the_same_cases_and_no_short_window():
+    from hypothesis import Phase, seed
+
+    from planted import short_adapters as sa
+    from verify._internal.cases.strategies import corners, with_corners
+
+    undeclared = sa.own_count.replace(short_last_window=False)
+    assert [c.last_window for c in corners(undeclared, "equivalence")] == [None]
+
+    def drawn(short):
+        got = []
+
+        @seed(5)
+        @settings(max_examples=30, database=None, deadline=None, phases=(Phase.generate,))
+        @given(case=cases(undeclared, short=short))
+        def draw(case):
+            got.append(case)
+
+        with_corners(draw, [])()
+        return got
+
+    asked = drawn(True)
+    assert asked == drawn(False) and not any(c.last_window for c in asked)

@@ -13,33 +13,18 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
 from verify._internal.atstep import GRADS_FROM, OptimizerGrads
 from verify._internal.expected import DDP_EXPECTED, DDP_WORLD1_EXPECTED, Expected
+from verify._internal.precision import AUTOCAST, Precision
 from verify._internal.ranks.mesh import Mesh, check_spec, mesh_axes, mesh_sizes
 from verify._internal.verdict import raised_at
 
 __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter",
            "AdapterError", "Precision", "AUTOCAST"]
-
-
-class Precision(StrEnum):
-    """The precisions a trainer may support (Adapter.precisions) and a case runs in (Case.precision, Spec.precision):
-    fp32, or autocast to bf16 / fp16 over parameters in the run's dtype. A member equals its string."""
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-    def __repr__(self) -> str:  # a case prints as it is written: Case(..., precision='fp16')
-        return repr(self.value)
-
-
-AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
-"""The autocast dtype of each low precision."""
 
 
 @runtime_checkable
@@ -89,12 +74,24 @@ class Spec:
     mesh: Mesh = Mesh()  # dp × pp × tp ranks (Adapter.mesh_axes, verify/_internal/ranks/mesh.py); Mesh() in every reference
     pipeline_chunks: int = 1  # micro-batches per pipeline schedule.step (buffered micro_steps); divides accum_steps
     terms: tuple[str, ...] | None = None  # the objective's terms the loss must hold (Adapter.objective); None: all
+    windows: tuple[int, ...] | None = None
+    """For adapters that declare `short_last_window`: the micro-batches of each window of this run, in order —
+    accum_steps each, but the last may hold fewer (an epoch N does not divide). Read it through `window(k)`.
+    None for adapters that declare nothing: every window holds accum_steps."""
     group: Any = field(default=None, compare=False, repr=False)
     """The process group to reduce over; None: the default group. Given on the rank, only to adapters that
     declare `subgroups`, in a launched world's sub-world; never pickled (a group lives in one process)."""
 
     def __post_init__(self):
         check_spec(self)
+        w, n = self.windows, self.accum_steps
+        if w is not None and not (w and all(isinstance(m, int) and 1 <= m <= n for m in w) and set(w[:-1]) <= {n}):
+            raise ValueError(f"Spec.windows must list each window's micro-batches: accum_steps={n} each, the last "
+                             f"1..{n}; got {w!r}")
+
+    def window(self, k: int) -> int:
+        """The micro-batches of window k (0-based): windows[k], else accum_steps (nothing declared, or past the list)."""
+        return self.windows[k] if self.windows is not None and k < len(self.windows) else self.accum_steps
 
     def __getstate__(self):
         return {**self.__dict__, "group": None}
@@ -168,6 +165,7 @@ class Adapter:
     mesh_sizes: dict | None = None  # {axis: sizes it supports}, e.g. {"tp": (2, 4)}; None: every size (verify/_internal/ranks/mesh.py)
     subgroups: bool = False  # honours Spec.group: a launched world runs its sub-worlds on subgroups
     uneven: bool = False  # normalises by the GLOBAL count: ranks may hold unequal rows / micro-steps (Case.rank_rows)
+    short_last_window: bool = False  # one process: a run may end with a window of fewer micro-batches (Spec.windows)
     unclipped: Callable | None = None
     """options -> the same options with gradient clipping off: lets a failure's diagnosis re-run it unclipped."""
     grads_from: str = "grads"  # "grads": grads(); "optimizer": .grad as optimizer step() begins (verify/_internal/atstep.py)
@@ -215,7 +213,7 @@ class Adapter:
                                "or declare ignore_index= so the harness can count valid targets")
         if self.grads_from not in GRADS_FROM:
             raise AdapterError(f"grads_from must be one of {', '.join(map(repr, GRADS_FROM))}, got {self.grads_from!r}")
-        for f in ("empty_windows", "subgroups", "uneven"):
+        for f in ("empty_windows", "subgroups", "uneven", "short_last_window"):
             if not isinstance(getattr(self, f), bool):
                 raise AdapterError(f"{f} must be True or False, got {getattr(self, f)!r}")
         if self.process_group and not self.data_parallel:
@@ -231,7 +229,7 @@ class Adapter:
         out = {}
         for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
                   "process_group", "data_parallel", "subgroups", "uneven", "empty_windows", "overflow",
-                  "mesh_axes", "mesh_sizes", "grads_from", "metrics", "objective", "parity"):
+                  "mesh_axes", "mesh_sizes", "grads_from", "metrics", "objective", "parity", "short_last_window"):
             v = getattr(self, f)
             default = next(x for x in dataclasses.fields(self) if x.name == f).default
             if (f == "empty_windows" and self.ignore_index is None) or (f in ("subgroups", "uneven") and not self.data_parallel):
@@ -342,7 +340,7 @@ def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: boo
             ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
             empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
             subgroups: bool = False, uneven: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None,
-            memory_preset=None, metrics=None, objective=None, parity=None):
+            memory_preset=None, metrics=None, objective=None, parity=None, short_last_window: bool = False):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
     declared = dict(locals())  # every keyword above is an Adapter field of the same name

@@ -50,6 +50,9 @@ class Case:
     """Uneven windows (adapters that declare `uneven`): per rank, the rows of each of its micro-steps, e.g.
     ((2, 2, 2), (3, 1)): rank 1 holds 4 rows in N_1 = 2 micro-steps. accum_steps and micro_batch then follow
     from it (the longest rank's N_r, the largest micro-batch). None: even, N micro-steps of B rows per rank."""
+    last_window: int | None = None
+    """A short last window (adapters that declare short_last_window; one process): the last of the K windows holds
+    this many micro-batches of B rows, 1..N−1 (an epoch N does not divide). None: every window holds N."""
 
     def __post_init__(self):
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -63,6 +66,10 @@ class Case:
             object.__setattr__(self, "micro_batch", max(map(max, rows)))
         if self.mesh is not None and self.mesh.dp != self.world:
             raise ValueError(f"Case.world must be the mesh's dp ({self.mesh}), got {self.world}")
+        if self.last_window is not None and not (1 <= self.last_window < self.accum_steps and self.world == 1
+                                                  and self.mesh is None and self.rank_rows is None):
+            raise ValueError(f"Case.last_window must be 1..{self.accum_steps - 1} (fewer than accum_steps), in one "
+                             f"process (world 1, no mesh, even windows); got {self.last_window} at world {self.world}")
         if self.accum_steps % self.pipeline_chunks:
             raise ValueError(f"Case.pipeline_chunks={self.pipeline_chunks} must divide accum_steps={self.accum_steps}")
 
@@ -88,14 +95,22 @@ class Case:
 
     @property
     def micro_blocks(self) -> int:
-        """The blocks one window's gradient sums over: Σ_r N_r (N·W on an even window)."""
-        return sum(self.micro_steps(r) for r in range(self.world))
+        """The blocks step 0's gradient sums over: Σ_r N_r (N·W on an even window; a short window 0 of K = 1: n)."""
+        return self.window_of(0) if self.last_window is not None else sum(map(self.micro_steps, range(self.world)))
 
-    def layout(self) -> list[tuple[int, int, int]]:
-        """(micro-step m, rank r, rows) in the global batch's row order: micro-step by micro-step, rank by rank
-        (a rank whose window has ended takes no rows) — on an even window, shard's order."""
-        rows = self.rank_rows or ((self.micro_batch,) * self.accum_steps,) * self.world
-        return [(m, r, rows[r][m]) for m in range(self.accum_steps) for r in range(self.world) if m < len(rows[r])]
+    def layout(self, k: int = 0) -> list[tuple[int, int, int]]:
+        """(micro-step m, rank r, rows) of window k in the global batch's row order: micro-step by micro-step, rank
+        by rank (a rank whose window has ended takes no rows) — on an even window, shard's order."""
+        rows = self.rank_rows or ((self.micro_batch,) * self.window_of(k),) * self.world
+        return [(m, r, rows[r][m]) for m in range(max(map(len, rows))) for r in range(self.world) if m < len(rows[r])]
+
+    def window_of(self, k: int) -> int:
+        """Micro-steps of window k in one process: N, or last_window for the run's last window where it is short."""
+        return self.last_window if self.last_window is not None and k == self.steps - 1 else self.accum_steps
+
+    def rows_of(self, k: int) -> int:
+        """Rows of step k's global batch: effective_batch, fewer in a short last window."""
+        return self.effective_batch if self.window_of(k) == self.accum_steps else self.last_window * self.micro_batch
 
     def spec(self, *, accum_steps: int | None = None, dtype=torch.float32, device: str | None = None, adapter=None,
              group=None, rank: int = 0):
@@ -103,11 +118,15 @@ class Case:
         schedule_world this case's world, in the W-rank run and in every one-process reference of it alike.
         The case's mesh and pipeline_chunks apply to its own run only: a run given its own accum_steps (a
         reference, a block) is one process, Mesh() and one chunk. `group`: the rank's RankContext.group.
-        Uneven windows: `rank`'s own N_r micro-steps."""
+        Uneven windows: `rank`'s own N_r micro-steps. Given an adapter that declares `short_last_window`, Spec.windows."""
         from verify._internal.protocol import Spec
 
         per_rank = adapter is not None and getattr(adapter, "scheduler_per_rank", False)
-        return Spec(accum_steps=self.micro_steps(rank) if accum_steps is None else accum_steps, dtype=dtype,
+        n = self.micro_steps(rank) if accum_steps is None else accum_steps
+        short = adapter is not None and getattr(adapter, "short_last_window", False)
+        windows = tuple(  # each window's micro-batches at this run's N (the big batch, N = 1: one each)
+            self.window_of(k) if n == self.accum_steps else n for k in range(self.steps)) if short else None
+        return Spec(accum_steps=n, dtype=dtype, windows=windows,
                     device=device or self.device, seed=self.seed, options=self.options,
                     precision="fp32" if dtype == torch.float64 else self.precision,
                     schedule_world=self.world if per_rank else 1, group=group, terms=self.terms,
@@ -119,25 +138,27 @@ class Case:
 
     def batches(self, adapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K global batches of N·B·W rows each, on the CPU, one data seed per optimizer step (right-padded
-        with the adapter's ignore_index where the case has lengths)."""
-        E, out = self.effective_batch, []
+        with the adapter's ignore_index where the case has lengths); a short last window's holds fewer."""
+        start, out = 0, []
         for k in range(self.steps):
+            E = self.rows_of(k)
             x, y = adapter.batch(E, (self.data_seed << 16) + k, self.options)
             if self.lengths is not None:
                 if adapter.ignore_index is None:
                     raise ValueError(f"{adapter.name} declares no ignore_index: a padded case does not apply")
                 y = y.clone()
-                for row, n in enumerate(self.lengths[k * E:(k + 1) * E]):
+                for row, n in enumerate(self.lengths[start:start + E]):
                     y[row, n:] = adapter.ignore_index
             out.append((x, y))
+            start += E
         return out
 
     def empty_steps(self) -> set[int]:
         """Steps whose global batch holds no valid target: a token-weighted trainer skips their update."""
         if self.lengths is None:
             return set()
-        E = self.effective_batch
-        return {k for k in range(self.steps) if sum(self.lengths[k * E:(k + 1) * E]) == 0}
+        starts = [sum(map(self.rows_of, range(k))) for k in range(self.steps + 1)]
+        return {k for k in range(self.steps) if sum(self.lengths[starts[k]:starts[k + 1]]) == 0}
 
     def as_dict(self) -> dict:
         opts = self.options
@@ -149,6 +170,7 @@ class Case:
                     lengths=None if self.lengths is None else list(self.lengths), options=_plain(opts),
                     **({} if self.terms is None else dict(terms=list(self.terms))),
                     **({} if self.rank_rows is None else dict(rank_rows=[list(r) for r in self.rank_rows])),
+                    **({} if self.last_window is None else dict(last_window=self.last_window)),
                     **({} if self.mesh is None else dict(mesh=dataclasses.asdict(self.mesh),
                                                          pipeline_chunks=self.pipeline_chunks)))
 
@@ -159,6 +181,8 @@ class Case:
         pad += "" if self.terms is None else f" terms={','.join(self.terms)}"
         if self.rank_rows is not None:  # B is then the largest micro-batch: the rows of each rank's micro-steps
             w += f" rank_rows={[list(r) for r in self.rank_rows]}"
+        if self.last_window is not None:  # K windows, the last of them short
+            w += f" last_window={self.last_window}"
         opts = "" if self.options is None else f" {_short(self.options)}"
         if self.mesh is not None:
             w = f" {self.mesh} chunks={self.pipeline_chunks}"
@@ -234,7 +258,7 @@ def block_runs(adapter, case: "Case", device, gate: Gate | None = None) -> list:
     inputs, targets = case.batches(adapter)[0]
     out = []
     for r in range(case.world):
-        for x, y in shard(inputs, targets, case.accum_steps, r, case.world, case.rank_rows):
+        for x, y in shard(inputs, targets, case.window_of(0), r, case.world, case.rank_rows):
             t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(device), adapter=adapter))
             out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate=gate))
     return out
@@ -279,28 +303,30 @@ class _NoMarks:
 
 
 def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cpu", rank: int = 0,
-          world: int = 1, windows=None, gate: Gate | None = None, observe=None, rank_rows=None) -> Trace:
+          world: int = 1, windows=None, gate: Gate | None = None, observe=None, rank_rows=None, last=None) -> Trace:
     """The harness's loop: shard each global batch, hand each micro-step its own copy, mark a window
     before every trainer call (for the collective counter), and return CPU copies of what came back.
     `gate`: the gate these runs serve, named by a failure (a trainer writing into its batch); None outside
     the gates ("harness"). `observe`: a verify._internal.metrics.Observer (the metrics gate's runs). `rank_rows`:
-    an uneven window's (Case.rank_rows; accum_steps is then this rank's N_r)."""
+    an uneven window's (Case.rank_rows; accum_steps is then this rank's N_r). `last`: the micro-steps of the last
+    window where it is short (Case.last_window, at the case's N; one process)."""
     from verify._internal.ranks.comm import set_active
 
     windows = windows or _NoMarks()
     set_active(windows)  # a Pull trainer re-marks micro-steps from its framework's thread
     try:
-        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows)
+        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows, last)
     finally:
         set_active(None)
 
 
-def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows) -> Trace:
+def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows, last) -> Trace:
     losses, params, grads0 = [], [], None
     stepping = observe.stepping if observe is not None else _not_observed
     for k, (inputs, targets) in enumerate(batches):
         given = []
-        for m, (x, y) in enumerate(shard(inputs, targets, accum_steps, rank, world, rank_rows)):
+        n = last if last is not None and k == len(batches) - 1 else accum_steps
+        for m, (x, y) in enumerate(shard(inputs, targets, n, rank, world, rank_rows)):
             x, y = _to(x, device, dtype), _to(y, device, dtype)
             xc, yc = x.clone(), y.clone()  # the trainer's own copy; x, y stay the harness's
             given.append((m, x, y, xc, yc))

@@ -22,7 +22,8 @@ from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
 
 __all__ = ["cases", "dist_cases", "uneven_windows", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding", "corners",
-           "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+           "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS",
+           "LONG_CORNER"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
 # must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
@@ -95,7 +96,7 @@ def uneven_windows(draw, *, world: int, max_accum: int, max_micro_batch: int) ->
 
 @st.composite
 def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int, seq_len: int,
-            empty_windows: bool = True, some_padding: bool = False, rank_rows=None) -> tuple:
+            empty_windows: bool = True, some_padding: bool = False, rank_rows=None, last_window=None) -> tuple:
     """Valid targets per row for K steps of N global micro-batches of W·B rows (row order as the harness
     draws them). Each global micro-batch is full, empty, random, or random with one rank's rows empty;
     shrinks toward full rows (no padding), so a failure is shown with the least padding that causes it.
@@ -103,9 +104,10 @@ def padding(draw, *, steps: int, accum_steps: int, micro_batch: int, world: int,
     first row then keeps one). some_padding=True: the first global micro-batch is never full (shrinking
     toward one target fewer in each of its rows), so a window's micro-batches hold different numbers of
     valid targets — where a per-micro-batch or per-rank mean and the token mean part ways. `rank_rows`: an
-    uneven window's rows (Case.rank_rows; a rank past its last micro-step holds no rows of that micro-batch)."""
+    uneven window's rows (Case.rank_rows; a rank past its last micro-step holds no rows of that micro-batch).
+    `last_window`: the last window's micro-batches where it is short (Case.last_window)."""
     out = []
-    for i in range(steps * accum_steps):
+    for i in range(steps * accum_steps - (0 if last_window is None else accum_steps - last_window)):
         m = i % accum_steps
         forced = some_padding and i == 0
         mode = draw(st.sampled_from(["random", "empty", "rank_empty"] if forced else ["full", "random", "empty", "rank_empty"]))
@@ -133,12 +135,14 @@ def _row_length(adapter, options) -> int:
 @st.composite
 def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int = 4,
           min_steps: int = 1, max_steps: int = 3, device: str | None = None, world: int = 1,
-          padded: bool | None = None, some_padding: bool = False, uneven: bool | None = None) -> Case:
+          padded: bool | None = None, some_padding: bool = False, uneven: bool | None = None,
+          short: bool = False) -> Case:
     """(N, B, K, seeds, options, precision[, padding][, uneven windows]) for `adapter`. N shrinks to min_accum,
     the rest to their minimum, the precision to the adapter's first. padded: None draws it (adapters with an
     ignore_index only), True / False forces it; some_padding: a padded window is never all full rows
     (padding(some_padding=True)); uneven: None draws it at W ≥ 2 for an adapter that declares `uneven` (shrinking
-    toward even), False never."""
+    toward even), False never; short: True draws, for an adapter that declares `short_last_window` (world 1, N ≥ 2),
+    whether the last window is short and its 1..N−1 micro-batches (shrinking toward full windows)."""
     c = Case(
         accum_steps=draw(st.integers(min_accum, max_accum)),
         micro_batch=draw(st.integers(1, max_micro_batch)),
@@ -153,12 +157,20 @@ def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_ba
     )
     if world >= 2 and declares_uneven(adapter) and (uneven if uneven is not None else draw(st.booleans())):
         c = c.replace(rank_rows=draw(uneven_windows(world=world, max_accum=max_accum, max_micro_batch=max_micro_batch)))
+    if short and world == 1 and c.accum_steps >= 2 and declares_short(adapter) and draw(st.booleans()):
+        c = c.replace(last_window=draw(st.integers(1, c.accum_steps - 1).map(lambda n: c.accum_steps - n)))
     if adapter.ignore_index is not None and (padded if padded is not None else draw(st.booleans())):
         c = c.replace(lengths=draw(padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=c.micro_batch,
                                            world=world, seq_len=_row_length(adapter, c.options),
                                            empty_windows=adapter.empty_windows, some_padding=some_padding,
-                                           rank_rows=c.rank_rows)))
+                                           rank_rows=c.rank_rows, last_window=c.last_window)))
     return c
+
+
+def declares_short(adapter) -> bool:
+    """Short last windows are drawn only for an adapter that declares them (Adapter.short_last_window): a trainer
+    told nothing divides every window by N, right only on full ones."""
+    return bool(getattr(adapter, "short_last_window", False))
 
 
 def declares_uneven(adapter) -> bool:
@@ -240,10 +252,9 @@ def _corner_options(adapter):
 def _hard_padding(case: Case, seq_len: int) -> tuple:
     """Window 0: micro-batch 0 partly padded (its rows' valid counts differ), micro-batch 1 empty, micro-batch 2
     (N ≥ 3) empty on the last rank only; later windows full but one row. No window is left without a valid target."""
-    E, W = case.effective_batch, case.world
-    out = []
+    W, out = case.world, []
     for k in range(case.steps):
-        for m, r, rows in case.layout():
+        for m, r, rows in case.layout(k):
             for b in range(rows):
                 if k == 0 and m == 0:
                     out.append(max(1, seq_len // 2) if (r, b) == (0, 0) else seq_len - 1)
@@ -251,15 +262,15 @@ def _hard_padding(case: Case, seq_len: int) -> tuple:
                     out.append(0)
                 else:
                     out.append(seq_len - 1 if (m, r, b) == (0, 0, 0) else seq_len)
-    assert len(out) == case.steps * E
+    assert len(out) == sum(map(case.rows_of, range(case.steps)))
     return tuple(out)
 
 
 def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, device: str | None = None,
-          rank_rows=None) -> Case:
+          rank_rows=None, last_window=None) -> Case:
     c = Case(accum_steps=N, micro_batch=B, steps=K, world=W, seed=1, data_seed=2, options=_corner_options(adapter),
              device=device or gate_device(), precision=adapter.precisions[0], terms=window_terms(adapter),
-             rank_rows=rank_rows)
+             rank_rows=rank_rows, last_window=last_window)
     if padded and adapter.ignore_index is not None:
         c = c.replace(lengths=_hard_padding(c, _row_length(adapter, c.options)))
     return c
@@ -276,12 +287,18 @@ def _mesh_corner(adapter, axis: str, B: int = 2):
     return c.replace(accum_steps=chunks * 2, mesh=mesh, pipeline_chunks=chunks)
 
 
+# The long-window corner: K = 2 windows of N = 129 micro-steps, 258 in the run: past 256, where a uint8 counter
+# wraps (window 0 alone passes 128, an int8's), and N divides neither, so a wrapped count lands mid-window.
+LONG_CORNER = (129, 2)
+
+
 def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> list:
     """The known-hard cases of `gate` (a GATE_BUDGETS key) for `adapter`, within [min_world, max_world], in the
     form the gate test's @given draws (a Case; overflow: (case, micro, rank); mesh_split: (case, world)):
 
     equivalence, normaliser, empty_window,   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in
-    parity                                  window 0
+    parity                                  window 0; equivalence, for an adapter that declares short_last_window:
+                                            also the same with window 1 short (last_window=2)
     split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
     metrics                                 N=3 B=2 K=3, padded: as equivalence's, one step longer
     data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
@@ -291,12 +308,17 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
     overflow                                the overflow in the boundary's micro-step (N−1) on the LAST rank of
                                             the top world; at W ≥ 2 also micro-step 0 on rank 1 of W=2
     mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2 with 2 outer steps
+    long_windows                            N=129 B=1 K=2 (LONG_CORNER): a run of more than 256 micro-steps
     """
     lo, hi = min_world, max(min_world, max_world)
     if gate in ("equivalence", "normaliser", "empty_window", "parity"):
-        return [_base(adapter, N=3, B=2, K=2, padded=True)]
+        short = gate == "equivalence" and declares_short(adapter)  # then also window 1 short: 2 of 3 micro-batches
+        return [_base(adapter, N=3, B=2, K=2, padded=True)] + ([_base(adapter, N=3, B=2, K=2, padded=True,
+                                                                      last_window=2)] if short else [])
     if gate == "split_invariance":
         return [_base(adapter, N=3, B=2, K=1, padded=True)]
+    if gate == "long_windows":
+        return [_base(adapter, N=LONG_CORNER[0], B=1, K=LONG_CORNER[1])]
     if gate == "metrics":  # three steps: a warm-up's LR changes between them
         return [_base(adapter, N=3, B=2, K=3, padded=True)]
     if gate in ("data_parallel", "bytes_per_step"):

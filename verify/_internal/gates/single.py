@@ -28,7 +28,7 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     f64, runs64 = torch.float64, {} if runs64 is None else runs64
     run = lambda n, dtype, data=batches: drive(  # noqa: E731
         adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter)), data, n, dtype=dtype,
-        device=device, gate=gate)
+        device=device, gate=gate, last=case.last_window if n == N else None)  # the big batch: one step per window
 
     def kept(n, data=batches, what="rows"):
         if (what, n) not in runs64:
@@ -38,7 +38,7 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     acc, big = run(N, torch.float32), run(1, torch.float32)
     acc64, ref64 = kept(N), kept(1)
     measure = lambda i: measured_floor(ref64, kept(1, twin(batches, TWIN_COPIES[i]), f"twin {i}"))  # noqa: E731
-    j, doomed, floor = Judge(gate, case), None, None
+    j, doomed, floor = (Judge if case.last_window is None else _ShortJudge)(gate, case), None, None
     try:
         try:  # the float64 verdict, looked at first and raised last: a case that fails anyway computes no κ
             floor = j.float64(acc64, ref64, measure)
@@ -54,6 +54,26 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
         failure = determinism(e, lambda: run(N, torch.float32), acc)
         raise by_term(adapter, case, failure, lambda c: _equivalence(adapter, c, device)) from None
     return GateResult(gate, case, j.worst, j.worst_ratio, floor64=floor)
+
+
+class _ShortJudge(Judge):
+    """The Judge of a case with a short last window (Case.last_window): a failure in that window's step (the steps
+    are judged in order, so every earlier one agreed) names it and carries the hint — set by its raiser, so the
+    re-run diagnosis leaves it (docs/design/protocol.md, "Short last windows")."""
+
+    def fail(self, msg: str, step: int = 0, *, error=None, bound=None):
+        c = self.case
+        if step != c.steps - 1:
+            return super().fail(msg, step, error=error, bound=bound)
+        try:
+            super().fail(f"{msg} (step {step} is the short last window: {c.last_window} of N={c.accum_steps} "
+                         f"micro-batches; its big batch: one step on its {c.rows_of(step)} row(s))", step,
+                         error=error, bound=bound)
+        except GateFailure as e:
+            e.hint = (f"it differs in the short last window ({c.last_window} of N={c.accum_steps} micro-batches): "
+                      f"normalise that window by its own count — Spec.window(k) micro-batches, or its rows or valid "
+                      f"tokens — not by accum_steps")
+            raise
 
 
 def _bit_exact(adapter, case: Case, device: str) -> GateResult:
