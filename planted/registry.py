@@ -29,6 +29,7 @@ from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_me
                      hsdp_adapters,
                      moe_adapters, objective_adapters, overflow_adapters, packed_adapters, parity_adapters, pull_loops,
                      short_adapters, uneven_adapters)
+from planted import broken_amp_metrics  # issue 42 item 3: metrics in every precision
 from xtrain_proof.options import XtrainOptions
 
 
@@ -527,6 +528,25 @@ PLANTED: tuple[PlantedBug, ...] = (
                r"after step 1: .*\(step 1 is the short last window: 2 of N=3 micro-batches",
                Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, last_window=2,
                     lengths=(4, 1, 0, 3, 2, 4, 4, 0, 1, 3))),
+    # -- issue 42 item 3, metrics in every precision (broken_amp_metrics.py): read from the loss-scaled gradient --
+    PlantedBug("norm_before_unscale", "grad_norm logged from the fp16 gradient before scaler.unscale_ (×the loss scale)",
+               broken_amp_metrics.norm_before_unscale, Gate.REPORTED_METRICS,
+               r"the fp16 accumulation run, step 0: grad_norm reported \S+, expected \S+ \(‖the boundary gradient‖, "
+               r"every element once\) \(×1024 = the loss scale\)", Case(accum_steps=3, micro_batch=2, steps=2, seed=1,
+                                                                         data_seed=2, precision="fp16")),
+    PlantedBug("clip_before_unscale", "clip_grad_norm_ before scaler.unscale_: clips by max_norm / the scaled norm",
+               broken_amp_metrics.clip_before_unscale, Gate.REPORTED_METRICS,
+               r"the fp16 accumulation run, step 0: the clip coefficient applied: .* \(= max_norm over the norm × the "
+               r"loss scale\): clipping ran on the loss-scaled gradient, before unscale_",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, precision="fp16")),
+    PlantedBug("clip_coef_from_scaled_norm", "clip_coef logged from the norm read before unscale_ (the norm ÷ scale by hand)",
+               broken_amp_metrics.clip_coef_from_scaled_norm, Gate.REPORTED_METRICS,
+               r"the fp16 accumulation run, step 0: clip_coef reported \S+, expected \S+ .*\(= max_norm over the norm × "
+               r"the loss scale\)", Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, precision="fp16")),
+    PlantedBug("scaled_under_bf16", "a GradScaler kept on under bf16, grad_norm logged before unscale_",
+               broken_amp_metrics.scaled_under_bf16, Gate.REPORTED_METRICS,
+               r"the bf16 accumulation run, step 0: grad_norm reported .* \(×1024 = the loss scale\)",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, precision="bf16")),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

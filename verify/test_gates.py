@@ -203,7 +203,8 @@ def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):
 def test_reported_metrics(verify_adapter):
     """Adapters that declare Metrics: what metrics() logs each step (loss, pre-clip grad_norm, clip_coef, lr,
     tokens / rows) equals the harness's own value and the big batch's; with a max_norm, the coefficient the
-    optimizer saw applied too (verify/_internal/gates/metrics.py)."""
+    optimizer saw applied too (verify/_internal/gates/metrics.py); in each declared bf16 / fp16, against that
+    run's own unscaled values (its corners: one per precision)."""
     from verify._internal.gates.metrics import check_metrics, not_declared
 
     if verify_adapter.metrics is None:
@@ -214,7 +215,7 @@ def test_reported_metrics(verify_adapter):
 
     @settings(max_examples=random_budget("metrics", hard), deadline=None)
     @given(case=cases(verify_adapter, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=3))
-    def metrics(case):  # float64 runs: the drawn precision does not apply
-        report.record(check_metrics(verify_adapter, case.replace(precision="fp32")))
+    def metrics(case):  # the float64 runs; a drawn bf16 / fp16 also that precision's run, against its own values
+        report.record(check_metrics(verify_adapter, case))
 
     with_corners(metrics, hard)()

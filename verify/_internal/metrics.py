@@ -99,17 +99,19 @@ class Observer:
         stepping(t)      around optimizer_step(): each optimizer's step pre-hook reads the LR it applies and
                          Σ g² of this rank's gradients as stepped (after clipping); afterwards the LR it holds
         reported(t)      what metrics() returned
-    One dict per step in `steps` (plain floats: it pickles back from pool ranks)."""
+    One dict per step in `steps` (plain floats: it pickles back from pool ranks). `scaled`: a bf16 / fp16 run
+    (gates/metrics.py judge_precision), whose trainer's loss_scale() is read as its step begins: the scale the
+    window's backward used, so a failure can name it."""
 
-    def __init__(self, metrics: Metrics, ignore_index: int | None):
-        self.metrics, self.ignore, self.steps = metrics, ignore_index, []
+    def __init__(self, metrics: Metrics, ignore_index: int | None, *, scaled: bool = False):
+        self.metrics, self.ignore, self.steps, self.scaled = metrics, ignore_index, [], scaled
         self.opts: list = []  # the optimizers an earlier step saw: their own pre-clip gradients are read from then on
         self._new()
 
     def _new(self) -> None:
         # pre / applied: (Σ g², elements) of this rank's gradients before clipping / as an optimizer stepped them
-        self.cur = dict(micro_tokens=[], micro_rows=[], sumsq=None, pre=None, applied=None, lr=None,
-                        lr_after=None, stepped=False, reported={})
+        self.cur = dict(micro_tokens=[], micro_rows=[], sumsq=None, elements=0, pre=None, applied=None, lr=None,
+                        lr_after=None, stepped=False, loss_scale=None, reported={})
 
     def micro(self, targets: torch.Tensor) -> None:
         valid = int((targets != self.ignore).sum()) if self.ignore is not None else targets.numel()
@@ -120,10 +122,15 @@ class Observer:
         full = {k: (v.full_tensor() if callable(getattr(v, "full_tensor", None)) else v) for k, v in g.items()
                 if v is not None}
         self.cur["sumsq"] = {k: _sumsq(v) for k, v in full.items()}
+        self.cur["elements"] = sum(v.numel() for v in full.values())
         local = [_local(v) for v in g.values() if v is not None]
         self.cur["pre"] = (sum(map(_sumsq, local)), sum(v.numel() for v in local))
         if self.opts:  # the optimizer's own view before it clips (FSDP2: this rank's shards, where grads() is whole)
-            self.cur["pre"] = _stepped(self.opts)
+            mine = _stepped(self.opts)
+            # a scaled run's optimizer may still hold the scaled gradient (unscale_ inside optimizer_step, grads()
+            # a copy): where it holds the same elements as grads(), grads() is the view
+            if not (self.scaled and mine[1] == self.cur["pre"][1]):
+                self.cur["pre"] = mine
 
     @contextlib.contextmanager
     def stepping(self, trainer):
@@ -139,6 +146,9 @@ class Observer:
                 opts.append(opt)
                 self.cur["applied"] = _stepped(opts)  # its gradients as stepped: after clipping
 
+        scale = getattr(trainer, "loss_scale", None)
+        if self.scaled and callable(scale):  # before optimizer_step(): the scale before the scaler's update()
+            self.cur["loss_scale"] = float(scale())
         handle = register_optimizer_step_pre_hook(pre)
         try:
             yield

@@ -13,7 +13,7 @@ import json
 import os
 
 from verify._internal.ranks.comm import LINKS
-from verify._internal.gates.tolerance import FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT
+from verify._internal.gates.tolerance import C, FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT
 from verify._internal.verdict import Gate
 
 __all__ = ["record", "skip", "write", "replaces", "read", "render_md", "REPORT_NAME"]
@@ -42,7 +42,9 @@ BOUNDS = {
                                 "each vs the same 1×1×1 big batch",
     Gate.REPORTED_METRICS: f"float64 runs, every step: each reported metric vs the harness's own value (the pre-clip norm over "
                   f"every element once, min(1, max_norm / norm), the LR the optimizer applied, the window's counts) and "
-                  f"vs the big batch's report, rel ≤ {FLOAT64_TEXT.split('·max')[0]}; counts exact",
+                  f"vs the big batch's report, rel ≤ {FLOAT64_TEXT.split('·max')[0]}; counts exact; a bf16 / fp16 "
+                  f"case also its run in that precision vs its own unscaled values: norms within exp((n + 8)·eps32) − 1 "
+                  f"(n elements), the loss within {C:g}·eps_p·max(1, κ)",
     Gate.OVERFLOW: "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
                    "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
     Gate.PATH_PARITY: "the declared switch on vs off, same windows and init: every loss, step-0 gradient and parameter "
@@ -108,10 +110,10 @@ def record(result) -> None:
         if ex.get("metrics"):  # the same run's reported metrics, judged on its float64 run
             _metrics_tally(_gate(Gate.REPORTED_METRICS.value), ex["metrics"], result.case)
         return
-    s = _gate(_key(gate, result.case))
-    if gate is Gate.REPORTED_METRICS:
-        _metrics_tally(s, result.extra, result.case, result)
+    if gate is Gate.REPORTED_METRICS:  # one key: a bf16 / fp16 run's metrics are tallied as grad_norm@fp16, ...
+        _metrics_tally(_gate(gate.value), result.extra, result.case, result)
         return
+    s = _gate(_key(gate, result.case))
     s["examples"] += 1
     _keep_floor(s, result)
     if gate is Gate.NORMALISER and result.extra.get("packed_rows"):  # windows of packed rows, and a document halved
@@ -381,7 +383,8 @@ def _metrics_rows(m: dict, decl: dict | None) -> list[str]:
         if name not in d.get("names", []) and name != "clip (applied)":
             out.append(f"| {name} | — | — | not reported |")
             continue
-        c = conv.get(name)
-        out.append(f"| {name} | {m.get('checked', {}).get(name, 0)} | {d.get(c, CONVENTIONS[c][0]) if c else '—'} | "
-                   f"{m.get('unchecked', {}).get(name, '')} |")
+        c, checked = conv.get(name), m.get("checked", {})
+        low = ", ".join(f"{k.split('@')[1]} {n}" for k, n in sorted(checked.items()) if k.startswith(name + "@"))
+        out.append(f"| {name} | {checked.get(name, 0)}{f' (+ {low})' if low else ''} | "
+                   f"{d.get(c, CONVENTIONS[c][0]) if c else '—'} | {m.get('unchecked', {}).get(name, '')} |")
     return out

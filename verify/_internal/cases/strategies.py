@@ -300,7 +300,8 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
     parity                                  window 0; equivalence, for an adapter that declares short_last_window:
                                             also the same with window 1 short (last_window=2)
     split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
-    metrics                                 N=3 B=2 K=3, padded: as equivalence's, one step longer
+    metrics                                 N=3 B=2 K=3, padded: as equivalence's, one step longer; again in
+                                            each declared bf16 / fp16 (its reports judged in that precision too)
     data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
                                             and one empty on the last rank only; data_parallel, for an adapter
                                             that declares `uneven`: also rank_rows (2, 2, 2) on every rank but the
@@ -319,8 +320,9 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
         return [_base(adapter, N=3, B=2, K=1, padded=True)]
     if gate == "long_windows":
         return [_base(adapter, N=LONG_CORNER[0], B=1, K=LONG_CORNER[1])]
-    if gate == "metrics":  # three steps: a warm-up's LR changes between them
-        return [_base(adapter, N=3, B=2, K=3, padded=True)]
+    if gate == "metrics":  # three steps: a warm-up's LR changes between them; each declared autocast precision
+        base = _base(adapter, N=3, B=2, K=3, padded=True)
+        return [base] + [base.replace(precision=p) for p in adapter.precisions if p != base.precision and p != "fp32"]
     if gate in ("data_parallel", "bytes_per_step"):
         worlds = sorted({w for w in (max(2, lo), hi) if lo <= w <= hi and w >= 2})
         out = [_base(adapter, N=3, B=2, K=2, W=w, padded=True) for w in worlds]

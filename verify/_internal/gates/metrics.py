@@ -1,12 +1,13 @@
 """The metrics gate: what a trainer reports per optimizer step (metrics(), declared by verify.Metrics) against
 the harness's own value of the same step, and against the trainer's own big batch; with a declared max_norm,
-also the clip coefficient as the optimizer saw it applied. Judged on the float64 runs (the trainer's own code
-path, its rounding far below any factor a bug puts in), within the float64 bound of tolerance.py.
+also the clip coefficient as the optimizer saw it applied. Judged on the float64 runs, within the float64 bound;
+a bf16 / fp16 case also on its run in that precision against its own unscaled values (judge_precision; each
+precision's bounds: gates/metrics_bounds.py).
 
     check_metrics    one process: N micro-steps vs the big batch at N = 1 (gates/single.py's runners)
     judge_run        one run (one rank of a data-parallel or mesh world too) against its expected values
 Each failure names the metric, the step, the rank, both numbers and the factor between them where it is a
-count of the case (×N micro-steps, ×W ranks, ...). Design: docs/design/metrics.md.
+count of the case (×N micro-steps, ×W ranks, ...) or the loss scale. Design: docs/design/metrics.md.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 from verify._internal.cases.case import Case, drive, shard
 from verify._internal.metrics import ENABLE, Observer, applied_coef, max_norm_of, norm_of
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
-from verify._internal.gates.tolerance import bound64, factor_text
+from verify._internal.gates.metrics_bounds import FLOAT64, Float64Bounds, LowBounds, loss_kappa
+from verify._internal.gates.tolerance import factor_text
 
 __all__ = ["check_metrics", "judge_run", "not_declared", "observer", "expected_counts", "MetricsTally"]
 
@@ -62,57 +64,77 @@ class MetricsTally:
                     clipped_steps=self.clipped, metric_steps=self.steps)
 
 
-def _close(got: float, want: float, tol: float) -> tuple[bool, float]:
-    """(within, relative error): NaN agrees only with NaN; an exact 0 wants |got| ≤ tol."""
+def _close(got: float, want: float, tol: float, error=None) -> tuple[bool, float]:
+    """(within, relative error — or `error(got, want)`): NaN agrees only with NaN; an exact 0 wants |got| ≤ tol."""
     if math.isnan(want) or math.isnan(got):
         return math.isnan(want) and math.isnan(got), 0.0
-    err = abs(got - want) / (abs(want) or 1.0)
+    err = error(got, want) if error is not None else abs(got - want) / (abs(want) or 1.0)
     return err <= tol, err
 
 
 def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, losses: list, *, who: str,
               rank: int = 0, world: int = 1, big: list[dict] | None = None, last_micro=None, tally=None,
-              no_loss=frozenset()) -> MetricsTally:
+              no_loss=frozenset(), bounds: Float64Bounds = FLOAT64) -> MetricsTally:
     """One run's reported metrics, step by step, against what the harness expects of them:
 
     seen     the run's Observer steps (this rank's)        norms   the harness's global pre-clip norm per step
-    counts   (valid targets, rows) of each whole window     losses  the float64 big batch's step loss per step
+    counts   (valid targets, rows) of each whole window     losses  the expected step loss per step (the float64
+                                                                    big batch's; a low-precision run's own)
     big      the big batch's own Observer steps (its reported metrics: the same value is expected of both)
     last_micro  () -> this rank's last micro-batch's float64 loss at step 0 (Metrics(loss="last_micro"))
     no_loss  the steps whose optimizer_step() returned None on this rank (a pipeline's earlier stage, as the
              protocol allows): the rank does not know the loss, so metrics() may leave 'loss' out there
+    bounds   each metric's bound and what a failure can name (FLOAT64; a bf16 / fp16 run's: LowBounds, both in
+             gates/metrics_bounds.py)
     Raises GateFailure('[reported metrics] ...') naming the metric, the step, the rank and the factor."""
-    m, tally = adapter.metrics, tally or MetricsTally()
-    tol = bound64()
+    m, tally, b = adapter.metrics, tally or MetricsTally(), bounds
     where = f"rank {rank}: " if world > 1 else ""
     cap = max_norm_of(m, case.options)
 
-    def fail(msg, k, err=None, b=None):
+    def fail(msg, k, err=None, bnd=None, hint=None):
         raise GateFailure(f"[{Gate.REPORTED_METRICS}] {where}{who}, step {k}: {msg}; case {case}", gate=Gate.REPORTED_METRICS,
-                          case=case, error=err, bound=b)
+                          case=case, error=err, bound=bnd, hint=hint)
+
+    def judged(name, k, s, got, want):
+        """(within, error, bound): a check that fails at its κ = 1 bound is judged again with a measured κ."""
+        tol = b.tol(name, k, s)
+        ok, err = _close(got, want, tol, b.error(name))
+        better = None if ok else b.refine(name, k)
+        if better is not None:
+            tol = better
+            ok, err = _close(got, want, tol, b.error(name))
+        return ok, err, tol
+
+    def named(got, want, s, tol, extra=()):
+        text = factor_text(got, want, case, extra, b.factors(s), max(1e-6, tol))  # within the run's own rounding
+        return text, b.hint(text)
 
     for k, s in enumerate(seen):
         tally.steps += 1
         rep, norm = s["reported"], norms[k]
+        finite = norm is not None and math.isfinite(norm)  # not finite: an fp16 window that overflowed, skipped
         empty = counts[k][0] == 0 and adapter.ignore_index is not None
         stepped = s["stepped"]
         applied = applied_coef(s)  # ‖g as stepped‖ / ‖g pre-clip‖, this rank
-        want_coef = None if cap is None or norm is None else min(1.0, cap / (norm + m.clip_eps))
+        want_coef = None if cap is None or not finite else min(1.0, cap / (norm + m.clip_eps))
         if want_coef is not None and want_coef < 1.0 and stepped:
             tally.clipped += 1
         # clipping as applied: the optimizer saw the pre-clip gradient × min(1, max_norm / the GLOBAL norm)
         if want_coef is not None and stepped:
             if applied is None:
-                tally.unchecked.setdefault("clip (applied)", "the optimizer holds other elements than grads() shows "
-                                           "(its shards, at step 0), or grads() was not read (grads_from='optimizer')")
+                tally.unchecked.setdefault("clip (applied)" + b.label, "the optimizer holds other elements than "
+                                           "grads() shows (its shards, at step 0), or grads() was not read "
+                                           "(grads_from='optimizer')")
             else:
-                ok, err = _close(applied, want_coef, tol)
+                ok, err, tol = judged("clip (applied)", k, s, applied, want_coef)
                 if not ok:
+                    text, hint = named(applied, want_coef, s, tol, b.extra(s, "clip_coef", cap, m.clip_eps))
+                    cause = ("clipping ran on the loss-scaled gradient, before unscale_" if hint else "the coefficient "
+                             "came from a partial or per-rank norm, or clipping ran before the reduction")
                     fail(f"the clip coefficient applied: the optimizer stepped ‖g‖ × {applied:.6g}, but max_norm "
-                         f"{cap:g} over the global pre-clip norm {norm:.6g} gives {want_coef:.6g}"
-                         f"{factor_text(applied, want_coef, case)}: the coefficient came from a partial or per-rank "
-                         f"norm, or clipping ran before the reduction", k, err, tol)
-                tally.ok("clip (applied)", err, tol, f"clip coefficient applied (step {k})")
+                         f"{cap:g} over the global pre-clip norm {norm:.6g} gives {want_coef:.6g}{text}: {cause}",
+                         k, err, tol, hint)
+                tally.ok("clip (applied)" + b.label, err, tol, f"clip coefficient applied{b.label} (step {k})")
         for name in m.names:
             if name not in rep:
                 if empty or (name == "loss" and k in no_loss):
@@ -121,19 +143,19 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
             got = rep[name]
             if isinstance(got, str):
                 fail(f"metric {name!r} is {got}, not a number", k)
-            want, extra, why = _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen)
+            want, extra, why = _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen, b)
             if want is None:
-                tally.unchecked.setdefault(name, why)
+                tally.unchecked.setdefault(name + b.label, why)
                 continue
-            ok, err = _close(got, want, 0.0 if name in ("tokens", "rows") else tol)
+            ok, err, tol = judged(name, k, s, got, want)
             if not ok and name == "loss" and m.loss == "window" and k == 0 and last_micro is not None:
                 extra = (("the loss of this rank's last micro-batch", last_micro()),)  # run only to name a failure
             if not ok:
-                fail(f"{name} reported {got!r}, expected {want!r} ({why}){factor_text(got, want, case, extra)}",
-                     k, err, tol)
-            tally.ok(name, err, tol or 1.0, f"{name} (step {k})")
+                text, hint = named(got, want, s, tol, (*extra, *b.extra(s, name, cap, m.clip_eps)))
+                fail(f"{name} reported {got!r}, expected {want!r} ({why}){text}", k, err, tol, hint)
+            tally.ok(name + b.label, err, tol or 1.0, f"{name}{b.label} (step {k})")
             if big is not None and k < len(big) and name in big[k]["reported"] and _same_in_big(name, m):
-                ok, err = _close(got, big[k]["reported"][name], 0.0 if name in ("tokens", "rows") else tol)
+                ok, err = _close(got, big[k]["reported"][name], tol)
                 if not ok:
                     fail(f"{name} reported {got!r}, the big batch reported {big[k]['reported'][name]!r} for the same "
                          f"step{factor_text(got, big[k]['reported'][name], case)}", k, err, tol)
@@ -145,17 +167,21 @@ def _same_in_big(name: str, m) -> bool:
     return not ((name == "loss" and m.loss == "last_micro") or (name in ("tokens", "rows") and m.counts == "rank"))
 
 
-def _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen):
+def _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen, b=FLOAT64):
     """(value the harness expects, [(name, value) a wrong report may equal], what it is) — value None: this step
     cannot be checked, and the third item says why."""
     if name == "loss":
         if m.loss == "window":
-            return losses[k], (), "the float64 big batch's step loss"
+            return losses[k], (), b.loss_what
+        if b.own_loss:
+            return None, (), "loss='last_micro' is judged on the float64 runs (at step 0), not in low precision"
         if k > 0 or last_micro is None:
             return None, (), "loss='last_micro' is known to the harness at step 0 only (the initial parameters)"
         return last_micro(), (("the window's loss", losses[0]),), "the loss of this rank's last micro-batch at step 0"
     if name in ("grad_norm", "clip_coef") and norm is None:
         return None, (), "the harness has no pre-clip gradient (grads_from='optimizer' reads it after clipping)"
+    if name in ("grad_norm", "clip_coef") and not math.isfinite(norm):
+        return None, (), "a window whose unscaled gradient is not finite (fp16 overflow: the scaler skips its step)"
     if name == "grad_norm":
         after = norm * applied if applied is not None else (norm * want_coef if want_coef is not None else None)
         if m.grad_norm == "pre_clip":
@@ -193,7 +219,9 @@ def _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micr
 
 def check_metrics(adapter, case: Case, *, pool=None) -> GateResult:
     """One process: the float64 accumulation run and the float64 big batch, each against the harness's own
-    values, and against each other (GateSkipped, with how to enable it, for an adapter without metrics)."""
+    values, and against each other (GateSkipped, with how to enable it, for an adapter without metrics); a
+    bf16 / fp16 case also its accumulation run in that precision, against that run's own values
+    (judge_precision)."""
     from verify._internal.gates.single import run_alone
 
     if adapter.metrics is None:
@@ -226,8 +254,23 @@ def metrics_gate(adapter, case: Case, device: str) -> GateResult:
     for who, tr, n, other in (("the big batch", big, 1, None), ("the accumulation run", acc, N, big)):
         judge_run(adapter, case, tr.seen, [norm_of(s) for s in tr.seen], counts, big.losses, who=who,
                   big=None if other is None else other.seen, last_micro=last_micro(n), tally=tally)
+    if case.precision != "fp32":  # the case's autocast precision: that run's reports against its own values
+        judge_precision(adapter, case, device, batches, counts, big, tally)
     return GateResult(Gate.REPORTED_METRICS, case, tally.worst, tally.ratio, **tally.extra())
 
+
+
+def judge_precision(adapter, case: Case, device: str, batches, counts, big, tally) -> None:
+    """The case's accumulation run in its autocast precision (parameters fp32), each report against that run's
+    own values — grads()' norm (unscaled, as the protocol defines it), the loss optimizer_step() returned —
+    within LowBounds (gates/metrics_bounds.py). `big`: the float64 big batch's Trace (step 0's loss, for κ)."""
+    N, p = case.accum_steps, case.precision
+    t = adapter(case.spec(accum_steps=N, device=device, adapter=adapter))
+    observe = Observer(adapter.metrics, adapter.ignore_index, scaled=True)
+    tr = drive(t, batches, N, device=device, gate=Gate.REPORTED_METRICS, observe=observe)
+    bounds = LowBounds(p, adapter.metrics, lambda k: loss_kappa(adapter, case, device, batches, k, big))
+    judge_run(adapter, case, tr.seen, [norm_of(s) for s in tr.seen], counts, tr.losses,
+              who=f"the {p} accumulation run", tally=tally, bounds=bounds)
 
 
 def block_loss_job(ctx, adapter, case: Case, rank: int) -> float:

@@ -172,19 +172,20 @@ def _factors(case) -> list[tuple[str, float]]:
     return [(n, f) for n, f in out + inv if f != 1.0]
 
 
-def factor_text(got: float, want: float, case, extra=()) -> str:
-    """' (×2 = W (ranks))' where got / want is one of the case's counts (or of `extra`: (name, value) of
-    another quantity `got` may be), else ' (×1.37)'."""
+def factor_text(got: float, want: float, case, extra=(), factors=(), within: float = 1e-6) -> str:
+    """' (×2 = W (ranks))' where got / want is one of the case's counts (or of `factors`: (name, factor) the run
+    knows, such as its loss scale; or of `extra`: (name, value) of another quantity `got` may be), else
+    ' (×1.37)'. `within`: the relative rounding a match may differ by (a low-precision run's bound)."""
     if not (math.isfinite(got) and math.isfinite(want)) or want == 0:
         return ""
     for name, value in extra:
-        if value is not None and math.isfinite(value) and abs(got - value) <= 1e-6 * max(abs(value), 1e-30):
+        if value is not None and math.isfinite(value) and abs(got - value) <= within * max(abs(value), 1e-30):
             return f" (= {name})"
     if got == 0:
         return " (zero)"
     r = got / want
-    for name, f in _factors(case):
-        if abs(r / f - 1.0) <= 1e-6:
+    for name, f in (*factors, *_factors(case)):
+        if abs(r / f - 1.0) <= within:
             return f" (×{r:.4g} = {name})"
     return f" (×{r:.4g})"
 
