@@ -160,7 +160,7 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
     def long_windows(data):
         case = data.draw(cases(verify_adapter, min_accum=64, max_accum=LONG_N, max_micro_batch=1, max_steps=2),
                          label="case")
-        report.record(check_equivalence(verify_adapter, case))
+        report.record(check_equivalence(verify_adapter, case), Gate.LONG_WINDOW)  # its own row, not equivalence's
         try:
             report.record(check_partial_sums(verify_adapter, case))
         except GateSkipped as e:
@@ -170,7 +170,7 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
         low = data.draw(cases(verify_adapter, min_accum=LONG_N, max_accum=LONG_N, max_micro_batch=1, max_steps=1),
                         label="low-precision case")
         for r in check_long_window(verify_adapter, low):
-            report.record(r)
+            report.record(r, Gate.LONG_WINDOW)
 
     with seed_only_draws():
         long_windows()

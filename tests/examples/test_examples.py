@@ -114,6 +114,9 @@ def test_data_parallel_examples_pass_every_gate(tmp_path, name):
     assert gates["boundary-only"]["boundary_bytes_over_gradient_bytes"][1] < 1.1  # the gradients once (+ the loss)
     assert gates["boundary-only"]["expected_before_boundary"] > 0  # DDP's declared bucket rebuild was seen
     assert "declares no plain" in gates["bit-exact"]["skip_reason"] and "declares no plain" in r.stdout
+    # bytes per step ran and is counted as such (issue 42: its passes went to the data-parallel rows only)
+    assert gates["bytes per step"]["examples"] >= gate_budget("bytes_per_step", DEV), gates
+    assert "bytes per step:" not in r.stdout.split("verify: not checked", 1)[1]
     _metrics_judged(name, gates)
 
 
