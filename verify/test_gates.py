@@ -163,7 +163,7 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
                            cases(verify_adapter, min_accum=LONG_N, max_accum=LONG_N, max_micro_batch=1, max_steps=1)))
     def long_windows(drawn):
         case, low = drawn
-        report.record(check_equivalence(verify_adapter, case))
+        report.record(check_equivalence(verify_adapter, case), Gate.LONG_WINDOW)  # its own row, not equivalence's
         try:
             report.record(check_partial_sums(verify_adapter, case))
         except GateSkipped as e:
@@ -171,7 +171,7 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
         # Every declared low precision, at the longest window: a bf16 / fp16 accumulator's error grows with N
         # (one step: the float64 run, precision-free, already ran K steps above).
         for r in check_long_window(verify_adapter, low):
-            report.record(r)
+            report.record(r, Gate.LONG_WINDOW)
 
     with_corners(long_windows, hard, "drawn")()
 

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usef
 def _data_parallel(adapter):
     if not adapter.data_parallel:
         reason = f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))"
-        report.skip(Gate.BOUNDARY_ONLY, reason)
+        for gate in (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP):  # each says why it did not run
+            report.skip(gate, reason)
         pytest.skip(reason)
 
 
@@ -58,7 +59,7 @@ def test_bytes_per_step_independent_of_N(verify_adapter, verify_settings):
     @settings(max_examples=random_budget("bytes_per_step", hard), deadline=None)
     @given(case=dist_cases(verify_adapter, min_world=lo, max_world=hi, min_accum=2))
     def same_bytes(case):
-        report.record(check_same_bytes(verify_adapter, case))
+        report.record(check_same_bytes(verify_adapter, case), Gate.BYTES_PER_STEP)
 
     with_corners(same_bytes, hard)()
 

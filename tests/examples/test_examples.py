@@ -38,7 +38,8 @@ NEEDS = {"accelerate_accumulate": [needs_accelerate], "fabric_no_backward_sync":
 
 
 DATA_PARALLEL = ["ddp_no_sync", "accelerate_accumulate", "fabric_no_backward_sync"]
-METRICS = ["accelerate_accumulate", "fabric_no_backward_sync", "hf_trainer", "lightning_trainer"]  # report metrics
+METRICS = ["accelerate_accumulate", "fabric_no_backward_sync", "hf_trainer", "lightning_trainer",
+           "token_mean_lm"]  # report metrics
 
 
 def _metrics_judged(name, gates):
@@ -56,7 +57,7 @@ def _marks(name):
 
 
 RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents", "moe_aux", "trl_grpo",
-                             "deepspeed_zero"]
+                             "deepspeed_zero", "token_mean_lm"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -114,6 +115,9 @@ def test_data_parallel_examples_pass_every_gate(tmp_path, name):
     assert gates["boundary-only"]["boundary_bytes_over_gradient_bytes"][1] < 1.1  # the gradients once (+ the loss)
     assert gates["boundary-only"]["expected_before_boundary"] > 0  # DDP's declared bucket rebuild was seen
     assert "declares no plain" in gates["bit-exact"]["skip_reason"] and "declares no plain" in r.stdout
+    # bytes per step ran and is counted as such (issue 42: its passes went to the data-parallel rows only)
+    assert gates["bytes per step"]["examples"] >= gate_budget("bytes_per_step", DEV), gates
+    assert "bytes per step:" not in r.stdout.split("verify: not checked", 1)[1]
     _metrics_judged(name, gates)
 
 
@@ -126,6 +130,21 @@ def test_packed_recipe_passes_every_gate_on_packed_windows(tmp_path):
     assert norm["examples"] >= gate_budget("normaliser", DEV) and gates["equivalence"]["examples"] >= DEV
     assert norm["packed_examples"] >= 1 and norm["packed_halved"] >= 1, norm
     assert gates["boundary-only"]["worlds"] == [1, 2] and gates["data-parallel equivalence"]["worst_ratio"] < 1
+
+
+@pytest.mark.distributed
+def test_token_mean_recipe_passes_every_gate_at_worlds_1_and_2(tmp_path):
+    """The guide's token-weighted adapter whose micro-step sees one micro-batch (issue 42): Σ token losses per
+    micro-step, the count all-reduced once at the boundary (undeclared: an integer, not a gradient element), ÷ the
+    window's count. One smoke run under dev: the token gates, uneven windows and the metrics at worlds 1-2; its
+    self-test (24/24 at worlds 1-2) is run by hand, as docs/design/recipes.md says."""
+    r, gates = plugin(tmp_path, "token_mean_lm", (1, 2))
+    assert gates["split invariance"]["examples"] > 0 and gates["normaliser"]["examples"] > 0, gates
+    assert gates["empty window"]["examples"] > 0 and gates["long window"]["examples"] > 0, gates
+    assert gates["boundary-only"]["worlds"] == [1, 2] and gates["bytes per step"]["examples"] > 0, gates
+    assert gates["boundary-only"]["expected_before_boundary"] == 0  # nothing declared, nothing before the boundary
+    assert gates["data-parallel equivalence"]["uneven_examples"] > 0 and gates["data-parallel equivalence"]["worst_ratio"] < 1
+    _metrics_judged("token_mean_lm", gates)
 
 
 @pytest.mark.distributed

@@ -10,6 +10,8 @@ import sys
 import pytest
 from hypothesis import settings
 
+from verify._internal.cases.strategies import gate_budget
+
 
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,12 +80,18 @@ def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tm
     assert "not a git checkout" in md and "commit `None`" not in md  # tmp_path is no git repository
     skipped = serial.stdout.split("verify: not checked", 1)[1]  # on the terminal too, with the reason
     assert "boundary-only: examples.mlp_regressor.Trainer does not declare data parallelism" in skipped
+    # every gate that ran is counted (issue 42: the long window's passes went to equivalence's row, and the summary
+    # said it did not run); the data-parallel gates each say why they did not
+    assert g["long window"]["examples"] >= gate_budget("long_windows", DEV) and "long window:" not in skipped
+    assert "data-parallel equivalence: examples.mlp_regressor.Trainer does not declare data parallelism" in skipped
+    assert "verify: checked 4 of 15 gates and 5 of 6 metrics" in skipped  # equivalence, bit-exact, long window, metrics
     other = tmp_path / "elsewhere"
     par = pytest_verify(tmp_path, "--verify-trainer", "examples.mlp_regressor:factory", "-n", "2",
                         "--verify-report", str(other))
     assert par.returncode == 0, par.stdout[-3000:]
     two = _report(other)
     assert {k: v["examples"] for k, v in two["gates"].items()} == {k: v["examples"] for k, v in g.items()}
+    assert "verify: checked 4 of 15 gates and 5 of 6 metrics" in par.stdout
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])

@@ -1,6 +1,7 @@
 """The terminal and the report agree, and one trainer's state never lands on another's: the skipped-gates list
 names each gate once by its report key (verify.Gate), only where it ran no example; a run over another trainer's
 report says what it replaced; hypothesis' example database is kept per trainer (verify/_internal/plugin.py)."""
+import json
 import os
 import subprocess
 import sys
@@ -90,3 +91,116 @@ def test_a_buggy_trainers_saved_examples_survive_a_correct_trainers_run(tmp_path
     assert ("; it replaced the report of tests.helpers.corner_blind:adapter (" in good.stdout
             and "(--verify-report DIR keeps one per trainer)" in good.stdout), good.stdout[-2000:]
     assert report.read(str(here / "reports"))["trainer"] == "examples.mlp_regressor:factory"
+
+
+# -- every gate that ran is counted, serial or under xdist (issue 42, item 9) ---------------------------------------
+
+def _results():
+    """One passed example of every kind report.record tallies, in the order a run might record them: each key of
+    each tally appears (worst cases, floors, ranges by link, side traffic, uneven, packed, meshes, metrics)."""
+    from types import SimpleNamespace
+
+    from verify._internal.cases.case import Case
+    from verify._internal.ranks.mesh import Mesh
+    from verify._internal.verdict import GateResult
+
+    def dp(world, n, ratio, **kw):
+        links = [{"intra-node": 400 * world, "inter-node": 8 * n}]
+        return GateResult(Gate.DP_EQUIVALENCE, Case(accum_steps=n, micro_batch=1, steps=1, world=world, **kw),
+                          "rank 0: loss", ratio, comm=SimpleNamespace(expected_used=[1] * n), floor64=ratio / 1e9,
+                          boundary_bytes=[404 * world], boundary_collectives=[world], boundary_bytes_by_link=links,
+                          gradient_bytes=400, declared_side_traffic=n, metrics=metrics(n))
+
+    def metrics(n):
+        return dict(metrics_checked={"loss": n, "grad_norm": 2 * n}, metrics_unchecked={"lr": f"why {n}"},
+                    clipped_steps=n % 2, metric_steps=n)
+
+    one = lambda gate, n, ratio, **kw: GateResult(gate, Case(accum_steps=n, micro_batch=2, steps=1, **kw),  # noqa: E731
+                                                  f"check {n}", ratio, floor64=ratio / 1e10)
+    mesh = Case(accum_steps=2, micro_batch=1, steps=1, world=1, mesh=Mesh(pp=2))
+    return [
+        (one(Gate.EQUIVALENCE, 3, 0.2), None), (one(Gate.EQUIVALENCE, 2, 0.1, precision="bf16"), None),
+        (one(Gate.EQUIVALENCE, 64, 0.3), Gate.LONG_WINDOW), (one(Gate.BIT_EXACT, 1, 0.0), None),
+        (dp(2, 3, 0.4), None), (dp(1, 2, 0.1), None), (dp(2, 2, 0.2, rank_rows=((2, 1), (1,))), None),
+        (dp(3, 2, 0.05), Gate.BYTES_PER_STEP),
+        (GateResult(Gate.NORMALISER, Case(accum_steps=2, micro_batch=1, steps=2), "term", 0.3, packed_rows=True,
+                    halved_packed=True), None),
+        (GateResult(Gate.OVERFLOW, Case(accum_steps=4, micro_batch=1, steps=2, world=2), "params", 0.0), None),
+        (GateResult(Gate.REPORTED_METRICS, Case(accum_steps=2, micro_batch=1, steps=2), "lr", 0.2, **metrics(5)), None),
+        (GateResult(Gate.MESH_EQUIVALENCE, mesh, "replica 0", 0.5, counts={"unjudged": ["pp"]}, metrics=metrics(1)), None),
+        # the second half: larger and smaller worst cases than the first's, new worlds, new precision
+        (one(Gate.EQUIVALENCE, 4, 0.25), None), (one(Gate.EQUIVALENCE, 128, 0.1), Gate.LONG_WINDOW),
+        (one(Gate.BIT_EXACT, 1, 0.0), None), (dp(4, 2, 0.6), None), (dp(2, 4, 0.3), Gate.BYTES_PER_STEP),
+        (dp(3, 3, 0.01, rank_rows=((1,), (2, 2), (1, 1, 1))), None),
+        (GateResult(Gate.NORMALISER, Case(accum_steps=3, micro_batch=1, steps=2), "term", 0.1, packed_rows=True), None),
+        (GateResult(Gate.OVERFLOW, Case(accum_steps=2, micro_batch=1, steps=2, world=3), "params", 0.0), None),
+        (GateResult(Gate.REPORTED_METRICS, Case(accum_steps=3, micro_batch=1, steps=2), "loss", 0.7, **metrics(4)), None),
+        (GateResult(Gate.MESH_EQUIVALENCE, mesh.replace(mesh=Mesh(tp=2)), "replica 0", 0.2, counts={"unjudged": []}),
+         None),
+    ]
+
+
+def _tally(results, skips=()) -> dict:
+    saved = report._STATS
+    report._STATS = {}
+    try:
+        for r, gate in results:
+            report.record(r, gate)
+        for gate, why in skips:
+            report.skip(gate, why)
+        return json.loads(report.dump())
+    finally:
+        report._STATS = saved
+
+
+def test_tallies_merged_from_workers_equal_one_process_recording_everything():
+    """Under xdist each worker tallies its own examples and the controller merges them: the report must be the one a
+    serial run of the same examples writes, every key of every gate (the merge dropped the uneven and packed counts,
+    the meshes and the declared side traffic of a second worker, and kept the first worker's case as boundary-only's
+    largest). Every key a tally holds has a merge rule."""
+    from verify._internal.report_merge import KNOWN, merge
+
+    results = _results()
+    half = len(results) // 2
+    skips = [(Gate.PARTIAL_SUMS, "no partial_grads()")]
+    serial = _tally(results, skips)
+    merged = {}
+    for part in (_tally(results[:half], skips), _tally(results[half:])):
+        merge(merged, json.dumps(part))
+    assert merged == serial
+    assert {k for g in serial.values() for k in g} <= set(KNOWN), {k for g in serial.values() for k in g} - set(KNOWN)
+    assert serial["bytes per step"]["examples"] == 2 and serial["long window"]["examples"] == 2, serial
+    assert serial["bytes per step"]["worst_case"]["accum_steps"] == 4 and serial["long window"]["worst_ratio"] == 0.3
+    assert serial["data-parallel equivalence"]["uneven_examples"] == 2 and serial["normaliser"]["packed_examples"] == 2
+
+
+def test_the_long_window_test_counts_under_its_own_gate(monkeypatch):
+    """verify/test_gates.py's long-window test on a plain MLP: its passes are the long window's (they were tallied as
+    equivalence, and the summary said "long window: no test of this gate ran in this session")."""
+    from examples import mlp_regressor
+    from verify import test_gates
+
+    monkeypatch.setattr(report, "_STATS", {})
+    test_gates.test_long_accumulation_and_partial_sums(mlp_regressor.factory)
+    gates = json.loads(report.dump())
+    assert gates["long window"]["examples"] >= 3 and "equivalence" not in gates, gates
+    assert gates["long window"]["worst_case"]["accum_steps"] >= 64
+    missing, last = report.coverage(gates, None)
+    assert not [ln for ln in missing if ln.startswith("long window:")] and last.startswith("checked 1 of 15 gates")
+
+
+def test_an_adapter_that_is_not_data_parallel_says_so_for_each_data_parallel_gate(monkeypatch):
+    """Not "data-parallel equivalence: no test of this gate ran": the reason, for each of the three gates."""
+    from examples import mlp_regressor
+    from verify import test_gates_dist
+    from verify._internal.settings import current
+
+    monkeypatch.setattr(report, "_STATS", {})
+    for test in (test_gates_dist.test_data_parallel_boundary_only_and_equivalent,
+                 test_gates_dist.test_bytes_per_step_independent_of_N):
+        with pytest.raises(pytest.skip.Exception):
+            test(mlp_regressor.factory, current())
+    missing, _ = report.coverage(json.loads(report.dump()), None)
+    for gate in (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP):
+        assert f"{gate.value}: examples.mlp_regressor.Trainer does not declare data parallelism " \
+               "(Adapter(data_parallel=True))" in missing, missing

@@ -70,6 +70,45 @@ def test_a_bad_knob_is_one_line_naming_it(env, overrides, line):
     assert str(e.value) == line
 
 
+def test_a_gloo_world_is_checked_against_the_cores_and_the_default_always_fits(monkeypatch):
+    """Issue 42: XTRAIN_DIST_MAX_WORLD=100 was accepted on 2 cores (a load of 65, nothing ran in 150 s) while the
+    threads were checked. A gloo world × its ranks' threads may ask RANKS_PER_CORE = 4 per core the process may use;
+    the default world 4 fits every machine at every allowed thread count (threads ≤ cores), so only a value set
+    above it can fail; under nccl the GPUs cap the world instead (world_cap)."""
+    from verify._internal import settings as mod
+
+    for cores in (1, 2, 3, 16):
+        monkeypatch.setattr(mod, "usable_cores", lambda: cores)
+        for threads in range(1, cores + 1):
+            Settings(threads=threads).check_machine()  # the default stays valid
+        Settings(max_world=4 * cores).check_machine()
+        with pytest.raises(SettingError) as e:
+            Settings.from_env({"XTRAIN_DIST_MAX_WORLD": str(4 * cores + 1)}).check_machine()
+        assert str(e.value) == (f"XTRAIN_DIST_MAX_WORLD={4 * cores + 1}: more gloo ranks than this machine runs: at "
+                                f"most {4 * cores} (4 per CPU core × the {cores} core(s) this process may use); set "
+                                f"XTRAIN_DIST_MAX_WORLD ≤ {4 * cores}")
+    monkeypatch.setattr(mod, "usable_cores", lambda: 2)
+    with pytest.raises(SettingError) as e:  # each rank's threads count: 2 threads on 2 cores leave 4 ranks
+        Settings.from_env({"XTRAIN_TEST_THREADS": "2", "XTRAIN_DIST_MIN_WORLD": "5", "XTRAIN_DIST_MAX_WORLD": "5"}
+                          ).check_machine()
+    assert str(e.value) == ("XTRAIN_DIST_MIN_WORLD=5: more gloo ranks than this machine runs: at most 4 (4 per CPU "
+                            "core × the 2 core(s) this process may use ÷ 2 threads per rank (XTRAIN_TEST_THREADS)); "
+                            "set XTRAIN_DIST_MIN_WORLD ≤ 4")
+
+
+def test_the_selftest_refuses_a_world_the_machine_cannot_run(tmp_path, capsys, monkeypatch):
+    from verify.selftest.__main__ import main
+
+    monkeypatch.setenv("XTRAIN_DIST_MAX_WORLD", "100")
+    with pytest.raises(SystemExit) as e:
+        main(["--verify-report", str(tmp_path / "r")])
+    err, n = capsys.readouterr().err, 4 * usable_cores()
+    assert e.value.code == 2 and err == (f"verify.selftest: error: XTRAIN_DIST_MAX_WORLD=100: more gloo ranks than "
+                                         f"this machine runs: at most {n} (4 per CPU core × the {usable_cores()} core(s) "
+                                         f"this process may use); set XTRAIN_DIST_MAX_WORLD ≤ {n}\n"), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_settings_are_frozen_and_fields_are_checked_when_built_directly():
     with pytest.raises(Exception):
         Settings().device = "cuda"
@@ -182,6 +221,9 @@ def test_the_plugin_refuses_a_bad_option_in_one_line(tmp_path, args, line):
     ({"XTRAIN_DIST_TIMEOUT": "soon"}, "ERROR: XTRAIN_DIST_TIMEOUT=soon: must be a number of seconds ≥ 1"),
     ({"HYPOTHESIS_PROFILE": "bogus"}, "ERROR: HYPOTHESIS_PROFILE=bogus: unknown profile; use dev, ci, gpu (or one "
                                       "registered with hypothesis' register_profile)"),
+    ({"XTRAIN_DIST_MAX_WORLD": "100"}, f"ERROR: XTRAIN_DIST_MAX_WORLD=100: more gloo ranks than this machine runs: at "
+                                       f"most {4 * usable_cores()} (4 per CPU core × the {usable_cores()} core(s) this "
+                                       f"process may use); set XTRAIN_DIST_MAX_WORLD ≤ {4 * usable_cores()}"),
 ])
 def test_a_bad_knob_stops_any_pytest_run_in_one_line(tmp_path, env, line):
     """The plugin is loaded by every pytest run of the environment: a bad variable is its usage error (it

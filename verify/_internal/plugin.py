@@ -304,7 +304,9 @@ class _Reporter:
                 config.workeroutput["verify_stats"] = report.dump()
             return
         if report is not None:
-            report.merge(state["stats"], report.dump())
+            from verify._internal.report_merge import merge
+
+            merge(state["stats"], report.dump())
         if not state["stats"] and not state["failures"]:
             return  # no gate ran: nothing to report
         from verify._internal import report as rep
@@ -333,6 +335,6 @@ class _XdistReporter(_Reporter):
     def pytest_testnodedown(self, node, error):
         blob = getattr(node, "workeroutput", {}).get("verify_stats")
         if blob:
-            from verify._internal import report
+            from verify._internal.report_merge import merge
 
-            report.merge(self.config.stash[_KEY]["stats"], blob)
+            merge(self.config.stash[_KEY]["stats"], blob)

@@ -1,8 +1,8 @@
 """The run report: one `verify-report.json` + `verify-report.md` for everything a run proved.
 
 Gate tests call `record(result)` once per passed example (or `skip(gate, reason)`); the pytest plugin
-collects failures from the test reports. Under pytest-xdist each worker ships its tallies to the
-controller (`dump` / `merge`), and only the controller writes, once, atomically, mode 0644. The self-test
+collects failures from the test reports. Under pytest-xdist each worker ships its tallies (`dump`) to the
+controller, which merges them (report_merge.py) and alone writes, once, atomically, mode 0644. The self-test
 adds its operator × gate table to the same report (`write(..., selftest=...)` keeps the gate section of
 an existing report of the same trainer, and the other way round). A folder holds one trainer's report: a run
 of another trainer replaces it and says so on the terminal (`replaces`).
@@ -16,7 +16,7 @@ from verify._internal.ranks.comm import LINKS
 from verify._internal.gates.tolerance import C, FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT
 from verify._internal.verdict import Gate
 
-__all__ = ["record", "skip", "write", "replaces", "read", "render_md", "REPORT_NAME"]
+__all__ = ["record", "skip", "dump", "write", "replaces", "read", "render_md", "REPORT_NAME"]
 
 REPORT_NAME = "verify-report"
 _STATS: dict[str, dict] = {}
@@ -29,7 +29,11 @@ BOUNDS = {
     Gate.BIT_EXACT: "torch.equal on every gradient, loss and parameter after K steps",
     Gate.BOUNDARY_ONLY: "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 elements",
     Gate.DP_EQUIVALENCE: "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
+    Gate.BYTES_PER_STEP: "the case at N and its window at N = 1 (N·B rows in one micro-step): every rank's boundary "
+                         "issues the same gradient collectives carrying the same bytes, every step",
     Gate.SPLIT_INVARIANCE: "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
+    Gate.LONG_WINDOW: "N = 64..256, one process: the equivalence policy; N = 256 in each declared low precision: "
+                      "the same policy in that precision",
     Gate.PARTIAL_SUMS: f"after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
                        f"{FLOAT64_TEXT}",
     Gate.NORMALISER: "float64, same parameters, each term alone: w × the losses of windows A, B add up to A∪B's (w: the "
@@ -52,6 +56,7 @@ BOUNDS = {
 }
 ORDER = tuple(g.value for g in BOUNDS)  # the report's gate order: BOUNDS' order
 EXACT = (Gate.BIT_EXACT, Gate.EMPTY_WINDOW)  # torch.equal or a failure: no error / bound to rank
+LARGEST = (Gate.BOUNDARY_ONLY, Gate.BYTES_PER_STEP, Gate.OVERFLOW)  # exact too: the worst case is the largest world × N
 
 
 def _gate(name: str) -> dict:
@@ -77,11 +82,28 @@ def _key(gate: Gate, case) -> str:
     return gate.value if p == "fp32" else f"{gate.value}@{p}"
 
 
-def record(result) -> None:
+def _largest(s: dict, case, check: str) -> None:
+    """An exact gate's worst case (no error / bound to rank): its largest world × N run; and the worlds it ran."""
+    w = s.get("worst_case")
+    s["worlds"] = sorted(set(s.get("worlds", [])) | {case.world})
+    if w is None or case.world * case.accum_steps > w["world"] * w["accum_steps"]:
+        s.update(worst_ratio=0.0, worst_check=check, worst_case=case.as_dict(), worst_case_text=str(case))
+
+
+def record(result, gate: Gate | None = None) -> None:
     """One passed example of a gate (a verify.GateResult); mixed-precision examples are tallied apart
-    (equivalence@bf16, ...), each precision having its own rounding."""
-    gate = Gate(result.gate)
-    if gate is Gate.DP_EQUIVALENCE:  # one data-parallel run proves both: the counter's and the numbers' verdict
+    (equivalence@bf16, ...), each precision having its own rounding. `gate`: the gate the calling test proves
+    with `result` where that is not the check's own, else that gate would read as not run: a long window is the
+    equivalence check at N ≥ 64 (LONG_WINDOW); bytes per step returns its N run's data-parallel result
+    (BYTES_PER_STEP; that run counts for boundary-only and data-parallel equivalence too)."""
+    gate = Gate(result.gate if gate is None else gate)
+    if result.gate is Gate.DP_EQUIVALENCE:  # one data-parallel run proves both: the counter's and the numbers' verdict
+        if gate not in (Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP):
+            raise ValueError(f"record(gate={gate.value!r}): a data-parallel result proves boundary-only, data-parallel "
+                             f"equivalence and (paired with its window at N = 1) bytes per step")
+        if gate is Gate.BYTES_PER_STEP:
+            _gate(_key(gate, result.case))["examples"] += 1
+            _largest(_gate(_key(gate, result.case)), result.case, "largest world × N")
         ex, w = result.extra, result.case.world
         b = _gate(_key(Gate.BOUNDARY_ONLY, result.case))
         b["examples"] += 1
@@ -120,11 +142,7 @@ def record(result) -> None:
         s["packed_examples"] = s.get("packed_examples", 0) + 1
         s["packed_halved"] = s.get("packed_halved", 0) + bool(result.extra.get("halved_packed"))
     if gate is Gate.OVERFLOW:  # exact checks, no error to rank: the worlds seen, and the largest world × N as the case
-        c, w = result.case, s.get("worst_case")
-        s["worlds"] = sorted(set(s.get("worlds", [])) | {c.world})
-        if w is None or c.world * c.accum_steps > w["world"] * w["accum_steps"]:
-            s.update(worst_ratio=0.0, worst_check="largest world × N: " + result.worst, worst_case=c.as_dict(),
-                     worst_case_text=str(c))
+        _largest(s, result.case, "largest world × N: " + result.worst)
     elif gate not in EXACT:
         _keep_worst(s, result.ratio, result.worst, result.case)
     if getattr(result.case, "mesh", None) is not None:  # the mesh shapes a mesh gate ran, the axes left uncounted
@@ -202,35 +220,6 @@ def skip(gate: Gate, reason: str) -> None:
 
 def dump() -> str:
     return json.dumps(_STATS)
-
-
-def merge(into: dict, blob: str) -> None:
-    for gate, s in json.loads(blob).items():
-        t = into.setdefault(gate, s)
-        if t is s:
-            continue
-        t["examples"] += s["examples"]
-        t["skipped"] += s["skipped"]
-        t["skip_reason"] = t["skip_reason"] or s["skip_reason"]
-        if t["worst_case"] is None or (s["worst_case"] is not None and s["worst_ratio"] > t["worst_ratio"]):
-            t.update({k: s.get(k) for k in ("worst_ratio", "worst_check", "worst_case", "worst_case_text")})
-        if "worlds" in s:
-            t["worlds"] = sorted(set(t.get("worlds", [])) | set(s["worlds"]))
-        for key in ("boundary_bytes_over_gradient_bytes", "boundary_collectives_per_step", *LINK_KEYS):
-            if key in s:
-                lo, hi = t.get(key, s[key])
-                t[key] = [min(lo, s[key][0]), max(hi, s[key][1])]
-        if s.get("float64_floor") is not None:
-            t["float64_floor"] = max(s["float64_floor"], t.get("float64_floor") or 0.0)
-        if "expected_before_boundary" in s:
-            t["expected_before_boundary"] = t.get("expected_before_boundary", 0) + s["expected_before_boundary"]
-        for name, n in s.get("checked", {}).items():
-            t.setdefault("checked", {})[name] = t.get("checked", {}).get(name, 0) + n
-        for name, why in s.get("unchecked", {}).items():
-            t.setdefault("unchecked", {}).setdefault(name, why)
-        for key in ("clipped_steps", "steps"):
-            if key in s:
-                t[key] = t.get(key, 0) + s[key]
 
 
 # -- writing -----------------------------------------------------------------------------------------
@@ -334,7 +323,7 @@ def render_md(doc: dict) -> str:
                          f"step {g.get('boundary_collectives_per_step')}; declared collectives before the boundary "
                          f"{g.get('expected_before_boundary', 0)}; {_links(g)}largest case: ")
             short = g.get("worst_case_text") or "—"
-            ratio = "—" if base in (*EXACT, Gate.BOUNDARY_ONLY) else _ratio(g["worst_ratio"])
+            ratio = "—" if base in (*EXACT, *LARGEST) else _ratio(g["worst_ratio"])
             floor = g.get("float64_floor")
             lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | "
                          f"{'—' if floor is None else f'{floor:.2e}'} | {extra}{short} | {BOUNDS.get(base, '')} |")

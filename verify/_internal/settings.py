@@ -16,11 +16,14 @@ import os
 import tempfile
 from dataclasses import dataclass, field, fields, replace
 
-__all__ = ["Settings", "SettingError", "Knob", "KNOBS", "check_report_dir", "env_of", "knobs_table", "usable_cores",
+__all__ = ["Settings", "SettingError", "Knob", "KNOBS", "RANKS_PER_CORE", "check_report_dir", "env_of", "knobs_table", "usable_cores",
            "cuda_setup", "fp32_only", "DEVICES", "BACKENDS", "POOL_STARTS", "install", "current", "using",
            "launcher_var", "child_environ", "set_library_env"]
 
 DEVICES, BACKENDS, POOL_STARTS = ("cpu", "cuda"), ("gloo", "nccl"), ("forkserver", "spawn")
+# gloo ranks (CPU processes) per core a world may ask, counting each rank's threads: the default world 4 at one
+# thread fits one core; 100 ranks on 2 cores reached a load of 65 and ran nothing in 150 s
+RANKS_PER_CORE = 4
 
 
 class SettingError(ValueError):
@@ -42,9 +45,10 @@ KNOBS = (
     Knob("backend", "XTRAIN_DIST_BACKEND", "nccl on cuda, else gloo",
          "process groups of the rank pools: gloo or nccl (rank r on cuda:r; needs a GPU)", "--verify-backend"),
     Knob("threads", "XTRAIN_TEST_THREADS", "1", "CPU intra-op threads of every gate run and pool rank (at most the cores the process may use)"),
-    Knob("min_world", "XTRAIN_DIST_MIN_WORLD", "1", "smallest world the data-parallel gates draw"),
-    Knob("max_world", "XTRAIN_DIST_MAX_WORLD", "4", "largest world the data-parallel gates draw (capped by the GPUs "
-         "under nccl)"),
+    Knob("min_world", "XTRAIN_DIST_MIN_WORLD", "1", "smallest world the data-parallel gates draw (gloo: the largest's "
+         "limit applies)"),
+    Knob("max_world", "XTRAIN_DIST_MAX_WORLD", "4", f"largest world the data-parallel gates draw (gloo: world × "
+         f"threads ≤ {RANKS_PER_CORE} × the cores the process may use; capped by the GPUs under nccl)"),
     Knob("timeout", "XTRAIN_DIST_TIMEOUT", "120", "seconds (≥ 1) a distributed job or a Pull wait may take; then the "
          "hung ranks' stacks are dumped"),
     Knob("pool_start", "XTRAIN_POOL_START", "forkserver for gloo, spawn for nccl",
@@ -174,7 +178,16 @@ class Settings:
         return cls(**values, sources=sources)
 
     def check_machine(self) -> None:
-        """What needs the machine to tell: cuda and nccl need a GPU torch can see (imports torch only then)."""
+        """What needs the machine to tell: a gloo world must fit the CPU cores (world_limit); cuda and nccl need a
+        GPU torch can see (imports torch only then; NCCL's worlds are capped by its GPUs, world_cap)."""
+        if self.backend == "gloo":
+            cores, limit = usable_cores(), self.world_limit()
+            for name in ("min_world", "max_world"):
+                if getattr(self, name) > limit:
+                    per = f" ÷ {self.threads} threads per rank ({_BY_FIELD['threads'].env})" if self.threads > 1 else ""
+                    raise SettingError(f"{self.where(name)}: more gloo ranks than this machine runs: at most {limit} "
+                                       f"({RANKS_PER_CORE} per CPU core × the {cores} core(s) this process may use"
+                                       f"{per}); set {_BY_FIELD[name].env} ≤ {limit}")
         if self.device != "cuda" and self.backend != "nccl":
             return
         import torch
@@ -185,6 +198,11 @@ class Settings:
             raise SettingError(f"{self.where('device')}: no CUDA GPU is visible to torch; use {self.fix('device', 'cpu')}")
         raise SettingError(f"{self.where('backend')}: no CUDA GPU is visible to torch (NCCL puts rank r on cuda:r); "
                            f"use {self.fix('backend', 'gloo')}")
+
+    def world_limit(self) -> int:
+        """The largest gloo world this machine runs: RANKS_PER_CORE × usable cores ÷ threads per rank (never below
+        the default world 4: threads ≤ cores)."""
+        return RANKS_PER_CORE * usable_cores() // self.threads
 
     def world_cap(self) -> int:
         """The largest world this box runs the gates at: max_world, capped by the GPUs under NCCL."""
