@@ -93,21 +93,18 @@ class Trainer:
 
 
 def counts(case):
-    """Each micro-step over tp: the sequence's all-gather into `up`, its reduce-scatter in the backward (gloo has
-    none: an all-reduce), `down`'s all-reduce; the boundary adds the norm weight's Partial gradient all-reduced.
-    Over dp, FSDP2's one unit: its all-gather each micro-step; the boundary adds its reduce-scatter (gloo: an
-    all-reduce) and the loss's."""
-    nccl = verify.Settings.current().backend == "nccl"
+    """Each micro-step over tp: the sequence's all-gather into `up`, its reduce-scatter in the backward, `down`'s
+    all-reduce; the boundary adds the norm weight's Partial gradient all-reduced. Over dp, FSDP2's one unit: its
+    all-gather each micro-step; the boundary adds its reduce-scatter and the loss's all-reduce. One row for every
+    backend: gloo runs a reduce-scatter as an all-reduce, and the counter reads the row so (docs/design/distributed.md,
+    "Count tables")."""
     rows = {"tp": verify.CountRow("sequence parallel", before={}, boundary={})}  # a one-rank tp group: no c10d
     if case.mesh.tp > 1:
-        step = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1} if nccl else {"all_gather": 1, "all_reduce": 2}
-        rows["tp"] = verify.CountRow("sequence parallel", before=step,
-                                     boundary={**step, "all_reduce": step["all_reduce"] + 1})
+        step = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
+        rows["tp"] = verify.CountRow("sequence parallel", before=step, boundary={**step, "all_reduce": 2})
     if case.mesh.dp > 1:
-        boundary = {"all_gather": 1, "all_reduce": 2}
-        if nccl:
-            boundary = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
-        rows["dp"] = verify.CountRow("FSDP2, root unit", before={"all_gather": 1}, boundary=boundary)
+        rows["dp"] = verify.CountRow("FSDP2, root unit", before={"all_gather": 1},
+                                     boundary={"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1})
     return rows
 
 

@@ -7,6 +7,11 @@
     loss_times_cp          a leftover × cp_size on the reduced gradient: cp× (Megatron #673)
     local_mean_nan         each cp rank's own token mean, averaged over cp: a cp rank without a valid target gives
                            0/0 = NaN (mcore-bridge PR #104)
+    cp_rank_token_mean     the same, guarded (÷ max(count, 1)), the replicas then weighted right: exact on unpadded
+                           rows, wrong wherever padding makes the cp ranks' counts differ — a right-padded row's
+                           padding lands on the LAST cp rank, so the common case (issue 42 item 4)
+    dp_replica_token_mean  the count right over cp, but each dp replica's own token mean averaged over dp: exact
+                           unless one replica holds fewer valid targets (an empty micro-batch on one replica)
 """
 from __future__ import annotations
 
@@ -87,3 +92,48 @@ count_over_dp_only = _declare(CountOverDpOnly)
 count_of_whole_rows = _declare(CountOfWholeRows, whole_rows_counts)
 loss_times_cp = _declare(LossTimesCp)
 local_mean_nan = _declare(LocalMeanNan)
+
+
+class CpRankTokenMean(cp.Trainer):
+    def reduce(self):
+        """Each cp rank's own mean (÷ its own count, at least 1), averaged over cp; then each replica weighted by its
+        count over dp (right), in the recipe's collectives: one all-reduce over cp, one over dp."""
+        params = list(self.model.parameters())
+        dt = params[0].dtype
+        flat = torch.cat([p.grad.flatten() for p in params] + [torch.tensor([self.total], dtype=dt)])
+        flat = torch.cat([flat / max(self.count, 1), torch.tensor([float(self.count)], dtype=dt)])
+        if self.cp_group is not None:  # Σ over cp of the ranks' means, and the replica's count
+            dist.all_reduce(flat, group=self.cp_group)
+            flat[:-1] /= self.cp
+        if self.dp_group is not None:  # the replicas' means weighted by their counts: right over dp
+            flat[:-1] *= flat[-1]
+            dist.all_reduce(flat, group=self.dp_group)
+            flat[:-1] /= flat[-1] if flat[-1] else 1.0
+        self._set(params, flat)
+
+    def _set(self, params, flat):
+        count = flat[-1].item()
+        self.loss, self.window_count = (flat[-2].item() if count else float("nan")), count
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+class DpReplicaTokenMean(CpRankTokenMean):
+    def reduce(self):
+        """The count reduced over cp with the sums (right), then each replica's own mean averaged over dp."""
+        params = list(self.model.parameters())
+        dt = params[0].dtype
+        flat = torch.cat([p.grad.flatten() for p in params] + [torch.tensor([self.total, float(self.count)], dtype=dt)])
+        if self.cp_group is not None:
+            dist.all_reduce(flat, group=self.cp_group)
+        flat[:-1] /= flat[-1] if flat[-1] else 1.0  # the replica's own token mean
+        if self.dp_group is not None:  # averaged over the replicas, each weighing 1/dp whatever it holds
+            dist.all_reduce(flat, group=self.dp_group)
+            flat[:-1] /= dist.get_world_size(self.dp_group)
+        self._set(params, flat)
+
+
+cp_rank_token_mean = _declare(CpRankTokenMean)
+dp_replica_token_mean = _declare(DpReplicaTokenMean)

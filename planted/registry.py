@@ -21,6 +21,7 @@ from typing import Callable
 from xtrain_core.config import ModelConfig, OptimConfig
 
 from verify._internal.cases.case import Case
+from verify._internal.cases.mesh_corners import mesh_padding
 from verify._internal.ranks.mesh import Mesh
 from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
@@ -28,7 +29,7 @@ from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_me
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, cp_adapters, ddp_modes,
                      hsdp_adapters,
                      moe_adapters, objective_adapters, overflow_adapters, packed_adapters, parity_adapters, pull_loops,
-                     short_adapters, uneven_adapters)
+                     short_adapters, uneven_adapters, zero_adapters)
 from planted import broken_amp_metrics  # issue 42 item 3: metrics in every precision
 from xtrain_proof.options import XtrainOptions
 
@@ -134,6 +135,11 @@ PACKED = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
 # the MoE recipe (examples/moe_aux.py) on OBJECTIVE's windows; recomputed in the backward; at 2 ranks
 CP = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, mesh=Mesh(cp=2))  # a sequence over 2 ranks
 MOE_CKPT = OBJECTIVE.replace(options=moe_adapters.moe_aux.Options(checkpointing=True))
+# the padded mesh corners (verify/_internal/cases/mesh_corners.py) at N=3: right-padded rows whose padding is the last
+# cp rank's, a window where it holds only padding; on dp=2 a micro-batch empty on replica 1
+CP_PADDED = CP.replace(lengths=mesh_padding(steps=2, accum_steps=3, micro_batch=2, dp=1, seq_len=8, cp=2))
+DP_PADDED = CP.replace(world=2, mesh=Mesh(dp=2),
+                       lengths=mesh_padding(steps=2, accum_steps=3, micro_batch=2, dp=2, seq_len=8, cp=1))
 MOE_DIST = Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=1, data_seed=2)
 
 _BEFORE = r"micro-step 0 of \d+: \d+ collective\(s\) before the boundary: "
@@ -547,6 +553,18 @@ PLANTED: tuple[PlantedBug, ...] = (
                broken_amp_metrics.scaled_under_bf16, Gate.REPORTED_METRICS,
                r"the bf16 accumulation run, step 0: grad_norm reported .* \(×1024 = the loss scale\)",
                Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, precision="bf16")),
+    # -- issue 42 items 4 and 8 (mesh): padded meshes, a per-rank token count; a reduce-scatter's row on gloo ------
+    PlantedBug("cp_rank_token_mean", "each cp rank's own token mean (÷ its count, ≥ 1), averaged over cp: exact on "
+               "unpadded rows", cp_adapters.cp_rank_token_mean, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=1 pp=1 tp=1 cp=2, chunks=1, outer=3: loss of step 0( \(×[\d.]+\))?: accumulation error", CP_PADDED),
+    PlantedBug("dp_replica_token_mean", "each dp replica's own token mean, averaged over dp: exact unless a replica "
+               "holds fewer targets", cp_adapters.dp_replica_token_mean, Gate.MESH_EQUIVALENCE,
+               r"mesh dp=2 pp=1 tp=1, chunks=1, outer=3: replica \d: loss of step 0( \(×[\d.]+\))?: accumulation "
+               r"error", DP_PADDED),
+    PlantedBug("zero_eager", "a hand-written ZeRO reduce-scatters every micro-step under its boundary row",
+               zero_adapters.zero_eager, Gate.BOUNDARY_ONLY,
+               r"micro-step 0 of 3 \(before the boundary\): count table row 'hand-written ZeRO-1' expects none, observed "
+               r"(all_reduce|reduce_scatter)×1", DDP),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

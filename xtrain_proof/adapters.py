@@ -127,13 +127,12 @@ def fsdp2_keep_factory(spec: Spec):
 def fsdp2_row(case, reshard_after_forward: bool = True):
     """FSDP2's count table row for this case: U units (the blocks + the root); per micro-step each unit
     all-gathers its parameters for the forward and, resharded after it, again for the backward; at the
-    boundary each unit reduces its gradient once (reduce_scatter; gloo has none, FSDP2 all-reduces there)
-    and clipping all-reduces the per-parameter norms. Reductions carry the padded gradient once (FSDP2
+    boundary each unit reduces its gradient once (reduce_scatter: on gloo torch runs it as an all-reduce, which the
+    counter reads the row's reduce_scatter as) and clipping all-reduces the per-parameter norms. Reductions carry the padded gradient once (FSDP2
     pads each parameter's dim 0 to a multiple of W) plus those norms."""
     import math
 
     from verify._internal.gates.counts import CountRow
-    from verify._internal.ranks.pool import default_backend
 
     o = options_of(case.spec())
     U, W = o.model.n_layer + 1, case.world
@@ -143,11 +142,7 @@ def fsdp2_row(case, reshard_after_forward: bool = True):
     P = sum(math.prod(s) for s in shapes)
     padded = sum(math.ceil(s[0] / W) * W * math.prod(s[1:]) for s in shapes)
     clip = len(shapes) if o.optim.max_grad_norm is not None else 0
-    boundary = {"all_gather": gathers}
-    if default_backend() == "nccl":
-        boundary.update(reduce_scatter=U, **({"all_reduce": 1} if clip else {}))
-    else:
-        boundary["all_reduce"] = U + (1 if clip else 0)
+    boundary = {"all_gather": gathers, "reduce_scatter": U, **({"all_reduce": 1} if clip else {})}
     mode = f"FSDP2, {'reshard' if reshard_after_forward else 'keep'} after forward, {U} units"
     # a step without a valid token (loss_norm="tokens") is skipped whole: no clipping, so no norm all-reduce
     return CountRow(mode=mode, before={"all_gather": gathers}, boundary=boundary, elements=(P, padded + clip),

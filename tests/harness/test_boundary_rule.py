@@ -2,6 +2,7 @@
 row, built from its gradient size, through the same check as a declared row; one op-name normaliser
 (verify._internal.ranks.comm.family) for rows, declarations and the counter. Fake collectives, no process group."""
 import ast
+import dataclasses
 import itertools
 import pathlib
 import re
@@ -120,3 +121,34 @@ def test_one_op_normaliser():
            for line in _folds_op_names(ast.parse(p.read_text(encoding="utf-8")))]
     assert not bad, bad
     assert sorted(_folds_op_names(ast.parse("def _norm(op):\n    return op.replace('_', '').lower()\nc.op.lower()"))) == [2, 3]
+
+
+def test_a_rows_reduce_scatter_is_read_as_what_gloo_records():
+    """gloo has no reduce-scatter: torch runs one as an all-reduce and the recorder writes that (comm.RECORDED_AS). A row
+    names what the trainer calls, once: on gloo its reduce_scatter counts as all_reduce, ranges and links included;
+    elsewhere it stays a reduce_scatter, and a wrong count fails on both."""
+    from verify._internal.gates.counts import as_recorded
+
+    zero = CountRow("zero", before={}, boundary={"reduce_scatter": 1, "all_gather": 1, "all_reduce": 1})
+    gloo = [_c("all_reduce", 8), _c("all_gather", 8), _c("all_reduce", 1)]
+    assert _step(zero, [[]], gloo) == ([], None)
+    nccl = [dataclasses.replace(c, backend="nccl") for c in gloo]
+    _, msg = _step(zero, [[]], nccl)  # on NCCL an all-reduce is no reduce-scatter
+    assert "expects all_gather×1, all_reduce×1, reduce_scatter×1, observed all_gather×1, all_reduce×2" in msg
+    assert "records" not in msg and _step(zero, [[]], [nccl[1], nccl[2], _c_nccl("_reduce_scatter_base", 8)]) == ([], None)
+    _, msg = _step(zero, [[]], gloo[1:])  # one all-reduce short on gloo
+    assert msg.endswith("(gloo records each reduce_scatter as an all_reduce, so the row's reduce_scatter counts as "
+                        "all_reduce here: docs/design/distributed.md, \"Count tables\")"), msg
+    assert as_recorded({"reduce_scatter": (1, None), "all_reduce": 2, "reduce_scatter@inter-node": 1}, "gloo") == \
+        {"all_reduce": (3, None), "all_reduce@inter-node": 1}
+    assert as_recorded({"reduce_scatter": 1}, "nccl") == {"reduce_scatter": 1}
+    # an Expected names the call too; a row may not link one family and leave its gloo twin bare
+    ok, rest = excused([_c("all_reduce", 4)], (Expected("reduce_scatter", dtype="floating"),), 0, 0, 2)
+    assert len(ok) == 1 and rest == []
+    with pytest.raises(ValueError, match=r"key 'all_reduce' has no link while a family gloo records as the same one "
+                                         r"names a link"):
+        CountRow("x", before={"reduce_scatter@intra-node": 1}, boundary={"all_reduce": 1})
+
+
+def _c_nccl(op: str, n: int = 1) -> Collective:
+    return dataclasses.replace(_c(op, n), backend="nccl")

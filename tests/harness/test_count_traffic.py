@@ -82,3 +82,40 @@ def test_declared_count_traffic_passes_every_gate_through_the_plugin(tmp_path, n
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     gates = json.loads((tmp_path / "reports" / "verify-report.json").read_text())["gates"]
     assert gates["split invariance"]["examples"] > 0 and gates["boundary-only"]["expected_before_boundary"] > 0
+
+
+# -- a reduce-scatter on gloo (issue 42 item 8): the row names what the trainer calls, once for every backend ----------
+
+ZERO = Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=1, data_seed=2)
+
+
+@needs_2
+def test_a_hand_written_reduce_scatter_row_is_written_once_and_passes_on_gloo():
+    """planted/zero_adapters.py reduce-scatters with reduce_scatter_tensor and declares {reduce_scatter: 1, ...} with
+    no backend branch: on gloo torch runs it as one all-reduce, which is what the recorder sees and what the row is
+    read as; equivalence and bytes per step pass too."""
+    from planted import zero_adapters as z
+
+    r = check_same_bytes(z.zero, ZERO)
+    from verify._internal.ranks.comm import family
+
+    boundary = r.extra["comm"].steps[(0, "torch.float32")][0].boundary
+    gloo = {c.backend for c in boundary} == {"gloo"}
+    assert sorted(family(c.op) for c in boundary) == (["all_gather", "all_reduce", "all_reduce"] if gloo else
+                                                      ["all_gather", "all_reduce", "reduce_scatter"])
+
+
+@needs_2
+def test_a_wrong_reduce_scatter_count_still_fails_on_gloo():
+    """The same trainer under a row claiming two reduce-scatters: one all-reduce too few, named with the reading."""
+    from planted import zero_adapters as z
+    from verify._internal.gates import GateFailure
+    from verify._internal.verdict import Gate
+
+    with pytest.raises(GateFailure) as e:
+        check_distributed(z.zero_miscounted, ZERO)
+    msg = str(e.value)
+    assert e.value.gate is Gate.BOUNDARY_ONLY and "count table row 'hand-written ZeRO-1, two reduce-scatters " \
+        "claimed' expects all_gather×1, all_reduce×3, observed all_gather×1, all_reduce×2" in msg, msg
+    assert "(gloo records each reduce_scatter as an all_reduce, so the row's reduce_scatter counts as all_reduce " \
+           "here" in msg, msg

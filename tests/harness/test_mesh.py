@@ -347,3 +347,80 @@ def test_a_cp_axis_numbers_ranks_inside_each_stage_and_slices_each_row():
         cp_slice(x, x, Mesh(cp=3), 0)
     assert Mesh(dp=2, cp=2) in meshes(("dp", "cp"), 4) and Mesh(cp=4) in meshes(("dp", "cp"), 4)
     assert all(m.tp == 1 and m.pp == 1 for m in meshes(("dp", "cp"), 4))
+
+
+# -- padded meshes (issue 42 item 4): a token-weighted trainer's corners pad where a per-rank count shows ------------
+
+def _valid_per_rank(adapter, case):
+    """[(window, replica, cp rank, valid targets)] of the case's batches, cut as the harness cuts them."""
+    from verify._internal.cases.case import shard
+    from verify._internal.ranks.mesh import cp_slice
+
+    out = []
+    for k, (x, y) in enumerate(case.batches(adapter)):
+        for d in range(case.mesh.dp):
+            for c in range(case.mesh.cp):
+                ys = [cp_slice(xb, yb, case.mesh, case.mesh.rank(d, 0, 0, c))[1]
+                      for xb, yb in shard(x, y, case.accum_steps, d, case.mesh.dp)]
+                out.append((k, d, c, sum(int((t != adapter.ignore_index).sum()) for t in ys)))
+    return out
+
+
+def test_token_weighted_mesh_corners_pad_the_last_cp_rank_and_one_replica():
+    from examples import context_parallel as cpx
+    from verify._internal.cases.strategies import corners
+
+    cp, dp = corners(cpx.factory, "mesh", min_world=2, max_world=4)
+    assert (cp.mesh, dp.mesh) == (Mesh(cp=2), Mesh(dp=2)) and cp.lengths and dp.lengths
+    n = {(k, c): v for k, _, c, v in _valid_per_rank(cpx.factory, cp)}
+    assert 0 < n[(0, 1)] < n[(0, 0)] and n[(1, 1)] == 0 < n[(1, 0)]  # right padding: the last cp rank's tokens
+    per = {(k, d): v for k, d, _, v in _valid_per_rank(cpx.factory, dp)}
+    assert per[(0, 1)] < per[(0, 0)] and dp.lengths[(1 * 2 + 1) * 2:][:2] == (0, 0)  # replica 1's micro-batch 1 empty
+    (split, world), = corners(cpx.factory, "mesh_split", min_world=2, max_world=4)
+    assert world == 2 and split.lengths and len(split.lengths) == split.steps * split.effective_batch
+    assert [c.lengths for c in corners(broken_mesh.pipe, "mesh", min_world=2, max_world=2)] == [None]  # no padding
+
+
+def test_mesh_cases_draw_padding_for_a_token_weighted_adapter():
+    from hypothesis import given, settings
+
+    from examples import context_parallel as cpx
+    from verify._internal.cases.strategies import mesh_cases, mesh_split_cases
+
+    seen = []
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(mesh_cases(cpx.factory, max_world=4), mesh_split_cases(cpx.factory, max_world=4))
+    def draw(c, split):
+        for case in (c, split[0]):
+            assert case.lengths is None or len(case.lengths) == case.steps * case.effective_batch
+        seen.append(c.lengths is not None and c.mesh.cp > 1 and any(n < 8 for n in c.lengths))
+
+    draw()
+    assert any(seen) and not all(seen)
+
+
+@pytest.mark.distributed
+@needs_2
+def test_a_per_rank_token_mean_over_cp_or_dp_is_rejected_on_padded_rows_and_named_by_the_re_run():
+    """Each cp rank's own token mean averaged over cp (each replica's over dp) is exact on unpadded rows: the corners'
+    padding rejects it, the re-run without padding passes and names the count's axis. The recipe passes them all."""
+    from examples import context_parallel as cpx
+    from planted import cp_adapters as ca
+    from verify._internal.cases.strategies import corners
+    from verify._internal.gates.mesh import check_mesh_splits
+    from verify._internal.gates.rerun import diagnose
+
+    cp, dp = corners(cpx.factory, "mesh", min_world=2, max_world=2)
+    for case in (cp, dp):
+        assert check_mesh(cpx.factory, case).ratio < 1
+    (split, world), = corners(cpx.factory, "mesh_split", min_world=2, max_world=2)
+    assert check_mesh_splits(cpx.factory, split, world).extra["splits"] == 2
+    for bug, case, axis in ((ca.cp_rank_token_mean, cp, "a per-rank token count on the cp axis"),
+                            (ca.dp_replica_token_mean, dp, "a per-replica token count on the dp axis")):
+        check_mesh(bug, case.replace(lengths=None))  # exact unpadded
+        with pytest.raises(GateFailure) as e:
+            check_mesh(bug, case)
+        assert e.value.gate is Gate.MESH_EQUIVALENCE and str(e.value).startswith(f"[mesh equivalence] {case.mesh}, ")
+        line, seen = diagnose(bug, e.value)
+        assert seen["unpadded"] is True and axis in line and "unpadded passes" in line, line

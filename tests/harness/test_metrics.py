@@ -9,6 +9,7 @@ from planted import broken_metrics
 from planted.registry import METRIC, TOKEN_WINDOWS, _opts
 from verify._internal.cases.case import Case
 from verify._internal.gates.metrics import check_metrics, factor_text
+from verify._internal.ranks.mesh import Mesh
 from verify._internal.metrics import Metrics
 from verify._internal.protocol import AdapterError
 from verify._internal.report import coverage
@@ -98,5 +99,7 @@ def test_the_factor_is_named_where_it_is_a_count_of_the_case():
     assert factor_text(1.0, 2.0, case) == " (×0.5 = 1/W (ranks))"
     assert factor_text(2.0 * 2 ** 0.5, 2.0, case) == " (×1.414 = √W (a replicated norm counted per rank))"
     assert factor_text(0.0, 2.0, case) == " (zero)"
+    on_cp = Case(accum_steps=2, micro_batch=1, steps=1, mesh=Mesh(cp=2))  # N = cp: the factor is either
+    assert factor_text(4.0, 2.0, on_cp) == " (×2 = N (micro-steps) or cp (context-parallel ranks))"
     assert factor_text(3.0, 2.0, case, (("the norm after clipping", 3.0),)) == " (= the norm after clipping)"
     assert factor_text(2.6, 2.0, case) == " (×1.3)"

@@ -18,6 +18,7 @@ from hypothesis import example
 from hypothesis import strategies as st
 
 from verify._internal.cases.case import Case
+from verify._internal.cases.mesh_corners import corner_axes, mesh_padding
 from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
 
@@ -198,9 +199,10 @@ def mesh_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4, max_chu
                max_micro_batch: int = 4, max_steps: int = 3, device: str | None = None) -> Case:
     """A mesh of min_world..max_world ranks over the adapter's mesh_axes (dp only beside another axis), its
     pipeline_chunks (1..max_chunks where pp > 1) and outer steps, N = chunks × outer, and cases()' other
-    draws (B per dp replica; no padding: the mesh gate judges mean losses). Only meshes within the adapter's
-    mesh_sizes, and only worlds that have one (mesh_worlds). Shrinks toward the smallest world, the
-    shallowest pipeline, one chunk, one outer step."""
+    draws (B per dp replica; padding drawn for an adapter with an ignore_index, right-padded rows whose padding
+    lands on the last cp ranks: _mesh_padded). Only meshes within the adapter's mesh_sizes, and only worlds that
+    have one (mesh_worlds). Shrinks toward the smallest world, the shallowest pipeline, one chunk, one outer step,
+    no padding."""
     worlds = mesh_worlds(adapter, min_world, max_world)
     if not worlds:  # the gate skips first, saying so (verify/test_gates_mesh.py)
         raise ValueError(f"{adapter.name}: no mesh of {min_world}..{max_world} ranks over {adapter.mesh_axes} "
@@ -211,7 +213,19 @@ def mesh_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4, max_chu
     outer = draw(st.integers(1, max_outer))
     c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=max_micro_batch, max_steps=max_steps,
                    device=device, world=mesh.dp, padded=False, uneven=False))
-    return c.replace(accum_steps=chunks * outer, mesh=mesh, pipeline_chunks=chunks)
+    return draw(_mesh_padded(adapter, c.replace(accum_steps=chunks * outer, mesh=mesh, pipeline_chunks=chunks)))
+
+
+@st.composite
+def _mesh_padded(draw, adapter, case: Case) -> Case:
+    """`case` (its N, B, K and dp final), padded or not (drawn) where the adapter has an ignore_index: random
+    right padding per row (so a cp rank may hold only padding of a row, or of a window), micro-batches empty on
+    one dp replica or on all (padding()); shrinks toward no padding."""
+    if adapter.ignore_index is None or not draw(st.booleans(), label="padded"):
+        return case
+    return case.replace(lengths=draw(padding(steps=case.steps, accum_steps=case.accum_steps, world=case.world,
+                                             micro_batch=case.micro_batch, seq_len=_row_length(adapter, case.options),
+                                             empty_windows=adapter.empty_windows)))
 
 
 @st.composite
@@ -232,7 +246,8 @@ def mesh_split_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4) -
     chunks = draw(st.integers(1, 4), label="pipeline chunks") if "pp" in adapter.mesh_axes else 1
     c = draw(cases(adapter, min_accum=1, max_accum=1, max_micro_batch=2, max_steps=2, padded=False), label="case")
     outer = draw(st.integers(1, 2), label="outer steps")
-    return c.replace(accum_steps=chunks * outer, micro_batch=c.micro_batch * world, pipeline_chunks=chunks), world
+    c = c.replace(accum_steps=chunks * outer, micro_batch=c.micro_batch * world, pipeline_chunks=chunks)
+    return draw(_mesh_padded(adapter, c), label="padded case"), world
 
 
 # -- corners: the known-hard cases every profile draws first ---------------------------------------------------
@@ -276,15 +291,21 @@ def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, 
     return c
 
 
-def _mesh_corner(adapter, axis: str, B: int = 2):
-    """Two ranks on `axis` (pp=2: every pipeline adapter's smallest; tp=2), two outer steps — with pp, two chunks
-    per schedule step: where a schedule's own 1/chunks compounds over the outer steps (scale_grads=True)."""
+def _mesh_corner(adapter, axis: str, B: int = 2, split: bool = False):
+    """Two ranks on `axis` (pp=2: every pipeline adapter's smallest; tp=2; cp=2; dp=2), two outer steps — with pp,
+    two chunks per schedule step: where a schedule's own 1/chunks compounds over the outer steps (scale_grads=True).
+    With an ignore_index, padded (mesh_corners.mesh_padding: the last cp rank's tokens padding, one replica's
+    micro-batch empty); `split`: laid out for a split over 2 ranks (B rows = 2 replicas' halves)."""
     mesh = next((m for m in meshes(adapter.mesh_axes, 2, adapter.mesh_sizes) if getattr(m, axis) == 2), None)
     if mesh is None:
         return None
     chunks = 2 if axis == "pp" else 1
-    c = _base(adapter, N=1, B=B, K=2, W=mesh.dp)
-    return c.replace(accum_steps=chunks * 2, mesh=mesh, pipeline_chunks=chunks)
+    c = _base(adapter, N=1, B=B, K=2, W=mesh.dp).replace(accum_steps=chunks * 2, mesh=mesh, pipeline_chunks=chunks)
+    if adapter.ignore_index is None:
+        return c
+    dp, cp = (2, 2 if "cp" in adapter.mesh_axes else 1) if split else (mesh.dp, mesh.cp)
+    return c.replace(lengths=mesh_padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=B * mesh.dp // dp,
+                                          dp=dp, seq_len=_row_length(adapter, c.options), cp=cp))
 
 
 # The long-window corner: K = 2 windows of N = 129 micro-steps, 258 in the run: past 256, where a uint8 counter
@@ -308,7 +329,8 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
                                             last, (3, 1) on it (fewer micro-steps, fewer rows), padded
     overflow                                the overflow in the boundary's micro-step (N−1) on the LAST rank of
                                             the top world; at W ≥ 2 also micro-step 0 on rank 1 of W=2
-    mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2 with 2 outer steps
+    mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2, cp=2 with 2 outer steps;
+                                            with an ignore_index padded (mesh_corners.py), and dp=2 too (mesh)
     long_windows                            N=129 B=1 K=2 (LONG_CORNER): a run of more than 256 micro-steps
     """
     lo, hi = min_world, max(min_world, max_world)
@@ -337,10 +359,10 @@ def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> li
             out.append((top.replace(world=2), 0, 1))
         return out
     if gate == "mesh":
-        return [c for c in (_mesh_corner(adapter, a) for a in ("pp", "tp") if a in adapter.mesh_axes) if c] \
-            if lo <= 2 <= hi else []
+        return [c for c in (_mesh_corner(adapter, a) for a in corner_axes(adapter)) if c] if lo <= 2 <= hi else []
     if gate == "mesh_split":
-        c = _mesh_corner(adapter, "pp" if "pp" in adapter.mesh_axes else "tp", B=2 * 2) if lo <= 2 <= hi else None
+        axis = next((a for a in corner_axes(adapter) if a != "dp"), None)
+        c = _mesh_corner(adapter, axis, B=2 * 2, split=True) if lo <= 2 <= hi and axis else None
         return [(c.replace(mesh=None, world=1), 2)] if c else []
     return []
 

@@ -1,11 +1,11 @@
 """The boundary rule: what a trainer's collectives may be, per micro-step and per step, as one declarative row.
 
-A `CountRow` says, for one optimizer step in one sync mode, how many collectives of each family (c10d's
-names merged) are issued on each micro-step before the boundary and at it, and how many floating elements
-the boundary reductions carry; anything it does not name must not happen. A key may name a link
-("all_reduce@inter-node"). Without a declared row (Adapter(counts=...)), `CountRow.default`: nothing before
-the boundary, every gradient element reduced once at it (P ≤ E ≤ parameter elements + SCALARS). `expected`
-collectives are excused first (`excused`); a row's `side` (sized metric traffic at the boundary) is no gradient's.
+A `CountRow` says, for one optimizer step in one sync mode, how many collectives of each family (c10d's names
+merged; on gloo a reduce_scatter is read as the all_reduce gloo records, comm.recorded) are issued on each
+micro-step before the boundary and at it, and how many floating elements the boundary reductions carry; anything
+it does not name must not happen. A key may name a link ("all_reduce@inter-node"). Without a declared row,
+`CountRow.default`: nothing before the boundary, every gradient element reduced once at it (P ≤ E ≤ parameter
+elements + SCALARS). `expected` collectives are excused first (`excused`); a row's `side` is no gradient's.
 
 The table of rows, families, links and HSDP: docs/design/distributed.md, "Count tables".
 """
@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from verify._internal.ranks.comm import LINKS, family, link_of
+from verify._internal.ranks.comm import LINKS, RECORDED_AS, family, link_of, recorded
 
-__all__ = ["CountRow", "declared_row", "family", "families", "check_row", "check_step", "excused", "SCALARS", "DEFAULT_MODE"]
+__all__ = ["CountRow", "declared_row", "family", "families", "check_row", "check_step", "excused", "as_recorded", "SCALARS",
+           "DEFAULT_MODE"]
 
 SCALARS = 8  # side-channel floats allowed to ride with the gradients (xtrain: Σ raw·B_local and N·B_local)
 DEFAULT_MODE = "the default rule"  # CountRow.default's mode
@@ -62,6 +63,12 @@ class CountRow:
             if "@" not in k and k in self.qualified:
                 raise ValueError(f"CountRow {self.mode!r}: {name} key {k!r} has no link while another key names "
                                  f"one for {k}; name the link in every {k} key ({k}@{LINKS[0]}, {k}@{LINKS[1]})")
+        for backend in {b for b, _ in RECORDED_AS}:  # two families one backend records alike: linked alike
+            linked = {recorded(f, backend) for f in self.qualified}
+            bare = sorted({k for _, k in keys if "@" not in k and recorded(k, backend) in linked})
+            if bare:
+                raise ValueError(f"CountRow {self.mode!r}: key {bare[0]!r} has no link while a family {backend} records "
+                                 f"as the same one names a link; name the link in both")
 
     @property
     def qualified(self) -> frozenset:
@@ -69,10 +76,11 @@ class CountRow:
         return frozenset(k.partition("@")[0] for d in (self.before, self.boundary or {}, self.first_micro,
                                                        self.skipped) for k in d if "@" in k)
 
-    def key(self, c, links: dict | None) -> str:
-        """Collective `c`'s key in this row: its family, with its link where the row qualifies the family."""
-        fam = family(c.op)
-        if fam not in self.qualified:
+    def key(self, c, links: dict | None, backend: str | None = None) -> str:
+        """Collective `c`'s key in this row: its family, with its link where the row qualifies the family (as
+        `backend` records it; a reduce_scatter gloo might record one day is read as its all_reduce too)."""
+        fam = recorded(family(c.op), backend)
+        if fam not in {recorded(f, backend) for f in self.qualified}:
             return fam
         if links is None:
             raise ValueError(f"CountRow {self.mode!r} counts {fam} per link, and no group -> link map was given")
@@ -89,6 +97,13 @@ class CountRow:
     def describe(self) -> str:
         f = lambda d: ", ".join(f"{k}×{_fmt(v)}" for k, v in sorted(d.items())) or "none"  # noqa: E731
         return f"'{self.mode}': before the boundary {f(self.before)}; at the boundary {f(self.boundary or {})}"
+
+    def recorded_note(self, backend: str | None) -> str:
+        """'' or why the row's counts read otherwise on `backend` (gloo: a reduce_scatter is an all_reduce)."""
+        named = sorted({k.partition("@")[0] for d in (self.before, self.boundary or {}, self.first_micro, self.skipped)
+                        for k in d if recorded(k.partition("@")[0], backend) != k.partition("@")[0]})
+        return "".join(f" ({backend} records each {f} as an {recorded(f, backend)}, so the row's {f} counts as "
+                       f"{recorded(f, backend)} here: docs/design/distributed.md, \"Count tables\")" for f in named)
 
     def carried(self, cs) -> list:
         """The collectives whose floating elements count as the gradient's."""
@@ -114,6 +129,24 @@ def declared_row(adapter, case):
                            f"verify.CountRow, got {_short(row)}")
     return {a: r if r is None or callable(r) else as_row(r, f"{adapter.name}: counts(case)[{a!r}] ({case.mesh})")
             for a, r in row.items()}
+
+
+def as_recorded(counts: dict, backend: str | None) -> dict:
+    """A row's counts (family[@link] -> n) as `backend`'s recorder writes them: on gloo reduce_scatter[@link] is
+    added to all_reduce[@link] (comm.RECORDED_AS); elsewhere unchanged."""
+    out: dict = {}
+    for k, v in counts.items():
+        fam, at, link = k.partition("@")
+        key = recorded(fam, backend) + at + link
+        out[key] = _add(out[key], v) if key in out else v
+    return out
+
+
+def _add(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a + b
+    (la, ha), (lb, hb) = (a if isinstance(a, tuple) else (a, a)), (b if isinstance(b, tuple) else (b, b))
+    return la + lb, None if ha is None or hb is None else ha + hb
 
 
 def as_row(row, what: str) -> "CountRow":
@@ -155,7 +188,7 @@ def excused(cs: list, expected, k: int, m: int, world: int) -> tuple[list, list]
     ok, rest = [], []
     for c in cs:
         for i, e in enumerate(expected):
-            if (budget.get(i, 0) > 0 and family(e.op) == family(c.op) and e.numel in (None, c.numel)
+            if (budget.get(i, 0) > 0 and recorded(family(e.op), c.backend) == family(c.op) and e.numel in (None, c.numel)
                     and e.dtype in ("any", "floating" if c.floating else "integer")):
                 budget[i] -= 1
                 ok.append((e, c))
@@ -166,17 +199,19 @@ def excused(cs: list, expected, k: int, m: int, world: int) -> tuple[list, list]
 
 
 def check_row(row: CountRow, observed: list, want: dict, where: str, describe, extra: dict | None = None,
-              less: dict | None = None, links: dict | None = None) -> str | None:
+              less: dict | None = None, links: dict | None = None, backend: str | None = None) -> str | None:
     """None if `observed` (collectives of one window) has exactly the families of `want` (plus `extra`, minus
     `less`), else the failure text naming the row and every collective seen. `links`: process group (c10d
-    name) -> comm.INTRA / INTER, where the row counts a family per link (the text then names the link)."""
-    keyed = [(row.key(c, links), c) for c in observed]
+    name) -> comm.INTRA / INTER, where the row counts a family per link (the text then names the link).
+    `backend`: the run's, whose recorder may write a family as another (as_recorded)."""
+    keyed = [(row.key(c, links, backend), c) for c in observed]
     seen = Counter(k for k, _ in keyed)
     need = dict(want)
     for k, v in (extra or {}).items():
         need[k] = need.get(k, 0) + v if isinstance(need.get(k, 0), int) and isinstance(v, int) else v
     for k, v in (less or {}).items():
         need[k] = need.get(k, 0) - v if isinstance(need.get(k, 0), int) else need.get(k, 0)
+    need = as_recorded(need, backend)
     bad = [k for k in set(seen) | set(need) if not _ok(need.get(k, 0), seen.get(k, 0))]
     if not bad:
         return None
@@ -185,7 +220,8 @@ def check_row(row: CountRow, observed: list, want: dict, where: str, describe, e
     off = [(k, c) for k, c in keyed if k in bad] + [(k, c) for k, c in keyed if k not in bad]
     show = lambda k, c: describe(c) + (f" ({k.partition('@')[2]})" if "@" in k else "")  # noqa: E731
     listed = "; ".join(show(k, c) for k, c in off[:4]) + (f" (+{len(off) - 4} more)" if len(off) > 4 else "")
-    return (f"{where}: count table row {row.mode!r} expects {exp}, observed {got}" + (f": {listed}" if listed else ""))
+    return (f"{where}: count table row {row.mode!r} expects {exp}, observed {got}" + (f": {listed}" if listed else "")
+            + row.recorded_note(backend))
 
 
 def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expected, describe,
@@ -197,6 +233,7 @@ def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expec
     groups -> link (comm.group_links), for a row that counts per link. The row's `side` is taken out of the
     boundary first (never carried; StepComm.side reports it)."""
     N, default, used = len(micro) + 1, row.mode == DEFAULT_MODE, []
+    backend = next((c.backend for cs in [*micro, boundary] for c in cs), None)  # the run's: its recorder's spelling
     boundary = excused(boundary, row.side, k, N - 1, W)[1]
     for m, cs in enumerate(micro):
         ok, rest = excused(cs, expected, k, m, W)
@@ -208,7 +245,8 @@ def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expec
                           f"collective the trainer needs there must be declared: Adapter(expected=...))")
         where = f"step {k}, micro-step {m} of {N} (before the boundary)"
         msg = None if default else check_row(row, rest, row.before, where, describe,
-                                             row.first_micro if (k, m) == (0, 0) else None, links=links)
+                                             row.first_micro if (k, m) == (0, 0) else None, links=links,
+                                             backend=backend)
         if msg:
             return used, msg
     if row.boundary is not None:
@@ -217,7 +255,7 @@ def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expec
         at = f"step {k}, boundary (micro-step {N - 1} of {N}, optimizer_step()" + (
             ", a window without a valid token: no update)" if skipped else ")")
         msg = check_row(row, rest, row.boundary, at, describe, row.first_micro if (k, N) == (0, 1) else None,
-                        row.skipped if skipped else None, links)
+                        row.skipped if skipped else None, links, backend)
         if msg:
             return used, msg
     return used, None if row.elements is None else _elements(row, row.carried(boundary), k, N, W, describe)

@@ -24,7 +24,7 @@ from verify._internal.gates.metrics import judge_world
 from verify._internal.gates.mesh_counts import check_mesh_counts
 from verify._internal.gates.tolerance import Judge, bound64, measured_floor
 
-__all__ = ["check_mesh", "check_mesh_splits", "assemble_traces", "mesh_norms", "where"]
+__all__ = ["check_mesh", "check_mesh_splits", "assemble_traces", "mesh_norms", "where", "padding_lead"]
 
 GATE = Gate.MESH_EQUIVALENCE
 
@@ -197,3 +197,35 @@ def check_mesh_splits(adapter, case: Case, world: int) -> GateResult:
         if r.ratio >= worst[1]:
             worst = (f"{m}: {r.worst}", r.ratio)
     return GateResult(Gate.MESH_SPLIT_INVARIANCE, case, worst[0], worst[1], splits=n)
+
+
+def _uneven_counts(case: Case, seq_len: int) -> list[str]:
+    """The axes (cp, dp) along which some window's valid-target counts differ between ranks: a cp rank's are its
+    tokens [c·S/cp, (c+1)·S/cp) of each row of its replica (right padding), a replica's its rows'."""
+    m, E, B, n = case.mesh, case.effective_batch, case.micro_batch, seq_len // case.mesh.cp
+    out = set()
+    for k in range(case.steps):
+        rows = case.lengths[k * E:(k + 1) * E]  # (micro-step, replica, row) order
+        replica = [[rows[(j * m.dp + d) * B + b] for j in range(case.accum_steps) for b in range(B)] for d in range(m.dp)]
+        if len({sum(r) for r in replica}) > 1:
+            out.add("dp")
+        if m.cp > 1 and any(len({sum(min(max(v - c * n, 0), n) for v in r) for c in range(m.cp)}) > 1 for r in replica):
+            out.add("cp")
+    return [a for a in ("cp", "dp") if a in out]
+
+
+def padding_lead(adapter, case: Case) -> str | None:
+    """The cause a padded mesh failure that passes on the same rows unpadded points to: a token count taken per rank
+    on the axis along which the ranks' counts differ (cp: the last cp rank holds a right-padded row's padding)."""
+    if case.mesh is None or case.lengths is None:
+        return None
+    axes = _uneven_counts(case, int(case.batches(adapter)[0][1].shape[1]))
+    if not axes:
+        return None
+    what = {"cp": "a per-rank token count on the cp axis (each cp rank divides by its own tokens' count, then the cp "
+                  "ranks average; a right-padded row's padding lands on the last cp rank)",
+            "dp": "a per-replica token count on the dp axis (each dp replica divides by its own count, then the "
+                  "replicas average)"}
+    return (f"it passes on the same rows unpadded and fails where the ranks' valid-target counts differ: "
+            f"{' or '.join(what[a] for a in axes)} — sum the loss and the count over every rank (dp × cp) once at "
+            f"the boundary, then divide")

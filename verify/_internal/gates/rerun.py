@@ -1,9 +1,10 @@
 """Diagnose a failure by re-running it: one knob changed at a time, and the class the differences point to.
 
-Run once, on the final (shrunk) failure only, never on a passing gate. The knobs: K=1, W=1, N=1 and the
-adapter's `unclipped(options)`; plus a look at the float64 runs (parameters equal to the big batch's while
-grads() is c ≠ 1 × its gradient: the trainer normalises in its step). A token-mean failure is re-run with
-grads_from="optimizer". Classes tested in tests/harness/test_rerun.py.
+Run once, on the final (shrunk) failure only, never on a passing gate. The knobs: K=1, W=1, N=1, the
+adapter's `unclipped(options)` and, on a padded mesh case, the same rows unpadded (gates/mesh.py, padding_lead);
+plus a look at the float64 runs (parameters equal to the big batch's while grads() is c ≠ 1 × its gradient: the
+trainer normalises in its step). A token-mean failure is re-run with grads_from="optimizer". Classes tested in
+tests/harness/test_rerun.py.
 
 What each re-run shows: docs/verify-your-trainer.md (the hint tables); docs/design/tolerance.md,
 "Around the policy".
@@ -19,8 +20,9 @@ from verify._internal.gates.diagnose import first_difference
 
 __all__ = ["diagnose", "diagnosed", "relation", "KNOBS"]
 
-KNOBS = ("K=1", "W=1", "N=1", "unclipped")
+KNOBS = ("K=1", "W=1", "N=1", "unclipped", "unpadded")
 GATES = (Gate.EQUIVALENCE, Gate.DP_EQUIVALENCE, Gate.SPLIT_INVARIANCE, Gate.LONG_WINDOW, Gate.MESH_EQUIVALENCE,
+         Gate.MESH_SPLIT_INVARIANCE,  # its failure carries the failing mesh case: re-run as the mesh gate
          Gate.PARTIAL_SUMS)
 SAME_PARAMS = 1e-12  # float64 relative: rounding of a few hundred operations, far below any real bug's update change
 CONSTANT = 1e-9  # how near grads() must be to c × the big batch's gradient, float64, relative
@@ -39,6 +41,8 @@ def _knob(case: Case, knob: str, adapter) -> Case | None:
         return case.replace(world=1, micro_batch=B * W)
     if knob == "N=1" and N > 1:
         return case.replace(accum_steps=1, micro_batch=B * N, pipeline_chunks=1)
+    if knob == "unpadded" and case.mesh is not None and case.lengths is not None:  # a per-rank count's tell (mesh)
+        return case.replace(lengths=None)
     if knob == "unclipped" and getattr(adapter, "unclipped", None) is not None:
         options = adapter.unclipped(case.options)
         return None if options == case.options else case.replace(options=options)
@@ -185,6 +189,11 @@ def _classify(adapter, failure: GateFailure, seen: dict, step_wrong: bool = Fals
         return (said + "without clipping it passes: clipping acts where the big batch's does not — clip once, on the "
                 "window's whole gradient, in optimizer_step() (not inside each micro-step, not per rank before the "
                 "reduction)")
+    if seen.get("unpadded"):  # padding alone breaks it: a count taken where the ranks' counts differ
+        from verify._internal.gates.mesh import padding_lead
+        lead = padding_lead(adapter, case)
+        if lead:
+            return said + lead
     if seen.get("K=1") and seen.get("W=1"):
         return (said + "step 0 agrees, a later step differs, only at W > 1: state that advances per step differs "
                 f"across ranks — an LR scheduler stepped once per rank (Accelerate's prepared scheduler steps it "

@@ -166,8 +166,8 @@ def _factors(case) -> list[tuple[str, float]]:
     tp = getattr(case.mesh, "tp", 1) if case.mesh is not None else 1
     cp = getattr(case.mesh, "cp", 1) if case.mesh is not None else 1
     out = [("N (micro-steps)", N), ("W (ranks)", W), ("√W (a replicated norm counted per rank)", math.sqrt(W)),
-           ("N·W", N * W), ("√N", math.sqrt(N)), ("tp", tp), ("√tp (replicated tp parameters counted tp times)",
-                                                            math.sqrt(tp)), ("cp (context-parallel ranks)", cp)]
+           ("N·W", N * W if min(N, W) > 1 else 1), ("√N", math.sqrt(N)), ("tp", tp),  # N·W only where it is neither
+           ("√tp (replicated tp parameters counted tp times)", math.sqrt(tp)), ("cp (context-parallel ranks)", cp)]
     inv = [(f"1/{name.split(' ')[0]}{name[len(name.split(' ')[0]):]}", 1.0 / f) for name, f in out]
     return [(n, f) for n, f in out + inv if f != 1.0]
 
@@ -184,10 +184,12 @@ def factor_text(got: float, want: float, case, extra=(), factors=(), within: flo
     if got == 0:
         return " (zero)"
     r = got / want
-    for name, f in (*factors, *_factors(case)):
+    for name, f in factors:  # what the run knows (its loss scale) first
         if abs(r / f - 1.0) <= within:
             return f" (×{r:.4g} = {name})"
-    return f" (×{r:.4g})"
+    names = [name for name, f in _factors(case) if abs(r / f - 1.0) <= within]
+    names = [n for n in names if "√" not in n] or names  # every count it is (N = cp = 2: either), a root only alone
+    return f" (×{r:.4g} = {' or '.join(names)})" if names else f" (×{r:.4g})"
 
 
 def _named_factor(got: float, want: float, case) -> str:

@@ -33,6 +33,18 @@ _FAMILIES = (("reduce_scatter", "reducescatter"), ("all_gather", "allgather"), (
              ("recv", "recv"))
 
 
+# gloo has no reduce-scatter: torch runs reduce_scatter_tensor (reduce_scatter_single, the functional collective,
+# DTensor's Partial -> Shard, FSDP2's) as ONE all-reduce of its whole input, and gloo's recorder writes just that
+# all-reduce (torch 2.13, seen); nothing recorded tells the two apart. The list form, dist.reduce_scatter(out, chunks),
+# runs as one all-reduce per chunk. (backend, the family a trainer calls) -> the family the recorder writes.
+RECORDED_AS = {("gloo", "reduce_scatter"): "all_reduce"}
+
+
+def recorded(fam: str, backend: str | None) -> str:
+    """The family `backend`'s recorder writes for a call of family `fam` (reduce_scatter -> all_reduce on gloo)."""
+    return RECORDED_AS.get((backend, fam), fam)
+
+
 def family(op: str) -> str:
     """The one op-name normaliser: c10d gives one operation different names on different paths and backends
     (all_gather, _allgather_base, allgather_into_tensor_coalesced, ... are "all_gather"). An op of no known
