@@ -21,7 +21,7 @@ from typing import Callable
 from xtrain_core.config import ModelConfig, OptimConfig
 
 from verify._internal.cases.case import Case
-from verify._internal.cases.mesh_corners import mesh_padding
+from verify._internal.cases.corners import mesh_padding
 from verify._internal.ranks.mesh import Mesh
 from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
@@ -135,7 +135,7 @@ PACKED = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2,
 # the MoE recipe (examples/moe_aux.py) on OBJECTIVE's windows; recomputed in the backward; at 2 ranks
 CP = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, mesh=Mesh(cp=2))  # a sequence over 2 ranks
 MOE_CKPT = OBJECTIVE.replace(options=moe_adapters.moe_aux.Options(checkpointing=True))
-# the padded mesh corners (verify/_internal/cases/mesh_corners.py) at N=3: right-padded rows whose padding is the last
+# the padded mesh corners (verify/_internal/cases/corners.py) at N=3: right-padded rows whose padding is the last
 # cp rank's, a window where it holds only padding; on dp=2 a micro-batch empty on replica 1
 CP_PADDED = CP.replace(lengths=mesh_padding(steps=2, accum_steps=3, micro_batch=2, dp=1, seq_len=8, cp=2))
 DP_PADDED = CP.replace(world=2, mesh=Mesh(dp=2),

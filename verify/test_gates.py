@@ -15,7 +15,8 @@ from verify._internal import report
 from verify._internal.gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
 from verify._internal.gates import check_bit_exact, check_equivalence
 from verify._internal.gates.windows import LONG_N
-from verify._internal.cases.strategies import (cases, corners, gate_budget, overflow_cases, random_budget, seed_only_draws, with_corners)
+from verify._internal.cases.strategies import (cases, gate_budget, overflow_cases, random_budget, seed_only_draws, with_corners)
+from verify._internal.cases.corners import corners
 from verify._internal.verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]

@@ -5,7 +5,7 @@ communication and equivalence to its own one-rank big batch over drawn (N, B_loc
 and, for a data-parallel fp16 adapter, the injected-overflow gate at every world (verify/_internal/gates/overflow.py),
 on warm rank pools (gloo on CPU; --verify-backend nccl on GPUs, rank r on cuda:r). Worlds from
 XTRAIN_DIST_MIN_WORLD (default 1) to XTRAIN_DIST_MAX_WORLD (default 4, capped by GPUs under NCCL). Each gate
-draws its known-hard cases first (verify._internal.cases.strategies.corners: N ≥ 2 at W ≥ 2, the overflow on the last rank).
+draws its known-hard cases first (verify._internal.cases.corners.corners: N ≥ 2 at W ≥ 2, the overflow on the last rank).
 """
 import pytest
 from hypothesis import assume, event, given, settings
@@ -15,7 +15,8 @@ from verify._internal.gpulock import gpu_shared  # noqa: F401
 from verify._internal.gates import check_distributed, check_same_bytes
 from verify._internal.gates.overflow import check_overflow, overflow_hook
 from verify._internal.gates.distributed import max_world, min_world
-from verify._internal.cases.strategies import corners, dist_cases, overflow_cases, random_budget, with_corners
+from verify._internal.cases.strategies import dist_cases, overflow_cases, random_budget, with_corners
+from verify._internal.cases.corners import corners
 from verify._internal.verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]

@@ -14,7 +14,8 @@ from verify._internal import report
 from verify._internal.gpulock import gpu_shared  # noqa: F401
 from verify._internal.gates.distributed import max_world, min_world
 from verify._internal.gates.mesh import check_mesh, check_mesh_splits
-from verify._internal.cases.strategies import (corners, mesh_cases, mesh_split_cases, mesh_worlds, random_budget, with_corners)
+from verify._internal.cases.strategies import (mesh_cases, mesh_split_cases, mesh_worlds, random_budget, with_corners)
+from verify._internal.cases.corners import corners
 from verify._internal.verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]

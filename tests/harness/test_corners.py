@@ -1,4 +1,4 @@
-"""Every profile starts with its hard corners (verify._internal.cases.strategies.corners): each gate test draws its known-hard
+"""Every profile starts with its hard corners (verify._internal.cases.corners.corners): each gate test draws its known-hard
 cases first, as explicit examples (never shrunk), then random ones within the same budget. Under the dev profile
 the plugin's gate tests reject the bugs only a corner shows — found_inf broadcast from rank 0 (the overflow on the
 last rank; float data and token data) and a pipeline schedule's scale_grads=True under outer accumulation (chunks
@@ -11,7 +11,8 @@ import pytest
 
 from planted import broken_mesh, broken_overflow
 from xtrain_proof import adapters as xtrain
-from verify._internal.cases.strategies import GATE_BUDGETS, corners, gate_budget, random_budget
+from verify._internal.cases.strategies import GATE_BUDGETS, gate_budget, random_budget
+from verify._internal.cases.corners import corners
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -121,7 +121,8 @@ def test_a_trainer_normalising_by_its_own_window_passes_short_and_full_windows(n
     from hypothesis import Phase, seed
 
     from planted import short_adapters as sa
-    from verify._internal.cases.strategies import corners, with_corners
+    from verify._internal.cases.strategies import with_corners
+    from verify._internal.cases.corners import corners
 
     adapter = getattr(sa, name)
     hard = corners(adapter, "equivalence")
@@ -143,7 +144,8 @@ def test_an_undeclared_adapter_draws_the_same_cases_and_no_short_window():
     from hypothesis import Phase, seed
 
     from planted import short_adapters as sa
-    from verify._internal.cases.strategies import corners, with_corners
+    from verify._internal.cases.strategies import with_corners
+    from verify._internal.cases.corners import corners
 
     undeclared = sa.own_count.replace(short_last_window=False)
     assert [c.last_window for c in corners(undeclared, "equivalence")] == [None]

@@ -368,7 +368,7 @@ def _valid_per_rank(adapter, case):
 
 def test_token_weighted_mesh_corners_pad_the_last_cp_rank_and_one_replica():
     from examples import context_parallel as cpx
-    from verify._internal.cases.strategies import corners
+    from verify._internal.cases.corners import corners
 
     cp, dp = corners(cpx.factory, "mesh", min_world=2, max_world=4)
     assert (cp.mesh, dp.mesh) == (Mesh(cp=2), Mesh(dp=2)) and cp.lengths and dp.lengths
@@ -407,7 +407,7 @@ def test_a_per_rank_token_mean_over_cp_or_dp_is_rejected_on_padded_rows_and_name
     padding rejects it, the re-run without padding passes and names the count's axis. The recipe passes them all."""
     from examples import context_parallel as cpx
     from planted import cp_adapters as ca
-    from verify._internal.cases.strategies import corners
+    from verify._internal.cases.corners import corners
     from verify._internal.gates.mesh import check_mesh_splits
     from verify._internal.gates.rerun import diagnose
 

@@ -16,7 +16,7 @@ import torch
 from planted import broken_amp_metrics as amp
 from planted.registry import METRIC, TOKEN_WINDOWS, _opts
 from verify._internal.cases.case import Case
-from verify._internal.cases.strategies import corners
+from verify._internal.cases.corners import corners
 from verify._internal.gates import check_equivalence
 from verify._internal.gates.metrics import check_metrics, judge_run
 from verify._internal.gates.metrics_bounds import LowBounds, _ratio, loss_kappa, norm_bound

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from planted import uneven_adapters as ua
 from planted.registry import UNEVEN
 from verify._internal.cases.case import Case, shard
-from verify._internal.cases.strategies import corners, dist_cases, random_budget
+from verify._internal.cases.strategies import dist_cases, random_budget
+from verify._internal.cases.corners import corners
 from verify._internal.gates import GateFailure, check_distributed
 from verify._internal.gates.distributed import F32
 from verify.selftest.operators import OPERATORS

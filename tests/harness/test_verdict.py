@@ -141,7 +141,7 @@ NOT_GATES = {
 }
 # verify/_internal/cases/strategies.py keys the example budget by gate TEST (one budget covers both data-parallel gates); the
 # plugin's gate tests pass those keys to gate_budget(), and to corners() / random_budget() (each test's hard
-# corners, strategies.corners branching on the same keys). Their names are tests', not gates'.
+# corners, corners.corners branching on the same keys). Their names are tests', not gates'.
 BUDGET_CALLS = ("gate_budget", "corners", "random_budget")
 
 

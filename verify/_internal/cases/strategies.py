@@ -4,7 +4,7 @@
     dist_cases / mesh_cases             the same plus a world W (B per rank; uneven_windows where declared) / a mesh
     padding, uneven_windows, overflow_cases, mesh_split_cases
 
-Every gate draws its known-hard corners first (corners, with_corners: explicit @example's, never shrunk),
+Every gate draws its known-hard corners first (cases/corners.py; with_corners: explicit @example's, never shrunk),
 then random_budget() random draws; seed_only_draws makes a gate's draws a function of the seed alone.
 An adapter's options come from its `options` hook (xtrain's: xtrain_proof/strategies.py).
 Why: docs/design/protocol.md, "Drawing cases".
@@ -18,13 +18,11 @@ from hypothesis import example
 from hypothesis import strategies as st
 
 from verify._internal.cases.case import Case
-from verify._internal.cases.mesh_corners import corner_axes, mesh_padding
 from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
 
-__all__ = ["cases", "dist_cases", "uneven_windows", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding", "corners",
-           "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS",
-           "LONG_CORNER"]
+__all__ = ["cases", "dist_cases", "uneven_windows", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding",
+           "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
 # must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
@@ -248,123 +246,6 @@ def mesh_split_cases(draw, adapter, *, min_world: int = 2, max_world: int = 4) -
     outer = draw(st.integers(1, 2), label="outer steps")
     c = c.replace(accum_steps=chunks * outer, micro_batch=c.micro_batch * world, pipeline_chunks=chunks)
     return draw(_mesh_padded(adapter, c), label="padded case"), world
-
-
-# -- corners: the known-hard cases every profile draws first ---------------------------------------------------
-
-def _corner_options(adapter):
-    """The adapter's declared defaults, else the simplest value of its options strategy (what shrinking reaches)."""
-    if adapter.defaults is not None or adapter.options is None:
-        return adapter.defaults
-    from hypothesis import HealthCheck, Phase, find, settings
-
-    quiet = settings(database=None, max_examples=10, phases=(Phase.generate, Phase.shrink),
-                     suppress_health_check=list(HealthCheck))
-    with seed_only_draws():
-        return find(_options_strategy(adapter), lambda _: True, settings=quiet)
-
-
-def _hard_padding(case: Case, seq_len: int) -> tuple:
-    """Window 0: micro-batch 0 partly padded (its rows' valid counts differ), micro-batch 1 empty, micro-batch 2
-    (N ≥ 3) empty on the last rank only; later windows full but one row. No window is left without a valid target."""
-    W, out = case.world, []
-    for k in range(case.steps):
-        for m, r, rows in case.layout(k):
-            for b in range(rows):
-                if k == 0 and m == 0:
-                    out.append(max(1, seq_len // 2) if (r, b) == (0, 0) else seq_len - 1)
-                elif k == 0 and (m == 1 or (m == 2 and r == W - 1)):
-                    out.append(0)
-                else:
-                    out.append(seq_len - 1 if (m, r, b) == (0, 0, 0) else seq_len)
-    assert len(out) == sum(map(case.rows_of, range(case.steps)))
-    return tuple(out)
-
-
-def _base(adapter, *, N: int, B: int, K: int, W: int = 1, padded: bool = False, device: str | None = None,
-          rank_rows=None, last_window=None) -> Case:
-    c = Case(accum_steps=N, micro_batch=B, steps=K, world=W, seed=1, data_seed=2, options=_corner_options(adapter),
-             device=device or gate_device(), precision=adapter.precisions[0], terms=window_terms(adapter),
-             rank_rows=rank_rows, last_window=last_window)
-    if padded and adapter.ignore_index is not None:
-        c = c.replace(lengths=_hard_padding(c, _row_length(adapter, c.options)))
-    return c
-
-
-def _mesh_corner(adapter, axis: str, B: int = 2, split: bool = False):
-    """Two ranks on `axis` (pp=2: every pipeline adapter's smallest; tp=2; cp=2; dp=2), two outer steps — with pp,
-    two chunks per schedule step: where a schedule's own 1/chunks compounds over the outer steps (scale_grads=True).
-    With an ignore_index, padded (mesh_corners.mesh_padding: the last cp rank's tokens padding, one replica's
-    micro-batch empty); `split`: laid out for a split over 2 ranks (B rows = 2 replicas' halves)."""
-    mesh = next((m for m in meshes(adapter.mesh_axes, 2, adapter.mesh_sizes) if getattr(m, axis) == 2), None)
-    if mesh is None:
-        return None
-    chunks = 2 if axis == "pp" else 1
-    c = _base(adapter, N=1, B=B, K=2, W=mesh.dp).replace(accum_steps=chunks * 2, mesh=mesh, pipeline_chunks=chunks)
-    if adapter.ignore_index is None:
-        return c
-    dp, cp = (2, 2 if "cp" in adapter.mesh_axes else 1) if split else (mesh.dp, mesh.cp)
-    return c.replace(lengths=mesh_padding(steps=c.steps, accum_steps=c.accum_steps, micro_batch=B * mesh.dp // dp,
-                                          dp=dp, seq_len=_row_length(adapter, c.options), cp=cp))
-
-
-# The long-window corner: K = 2 windows of N = 129 micro-steps, 258 in the run: past 256, where a uint8 counter
-# wraps (window 0 alone passes 128, an int8's), and N divides neither, so a wrapped count lands mid-window.
-LONG_CORNER = (129, 2)
-
-
-def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> list:
-    """The known-hard cases of `gate` (a GATE_BUDGETS key) for `adapter`, within [min_world, max_world], in the
-    form the gate test's @given draws (a Case; overflow: (case, micro, rank); mesh_split: (case, world)):
-
-    equivalence, normaliser, empty_window,   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in
-    parity                                  window 0; equivalence, for an adapter that declares short_last_window:
-                                            also the same with window 1 short (last_window=2)
-    split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
-    metrics                                 N=3 B=2 K=3, padded: as equivalence's, one step longer; again in
-                                            each declared bf16 / fp16 (its reports judged in that precision too)
-    data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
-                                            and one empty on the last rank only; data_parallel, for an adapter
-                                            that declares `uneven`: also rank_rows (2, 2, 2) on every rank but the
-                                            last, (3, 1) on it (fewer micro-steps, fewer rows), padded
-    overflow                                the overflow in the boundary's micro-step (N−1) on the LAST rank of
-                                            the top world; at W ≥ 2 also micro-step 0 on rank 1 of W=2
-    mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2, cp=2 with 2 outer steps;
-                                            with an ignore_index padded (mesh_corners.py), and dp=2 too (mesh)
-    long_windows                            N=129 B=1 K=2 (LONG_CORNER): a run of more than 256 micro-steps
-    """
-    lo, hi = min_world, max(min_world, max_world)
-    if gate in ("equivalence", "normaliser", "empty_window", "parity"):
-        short = gate == "equivalence" and declares_short(adapter)  # then also window 1 short: 2 of 3 micro-batches
-        return [_base(adapter, N=3, B=2, K=2, padded=True)] + ([_base(adapter, N=3, B=2, K=2, padded=True,
-                                                                      last_window=2)] if short else [])
-    if gate == "split_invariance":
-        return [_base(adapter, N=3, B=2, K=1, padded=True)]
-    if gate == "long_windows":
-        return [_base(adapter, N=LONG_CORNER[0], B=1, K=LONG_CORNER[1])]
-    if gate == "metrics":  # three steps: a warm-up's LR changes between them; each declared autocast precision
-        base = _base(adapter, N=3, B=2, K=3, padded=True)
-        return [base] + [base.replace(precision=p) for p in adapter.precisions if p != base.precision and p != "fp32"]
-    if gate in ("data_parallel", "bytes_per_step"):
-        worlds = sorted({w for w in (max(2, lo), hi) if lo <= w <= hi and w >= 2})
-        out = [_base(adapter, N=3, B=2, K=2, W=w, padded=True) for w in worlds]
-        if gate == "data_parallel" and worlds and declares_uneven(adapter):
-            w = worlds[0]
-            out.append(_base(adapter, N=3, B=2, K=2, W=w, padded=True, rank_rows=((2, 2, 2),) * (w - 1) + ((3, 1),)))
-        return out
-    if gate == "overflow":
-        top = _base(adapter, N=3, B=2, K=2, W=hi).replace(precision="fp16")
-        out = [(top, 2, hi - 1)]
-        if hi > 2 and lo <= 2:
-            out.append((top.replace(world=2), 0, 1))
-        return out
-    if gate == "mesh":
-        return [c for c in (_mesh_corner(adapter, a) for a in corner_axes(adapter)) if c] if lo <= 2 <= hi else []
-    if gate == "mesh_split":
-        axis = next((a for a in corner_axes(adapter) if a != "dp"), None)
-        c = _mesh_corner(adapter, axis, B=2 * 2, split=True) if lo <= 2 <= hi and axis else None
-        return [(c.replace(mesh=None, world=1), 2)] if c else []
-    return []
 
 
 @contextlib.contextmanager
