@@ -8,7 +8,7 @@ import pytest
 
 from planted import broken, broken_dist, broken_lowprec, broken_mesh, broken_numerics, broken_overflow, broken_tokens
 from planted import broken_mesh_metrics, broken_tp, ddp_modes, moe_adapters, packed_adapters, registry as planted
-from planted import cp_adapters, parity_adapters, uneven_adapters
+from planted import cp_adapters, parity_adapters, uneven_adapters, zero_grad_adapters
 from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_normaliser)
 from verify._internal.gates.distributed import max_world
 from verify._internal.gates.mesh import check_mesh
@@ -66,7 +66,7 @@ def test_every_planted_adapter_is_registered():
     registered = {id(b.adapter) for b in planted.PLANTED}
     modules = (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_numerics, broken_overflow,
                broken_tokens, broken_tp, cp_adapters, ddp_modes, moe_adapters, packed_adapters, parity_adapters,
-               uneven_adapters)
+               uneven_adapters, zero_grad_adapters)
     missing = [f"{m.__name__}.{k}" for m in modules for k, a in vars(m).items()
                if isinstance(a, Adapter) and a.name.startswith("broken") and id(a) not in registered
                and id(a) not in CONTROLS]

@@ -14,7 +14,7 @@ from verify._internal.cases.case import Case, Trace, split
 from verify._internal.gates.metrics import factor_text
 from verify._internal.gates.single import run_alone
 from verify._internal.gates.tokens import _floors, _flip, _Runs, _zeros_like_any, windows_case
-from verify._internal.gates.tolerance import bound64, rel_err
+from verify._internal.gates.tolerance import bound64, param_err, param_scale, scale_note, whole_norm
 from verify._internal.objective import NORMALISERS, Weights, objective_of
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 
@@ -83,13 +83,20 @@ class _Term:
             why += fit()
         self.check(f"{head} (step-0 loss)", err, overall, kappa, why)
         traces = [whole, *(t for _, t in parts)]
-        for name in sorted(set(whole.grads0).union(*(t.grads0 for _, t in parts))):
+        names = sorted(set(whole.grads0).union(*(t.grads0 for _, t in parts)))
+        sums, wants = {}, {}
+        for name in names:
             zero = _zeros_like_any(traces, name)
-            terms = [w * t.grads0.get(name, zero).double() for w, t in parts]
-            g = whole_w * whole.grads0.get(name, zero).double()
-            sn = sum(terms).norm().item() if terms else 0.0
-            self.check(f"{head}, gradient of {name!r}", rel_err(sum(terms), g), per.get(name, overall),
-                       sum(x.norm().item() for x in terms) / sn if sn > 0 and len(terms) > 1 else 1.0, why)
+            sums[name] = [w * t.grads0.get(name, zero).double() for w, t in parts]
+            wants[name] = whole_w * whole.grads0.get(name, zero).double()
+        # one parameter is judged relative to itself, or to the whole gradient where it is zero at the run's resolution
+        big, got = whole_norm(wants), whole_norm({k: sum(v) for k, v in sums.items() if v})
+        for name in names:
+            terms, g = sums[name], wants[name]
+            sn = param_scale(sum(terms), got, overall) if terms else 0.0
+            self.check(f"{head}, gradient of {name!r}{scale_note(g, big, overall)}", param_err(sum(terms), g, big, overall),
+                       per.get(name, overall), sum(x.norm().item() for x in terms) / sn if sn > 0 and len(terms) > 1
+                       else 1.0, why)
 
 
 def _fits(term: _Term, windows: list, whole_xy, whole: Trace, floor: float):
@@ -250,10 +257,13 @@ def _big_batch(t: _Term, a: Trace, big: Trace, floors: tuple) -> None:
     if not (got != got and want != want):  # both NaN: neither run holds a valid target of the term
         t.check(f"window A at N={t.case.accum_steps} vs the big batch (step-0 loss {got:.6g} vs {want:.6g})",
                 abs(got - want) / (abs(want) or 1.0), overall, 1.0, why)
+    whole = whole_norm(big.grads0)
     for name in sorted(set(a.grads0) | set(big.grads0)):
         zero = _zeros_like_any([a, big], name)
-        t.check(f"window A at N={t.case.accum_steps} vs the big batch, gradient of {name!r}",
-                rel_err(a.grads0.get(name, zero), big.grads0.get(name, zero)), per.get(name, overall), 1.0, why)
+        want = big.grads0.get(name, zero)
+        t.check(f"window A at N={t.case.accum_steps} vs the big batch, gradient of {name!r}"
+                f"{scale_note(want, whole, overall)}", param_err(a.grads0.get(name, zero), want, whole, overall),
+                per.get(name, overall), 1.0, why)
 
 
 def _per_micro(t: _Term, N: int) -> None:
