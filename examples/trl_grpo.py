@@ -88,11 +88,10 @@ class Trainer:
         self.module = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.n = spec.accum_steps
-        self.window, self.inputs = [], []
+        self.window = []
 
     def micro_step(self, x, y, micro):
         self.window.append(verify.data.unpack_rollouts(x, y))
-        self.inputs.append(x)
         if micro < self.n - 1:
             return
         # TRL generates a whole window (its generation batch) before the window's micro-steps: so here, at its end
@@ -104,14 +103,14 @@ class Trainer:
             sync = contextlib.nullcontext() if i == self.n - 1 else self.acc.no_sync(self.model)
             with sync:
                 self.losses.append(self.trl.training_step(self.model, [], None))
-        self.window, self.inputs = [], []
+        self.window = []
 
     def generated(self, window):
         """The window's rollouts as TRL's _generate_and_score_completions returns them: the prompts and completions,
         the advantages, the old policy's log-probs, and the number of completion tokens the loss counts over the
         whole generation batch and every rank (num_items_in_batch; read from TRL 0.22 on)."""
         prompt_ids = torch.cat([r.prompt_ids for r in window])
-        completion_ids = torch.cat([x[:, 0, PROMPT:].round().long() for x in self.inputs])  # every token, masked too
+        completion_ids = torch.cat([r.completion_ids for r in window])  # every token as sampled, masked ones too
         loss_mask = torch.cat([r.completion_mask for r in window])
         out = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
                "advantages": torch.cat([r.advantages for r in window]),

@@ -29,7 +29,8 @@ from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_me
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, cp_adapters, ddp_modes,
                      hsdp_adapters,
                      moe_adapters, objective_adapters, overflow_adapters, packed_adapters, parity_adapters, pull_loops,
-                     short_adapters, uneven_adapters, zero_adapters)
+                     short_adapters, uneven_adapters, zero_adapters,
+                     zero_grad_adapters)
 from planted import broken_amp_metrics  # issue 42 item 3: metrics in every precision
 from xtrain_proof.options import XtrainOptions
 
@@ -565,6 +566,15 @@ PLANTED: tuple[PlantedBug, ...] = (
                zero_adapters.zero_eager, Gate.BOUNDARY_ONLY,
                r"micro-step 0 of 3 \(before the boundary\): count table row 'hand-written ZeRO-1' expects none, observed "
                r"(all_reduce|reduce_scatter)×1", DDP),
+    # -- issue 42 item 2 (zero_grad_adapters.py): one parameter of a biased-attention LM, whose key bias's gradient is
+    # zero in exact arithmetic and judged against the whole gradient (tolerance.param_scale): bugs there still fail
+    PlantedBug("bias_grad_times_n", "one bias's gradient (nonzero) × N at the boundary: its 1/N missing",
+               zero_grad_adapters.bias_grad_times_n, Gate.EQUIVALENCE,
+               r"gradient \(step 0\) of 'q\.bias': accumulation error 2\.000e\+00", OBJECTIVE),
+    PlantedBug("zero_grad_made_nonzero", "the key bias (zero in exact arithmetic) given the value bias's gradient",
+               zero_grad_adapters.zero_grad_made_nonzero, Gate.EQUIVALENCE,
+               r"gradient \(step 0\) of 'k\.bias' \(zero at the run's resolution: relative to the whole gradient\): "
+               r"accumulation error", OBJECTIVE),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

@@ -98,9 +98,10 @@ def rollouts(*, vocab: int, prompt_len: int, completion_len: int):
     """Policy-gradient batches (GRPO / PPO-shaped), one row per sampled completion: inputs (rows, 4, P + C)
     float64 — channel 0 the prompt and completion token ids, 1 and 2 the old and the reference policy's
     log-probabilities of each completion token (0 on the prompt), 3 the row's advantage on every position —
-    and targets (rows, C) int64, the completion token ids. The harness pads completions by setting targets to
-    the ignore_index (down to an empty completion): `unpack_rollouts` turns that into the completion mask.
-    The rollouts are data, not generated: every split of a window sees the same ones."""
+    and targets (rows, C) int64, the completion token ids. The harness masks completion tokens by setting their
+    targets to the ignore_index (padding: a completion's tail, down to an empty one; the normaliser gate: one
+    completion's head): `unpack_rollouts` turns that into the loss mask, never into other ids. The rollouts are
+    data, not generated: every split of a window sees the same ones."""
     if vocab < 2 or prompt_len < 1 or completion_len < 1:
         raise ValueError(f"rollouts needs vocab ≥ 2, prompt_len ≥ 1 and completion_len ≥ 1, got {vocab}, "
                          f"{prompt_len} and {completion_len}")
@@ -122,9 +123,9 @@ def rollouts(*, vocab: int, prompt_len: int, completion_len: int):
 
 
 class Rollouts(tuple):
-    """What `unpack_rollouts` returns, by name: prompt_ids (rows, P) and completion_ids (rows, C) int64,
-    completion_mask (rows, C) int64 (1 where the target is valid), advantages (rows,), old_logps and ref_logps
-    (rows, C), in the inputs' floating dtype."""
+    """What `unpack_rollouts` returns, by name: prompt_ids (rows, P) and completion_ids (rows, C) int64, every
+    token as sampled, completion_mask (rows, C) int64 (1 where the target is valid: the loss mask), advantages
+    (rows,), old_logps and ref_logps (rows, C), in the inputs' floating dtype."""
 
     _fields = ("prompt_ids", "completion_ids", "completion_mask", "advantages", "old_logps", "ref_logps")
 
@@ -138,13 +139,13 @@ class Rollouts(tuple):
 
 
 def unpack_rollouts(inputs: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> Rollouts:
-    """A micro-batch of `rollouts` data -> Rollouts. Padded completion positions (targets == ignore_index)
-    are masked out and their ids set to 0, a valid token id for any model."""
+    """A micro-batch of `rollouts` data -> Rollouts. A masked target (== ignore_index) leaves the loss, nothing
+    else: its id stays what was sampled, so the policy's input is the same whichever targets a check masks
+    (docs/design/numerics.md, "Normalisers"). Feed the policy the ids and weigh the loss by completion_mask."""
     C = targets.shape[1]
     ids = inputs[:, 0].round().long()
     mask = (targets != ignore_index).long()
-    completion = ids[:, -C:] * mask
-    return Rollouts(ids[:, :-C], completion, mask, inputs[:, 3, 0], inputs[:, 1, -C:], inputs[:, 2, -C:])
+    return Rollouts(ids[:, :-C], ids[:, -C:], mask, inputs[:, 3, 0], inputs[:, 1, -C:], inputs[:, 2, -C:])
 
 
 # -- packed rows: several documents per row, never cut by the harness ---------------------------------------

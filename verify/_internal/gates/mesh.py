@@ -22,7 +22,7 @@ from verify._internal.gates.distributed import F32, F64, kappa_job, reference_jo
 from verify._internal.gates.counts import declared_row
 from verify._internal.gates.metrics import judge_world
 from verify._internal.gates.mesh_counts import check_mesh_counts
-from verify._internal.gates.tolerance import Judge, bound64, measured_floor
+from verify._internal.gates.tolerance import Judge, bound64, measured_floor, param_scale
 
 __all__ = ["check_mesh", "check_mesh_splits", "assemble_traces", "mesh_norms", "where", "padding_lead"]
 
@@ -84,9 +84,11 @@ def mesh_norms(traces: list[Trace], case: Case) -> dict[int, list]:
                 norms.append(None)
                 continue
             merged, by = {}, {}
+            whole = math.sqrt(max(sum(s.values()) for s in sums))  # a copy zero at that resolution: judged against it
             for r, s in zip(ranks, sums):
                 for name, v in s.items():
-                    if name in merged and abs(v - merged[name]) > tol * max(abs(v), abs(merged[name])):
+                    if name in merged and abs(v - merged[name]) > tol * param_scale(
+                            math.sqrt(max(abs(v), abs(merged[name]))), whole) ** 2:
                         _fail(case, f"replica {d}: ranks {by[name]} and {r} hold different gradients of {name!r} at "
                                     f"step {k} (Σg² {merged[name]!r} vs {v!r}): a parameter's copies on its stage's "
                                     f"tp ranks must be one tensor")

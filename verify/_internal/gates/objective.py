@@ -14,7 +14,7 @@ from verify._internal.cases.case import Case, Trace, split
 from verify._internal.gates.metrics import factor_text
 from verify._internal.gates.single import run_alone
 from verify._internal.gates.tokens import _floors, _flip, _Runs, _zeros_like_any, windows_case
-from verify._internal.gates.tolerance import bound64, rel_err
+from verify._internal.gates.tolerance import bound64, param_err, param_scale, scale_note, whole_norm
 from verify._internal.objective import NORMALISERS, Weights, objective_of
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 
@@ -56,19 +56,20 @@ class _Term:
     def weight(self, x, y, kind: str | None = None) -> float:
         return self.w.of(kind or self.kind, x, y)
 
-    def check(self, what: str, err: float, floor: float, kappa: float, why: str, error=None) -> None:
+    def check(self, what: str, err: float, floor: float, kappa: float, why: str, hint: str | None = None) -> None:
         b = bound64(floor, kappa)
         if not err <= b:  # also NaN
             k = f", κ {kappa:.3g}" if kappa > 1.0 else ""
             raise GateFailure(f"[{GATE}] {self.label}: {what}: relative error {err:.3e} > {b:.1e} (float64 floor "
                               f"{floor:.1e}{k}) — {why}; case {self.case}", gate=GATE, case=self.case, error=err,
-                              bound=b, hint=f"the term {self.name!r} is not {self.norm.means}: divide by the window's "
-                                            f"count of {self.norm.weight}{_COUNTED.get(self.norm.weight, '')}, over "
-                                            f"every micro-step and rank")
+                              bound=b, hint=hint or f"the term {self.name!r} is not {self.norm.means}: divide by the "
+                                                    f"window's count of {self.norm.weight}"
+                                                    f"{_COUNTED.get(self.norm.weight, '')}, over every micro-step and rank")
         if err / b >= self.ratio:
             self.worst, self.ratio = f"{self.name}: {what}", err / b
 
-    def adds_up(self, head: str, parts: list, whole, whole_w: float, floors: tuple, why: str, fit=None) -> None:
+    def adds_up(self, head: str, parts: list, whole, whole_w: float, floors: tuple, why: str, fit=None,
+                hint: str | None = None) -> None:
         """Σ w_p·(loss, gradient)_p = w·(loss, gradient) of the whole, parts [(w_p, Trace)] at the same parameters."""
         overall, per = floors
         parts = [(w, t) for w, t in parts if w]  # a part of weight 0 (no valid target) adds nothing: its loss is NaN
@@ -81,15 +82,22 @@ class _Term:
         err = abs(s - want) / (abs(want) or 1.0)
         if not err <= bound64(overall, kappa) and fit is not None:
             why += fit()
-        self.check(f"{head} (step-0 loss)", err, overall, kappa, why)
+        self.check(f"{head} (step-0 loss)", err, overall, kappa, why, hint)
         traces = [whole, *(t for _, t in parts)]
-        for name in sorted(set(whole.grads0).union(*(t.grads0 for _, t in parts))):
+        names = sorted(set(whole.grads0).union(*(t.grads0 for _, t in parts)))
+        sums, wants = {}, {}
+        for name in names:
             zero = _zeros_like_any(traces, name)
-            terms = [w * t.grads0.get(name, zero).double() for w, t in parts]
-            g = whole_w * whole.grads0.get(name, zero).double()
-            sn = sum(terms).norm().item() if terms else 0.0
-            self.check(f"{head}, gradient of {name!r}", rel_err(sum(terms), g), per.get(name, overall),
-                       sum(x.norm().item() for x in terms) / sn if sn > 0 and len(terms) > 1 else 1.0, why)
+            sums[name] = [w * t.grads0.get(name, zero).double() for w, t in parts]
+            wants[name] = whole_w * whole.grads0.get(name, zero).double()
+        # one parameter is judged relative to itself, or to the whole gradient where it is zero at the run's resolution
+        big, got = whole_norm(wants), whole_norm({k: sum(v) for k, v in sums.items() if v})
+        for name in names:
+            terms, g = sums[name], wants[name]
+            sn = param_scale(sum(terms), got, overall) if terms else 0.0
+            self.check(f"{head}, gradient of {name!r}{scale_note(g, big, overall)}", param_err(sum(terms), g, big, overall),
+                       per.get(name, overall), sum(x.norm().item() for x in terms) / sn if sn > 0 and len(terms) > 1
+                       else 1.0, why, hint)
 
 
 def _fits(term: _Term, windows: list, whole_xy, whole: Trace, floor: float):
@@ -237,10 +245,32 @@ def _one_sequence(t: _Term, floors: tuple) -> None:
     w = n if t.norm.in_row == "valid" else [1.0, 1.0, 1.0]
     head = (f"one sequence (row {i} of window A{where}, {int(n[2])} valid targets) as its two halves ({int(n[0])} + "
             f"{int(n[1])}): " + ("n_1·L_1 + n_2·L_2 vs n·L" if t.norm.in_row == "valid" else "L_1 + L_2 vs L"))
-    why = ("a sequence's halves do not add up " + ("by their valid counts: the term does not divide each sequence by "
-           "its own length" if t.norm.in_row == "valid" else "plainly: the term divides a sequence by its own length "
-           "where a constant is declared"))
-    t.adds_up(head, [(w[0], runs[0]), (w[1], runs[1])], runs[2], w[2], floors, why)
+    why, hint = _halves_why(t, [r.losses[0] for r in runs], n, floors[0])
+    t.adds_up(head, [(w[0], runs[0]), (w[1], runs[1])], runs[2], w[2], floors, why, hint=hint)
+
+
+def _halves_why(t: _Term, losses: list, n: list, floor: float) -> tuple[str, str | None]:
+    """(why, hint) of a failed halves check: a normaliser where the halves' losses fit the other in-row weights
+    (valid counts or plainly); where they fit neither, also the input: the check masks a sequence's head, and only a
+    model whose input is the same whichever targets are masked can be judged so (docs/design/numerics.md)."""
+    valid = "by their valid counts: the term does not divide each sequence by its own length"
+    plain = "plainly: the term divides a sequence by its own length where a constant is declared"
+    declared, own, other = (valid, n, [1.0] * 3) if t.norm.in_row == "valid" else (plain, [1.0] * 3, n)
+
+    def fits(w) -> bool:
+        parts, whole = [w[0] * losses[0], w[1] * losses[1]], w[2] * losses[2]
+        kappa = sum(map(abs, parts)) / (abs(sum(parts)) or 1.0)
+        return abs(sum(parts) - whole) <= bound64(floor, kappa) * abs(whole)  # also False on NaN
+
+    if fits(own) or fits(other):  # the losses fit a normaliser: the declared one (a gradient fails) or the other
+        return "a sequence's halves do not add up " + declared, None
+    count = "its own length" if t.norm.in_row == "valid" else "the declared constant"
+    return (f"a sequence's halves add up neither by their valid counts nor plainly: the term does not divide each "
+            f"sequence by {count}, or the model's input changes with which targets are masked (this check masks the "
+            f"first half: ids, positions or an attention mask taken from the targets change what the second half "
+            f"sees)", f"make the term {t.norm.means}, and feed the model the same input whatever targets are "
+                      f"ignore_index: a masked target leaves the loss, nothing else (verify.data.unpack_rollouts "
+                      f"keeps every id)")
 
 
 def _big_batch(t: _Term, a: Trace, big: Trace, floors: tuple) -> None:
@@ -250,10 +280,13 @@ def _big_batch(t: _Term, a: Trace, big: Trace, floors: tuple) -> None:
     if not (got != got and want != want):  # both NaN: neither run holds a valid target of the term
         t.check(f"window A at N={t.case.accum_steps} vs the big batch (step-0 loss {got:.6g} vs {want:.6g})",
                 abs(got - want) / (abs(want) or 1.0), overall, 1.0, why)
+    whole = whole_norm(big.grads0)
     for name in sorted(set(a.grads0) | set(big.grads0)):
         zero = _zeros_like_any([a, big], name)
-        t.check(f"window A at N={t.case.accum_steps} vs the big batch, gradient of {name!r}",
-                rel_err(a.grads0.get(name, zero), big.grads0.get(name, zero)), per.get(name, overall), 1.0, why)
+        want = big.grads0.get(name, zero)
+        t.check(f"window A at N={t.case.accum_steps} vs the big batch, gradient of {name!r}"
+                f"{scale_note(want, whole, overall)}", param_err(a.grads0.get(name, zero), want, whole, overall),
+                per.get(name, overall), 1.0, why)
 
 
 def _per_micro(t: _Term, N: int) -> None:

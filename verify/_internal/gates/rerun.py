@@ -17,6 +17,7 @@ from verify._internal.cases.case import Case, drive
 from verify._internal.hints import hint as pattern_hint
 from verify._internal.verdict import Gate, GateFailure, GateSkipped
 from verify._internal.gates.diagnose import first_difference
+from verify._internal.gates.tolerance import param_scale, whole_norm
 
 __all__ = ["diagnose", "diagnosed", "relation", "KNOBS"]
 
@@ -105,10 +106,10 @@ def relation(got, ref) -> tuple[float | None, bool]:
         if g is None or g.shape != r.shape:
             return None, False
         num, den = num + float((g.double() * r.double()).sum()), den + float((r.double() ** 2).sum())
-    c = num / den if den else None
-    for k, r in ref.grads0.items():
-        if c is not None and float((got.grads0[k].double() - c * r.double()).norm()) > CONSTANT * abs(c) * float(
-                r.double().norm()):
+    c, whole = (num / den if den else None), whole_norm(ref.grads0)
+    for k, r in ref.grads0.items():  # a gradient zero at the run's resolution: relative to the whole (param_scale)
+        if c is not None and float((got.grads0[k].double() - c * r.double()).norm()) > CONSTANT * abs(c) * param_scale(
+                r, whole):
             c = None
     same = bool(got.params) and len(got.params) == len(ref.params) and all(
         k in pg and float((pg[k].double() - r.double()).abs().max()) <= SAME_PARAMS * max(float(r.abs().max()), 1.0)

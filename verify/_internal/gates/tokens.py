@@ -13,7 +13,7 @@ import torch
 from verify._internal.cases.case import Case, Trace, drive
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.single import run_alone
-from verify._internal.gates.tolerance import Judge, bound64, rel_err, twin_floor
+from verify._internal.gates.tolerance import Judge, bound64, param_err, twin_floor
 
 __all__ = ["check_empty_window", "windows_case"]
 
@@ -89,16 +89,17 @@ def _flip(batch):
 
 def _floors(pairs) -> tuple[float, dict]:
     """(floor, name -> parameter floor) from (run, twin) pairs, equal in exact arithmetic: twin_floor of the
-    largest twin_diff, and for each parameter at least its own largest relative |Δ| (a tensor whose terms
-    cancel rounds more than the whole)."""
-    from verify._internal.gates.tolerance import twin_diff
+    largest twin_diff, and for each parameter at least its own largest |Δ| relative to its param_scale (a tensor
+    whose terms cancel rounds more than the whole; one zero in exact arithmetic is judged against the whole)."""
+    from verify._internal.gates.tolerance import twin_diff, whole_norm
 
     measured = max(twin_diff(a, b) for a, b in pairs)
     params = {}
     for a, b in pairs:
+        whole = whole_norm(b.grads0)
         for name, g in b.grads0.items():
             if name in a.grads0:
-                params[name] = max(params.get(name, measured), rel_err(a.grads0[name], g))
+                params[name] = max(params.get(name, measured), param_err(a.grads0[name], g, whole, measured))
     return twin_floor(measured), {k: twin_floor(v) for k, v in params.items()}
 
 

@@ -5,9 +5,8 @@
   within LOSS_MAX_REL of the fp32 big batch.
 * float64, all K steps: `bound64(twin_floor(measured), κ)`, floor = min(max(eps32, twin), 8·eps32), twin: the most run.
 * bit-exact: torch.equal. A NaN loss (a window without a valid token) agrees only with another NaN.
-
-Why these bounds (κ, the all-parameter floor, the low-precision term, the twin, every planted bug's margin):
-docs/design/tolerance.md.
+* one parameter's gradient: relative to its own norm, or the whole gradient's where its own is zero (param_scale).
+Why these bounds (κ, the all-parameter floor, zero gradients, the twin, every margin): docs/design/tolerance.md.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from verify._internal.cases.case import TWIN_COPIES
 from verify._internal.verdict import Gate, GateFailure
 
 __all__ = ["GateFailure", "C", "FLOOR", "EPS32", "EPS", "LOSS", "LOSS_MAX_REL", "KAPPA_EXACT_ABOVE", "rel_err", "condition",
-           "conditions",
+           "conditions", "whole_norm", "resolved", "param_scale", "scale_note", "param_err",
            "bound", "needs_kappa", "overall_error", "step0_checks", "twin_diff", "twin_floor", "measured_floor",
            "bound64", "Judge", "STEP0_TEXT", "FLOAT64_TEXT"]
 
@@ -54,6 +53,43 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return d / n if n > 0 else d
 
 
+def whole_norm(grads: dict) -> float:
+    """‖g‖ over every parameter at once (float64): the scale of the whole gradient."""
+    return math.sqrt(sum(g.detach().double().pow(2).sum().item() for g in grads.values()))
+
+
+def _norm(ref) -> float:
+    return ref.detach().double().norm().item() if isinstance(ref, torch.Tensor) else abs(float(ref))
+
+
+def resolved(ref, whole: float, floor: float = EPS32) -> bool:
+    """Whether a parameter's gradient `ref` (a tensor or its norm) is above the whole gradient's resolution:
+    bound64(floor) × `whole`, the most the whole gradient's own float64 comparison may differ by."""
+    return _norm(ref) > bound64(floor) * whole
+
+
+def param_scale(ref, whole: float, floor: float = EPS32) -> float:
+    """What one parameter's gradient error is relative to: its own norm where `resolved`, else the whole gradient's:
+    a gradient zero in exact arithmetic (a key bias: softmax ignores a shift of all a query's scores) is rounding of
+    terms no count of the harness gives, noise over noise relative to itself (docs/design/tolerance.md, "Zero
+    gradients"). Every check that judges one parameter's gradient alone divides by it (param_err, condition)."""
+    return _norm(ref) if resolved(ref, whole, floor) else whole
+
+
+def scale_note(ref, whole: float, floor: float = EPS32) -> str:
+    """What a message adds where param_scale judges a parameter against the whole gradient."""
+    return "" if resolved(ref, whole, floor) else " (zero at the run's resolution: relative to the whole gradient)"
+
+
+def param_err(x: torch.Tensor, ref: torch.Tensor, whole: float, floor: float = EPS32) -> float:
+    """‖x − ref‖ / param_scale(ref, whole, floor), float64 (∞ on a shape mismatch; absolute where the scale is 0)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    if x.shape != ref.shape:
+        return float("inf")
+    d, n = (x - ref).norm().item(), param_scale(ref, whole, floor)
+    return d / n if n > 0 else d
+
+
 def bound(big: float, kappa: float = 1.0, overall: float = 0.0, precision: str = "fp32", blocks: int = 1) -> float:
     """The step-0 bound on an accumulation run's relative error:
     C · max(big, overall) + F·max(1, κ) + F_p · max(0, κ/√blocks − 1), F_p = 8·eps of `precision` beyond fp32
@@ -75,11 +111,12 @@ def overall_error(got: dict, ref: dict) -> float:
     return rel_err(_flat(got, names), _flat(ref, names)) if names else 0.0
 
 
-def condition(blocks: list[dict], ref: dict) -> dict:
-    """κ per parameter: max over block gradients of ‖block‖ / ‖ref‖ (float64; ∞-safe: 1 where ref is 0)."""
-    out = {}
+def condition(blocks: list[dict], ref: dict, whole: float | None = None) -> dict:
+    """κ per parameter: max over block gradients of ‖block‖ / param_scale (float64; 1 where that is 0). `whole`: the
+    whole gradient's norm (default: over `ref`)."""
+    out, whole = {}, whole_norm(ref) if whole is None else whole
     for name, g in ref.items():
-        n = g.detach().double().norm().item()
+        n = param_scale(g, whole)
         top = max((b[name].detach().double().norm().item() for b in blocks if name in b), default=0.0)
         out[name] = top / n if n > 0 else 1.0
     return out
@@ -149,15 +186,15 @@ def step0_checks(acc, big, ref, kappa: dict | None, precision: str):
     overall floor); bound(err(big), κ, overall) is its limit. acc and big ran in `precision`, ref in float64."""
     lr = ref.losses[0]
     scale = abs(lr) or 1.0
-    overall = overall_error(big.grads0, ref.grads0)
+    overall, whole = overall_error(big.grads0, ref.grads0), whole_norm(ref.grads0)
     # One scalar is the luckiest tensor of all: under autocast the big batch's loss can come out of a different
     # kernel path near-exact (seen: fp16 N=7, 1.9e-7 against 2.7e-6 typical), so its floor is the big batch's
     # error over all gradients, as for any one parameter. fp32 keeps FLOOR alone.
     yield ("loss of step 0", None, abs(acc.losses[0] - lr) / scale, abs(big.losses[0] - lr) / scale,
            (kappa or {}).get(LOSS, 1.0), overall if precision != "fp32" else 0.0)
     for name, g in ref.grads0.items():
-        yield (f"gradient (step 0) of {name!r}", name, rel_err(acc.grads0[name], g), rel_err(big.grads0[name], g),
-               (kappa or {}).get(name, 1.0), overall)
+        yield (f"gradient (step 0) of {name!r}{scale_note(g, whole)}", name, param_err(acc.grads0[name], g, whole),
+               param_err(big.grads0[name], g, whole), (kappa or {}).get(name, 1.0), overall)
 
 
 def _factors(case) -> list[tuple[str, float]]:

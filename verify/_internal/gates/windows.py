@@ -17,7 +17,8 @@ from verify._internal.cases.case import Case, _cpu, _to, block_grads, split, twi
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import determinism
 from verify._internal.gates.single import _equivalence, check_equivalence, run_alone
-from verify._internal.gates.tolerance import KAPPA_EXACT_ABOVE, bound64, condition, measured_floor, rel_err, twin_floor
+from verify._internal.gates.tolerance import (KAPPA_EXACT_ABOVE, bound64, condition, measured_floor, param_err, scale_note,
+                                              twin_floor, whole_norm)
 
 __all__ = ["splits", "check_split_invariance", "check_partial_sums", "check_long_window", "LOW_PRECISIONS", "LONG_N"]
 
@@ -130,6 +131,7 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
         got = _cpu(trainer.partial_grads())
         rows = (torch.cat([a for a, _ in micro[:m + 1]]), torch.cat([b for _, b in micro[:m + 1]]))
         want = _prefix_reference(adapter, case, *rows, device).grads0
+        whole = whole_norm(want)  # a parameter zero at the run's resolution is judged against the whole (param_err)
         for name in sorted(set(got) | set(want)):
             g = got.get(name)
             if g is None:
@@ -138,17 +140,20 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                 raise GateFailure(f"[{gate}] after micro-step {m} of {N}: partial_grads() has no gradient for "
                                   f"{name!r}, which the big batch of micro-batches 0..{m} has; case {case}",
                                   gate=gate, case=case)
-            e = rel_err(g, want.get(name, torch.zeros_like(g)))
+            ref = want.get(name, torch.zeros_like(g))
+            e = param_err(g, ref, whole, declared)
             if e > KAPPA_EXACT_ABOVE * bound64(declared) and floor is None:  # measure the case's floor, once
                 floor = measured_floor(_prefix_reference(adapter, case, inputs, targets, device),
                                        _prefix_reference(adapter, case, inputs, targets, device, True))
+                e = param_err(g, ref, whole, floor)
             b = bound64(declared if floor is None else floor)
             if e > KAPPA_EXACT_ABOVE * b:  # a float32 part: rounding relative to the sum's terms
                 blocks = blocks if blocks is not None else block_grads(adapter, case, device, gate)
-                b = bound64(floor, condition(blocks[:m + 1], {name: want.get(name, torch.zeros_like(g))}).get(name, 1.0))
+                b = bound64(floor, condition(blocks[:m + 1], {name: ref}, whole).get(name, 1.0))
             if not e <= b:
                 fail = GateFailure(
-                    f"[{gate}] after micro-step {m} of {N} (boundary not reached), gradient of {name!r}: relative "
+                    f"[{gate}] after micro-step {m} of {N} (boundary not reached), gradient of {name!r}"
+                    f"{scale_note(ref, whole, floor or declared)}: relative "
                     f"error {e:.3e} > {b:.2e} vs the float64 big batch of micro-batches 0..{m} — that "
                     f"micro-step's contribution did not land exactly once; case {case}",
                     gate=gate, case=case, error=e, bound=b)
