@@ -3,6 +3,7 @@ num_processes times per step() call, split_batches=False), for the per-rank sche
 item 7). examples/accelerate_accumulate.py is the declared, correct recipe of the fixed-length loss.
 
     fixed_undeclared    the recipe without scheduler_per_rank: fails at W ≥ 2 from step 1
+    micro_scheduler_undeclared  the same with the scheduler stepped in every micro-step, inside accumulate()
     tokens_declared     a token-weighted Accelerate LM, declared: passes every gate (the control)
     tokens_undeclared   the same without scheduler_per_rank: fails at W ≥ 2 from step 1
 
@@ -22,6 +23,28 @@ IGNORE, VOCAB = -100, 11
 
 class FixedTrainer(Recipe):
     """examples/accelerate_accumulate.py's trainer, as is (defined here: the adapter below is its module's name)."""
+
+
+class MicroScheduler(Recipe):
+    """The recipe with the scheduler stepped inside accumulate() on every micro-step, as Accelerate's examples do:
+    the prepared scheduler advances only where gradients sync (num_processes times), before the optimizer's step."""
+
+    def micro_step(self, x, y, micro):
+        if micro == 0:
+            self.losses = []
+        with self.acc.accumulate(self.model):
+            loss = F.mse_loss(self.model(x), y)
+            self.acc.backward(loss)
+            for _ in range(self.scheduler_calls):
+                self.sched.step()
+        self.losses.append(loss.detach())
+
+    def optimizer_step(self):
+        calls, self.scheduler_calls = self.scheduler_calls, 0  # stepped in the micro-steps already
+        try:
+            return super().optimizer_step()
+        finally:
+            self.scheduler_calls = calls
 
 
 class TokenTrainer:
@@ -68,5 +91,7 @@ _tokens = dict(data=verify.data.tokens(vocab=VOCAB, seq_len=5), ignore_index=IGN
                expected=_EXPECTED, empty_windows=False)  # AdamW would move on an empty window
 fixed_undeclared = verify.adapter(data=verify.data.regression(features=8), data_parallel=True,
                                   expected=_EXPECTED, metrics=METRICS)(FixedTrainer)
+micro_scheduler_undeclared = verify.adapter(data=verify.data.regression(features=8), data_parallel=True,
+                                            expected=_EXPECTED)(MicroScheduler)
 tokens_declared = verify.adapter(**_tokens, scheduler_per_rank=True)(TokenTrainer)
 tokens_undeclared = verify.adapter(**_tokens)(TokenTrainer)

@@ -135,7 +135,7 @@ def test_the_per_rank_scheduler_is_named_in_every_failure_of_an_undeclared_accel
     assert set(got) == want, got
     for gate, line in got.items():
         assert all(s in line for s in SCHEDULER) and f"{W}× per optimizer step" in line, (gate, line)
-        assert f"the reference's after {W}·k steps" in line and "inside the micro-step loop" not in line, line
+        assert f"the reference's at step {W}·k:" in line and "inside the micro-step loop" not in line, line
     if name == "tokens_undeclared":  # the declared trainer passes the same cases
         for check, case, kw in runs:
             check(_accelerate("tokens_declared"), case, **kw)
@@ -148,6 +148,18 @@ def test_the_schedule_lead_reads_what_the_reference_does():
     line = per_rank_schedule(calib.per_rank_unemulated, case)  # declared, its reference ignoring schedule_world
     assert "you declare scheduler_per_rank=True, yet in the one-process reference" in line, line
     assert per_rank_schedule(calib.fp32_constant_dp, case) is None  # a warm-up stepped once per step, any world
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler")  # the order Accelerate's examples show
+def test_a_scheduler_stepped_in_the_micro_steps_inside_accumulate_is_named_too():
+    """Accelerate's examples step the scheduler inside accumulate() every micro-step: it advances on the window's
+    last one, before the optimizer steps, so the ranks' LR at step k is the reference's at step 2·k + 1."""
+    adapter = _accelerate("micro_scheduler_undeclared")
+    check_equivalence(adapter, Case(accum_steps=3, micro_batch=2, steps=3, seed=1, data_seed=2))  # alone: right
+    f = _fails(check_distributed, adapter, Case(accum_steps=2, micro_batch=1, steps=2, world=2, seed=1, data_seed=2))
+    line = hint(diagnosed(adapter, f))
+    assert "the reference's at step 2·k + 1:" in line and all(s in line for s in SCHEDULER), line
 
 
 @pytest.mark.slow

@@ -86,8 +86,8 @@ def built_wrong(adapter, case: Case, pooled: bool) -> str | None:
 # -- the LR schedule of a W-rank run -------------------------------------------------------------------
 
 def lr_job(ctx, adapter, case: Case, schedule_world: int | None = None) -> list | None:
-    """The LR the trainer's first stepped optimizer applies at each step of `case` on this rank, then the LR it
-    holds after the last step (the float64 run; read by optimizer step pre-hooks, as the metrics gate does).
+    """The LR the trainer's first stepped optimizer applies at each step k < K of `case` on this rank, then the LR
+    it holds after the last (step K's; the float64 run; read by step pre-hooks, as the metrics gate does).
     `schedule_world`: the Spec's, where a one-process case stands for a W-rank run's reference."""
     import dataclasses
 
@@ -117,8 +117,8 @@ def _same(x, y) -> bool:
 
 
 def per_rank_schedule(adapter, case: Case) -> str | None:
-    """The per-rank scheduler's lead where the W-rank run's LR after k steps is its one-process reference's
-    after W·k steps, for every k ≤ K, and not its value after k steps; None otherwise (world 1, a mesh, no LR).
+    """The per-rank scheduler's lead where the W-rank run's LR at step k is its one-process reference's at step
+    W·k (+ o < W), for every k ≤ K, and not its LR at step k; None otherwise (world 1, a mesh, no LR).
     The reference runs as the gates run it: with scheduler_per_rank declared, Spec.schedule_world = W, so a
     trainer that emulates the W ranks there gets no lead."""
     W, K = case.world, case.steps
@@ -128,18 +128,23 @@ def per_rank_schedule(adapter, case: Case) -> str | None:
 
     got = get_pool(W, subgroups=adapter.subgroups).run(lr_job, adapter, case)[0]
     declared = getattr(adapter, "scheduler_per_rank", False)
-    ref = _one(adapter, _alone(case, W * K, _tiled(case, W * K)), True, lr_job, W if declared else None)
-    if not got or not ref or len(got) != K + 1 or len(ref) != W * K + 1:
+    S = W * (K + 1)  # the reference's steps: W·k + o for every k ≤ K and offset o < W
+    ref = _one(adapter, _alone(case, S, _tiled(case, S)), True, lr_job, W if declared else None)
+    if not got or not ref or len(got) != K + 1 or len(ref) != S + 1 or all(_same(got[k], ref[k]) for k in range(K + 1)):
         return None
-    if not all(_same(got[k], ref[W * k]) for k in range(K + 1)) or all(_same(got[k], ref[k]) for k in range(K + 1)):
+    # offset o: a scheduler stepped before the optimizer in the window's last micro-step (inside accumulate(), as
+    # Accelerate's examples do) applies the LR after W·(k + 1) advances at step k, the reference's after k + 1
+    o = next((o for o in range(W) if all(_same(got[k], ref[W * k + o]) for k in range(K + 1))), None)
+    if o is None:
         return None
+    k = next(k for k in range(K + 1) if not _same(got[k], ref[k]))
     fix = ("you declare scheduler_per_rank=True, yet in the one-process reference (Spec.schedule_world = W) it "
            "advances once per step: call the scheduler's step() Spec.scheduler_calls times per optimizer step"
            if declared else
            "declare @verify.adapter(scheduler_per_rank=True) and call the scheduler's step() Spec.scheduler_calls "
            "times per optimizer step (1 on the ranks, W in the harness's one-process reference)")
-    return (f"after 1 optimizer step the {W}-rank run's LR is {got[1]:.6g}, its one-process reference's "
-            f"{ref[1]:.6g}; after every step k ≤ {K} the ranks' LR is the reference's after {W}·k steps: the LR "
+    return (f"at step {k} the {W}-rank run applies LR {got[k]:.6g}, its one-process reference {ref[k]:.6g}; at "
+            f"every step k ≤ {K} the ranks' LR is the reference's at step {W}·k{f' + {o}' if o else ''}: the LR "
             f"scheduler advances once per rank, {W}× per optimizer step — Accelerate's prepared scheduler steps "
             f"num_processes times per step() call (split_batches=False); {fix}")
 
