@@ -75,6 +75,17 @@ def test_a_per_micro_batch_token_mean_on_ranks_is_named_too():
     assert "own token means" in line and "unpadded passes" in line, line
 
 
+@pytest.mark.distributed
+def test_a_per_rank_token_mean_is_named_per_rank_first():
+    from planted.registry import BY_NAME
+
+    b = BY_NAME["per_rank_mean"]  # each rank ÷ its own count, the ranks averaged: right at W=1 and unpadded
+    f = _fails(lambda a, c: check_split_invariance(a, c, max_world=b.args[0]), b.load(), b.case)
+    line = hint(diagnosed(b.load(), f))
+    assert "W=1 passes" in line and "unpadded passes" in line, line
+    assert "where the padding falls — each rank divided by its own valid count (a per-rank token mean)" in line, line
+
+
 # -- item 9: a wrong dtype and a wrong seed, each its own diagnosis -------------------------------------------
 
 def test_a_model_not_built_in_spec_dtype_is_named_in_every_failure():

@@ -17,7 +17,7 @@ import torch
 from verify._internal.cases.case import Case, _cpu, drive, split
 from verify._internal.gates.tolerance import bound64, rel_err
 
-__all__ = ["built_wrong", "per_rank_schedule", "micro_means"]
+__all__ = ["built_wrong", "per_rank_schedule", "micro_means", "token_mean"]
 
 F64 = torch.float64
 
@@ -165,7 +165,7 @@ def micro_means(adapter, case: Case, pooled: bool) -> str | None:
     micro-batch the ranks' rows of one micro-step) is the mean over its N micro-batches of each one's own
     gradient alone — an empty micro-batch adding 0 and counting 1 — and not the window's; None otherwise. The
     first window of the case where that can show: ≥ 2 micro-batches with valid targets, in unequal numbers."""
-    if adapter.ignore_index is None or case.lengths is None:
+    if adapter.ignore_index is None or case.lengths is None or not token_mean(adapter, case):
         return None
     E, ignore = case.effective_batch, adapter.ignore_index
     for k in range(case.steps):
@@ -176,6 +176,14 @@ def micro_means(adapter, case: Case, pooled: bool) -> str | None:
         if sum(c > 0 for c in counts) >= 2 and len(set(counts)) > 1:
             return _micro_means(adapter, one, pooled, x, y, counts)
     return None
+
+
+def token_mean(adapter, case: Case) -> bool:
+    """Every term the case's runs compute is a token mean (a trainer alone on one micro-batch: its token mean)."""
+    from verify._internal.objective import objective_of
+
+    obj = objective_of(adapter)
+    return obj is not None and all(obj.terms.get(t) == "token_mean" for t in (case.terms or obj.terms))
 
 
 def _window(adapter, case: Case, k: int):

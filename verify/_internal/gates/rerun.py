@@ -17,7 +17,7 @@ from verify._internal.cases.case import Case, drive
 from verify._internal.hints import hint as pattern_hint
 from verify._internal.verdict import Gate, GateFailure, GateSkipped
 from verify._internal.gates.diagnose import first_difference
-from verify._internal.gates.evidence import built_wrong, micro_means, per_rank_schedule
+from verify._internal.gates.evidence import built_wrong, micro_means, per_rank_schedule, token_mean
 
 __all__ = ["diagnose", "diagnosed", "relation", "KNOBS"]
 
@@ -215,13 +215,14 @@ def _classify(adapter, failure: GateFailure, seen: dict, step_wrong: bool = Fals
         return (said + "without clipping it passes: clipping acts where the big batch's does not — clip once, on the "
                 "window's whole gradient, in optimizer_step() (not inside each micro-step, not per rank before the "
                 "reduction)")
-    if seen.get("unpadded"):  # a factor of N or W would survive unpadding: the count depends on the padding
+    if seen.get("unpadded") and token_mean(adapter, case):  # a factor of N or W would survive unpadding
         ranks = " and rank" if case.world > 1 else ""
+        rank = "each rank divided by its own valid count (a per-rank token mean), " if ranks else ""
+        micro = "each micro-batch divided by its own valid count, then by N (a per-micro-batch token mean)"
+        first = rank + micro if seen.get("W=1") else micro + (", " + rank.rstrip(", ") if rank else "")
         return (said + f"unpadded, every micro-batch{ranks} holding as many valid targets, it passes: the count "
-                f"depends on where the padding falls — each micro-batch divided by its own valid count, then by N (a "
-                f"per-micro-batch token mean){', each rank by its own' if ranks else ''}, a count taken from one "
-                f"micro-step, or padding counted as targets; divide by the window's count of valid targets, over every "
-                f"micro-step and rank")
+                f"depends on where the padding falls — {first}, a count taken from one micro-step, or padding counted "
+                f"as targets; divide by the window's count of valid targets, over every micro-step and rank")
     if seen.get("K=1") and seen.get("W=1"):
         return (said + "step 0 agrees, a later step differs, only at W > 1: state that advances per step differs "
                 f"across ranks — an LR scheduler stepped once per rank (Accelerate's prepared scheduler steps it "
