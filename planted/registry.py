@@ -27,7 +27,7 @@ from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
 from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, cp_adapters, ddp_modes,
-                     hsdp_adapters,
+                     hint_adapters, hsdp_adapters,
                      moe_adapters, objective_adapters, overflow_adapters, packed_adapters, parity_adapters, pull_loops,
                      short_adapters, uneven_adapters, zero_adapters,
                      zero_grad_adapters)
@@ -83,6 +83,15 @@ def _lightning_over_n_twice() -> Adapter:
     from planted import framework_bugs  # lightning, likewise
 
     return framework_bugs.lightning_over_n_twice
+
+
+def _accelerate(name: str):
+    """An Accelerate trainer of planted/accelerate_adapters.py, imported when the row runs (accelerate is optional)."""
+    def load() -> Adapter:
+        from planted import accelerate_adapters
+
+        return getattr(accelerate_adapters, name)
+    return load
 
 
 def _opts(vocab=32, seq=8, layers=1, heads=2, d=16, seq_len=None, **optim):
@@ -575,6 +584,22 @@ PLANTED: tuple[PlantedBug, ...] = (
                zero_grad_adapters.zero_grad_made_nonzero, Gate.EQUIVALENCE,
                r"gradient \(step 0\) of 'k\.bias' \(zero at the run's resolution: relative to the whole gradient\): "
                r"accumulation error", OBJECTIVE),
+    # -- issue 42 items 7 and 9 (hints): the bugs whose hint the re-runs must name (tests/harness/test_evidence.py) --
+    PlantedBug("accelerate_per_rank_scheduler", "Accelerate's prepared scheduler stepped per rank, undeclared (the "
+               "recipe)", _accelerate("fixed_undeclared"), Gate.DP_EQUIVALENCE,
+               r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
+               Case(accum_steps=2, micro_batch=2, steps=2, world=2, seed=2, data_seed=3), needs="accelerate"),
+    PlantedBug("accelerate_tokens_per_rank_scheduler", "the same on a token-weighted Accelerate LM",
+               _accelerate("tokens_undeclared"), Gate.DP_EQUIVALENCE,
+               r"rank 0: (.*(loss|parameter).* after step [12]|(float64|step-[12]))",
+               Case(accum_steps=2, micro_batch=1, steps=2, world=2, seed=1, data_seed=2,
+                    lengths=(3, 0, 5, 2, 4, 5, 1, 5)), needs="accelerate"),
+    PlantedBug("per_micro_token_mean", "each micro-batch ÷ its own valid-token count, then ÷ N",
+               hint_adapters.per_micro_token_mean, Gate.EQUIVALENCE, r"(loss|gradient) .*step 0",
+               Case(accum_steps=3, micro_batch=2, steps=1, seed=1, data_seed=2, lengths=(2, 4, 0, 5, 5, 3))),
+    PlantedBug("model_not_in_spec_dtype", "the model built in float32 whatever Spec.dtype (AdamW on a zero-gradient "
+               "logit shift)", hint_adapters.wrong_dtype, Gate.EQUIVALENCE, r"'shift'",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2)),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

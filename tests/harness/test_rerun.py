@@ -44,7 +44,7 @@ CLASSES = {
                                  ("the update does not", "stepped inside the micro-step loop")),
     "per-micro-step optimizer": ("optimizer_step_every_micro", None, None,
                                  ("N=1 passes", "an optimizer step inside the micro-step loop")),
-    "per-rank scheduler": ("per_rank_undeclared", None, None, ("only at W > 1", "scheduler_per_rank=True")),
+    "per-rank scheduler": ("per_rank_undeclared", None, None, ("advances once per rank", "scheduler_per_rank=True")),
     "clipping per micro-step": ("clip_per_micro", check_equivalence, SINGLE.replace(options=0.05),
                                 ("unclipped passes", "clip once")),
     "pipeline scale_grads": ("scale_grads_ema", None, None, ("scale_grads=True",)),

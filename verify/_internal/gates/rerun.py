@@ -1,10 +1,10 @@
 """Diagnose a failure by re-running it: one knob changed at a time, and the class the differences point to.
 
-Run once, on the final (shrunk) failure only, never on a passing gate. The knobs: K=1, W=1, N=1, the
-adapter's `unclipped(options)` and, on a padded mesh case, the same rows unpadded (gates/mesh.py, padding_lead);
-plus a look at the float64 runs (parameters equal to the big batch's while grads() is c ≠ 1 × its gradient: the
-trainer normalises in its step). A token-mean failure is re-run with grads_from="optimizer". Classes tested in
-tests/harness/test_rerun.py.
+Run once, on the final (shrunk) failure only, never on a passing gate. First what the trainer does, measured
+(gates/evidence.py: its seed, its dtype, at W > 1 its ranks' LR). Then the knobs K=1, W=1, N=1, `unclipped`
+and, padded, unpadded (on a mesh: gates/mesh.py, padding_lead); plus the float64 runs (parameters equal to the
+big batch's while grads() is c ≠ 1 × its gradient: the trainer normalises in its step) and, padded, the mean of micro-batch means. A token-mean failure
+is re-run with grads_from="optimizer". Tested in tests/harness/test_rerun.py and test_evidence.py.
 
 What each re-run shows: docs/verify-your-trainer.md (the hint tables); docs/design/tolerance.md,
 "Around the policy".
@@ -18,6 +18,7 @@ from verify._internal.hints import hint as pattern_hint
 from verify._internal.verdict import Gate, GateFailure, GateSkipped
 from verify._internal.gates.diagnose import first_difference
 from verify._internal.gates.tolerance import param_scale, whole_norm
+from verify._internal.gates.evidence import built_wrong, micro_means, per_rank_schedule, token_mean
 
 __all__ = ["diagnose", "diagnosed", "relation", "KNOBS"]
 
@@ -25,6 +26,7 @@ KNOBS = ("K=1", "W=1", "N=1", "unclipped", "unpadded")
 GATES = (Gate.EQUIVALENCE, Gate.DP_EQUIVALENCE, Gate.SPLIT_INVARIANCE, Gate.LONG_WINDOW, Gate.MESH_EQUIVALENCE,
          Gate.MESH_SPLIT_INVARIANCE,  # its failure carries the failing mesh case: re-run as the mesh gate
          Gate.PARTIAL_SUMS)
+COUNTING = (Gate.BOUNDARY_ONLY, Gate.BYTES_PER_STEP)  # collectives counted: neither the init nor the dtype moves them
 SAME_PARAMS = 1e-12  # float64 relative: rounding of a few hundred operations, far below any real bug's update change
 CONSTANT = 1e-9  # how near grads() must be to c × the big batch's gradient, float64, relative
 
@@ -42,11 +44,11 @@ def _knob(case: Case, knob: str, adapter) -> Case | None:
         return case.replace(world=1, micro_batch=B * W)
     if knob == "N=1" and N > 1:
         return case.replace(accum_steps=1, micro_batch=B * N, pipeline_chunks=1)
-    if knob == "unpadded" and case.mesh is not None and case.lengths is not None:  # a per-rank count's tell (mesh)
-        return case.replace(lengths=None)
     if knob == "unclipped" and getattr(adapter, "unclipped", None) is not None:
         options = adapter.unclipped(case.options)
         return None if options == case.options else case.replace(options=options)
+    if knob == "unpadded" and case.lengths is not None:
+        return case.replace(lengths=None)
     return None
 
 
@@ -129,14 +131,27 @@ def _deterministic(adapter, case: Case, gate=None) -> bool:
 
 
 def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
-    """(the one-line diagnosis of a numeric gate's failure from re-runs, or None; {knob: passes}). None also
-    where the gate is not numeric or the raiser set its own hint (a determinism diagnosis)."""
+    """(the one-line diagnosis of a failure from re-runs, or None; {knob: passes}). The measured leads (seed,
+    dtype, a per-rank schedule) for any gate but the counting ones; the knobs for numeric gates only, and not
+    where the raiser set its own hint (a determinism diagnosis)."""
     case, gate = getattr(failure, "case", None), getattr(failure, "gate", None)
-    if case is not None and gate == Gate.NORMALISER:  # judged against the harness's counts, not a big batch
+    if case is None or gate is None:
+        return None, {}
+    built = None if gate in COUNTING else _try(built_wrong, adapter, case, _pooled(adapter, case, gate))
+    if built:  # every run the gates compare rests on the trainer's init and dtype: this lead comes first
+        return "re-run: " + built, {}
+    if gate in (*GATES, Gate.REPORTED_METRICS) and case.world > 1:
+        schedule = _try(per_rank_schedule, adapter, case)
+        if schedule:
+            return "re-run: " + schedule, {}
+    if gate == Gate.NORMALISER:  # judged against the harness's counts, not a big batch
         c = _at_optimizer(adapter, case)
-        return (None if c is None else _normalises(c, "the gradient the optimizer steps with") + "; read where "
-                "the optimizer reads it, the token mean holds"), {}
-    if case is None or gate not in GATES or failure.hint:
+        if c is None:
+            micro = _try(micro_means, adapter, case, _pooled(adapter, case, gate))
+            return (None if micro is None else "re-run: " + micro), {}
+        return _normalises(c, "the gradient the optimizer steps with") + "; read where the optimizer reads it, the " \
+            "token mean holds", {}
+    if gate not in GATES or failure.hint:
         return None, {}
     try:
         c, same = relation(*_f64_traces(adapter, case, gate))
@@ -150,7 +165,16 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
         if k is not None:
             seen[knob] = _passes(adapter, k, gate)
     step_wrong = c is not None and abs(c - 1) < 1e-6 and not same  # the gradient right, the step not
-    return _classify(adapter, failure, seen, step_wrong), seen
+    micro = _try(micro_means, adapter, case, _pooled(adapter, case, gate))
+    return _classify(adapter, failure, seen, step_wrong, micro), seen
+
+
+def _try(evidence, *args) -> str | None:
+    """An evidence's lead, or None where it could not run (a diagnosis never replaces the verdict it explains)."""
+    try:
+        return evidence(*args)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _normalises(c: float, of: str) -> str:
@@ -184,8 +208,11 @@ def _said(seen: dict) -> str:
                                  for k, v in seen.items()) + ": "
 
 
-def _classify(adapter, failure: GateFailure, seen: dict, step_wrong: bool = False) -> str | None:
+def _classify(adapter, failure: GateFailure, seen: dict, step_wrong: bool = False, micro: str | None = None
+              ) -> str | None:
     case, said = failure.case, _said(seen) if seen else ""
+    if micro:  # measured: the per-micro-batch count, named before any pattern of the error (a 1 − 1/N included)
+        return (said or "re-run: ") + micro
     if seen.get("unclipped"):
         return (said + "without clipping it passes: clipping acts where the big batch's does not — clip once, on the "
                 "window's whole gradient, in optimizer_step() (not inside each micro-step, not per rank before the "
@@ -195,6 +222,14 @@ def _classify(adapter, failure: GateFailure, seen: dict, step_wrong: bool = Fals
         lead = padding_lead(adapter, case)
         if lead:
             return said + lead
+    if seen.get("unpadded") and token_mean(adapter, case):  # a factor of N or W would survive unpadding
+        ranks = " and rank" if case.world > 1 else ""
+        rank = "each rank divided by its own valid count (a per-rank token mean), " if ranks else ""
+        micro = "each micro-batch divided by its own valid count, then by N (a per-micro-batch token mean)"
+        first = rank + micro if seen.get("W=1") else micro + (", " + rank.rstrip(", ") if rank else "")
+        return (said + f"unpadded, every micro-batch{ranks} holding as many valid targets, it passes: the count "
+                f"depends on where the padding falls — {first}, a count taken from one micro-step, or padding counted "
+                f"as targets; divide by the window's count of valid targets, over every micro-step and rank")
     if seen.get("K=1") and seen.get("W=1"):
         return (said + "step 0 agrees, a later step differs, only at W > 1: state that advances per step differs "
                 f"across ranks — an LR scheduler stepped once per rank (Accelerate's prepared scheduler steps it "
