@@ -90,8 +90,11 @@ def test_a_per_rank_token_mean_is_named_per_rank_first():
 
 def test_a_model_not_built_in_spec_dtype_is_named_in_every_failure():
     unpadded = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2)
-    got = _hints(ha.wrong_dtype, [(check_equivalence, unpadded, {}), (check_normaliser, CASE, {})])
-    assert set(got) == {Gate.EQUIVALENCE, Gate.NORMALISER}
+    # the normaliser passes it: its one float32 symptom is the shift's gradient, zero in exact arithmetic and judged
+    # against the whole gradient (tolerance.param_scale); the float64 parameters AdamW moved by that noise still fail
+    assert check_normaliser(ha.wrong_dtype, CASE).gate == Gate.NORMALISER
+    got = _hints(ha.wrong_dtype, [(check_equivalence, unpadded, {})])
+    assert set(got) == {Gate.EQUIVALENCE}
     for gate, (_, line) in got.items():
         assert line.startswith("re-run: built from a float64 Spec, the trainer holds 4 of 4 trainable parameters "
                                "in float32"), line
