@@ -57,8 +57,11 @@ class Trainer:
 
     def __init__(self, spec):
         options = spec.options or Options()
-        if options.stage == 3 and spec.dtype == torch.float64 and str(spec.device).startswith("cuda"):
-            options = Options(stage=0)  # ZeRO-3's zero.Init refuses float64 on CUDA: this reference runs the math
+        if options.stage == 3 and spec.dtype == torch.float64:
+            # zero.Init refuses float64 on every device (its assert; a CPU without oneDNN fp16 only slipped past it
+            # through _set_dtype dropping the dtype it is given). ZeRO-2 keeps ZeRO-3's arithmetic (fp32 master
+            # weights and gradient partitions, a reduction every micro-step) and its traffic fits ZeRO-3's row.
+            options = Options(stage=2)
         if self.BF16 and spec.precision != "bf16":
             # the bf16 adapter's fp32 / float64 runs are its references: the math, run at stage 0 (each stage's own
             # fp32 path is factory's to prove; ZeRO-1/2's cannot step on the CPU accelerator in 0.18.6-0.18.9)
