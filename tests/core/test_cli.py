@@ -13,6 +13,7 @@ def train(*args, timeout=120):
                           timeout=timeout, env=ENV)
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_effective_batch_line_and_summary():
     r = train("--accum-steps", "4", "--micro-batch", "2", "--steps", "3", "--seq-len", "16")
     assert r.returncode == 0, r.stderr
@@ -56,6 +57,7 @@ def bad_input_runs():
     return dict(zip((tuple(a) for a, _ in BAD_INPUT), run_all("xtrain_core.train", [a for a, _ in BAD_INPUT], env=ENV)))
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 @pytest.mark.parametrize("args,needle", BAD_INPUT)
 def test_bad_input_is_one_line_exit_2(args, needle, bad_input_runs):
     code, stdout, stderr = bad_input_runs[tuple(args)]
@@ -73,6 +75,7 @@ def test_bad_input_is_one_line_exit_2_in_its_own_process(args, needle):
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_cuda_without_gpu_is_a_usage_error():
     import torch
 
@@ -83,6 +86,7 @@ def test_cuda_without_gpu_is_a_usage_error():
         "xtrain_core.train: error: --device cuda: no CUDA GPU is visible to torch; use --device cpu")
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_data_file_trains(tmp_path):
     f = tmp_path / "corpus.txt"
     f.write_text("the quick brown fox jumps over the lazy dog. " * 50, encoding="utf-8")
@@ -91,6 +95,7 @@ def test_data_file_trains(tmp_path):
     assert r.stdout.startswith("effective batch = 2 × 2 = 4 sequences (128 tokens)")
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_short_data_file_is_usage_error(tmp_path):
     f = tmp_path / "c.txt"
     f.write_text("hi")
@@ -117,6 +122,7 @@ def test_threads_auto_is_one_thread_unless_asked(env_threads, flag, want):
     assert want in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_a_micro_batch_that_cannot_fit_is_refused_before_anything_allocates():
     """The advertised maximum on the benchmark model: one line with the estimate and the machine's memory
     (it was a 47-line allocator traceback), from a lower bound computed before the model is built."""

@@ -209,6 +209,7 @@ def bad_numerics_runs(tmp_path_factory):
     return dict(zip((tuple(a) for a, _ in BAD_NUMERICS), run_all("xtrain_core.train", rows, env=ENV, cwd=ROOT)))
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 @pytest.mark.parametrize("args,needle", BAD_NUMERICS)
 def test_cli_bad_numerics_input_is_one_line_exit_2(args, needle, bad_numerics_runs):
     code, stdout, stderr = bad_numerics_runs[tuple(args)]

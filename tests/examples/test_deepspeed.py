@@ -10,7 +10,8 @@ import pytest
 from verify._internal.cases.case import Case
 from verify._internal.gates import check_distributed, check_equivalence
 
-pytestmark = [pytest.mark.distributed,
+# slow: every rank imports DeepSpeed (~5-10 s on 2 cores) and runs its engine end to end: CI, not the dev loop
+pytestmark = [pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                  reason="deepspeed is not installed (the [examples] extra)")]
 

@@ -55,6 +55,7 @@ def test_long_window_n_in_the_docs():
     assert f"N = {LONG_N}" in _flat(DOCS["docs/performance.md"])
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_memory_exit_codes_in_help_and_docstring():
     from verify.memory.report import EXIT_CODES
 

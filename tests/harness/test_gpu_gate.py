@@ -53,6 +53,7 @@ def test_a_bare_tree_loads_the_plugin_by_hand_and_an_installed_one_does_not(tmp_
     assert not any("_xtrain_pytest.entry" in cmd for _, cmd, _ in gpu_gate.plan(2, str(tmp_path), args, extra=REPO))
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_without_a_gpu_it_is_one_line_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "verify.gpu_gate", "--out", str(tmp_path / "out")], capture_output=True,

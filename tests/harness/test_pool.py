@@ -159,6 +159,7 @@ def test_folders_of_sigkilled_owners_are_reclaimed_by_the_next_pool(tmp_path):
         live.communicate()
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_ranks_fork_with_the_trainer_module_already_imported():
     """On the cpu the gloo pool's forkserver imports the module load_adapter imported, so no rank imports a framework
     again; on cuda it does not (a module touching CUDA at import would break its forks). A fresh process: the

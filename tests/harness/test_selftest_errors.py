@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_a_factory_that_raises_is_an_error_not_a_kill(tmp_path):
     """The factory raises FileNotFoundError at N ≥ 3: the mutants that only run there are errors; only
     stale_micro_batch, rejected by bit-exact at N=1 where the unwrapped trainer passes, is a kill. Exit 3."""

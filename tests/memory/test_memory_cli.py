@@ -179,6 +179,7 @@ def test_without_a_wing_the_cli_knows_no_trainer(args, needle, capsys, tmp_path)
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_bad_input_as_a_user_sees_it(tmp_path):
     r = memory_cli("--effective-batch", "0", "--out", str(tmp_path))
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr

@@ -240,11 +240,13 @@ def _rss_probe(*args) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_rss_probe_sees_a_resident_allocation():
     out = _rss_probe()
     assert out["peak_bytes"] >= 44 * MiB, out
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 def test_rss_probe_without_hwm_reset_says_so():
     """Where /proc/self/clear_refs is refused, ru_maxrss still covers the warm-up: the row must say whether
     the measured steps set the peak (hwm_exact) instead of passing off an upper bound as exact."""

@@ -74,6 +74,7 @@ print((_runqueue_wait_s() - w0) / (time.perf_counter() - t0))
 """
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 @pytest.mark.skipif(_busy_core() is None, reason="needs Linux CPU affinity and schedstat")
 def test_a_busy_machine_is_said_so():
     """The issue's busy box, made on purpose: a process and two spinning neighbours share one core. The probe
