@@ -4,6 +4,9 @@ pool rank import the same trainer by name:
 
     pytest --pyargs verify --verify-trainer benchmarks.zoo.population:t1234
     python -m verify.selftest --verify-trainer benchmarks.zoo.population:t1234
+
+A variant changes choices of the seed's recipe, for narrowing a failure down: t1234__clip=None__divide=boundary
+(values: None, True, False, numbers without a dot such as 5e-1, or words).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from benchmarks.zoo.models import CLASSES, FEATURES, OUTPUTS, SEQ, VOCAB
 from benchmarks.zoo.recipe import Recipe, draw
 
 MODULE = __name__
-NAME = re.compile(r"t(\d+)$")
+NAME = re.compile(r"t(\d+)((?:__\w+=[\w+-]+)*)$")
 
 
 @dataclass(frozen=True)
@@ -105,16 +108,28 @@ def declarations(r: Recipe) -> dict:
     return d
 
 
-def adapter_of(seed: int) -> verify.Adapter:
-    r = draw(seed)
+def _value(text: str):
+    if text in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[text]
+    try:
+        return float(text) if any(c in text for c in "e.") and text[0].isdigit() else int(text)
+    except ValueError:
+        return text
+
+
+def adapter_of(seed: int, changes: str = "") -> verify.Adapter:
+    """The adapter of t<seed>, or of a variant: `changes` '__field=value...' replaced in its recipe."""
+    fields = dict(part.split("=", 1) for part in changes.split("__") if part)
+    r = dataclasses.replace(draw(seed), **{k: _value(v) for k, v in fields.items()})
     ad = verify.adapter(**declarations(r))(trainer_class(r))
-    return ad.replace(ref=f"{MODULE}:t{seed}", name=f"zoo t{seed}")
+    name = f"t{seed}{changes}"
+    return ad.replace(ref=f"{MODULE}:{name}", name=f"zoo {name}")
 
 
 def __getattr__(name: str):
     m = NAME.match(name)
     if m is None:
         raise AttributeError(f"module {MODULE!r} has no attribute {name!r} (zoo trainers are t<seed>, e.g. t1234)")
-    ad = adapter_of(int(m.group(1)))
+    ad = adapter_of(int(m.group(1)), m.group(2))
     globals()[name] = ad  # the adapter is a module-level name from now on (Adapter.locate finds it)
     return ad

@@ -50,6 +50,9 @@ def test_the_population_resolves_t_seed_to_its_adapter_by_name():
     assert ad.ref == "benchmarks.zoo.population:t4" and ad.name == "zoo t4" and population.t4 is ad
     with pytest.raises(AttributeError, match="t<seed>"):
         population.tx4  # noqa: B018
+    variant = getattr(population, "t4__clip=5e-1__optimizer=sgd")  # a variant narrows a failure down
+    assert variant.ref == "benchmarks.zoo.population:t4__clip=5e-1__optimizer=sgd"
+    assert (variant.factory.recipe.clip, variant.factory.recipe.optimizer) == (0.5, "sgd")
 
 
 def _row(seed, gates_verdict, failures=(), kill="killed", op="grads_times_N"):
