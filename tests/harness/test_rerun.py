@@ -89,6 +89,17 @@ def test_a_trainer_normalising_in_its_step_is_named_with_its_factor_and_passes_d
     check_distributed(_helper("normalise_in_step_declared"), case)
 
 
+def test_a_trainer_normalising_in_its_step_has_its_reported_metrics_judged():
+    """grads_from="optimizer" wraps the trainer (atstep.OptimizerGrads): its metrics() must reach the metrics gate,
+    which once read none and failed an honest trainer ("metrics() has no 'loss'"; found by the zoo, t7)."""
+    from verify._internal.gates.metrics import check_metrics
+
+    case = Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, lengths=(5, 2, 0, 4, 5, 1) * 2)
+    check_metrics(_helper("normalise_in_step_reporting"), case)
+    failure = _failure(check_metrics, _helper("reports_last_micro_tokens"), case)
+    assert failure.gate.value == "reported metrics" and "tokens" in str(failure).splitlines()[0], failure
+
+
 def test_a_mesh_failure_shrunk_to_n1_gets_its_mesh_hint_not_nondeterminism():
     b = BY_NAME["loss_times_tp"]  # where hypothesis' shrinking lands: N=1, dp=1
     case = b.case.replace(accum_steps=1, micro_batch=b.case.micro_batch * b.case.accum_steps)

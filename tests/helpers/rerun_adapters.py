@@ -6,6 +6,8 @@
                              does), and optimizer_step() × W / the window's token count just before opt.step():
                              its updates are the big batch's, its grads() is read before that division
     normalise_in_step_declared  the same, declared grads_from="optimizer": the harness reads what AdamW steps with
+    normalise_in_step_reporting the declared one with metrics() (the window's loss and tokens); and its twin
+                             reporting the last micro-step's tokens (the metrics gate must still see and judge both)
 """
 import torch
 import torch.distributed as dist
@@ -65,6 +67,34 @@ _common = dict(data=verify.data.tokens(vocab=VOCAB, seq_len=5), data_parallel=Tr
                empty_windows=False)
 normalise_in_step = verify.adapter(**_common)(NormaliseInStep)
 normalise_in_step_declared = verify.adapter(**_common, grads_from="optimizer")(NormaliseInStep)
+
+
+class NormaliseInStepReporting(NormaliseInStep):
+    """Logs the step's loss and the window's valid targets (metrics()): behind grads_from="optimizer" too."""
+
+    last_only = False
+
+    def micro_step(self, x, y, micro):
+        self.last = int((y != IGNORE).sum())
+        super().micro_step(x, y, micro)
+
+    def optimizer_step(self):
+        count = self.last if self.last_only else self.count * self.world
+        loss = super().optimizer_step()
+        self.logged = {"loss": float(loss), "tokens": count}
+        return loss
+
+    def metrics(self):
+        return self.logged
+
+
+class ReportsLastMicroTokens(NormaliseInStepReporting):
+    last_only = True
+
+
+_reporting = dict(_common, grads_from="optimizer", metrics=verify.Metrics(names=("loss", "tokens")))
+normalise_in_step_reporting = verify.adapter(**_reporting)(NormaliseInStepReporting)
+reports_last_micro_tokens = verify.adapter(**_reporting)(ReportsLastMicroTokens)
 
 
 # -- one bug class each, on calib_adapters' textbook MLP (the diagnosis of each class is tested) -------------

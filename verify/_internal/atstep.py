@@ -21,12 +21,14 @@ GRADS_FROM = ("grads", "optimizer")  # Adapter.grads_from: where the harness rea
 class OptimizerGrads:
     """A trainer seen through its optimizer: step_with_grads() runs optimizer_step() and returns (the gradient of
     every parameter of params() as the first optimizer step() of it saw it, the step loss). Only the protocol's
-    methods pass through: partial_grads() would be read before the normalisation, so it is not offered."""
+    methods pass through, with loss_scale() and metrics() (the gates read them of the trainer as they are):
+    partial_grads() would be read before the normalisation, so it is not offered."""
 
     def __init__(self, trainer):
         self.inner = trainer
-        if callable(getattr(trainer, "loss_scale", None)):
-            self.loss_scale = trainer.loss_scale
+        for optional in ("loss_scale", "metrics"):
+            if callable(getattr(trainer, optional, None)):
+                setattr(self, optional, getattr(trainer, optional))
 
     def micro_step(self, inputs, targets, micro):
         return self.inner.micro_step(inputs, targets, micro)

@@ -48,23 +48,27 @@ def _padded(adapter, case):
 
 
 def selftest_cases(adapter, *, worlds=(1, 2, 3), device: str = "cpu"):
+    from functools import partial
+
     from verify._internal.cases.case import Case
+    from verify._internal.objective import window_terms
 
     o = adapter.defaults
-    single = [Case(accum_steps=1, micro_batch=2, steps=2, seed=1, data_seed=11, device=device, options=o),
-              Case(accum_steps=3, micro_batch=2, steps=2, seed=2, data_seed=12, device=device, options=o),
-              Case(accum_steps=4, micro_batch=1, steps=3, seed=3, data_seed=13, device=device, options=o)]
+    case = partial(Case, terms=window_terms(adapter))  # a declared per_micro term is left out, as the gates do
+    single = [case(accum_steps=1, micro_batch=2, steps=2, seed=1, data_seed=11, device=device, options=o),
+              case(accum_steps=3, micro_batch=2, steps=2, seed=2, data_seed=12, device=device, options=o),
+              case(accum_steps=4, micro_batch=1, steps=3, seed=3, data_seed=13, device=device, options=o)]
     dist = []
     if adapter.data_parallel:
-        dist = [Case(accum_steps=DIST[w][0], micro_batch=DIST[w][1], steps=2, world=w, seed=4 + w, data_seed=20 + w,
+        dist = [case(accum_steps=DIST[w][0], micro_batch=DIST[w][1], steps=2, world=w, seed=4 + w, data_seed=20 + w,
                      device=device, options=o) for w in worlds if w in DIST]
         if getattr(adapter, "uneven", False) and 2 in worlds:  # last: rank 1 holds 4 rows in 2 micro-steps, rank 0 6 in 3
-            dist.append(Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=9, data_seed=29, device=device,
+            dist.append(case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=9, data_seed=29, device=device,
                              options=o, rank_rows=((2, 2, 2), (3, 1))))
     single = [_padded(adapter, c) for c in single]
     low = [p for p in LOW_PRECISIONS if p in adapter.precisions]
     if low:
-        single.append(Case(accum_steps=LONG_N, micro_batch=1, steps=1, seed=5, data_seed=15, device=device, options=o,
+        single.append(case(accum_steps=LONG_N, micro_batch=1, steps=1, seed=5, data_seed=15, device=device, options=o,
                            precision=low[0]))  # unpadded: only low_precision_accumulation runs there
     return single, [_padded(adapter, c) for c in dist]
 
@@ -82,8 +86,10 @@ def mesh_cases(adapter, top: int, device: str = "cpu") -> list:
     if "dp" in axes:
         wide = (Mesh(dp=2, tp=2), 1, 3) if "tp" in axes else (Mesh(dp=2, pp=2), 2, 4) if "pp" in axes else None
         out.append(wide if wide and top >= 4 else (Mesh(dp=2), 1, 3))
+    from verify._internal.objective import window_terms
+
     return [Case(accum_steps=n, micro_batch=2, steps=2, world=m.dp, mesh=m, pipeline_chunks=ch, seed=30 + i,
-                 data_seed=40 + i, device=device, options=adapter.defaults)
+                 data_seed=40 + i, device=device, options=adapter.defaults, terms=window_terms(adapter))
             for i, (m, ch, n) in enumerate(out) if m.size <= top and unsupported(m, adapter.mesh_sizes) is None]
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from verify._internal.metrics import max_norm_of
 from verify._internal.protocol import AUTOCAST
 from verify.selftest.mesh_ops import feed_micro_1_for_0, interposed
 from verify.selftest.metric_ops import world as _world
@@ -56,6 +57,7 @@ class Operator:
     around: Callable | None = None  # (wrapper) -> context manager entered around every call into the trainer
     batch_term: bool = False  # the bug is in a declared window-level `batch` term: exists only where one is declared
     unequal_micro: bool = False  # a mean of micro-batch means: a bug only where micro-batches weigh unequally
+    clips: bool = False  # the bug is in what clipping did: it exists only where the adapter clips (its defaults')
 
     def __reduce__(self):
         # by name: the table's lambdas do not pickle, and a pool rank finds the same operator in OPERATORS
@@ -67,6 +69,8 @@ class Operator:
         m = adapter.metrics
         if self.batch_term:
             return batch_term(adapter.objective) is not None
+        if self.clips and max_norm_of(m, adapter.defaults) is None:  # no clipping: the norm after is the norm before
+            return False
         if self.unequal_micro and not micro_weights_differ(adapter.objective):
             return False
         if not self.metric:
@@ -321,7 +325,7 @@ OPERATORS = {op.name: op for op in [
              lambda c: N2(c) and c.world == 1, micro=last_micro_alone, aux=True, metric="grad_norm:pre_clip",
              metrics=set_metric("grad_norm", lambda w, out: w.last["own_last"][0])),
     Operator("grad_norm_post_clip", "grad_norm after clipping, declared before", N2, metrics=post_clip,
-             metric="grad_norm:pre_clip"),
+             metric="grad_norm:pre_clip", clips=True),
     Operator("grad_norm_zero", "grad_norm read after the gradients were freed: 0", N2,
              metrics=set_metric("grad_norm", lambda w, out: 0.0), metric="grad_norm"),
     Operator("grad_norm_per_rank", "grad_norm with every replicated element counted once per rank (×√W)",
