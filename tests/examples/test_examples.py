@@ -73,19 +73,19 @@ def test_each_recipe_reads_like_a_users_code(name):
 
 @pytest.mark.distributed
 @needs_trl
-def test_trl_grpo_passes_every_gate_at_worlds_1_and_2(tmp_path):
-    """TRL's own GRPO loss (token-level) on the fixed rollouts, every gate at worlds 1-2: its declared normaliser,
-    and bytes per step with TRL's per-micro-step metric reductions declared as sized side traffic (CountRow.side).
-    Its grpo and dr_grpo loss types (a row-weighted normaliser and a constant one) are rows of the release matrix
-    (python -m benchmarks.frameworks), not CI's: the 15 min budget (docs/performance.md §12)."""
-    env = {**ENV, "XTRAIN_DIST_MIN_WORLD": "1", "XTRAIN_DIST_MAX_WORLD": "2", "XDG_CACHE_HOME": str(tmp_path / "c")}
+def test_trl_grpo_passes_every_gate_at_world_1(tmp_path):
+    """TRL's own GRPO loss (token-level) on the fixed rollouts, every gate at world 1 (a one-rank group): its declared
+    normaliser, and TRL's per-micro-step metric reductions declared as sized side traffic (CountRow.side). The
+    smoke CI keeps; worlds 1-2 and TRL's grpo and dr_grpo loss types (a row-weighted normaliser and a constant
+    one) are rows of the release matrix (python -m benchmarks.frameworks), which proves them on TRL's releases."""
+    env = {**ENV, "XTRAIN_DIST_MIN_WORLD": "1", "XTRAIN_DIST_MAX_WORLD": "1", "XDG_CACHE_HOME": str(tmp_path / "c")}
     os.makedirs(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
                         "--hypothesis-seed=1", "--verify-trainer", "examples.trl_grpo:factory"], capture_output=True,
                        text=True, cwd=tmp_path / "run", env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     gates = json.loads((tmp_path / "run" / "reports" / "verify-report.json").read_text())["gates"]
-    assert gates["normaliser"]["examples"] > 0 and gates["boundary-only"]["worlds"] == [1, 2], gates
+    assert gates["normaliser"]["examples"] > 0 and gates["boundary-only"]["worlds"] == [1], gates
     assert gates["boundary-only"]["declared_side_traffic"] > 0, gates["boundary-only"]  # TRL's metrics, seen
 
 
