@@ -15,7 +15,8 @@ empty directory:
     pytest --pyargs verify --verify-trainer RECIPE --verify-report RUN
 
 and, for the HF recipe, the metrics gate on each metric it declares ALONE on two fixed cases (one failing metric
-hides no other). A release pip cannot install here is one row that says so. It writes OUT/frameworks.json (the
+hides no other). A row expected to pass that passes also runs the self-test (`python -m verify.selftest`, worlds up
+to --max-world): it meets its expectation only if every operator whose bug can exist is killed. A release pip cannot install here is one row that says so. It writes OUT/frameworks.json (the
 common header; per row: the pins, the verdict, each failing gate with its shrunk case, each metric's verdict, the
 gates' examples and worst error / bound, times) and OUT/frameworks.md. Exit 0 when every row that ran meets its
 expectation (a release with a known bug rejected, the others passing), 1 when one does not, 2 on bad input. pip's
@@ -106,6 +107,29 @@ def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: i
                 test_seconds=_test_seconds(os.path.join(run_dir, "junit.xml")))
 
 
+def run_selftest(py: str, run_dir: str, *, max_world: int, timeout: int, log, trainer: str) -> dict:
+    """`python -m verify.selftest` on a recipe that passes its gates (worlds up to max_world): the mutation score,
+    whether every operator whose bug can exist was killed while the unwrapped trainer passed, and the time. The
+    framework recipes' self-tests live here, on each release, not in CI (docs/performance.md)."""
+    os.makedirs(run_dir, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = [py, "-m", "verify.selftest", "--verify-trainer", trainer, "--verify-report", run_dir,
+           "--max-world", str(max_world)]
+    log.write("$ " + " ".join(cmd) + "\n")
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir, env=env, timeout=timeout)
+        code, out = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        code, out = None, f"timed out after {timeout} s\n{e.stdout or ''}"
+    log.write(out if isinstance(out, str) else out.decode(errors="replace"))
+    path = os.path.join(run_dir, "verify-report.json")
+    st = (json.load(open(path)).get("selftest") or {}) if os.path.exists(path) else {}
+    return dict(exit_code=code, ok=code == 0 and bool(st.get("ok")), score=st.get("score"),
+                seconds=round(time.perf_counter() - t0, 1))
+
+
 PROBE_CASES = (dict(accum_steps=2, micro_batch=2, steps=2, seed=1, data_seed=2),
                dict(accum_steps=3, micro_batch=1, steps=2, seed=1, data_seed=3))
 
@@ -187,13 +211,15 @@ def render_md(doc: dict) -> str:
     out = ["# The release matrix: each stack's accumulation and logged metrics, through the gates", "",
            f"`{doc['command']}` — commit {doc.get('git_commit') or '(outside a git repository)'}, {doc.get('utc', '')}", "",
            "Known bugs (benchmarks/stacks.py): " + " ".join(known_text()), "",
-           "| release | recipe | installed | expected | verdict | gates (s) | venv build (s) |",
-           "|---|---|---|---|---|---|---|"]
+           "| release | recipe | installed | expected | verdict | self-test | gates (s) | venv build (s) |",
+           "|---|---|---|---|---|---|---|---|"]
     for v in doc["versions"]:
         ok = {True: "✓", False: "✗ (not as expected)", None: ""}[v["meets_expectation"]]
         shown = ", ".join(f"{k} {x}" for k, x in v["installed"].items() if k != "torch") or v.get("error", "")
-        out.append(f"| {label(v)} | {v['recipe']} | {shown} | {v['expected']} | {v['verdict']} {ok} | {v['seconds']} | "
-                   f"{v['venv_seconds']} |")
+        st = v.get("selftest")
+        selftest = "—" if not st else f"{st['score']} {'✓' if st['ok'] else '✗'} ({st['seconds']} s)"
+        out.append(f"| {label(v)} | {v['recipe']} | {shown} | {v['expected']} | {v['verdict']} {ok} | {selftest} | "
+                   f"{v['seconds']} | {v['venv_seconds']} |")
     for v in doc["versions"]:
         out += ["", f"## {label(v)}, {v['recipe']}: {v['verdict']}", ""]
         if v.get("error"):
@@ -277,13 +303,18 @@ def main(argv=None) -> int:
                                 max_world=a.max_world, timeout=a.timeout, log=log, trainer=trainer)
                 metrics = run_probe(py, log) if stack.probe_metrics and trainer == RECIPE else {}
                 v, want = verdict(run), "rejected" if known else "passes"
+                st = run_selftest(py, os.path.join(a.cache, f"selftest-{version}-{tag}"), max_world=a.max_world,
+                                  timeout=a.timeout, log=log, trainer=trainer) if v == want == "passes" else None
                 rows.append(dict(version=version, recipe=trainer, installed=installed, expected=want, verdict=v,
-                                 meets_expectation=v == want, known=known, metrics=metrics,
+                                 meets_expectation=v == want and (st is None or st["ok"]), known=known,
+                                 metrics=metrics, selftest=st,
                                  exit_code=run["exit_code"], seconds=run["seconds"], venv_seconds=round(built, 1),
                                  summary=run["summary"], failures=failure_rows(run["report"], run.get("test_seconds")),
                                  gates=run["report"].get("gates"), settings=run["report"].get("settings")))
                 built = 0.0  # the venv's build counts once, on its first row
-                print(f"{name}: {v} (expected {want}) in {run['seconds']} s", flush=True)
+                print(f"{name}: {v} (expected {want}) in {run['seconds']} s"
+                      + (f"; self-test {st['score']} {'ok' if st['ok'] else 'NOT OK'} in {st['seconds']} s" if st else ""),
+                      flush=True)
     doc = dict(report_header("frameworks"), profile=a.profile, max_world=a.max_world,
                command="python -m benchmarks.frameworks " + " ".join(argv if argv is not None else sys.argv[1:]),
                versions=rows)

@@ -147,8 +147,12 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
                "the scheduler's step (the next step's)) (the big batch, step 0); case N=2 B=2 K=2 seed=1 data_seed=2")
     probes = {"4.45.2": {"grad_norm": "passes", "lr": next_lr}, "current": {"grad_norm": "passes", "lr": "passes"}}
     monkeypatch.setattr(fw, "run_probe", lambda py, log: probes[py])
+    selftests = []  # a passing row's self-test: only the current release's (the rejected one has nothing to mutate)
+    st = {"current": dict(exit_code=0, ok=True, score="23/23", seconds=30.0)}
+    monkeypatch.setattr(fw, "run_selftest", lambda py, d, **k: selftests.append(py) or st[py])
     out = tmp_path / "out"
     assert fw.main(["--out", str(out), "--versions", "4.45.2,current", "--cache", str(tmp_path / "cache")]) == 0
+    assert selftests == ["current"]
     doc = json.loads((out / "frameworks.json").read_text())
     assert doc["kind"] == "frameworks" and doc["schema_version"] == SCHEMA_VERSION
     old, new = doc["versions"]
@@ -156,7 +160,8 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     assert old["failures"][0]["gate"] == "split invariance" and old["failures"][0]["case"].endswith("lengths=[8, 7]")
     md = (out / "frameworks.md").read_text()
     assert ("| transformers 4.45.2 | examples.hf_trainer:factory | transformers 4.45.2, accelerate 1.0.1 | rejected | "
-            "rejected ✓ |") in md and "| split invariance | test_split_invariance |" in md
+            "rejected ✓ | — |") in md and "| split invariance | test_split_invariance |" in md
+    assert "| passes | passes ✓ | 23/23 ✓ (30.0 s) |" in md and new["selftest"]["score"] == "23/23"
     assert old["failures"][0]["seconds"] == 41.2 and "| 41.2 |" in md  # the time to the shrunk verdict
     # each metric judged alone, its known cause named; a release's known bugs listed (the current one has none)
     assert old["metrics"] == probes["4.45.2"] and "| lr | `[reported metrics] lr reported 0.00099" in md
@@ -167,8 +172,12 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     assert bugs("4.50.0") == [stacks.NEXT_LR, stacks.PER_RANK] and bugs("4.54.0") == []
     assert bugs("4.46.3") == [stacks.PER_MICRO, stacks.NOT_OVER_N, stacks.NEXT_LR, stacks.PER_RANK]
     assert bugs("5.5.3") == [stacks.TWICE_OVER_N] and bugs("5.5.4") == [] == bugs("5.1")
+    st["current"] = dict(exit_code=1, ok=False, score="22/23", seconds=30.0)  # a passing row whose operator survives
+    assert fw.main(["--out", str(out), "--versions", "current", "--cache", str(tmp_path / "cache")]) == 1
+    assert "| passes | passes ✗ (not as expected) | 22/23 ✗ (30.0 s) |" in (out / "frameworks.md").read_text()
     runs["4.45.2"] = dict(exit_code=0, report=passing)  # the old release passing would be a finding, not a success
-    assert fw.main(["--out", str(out), "--versions", "4.45.2,current", "--cache", str(tmp_path / "cache")]) == 1
+    st["4.45.2"] = st["current"]
+    assert fw.main(["--out", str(out), "--versions", "4.45.2", "--cache", str(tmp_path / "cache")]) == 1
     assert "not as expected" in (out / "frameworks.md").read_text()
 
 
@@ -197,6 +206,7 @@ def test_frameworks_runs_each_stacks_recipes_and_an_uninstallable_release_is_one
     monkeypatch.setattr(fw, "venv", venv)
     monkeypatch.setattr(fw, "run_gates", run_gates)
     monkeypatch.setattr(fw, "run_probe", lambda py, log: pytest.fail("only the HF recipe's metrics are probed"))
+    monkeypatch.setattr(fw, "run_selftest", lambda py, d, **k: dict(exit_code=0, ok=True, score="9/9", seconds=1.0))
     out = tmp_path / "out"
     tokens = "trl-0.21.0,trl-current,deepspeed-0.18.8,deepspeed-current,lightning-9.9.9"
     assert fw.main(["--out", str(out), "--versions", tokens, "--cache", str(tmp_path / "c")]) == 0
@@ -208,6 +218,6 @@ def test_frameworks_runs_each_stacks_recipes_and_an_uninstallable_release_is_one
     last = doc["versions"][-1]
     assert last["verdict"] == "not installed" and "No matching distribution" in last["error"], last
     md = (out / "frameworks.md").read_text()
-    assert "| TRL 0.21.0 | examples.trl_grpo:factory | trl 0.21.0, deepspeed 0.18.8 | rejected | rejected ✓ |" in md
+    assert "| TRL 0.21.0 | examples.trl_grpo:factory | trl 0.21.0, deepspeed 0.18.8 | rejected | rejected ✓ | — |" in md
     assert "TRL 0.21's 'bnpo' divides each micro-batch's token sum" in md and "Not installable here: `pip" in md
     assert "## DeepSpeed 0.18.8, examples.deepspeed_zero:bf16_zero1: rejected" in md

@@ -243,12 +243,12 @@ def selftest(tmp_path, ref, *args, timeout=600):
 # ranks' start-up at worlds 3-4 on 2 cores cost ~4 min of CI (worlds 1..4: `python -m verify.selftest` by default).
 # The mesh recipes keep 4 ranks: dp=2 × tp=2 (or × pp=2) is where dp_reduction_skipped and the wrong group show.
 EVERY_CASE = ("examples.mlp_regressor:factory", "examples.ddp_no_sync:factory")  # --every-case on two cheap ones
-CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_accumulate",
-          "examples.fabric_no_backward_sync", "examples.hf_trainer", "examples.lightning_trainer",
-          "examples.packed_documents", "examples.moe_aux",
-          "examples.trl_grpo", "examples.deepspeed_zero")
+CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.packed_documents", "examples.moe_aux")
 
 
+# The framework recipes' self-tests (HF Trainer 23/23, Lightning Trainer 17/17, Fabric 17/17, Accelerate 18/18, TRL
+# 16/16, DeepSpeed 12/12 at worlds 1-2) run in the release matrix, on each release a row expects to pass
+# (python -m benchmarks.frameworks: the self-test column), not in CI: ~150 s of its budget (docs/performance.md).
 @pytest.mark.distributed
 @pytest.mark.parametrize("ref,score", [
     ("xtrain_proof.adapters:adapter", "21/21"),  # + skip_decided_on_one_rank (fp16), low_precision_accumulation (bf16), 8 metrics
@@ -260,16 +260,10 @@ CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.accelerate_
     # grad_norm_per_rank at W ≥ 2)
     ("examples.pipeline_schedule:factory", "17/17"),
     ("examples.ddp_no_sync:factory", "19/19"),
-    pytest.param("examples.accelerate_accumulate:factory", "18/18", marks=needs_accelerate),
-    pytest.param("examples.fabric_no_backward_sync:factory", "17/17", marks=needs_lightning),
-    pytest.param("examples.hf_trainer:factory", "23/23", marks=needs_transformers),  # + the 5 token operators, 7 metrics
-    pytest.param("examples.lightning_trainer:factory", "17/17", marks=needs_lightning),
-    pytest.param("examples.trl_grpo:factory", "16/16", marks=needs_trl),  # no metrics declared: no metric operators
     ("examples.tensor_parallel:factory", "19/19"),
     ("examples.fsdp2_tp:factory", "19/19"),
     ("examples.packed_documents:factory", "16/16"),  # + the token and objective operators, no metrics declared
     ("examples.moe_aux:factory", "17/17"),  # + the objective operators of ce (token_mean) and aux (batch)
-    pytest.param("examples.deepspeed_zero:factory", "12/12", marks=needs_deepspeed),  # a loss metric only
 ])
 def test_selftest_kills_every_operator(tmp_path, ref, score):
     capped = ref.split(":")[0] in CAPPED
