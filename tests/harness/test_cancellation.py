@@ -1,6 +1,7 @@
 """The cancellation allowance is each precision's own epsilon (verify/_internal/gates/tolerance.py, F_p): a correct
-autocast trainer whose head-bias gradient cancels across micro-batches (κ 10–1000) passes thousands of drawn
-cases, where the fp32 allowance in every precision (8·eps32·κ) rejected it on many of them."""
+autocast trainer whose head-bias gradient cancels across micro-batches (κ 10–1000) passes hundreds of drawn
+cases (1 000 measured once, 0 failed: tolerance.md), where the fp32 allowance in every precision (8·eps32·κ)
+rejected it on 5 or more in 100."""
 import random
 
 import pytest
@@ -11,7 +12,7 @@ from verify._internal.cases.case import Case
 from verify._internal.gates import GateFailure, check_equivalence
 from verify._internal.gates import tolerance
 
-CASES = 1000
+CASES = 300  # the old rule failed ≥ 5 in 100: 300 see it at once; a rate of 1 % in 300 is seen with P = 0.95
 # the held-out case that found it (issue 26): error 4.26e-3 against a bound of about 4.1e-3 before
 FOUND = Case(accum_steps=8, micro_batch=4, steps=2, precision="fp16", seed=60519, data_seed=32275)
 
@@ -44,7 +45,7 @@ def test_the_fp32_allowance_in_every_precision_rejects_the_correct_trainer(monke
 
 
 @pytest.mark.slow
-def test_a_cancelling_bias_passes_thousands_of_cases_in_its_own_precision():
+def test_a_cancelling_bias_passes_hundreds_of_cases_in_its_own_precision():
     torch.set_num_threads(1)
     assert _failures(_drawn(CASES)) == []
 
