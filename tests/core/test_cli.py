@@ -104,11 +104,12 @@ def test_short_data_file_is_usage_error(tmp_path):
     assert "Traceback" not in r.stderr and r.stdout == ""  # nothing printed before the error
 
 
+@pytest.mark.slow  # launches an interpreter (a torch import: 3-7 s on 2 cores): CI, not the dev loop
 @pytest.mark.parametrize("env_threads,flag,want", [
     (None, [], "cpu: 1 intra-op thread per process"),  # auto: one, whatever the core count
-    # the environment's word stands, and so does the flag (slow: a subprocess each; CI runs them)
-    pytest.param("2", [], "cpu: 2 intra-op threads per process", marks=pytest.mark.slow),
-    pytest.param(None, ["--threads", "2"], "cpu: 2 intra-op threads per process", marks=pytest.mark.slow),
+    # the environment's word stands, and so does the flag
+    ("2", [], "cpu: 2 intra-op threads per process"),
+    (None, ["--threads", "2"], "cpu: 2 intra-op threads per process"),
 ])
 def test_threads_auto_is_one_thread_unless_asked(env_threads, flag, want):
     """torch's default, one spinning OpenMP thread per core, collapsed 4-6x on a 2-core box with two busy
