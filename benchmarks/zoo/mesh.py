@@ -272,7 +272,8 @@ class CPTrainer(MeshTrainer):
     def optimizer_step(self):
         loss, count, rows = self.window
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
-        if count:  # a window without a valid target is no step
+        self.logged = {}  # a window without a valid target is no step, and logs nothing
+        if count:
             self.step([p for p in self.model.parameters() if p.grad is not None], loss,
                       {"tokens": count, "rows": rows // cp})
         for opt in self.opts:
