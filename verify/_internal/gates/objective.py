@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from verify._internal.cases.case import Case, Trace, split
+from verify._internal.gates.clipped import UNJUDGED, preclip, unclipped_options
 from verify._internal.gates.metrics import factor_text
 from verify._internal.gates.single import run_alone
 from verify._internal.gates.tokens import _floors, _flip, _Runs, _zeros_like_any, windows_case
@@ -22,6 +23,7 @@ __all__ = ["check_normaliser", "not_declared"]
 
 GATE = Gate.NORMALISER
 _COUNTED = {"valid targets": " (targets that are not ignore_index)"}
+_CHECKS = ("additivity", "padding", "one sequence", "per micro-batch")  # the checks that add gradients up
 
 
 def not_declared(adapter) -> str | None:
@@ -39,6 +41,7 @@ def check_normaliser(adapter, case: Case, *, pool=None) -> GateResult:
     reason = not_declared(adapter)
     if reason:
         raise GateSkipped(reason)
+    case = case.replace(options=unclipped_options(adapter, case.options))  # the pre-clip gradient, where declared
     return run_alone(normaliser_job, adapter, windows_case(adapter, case), pool)
 
 
@@ -52,6 +55,8 @@ class _Term:
         self.w = Weights(adapter, objective_of(adapter))
         self.label = f"term {name!r} ({kind}: {self.norm.means})"
         self.worst, self.ratio, self.extra = "", 0.0, {}
+        # grads_from="optimizer": a run's gradient is post-clip, additive only where provably unclipped (atstep.py)
+        self.preclip, self.unjudged = preclip(adapter, self.case.options), []
 
     def weight(self, x, y, kind: str | None = None) -> float:
         return self.w.of(kind or self.kind, x, y)
@@ -84,6 +89,9 @@ class _Term:
             why += fit()
         self.check(f"{head} (step-0 loss)", err, overall, kappa, why, hint)
         traces = [whole, *(t for _, t in parts)]
+        if self.preclip is not None and not all(map(self.preclip, traces)):
+            self.unjudged.append(next(c for c in _CHECKS if head.startswith(c)))  # its loss judged only
+            return
         names = sorted(set(whole.grads0).union(*(t.grads0 for _, t in parts)))
         sums, wants = {}, {}
         for name in names:
@@ -303,11 +311,15 @@ def _per_micro(t: _Term, N: int) -> None:
 def normaliser_job(adapter, case: Case, device: str) -> GateResult:
     obj = objective_of(adapter)
     several = obj.split
-    worst, ratio, extra = "", 0.0, {}
+    worst, ratio, extra, unjudged = "", 0.0, {}, []
     for name, kind in obj.terms.items():
         t = _Term(adapter, case, device, name, kind, several)
         _term_job(t, case.accum_steps)
         extra = extra or t.extra  # the first term's counts (the one term of most objectives)
+        unjudged += [u for u in t.unjudged if u not in unjudged]
         if t.ratio >= ratio:
             worst, ratio = t.worst, t.ratio
+    if unjudged:  # the report's "Not checked" lines say it (report.coverage)
+        what = " and ".join([", ".join(unjudged[:-1]), unjudged[-1]] if unjudged[1:] else unjudged)
+        extra["unjudged"] = UNJUDGED.format(what=what + (" checks" if unjudged[1:] else " check"))
     return GateResult(GATE, case, worst, ratio, terms=dict(obj.terms), **extra)
