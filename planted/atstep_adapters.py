@@ -6,11 +6,13 @@ is the post-clip gradient, so each bug is one that clipping hides from that view
     norm_of_last_micro    grad_norm of the last micro-step's own gradient (÷ its own count), not the window's
     micro_count           the window's Σ divided by its last micro-batch's valid count (≈ ×N): clipped, its updates
                           are the honest ones; only the pre-clip gradient (unclipped=) shows it
+    grad_all_positions    not clipped, nothing declared: .grad ÷ every target position (padding included), the loss
+                          ÷ the valid ones; its big batch does the same, so only the normaliser's gradients see it
 """
 import torch
 
 import verify
-from tests.helpers.clipped_step import COMMON, METRICS, AlwaysClipped, ClippedStep, no_clip
+from tests.helpers.clipped_step import COMMON, METRICS, AlwaysClipped, ClippedStep, Unclipped, no_clip
 from hypothesis import strategies as st
 
 
@@ -46,6 +48,19 @@ class MicroCount(ClippedStep):
         return super().optimizer_step()
 
 
+class GradAllPositions(Unclipped):
+    def micro_step(self, x, y, micro):
+        super().micro_step(x, y, micro)
+        self.positions = getattr(self, "positions", 0) + y.numel()
+
+    def optimizer_step(self):
+        if self.count:
+            for p in self.model.parameters():  # divided below by the valid count: × valid / positions
+                p.grad.mul_(self.count / self.positions)
+        self.positions = 0
+        return super().optimizer_step()
+
+
 def _declared(cls, what):
     return verify.adapter(**COMMON, options=st.sampled_from([None, 0.05]), defaults=0.05, unclipped=no_clip,
                           metrics=METRICS, name=f"broken step-normalised LM ({what})")(cls)
@@ -55,3 +70,4 @@ norm_before_division = _declared(NormBeforeDivision, "grad_norm before the divis
 norm_of_last_micro = verify.adapter(**COMMON, metrics=verify.Metrics(names=("loss", "grad_norm", "tokens")),
                                     name="broken step-normalised LM (grad_norm of the last micro-step)")(NormOfLastMicro)
 micro_count = _declared(MicroCount, "÷ the last micro-batch's count")
+grad_all_positions = verify.adapter(**COMMON, name="broken step-normalised LM (.grad ÷ every position)")(GradAllPositions)

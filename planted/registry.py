@@ -614,6 +614,11 @@ PLANTED: tuple[PlantedBug, ...] = (
                "which the clip hides from every post-clip view", atstep_adapters.micro_count, Gate.NORMALISER,
                r"additivity over windows .* gradient of '.*': relative error 5\.000e-01",
                Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, options=0.05)),
+    PlantedBug("step_grad_all_positions", ".grad ÷ every target position at the step, the loss ÷ the valid ones; "
+               "nothing about clipping declared", atstep_adapters.grad_all_positions, Gate.NORMALISER,
+               r"additivity over windows .* gradient of '.*': relative error",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, lengths=(3, 5, 2, 4, 5, 1, 4, 5, 3, 2,
+                                                                                         5, 4))),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

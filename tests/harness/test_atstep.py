@@ -58,6 +58,14 @@ def test_a_clipped_run_nothing_declares_is_judged_by_its_loss_and_says_so():
     assert any(ln.startswith("normaliser, in part: ") and "unclipped=" in ln for ln in lines), lines
 
 
+def test_a_run_a_larger_run_shows_unclipped_is_judged_with_nothing_declared():
+    """Every run of one options clips at one M, to a norm > M − clip_eps, and none steps more than M: a run smaller
+    than another by more than clip_eps was not clipped. Rows of window A alone (a mean's gradient is a convex
+    combination of its rows') usually top the windows: a trainer that does not clip has its additivity judged."""
+    r = check_normaliser(verify.adapter(**cs.COMMON, name="not clipped, undeclared")(cs.Unclipped), CASE)
+    assert "additivity" not in (r.extra.get("unjudged") or "") and "gradient" in r.worst, r.extra
+
+
 def test_a_run_the_declared_max_norm_shows_unclipped_is_judged_whole():
     """Metrics.max_norm M: a stepped norm ≤ M − clip_eps was not clipped, so it is the pre-clip gradient."""
     r = check_normaliser(_fixed(FixedClip), CASE)

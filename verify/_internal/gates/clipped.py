@@ -4,6 +4,7 @@ is read").
 
     unclipped_options  the options a gate that needs the pre-clip gradient runs (the declared unclipped=)
     preclip            whether a run's gradient read at the step is provably the pre-clip one (the normaliser gate)
+    unclipped_run      ... or shown to be by a larger run of the same options
     stepped_norm       the norm stepped, and the pre-clip norm where clipping provably did not act (the metrics gate)
     step0_read         Judge.step0's first look: a big batch without a step-0 gradient bounds nothing (unstepped)
 """
@@ -15,7 +16,10 @@ import torch
 
 from verify._internal.metrics import max_norm_of
 
-__all__ = ["UNJUDGED", "unclipped_options", "clipping_off", "preclip", "stepped_norm", "unstepped", "step0_read"]
+__all__ = ["CLIP_EPS", "UNJUDGED", "unclipped_options", "clipping_off", "preclip", "unclipped_run", "stepped_norm",
+           "unstepped", "step0_read"]
+
+CLIP_EPS = 1e-6  # clip_grad_norm_'s: coefficient = max_norm / (norm + 1e-6) (Metrics.clip_eps where declared)
 
 UNJUDGED = ("grads_from='optimizer' reads each gradient after clipping, and a clipped gradient does not add up over "
             "windows: the normaliser's {what} judged the loss only; declare unclipped= (options -> the options "
@@ -51,6 +55,15 @@ def preclip(adapter, options):
     if cap is None:
         return lambda trace: False
     return lambda trace: _norm(trace.grads0.values()) <= cap - m.clip_eps
+
+
+def unclipped_run(norm: float, top: float, clip_eps: float, rel: float) -> bool:
+    """Whether a run whose stepped gradient has norm `norm` was provably not clipped, given another run of the same
+    options that stepped `top`: clipping at any M leaves every run's norm < M and a clipped one's > M − clip_eps
+    (M·‖g‖ / (‖g‖ + clip_eps)), so a norm below top − clip_eps (less `rel` of top: the runs' float64 rounding and a
+    norm taken in float32) was never clipped. Assumes norm clipping with an eps ≤ clip_eps, as torch, DeepSpeed and
+    Megatron clip; the largest run itself is never proven so."""
+    return norm <= top * (1.0 - rel) - clip_eps
 
 
 def stepped_norm(step: dict, metrics, options, whole: bool) -> tuple[float | None, float | None]:
