@@ -54,8 +54,8 @@ def test_a_clipped_run_nothing_declares_is_judged_by_its_loss_and_says_so():
     r = check_normaliser(cs.undeclared, CASE)
     says = r.extra.get("unjudged") or ""
     assert "additivity" in says and "judged the loss only" in says and "unclipped=" in says, says
-    lines, _ = report.coverage({Gate.NORMALISER.value: dict(examples=1, unjudged=says)}, {})
-    assert any(ln.startswith("normaliser, in part: ") and "unclipped=" in ln for ln in lines), lines
+    lines, _ = report.coverage({Gate.NORMALISER.value: dict(examples=3, unjudged=says, unjudged_examples=2)}, {})
+    assert any(ln.startswith("normaliser, in part (2 of 3 examples): ") and "unclipped=" in ln for ln in lines), lines
 
 
 def test_a_run_a_larger_run_shows_unclipped_is_judged_with_nothing_declared():
