@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from verify._internal.gates.clipped import stepped_norm
 from verify._internal.cases.case import Case, drive, shard
+from verify._internal.gates.clipped import stepped_norm
 from verify._internal.metrics import ENABLE, Observer, applied_coef, max_norm_of, norm_of
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.metrics_bounds import FLOAT64, Float64Bounds, LowBounds, loss_kappa
@@ -115,16 +115,17 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
         rep, norm = s["reported"], norms[k]
         at_step = None  # grads_from="optimizer" (no grads() read): ‖g as stepped‖ (float64 runs, whole views)
         if norm is None and not isinstance(b, LowBounds):
-            same = big is not None and k < len(big) and (big[k].get("applied") or (0, -1))[1] == (s.get("applied") or (0, 0))[1]
-            at_step, pre = stepped_norm(s, m, case.options, world == 1 or same)
-            norm = pre  # the pre-clip norm where clipping provably did not act (atstep.stepped_norm), else None
+            elements = lambda step: (step.get("applied") or (0.0, None))[1]  # noqa: E731  (None: not stepped)
+            whole = world == 1 or big is not None and k < len(big) and elements(big[k]) == elements(s)
+            at_step, pre = stepped_norm(s, m, case.options, whole)
+            norm = pre  # the pre-clip norm where clipping provably did not act (clipped.stepped_norm), else None
         finite = norm is not None and math.isfinite(norm)  # not finite: an fp16 window that overflowed, skipped
         empty = counts[k][0] == 0 and adapter.ignore_index is not None
         stepped = s["stepped"]
         applied = applied_coef(s)  # ‖g as stepped‖ / ‖g pre-clip‖, this rank
         want_coef = None if cap is None or not finite else min(1.0, cap / (norm + m.clip_eps))
         if (want_coef is not None and want_coef < 1.0 or at_step is not None and norm is None and cap is not None) \
-                and stepped:  # at the step: a stepped norm above max_norm − clip_eps was clipped (atstep.preclip)
+                and stepped:  # at the step: a stepped norm above max_norm − clip_eps was clipped (clipped.preclip)
             tally.clipped += 1
         # clipping as applied: the optimizer saw the pre-clip gradient × min(1, max_norm / the GLOBAL norm)
         if want_coef is not None and stepped:
