@@ -32,6 +32,7 @@ from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_me
                      short_adapters, uneven_adapters, zero_adapters,
                      zero_grad_adapters)
 from planted import broken_amp_metrics  # issue 42 item 3: metrics in every precision
+from planted import atstep_adapters  # issue 42, the zoo's grads_from="optimizer" classes (optgrads)
 from xtrain_proof.options import XtrainOptions
 
 
@@ -600,6 +601,24 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("model_not_in_spec_dtype", "the model built in float32 whatever Spec.dtype (AdamW on a zero-gradient "
                "logit shift)", hint_adapters.wrong_dtype, Gate.EQUIVALENCE, r"'shift'",
                Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2)),
+    # -- issue 42, the zoo's grads_from="optimizer" classes G, H (optgrads): bugs clipping hides from the post-clip view --
+    PlantedBug("step_norm_before_division", "grad_norm logged from the window's Σ before optimizer_step() divides it "
+               "(grads_from='optimizer')", atstep_adapters.norm_before_division, Gate.REPORTED_METRICS,
+               r"the big batch, step 0: grad_norm reported .*, expected .* \(×36\)",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2)),
+    PlantedBug("step_norm_of_last_micro", "grad_norm of the last micro-step's own gradient, clipped at the step "
+               "(grads_from='optimizer', no max_norm declared)", atstep_adapters.norm_of_last_micro,
+               Gate.REPORTED_METRICS, r"the accumulation run, step 0: grad_norm reported .*, the big batch reported",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2)),
+    PlantedBug("step_micro_count", "the window's Σ ÷ its last micro-batch's count, clipped at the step: ≈ ×N, "
+               "which the clip hides from every post-clip view", atstep_adapters.micro_count, Gate.NORMALISER,
+               r"additivity over windows .* gradient of '.*': relative error 5\.000e-01",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, options=0.05)),
+    PlantedBug("step_grad_all_positions", ".grad ÷ every target position at the step, the loss ÷ the valid ones; "
+               "nothing about clipping declared", atstep_adapters.grad_all_positions, Gate.NORMALISER,
+               r"additivity over windows .* gradient of '.*': relative error",
+               Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, lengths=(3, 5, 2, 4, 5, 1, 4, 5, 3, 2,
+                                                                                         5, 4))),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

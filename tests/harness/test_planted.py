@@ -10,6 +10,7 @@ from planted import broken, broken_dist, broken_lowprec, broken_mesh, broken_num
 from planted import broken_mesh_metrics, broken_tp, ddp_modes, moe_adapters, packed_adapters, registry as planted
 from planted import cp_adapters, parity_adapters, short_adapters, uneven_adapters, zero_adapters, zero_grad_adapters
 from planted import broken_amp_metrics  # issue 42 item 3
+from planted import atstep_adapters  # issue 42, the zoo's grads_from="optimizer" classes
 from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_normaliser)
 from verify._internal.gates.distributed import max_world
 from verify._internal.gates.mesh import check_mesh
@@ -67,7 +68,7 @@ def test_every_planted_adapter_is_registered():
     registered = {id(b.adapter) for b in planted.PLANTED}
     modules = (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_numerics, broken_overflow,
                broken_tokens, broken_tp, cp_adapters, ddp_modes, moe_adapters, packed_adapters, parity_adapters,
-               short_adapters, uneven_adapters, broken_amp_metrics, zero_adapters, zero_grad_adapters)
+               short_adapters, uneven_adapters, broken_amp_metrics, zero_adapters, zero_grad_adapters, atstep_adapters)
     missing = [f"{m.__name__}.{k}" for m in modules for k, a in vars(m).items()
                if isinstance(a, Adapter) and a.name.startswith("broken") and id(a) not in registered
                and id(a) not in CONTROLS]

@@ -6,7 +6,7 @@ updates are the big batch's, but its grads() (read before the step) is not the g
 such a trainer the harness reads the gradient each parameter holds when an optimizer's step() begins
 (torch.optim's global step pre-hook, armed only inside optimizer_step()), and names it by identity with
 params(). That is the gradient after every normalisation AND after clipping: the big batch it is compared
-with clips its whole window the same way.
+with clips its whole window the same way. What that view cannot show, and what the gates do: gates/clipped.py.
 """
 from __future__ import annotations
 

@@ -138,6 +138,8 @@ def record(result, gate: Gate | None = None) -> None:
     s = _gate(_key(gate, result.case))
     s["examples"] += 1
     _keep_floor(s, result)
+    if result.extra.get("unjudged"):  # checks a case could not judge (grads_from="optimizer": after clipping, ...)
+        s["unjudged"], s["unjudged_examples"] = s.get("unjudged") or result.extra["unjudged"], s.get("unjudged_examples", 0) + 1
     if gate is Gate.NORMALISER and result.extra.get("packed_rows"):  # windows of packed rows, and a document halved
         s["packed_examples"] = s.get("packed_examples", 0) + 1
         s["packed_halved"] = s.get("packed_halved", 0) + bool(result.extra.get("halved_packed"))
@@ -199,6 +201,8 @@ def coverage(gates: dict, declarations: dict | None) -> tuple[list[str], str]:
     for name, why in sorted(m.get("unchecked", {}).items()):
         if name in checked or name not in METRIC_NAMES:
             lines.append(f"metric {name}, some steps: {why}")
+    lines += [f"{name}, in part ({g.get('unjudged_examples', 1)} of {g.get('examples', 1)} examples): {g['unjudged']}"
+              for name, g in sorted(gates.items()) if g.get("unjudged")]
     from verify._internal.objective import non_equivalences
 
     lines += non_equivalences((declarations or {}).get("objective"))

@@ -66,10 +66,12 @@ def gate_device(settings=None) -> str:
 def _options_strategy(adapter):
     opts = adapter.options
     if opts is None:
-        return st.none() if adapter.defaults is None else st.just(adapter.defaults)
-    if isinstance(opts, st.SearchStrategy):
-        return opts
-    return opts()  # a zero-argument callable (keeps hypothesis out of the adapter's import)
+        opts = st.none() if adapter.defaults is None else st.just(adapter.defaults)
+    elif not isinstance(opts, st.SearchStrategy):
+        opts = opts()  # a zero-argument callable (keeps hypothesis out of the adapter's import)
+    if adapter.grads_from == "optimizer" and adapter.unclipped is not None:  # read after clipping: unclipped too,
+        return st.one_of(opts, opts.map(adapter.unclipped))  # so every gate also sees the pre-clip gradient (atstep.py)
+    return opts
 
 
 @st.composite

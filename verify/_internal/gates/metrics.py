@@ -16,6 +16,7 @@ import math
 import torch
 
 from verify._internal.cases.case import Case, drive, shard
+from verify._internal.gates.clipped import stepped_norm
 from verify._internal.metrics import ENABLE, Observer, applied_coef, max_norm_of, norm_of
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.metrics_bounds import FLOAT64, Float64Bounds, LowBounds, loss_kappa
@@ -112,12 +113,19 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
     for k, s in enumerate(seen):
         tally.steps += 1
         rep, norm = s["reported"], norms[k]
+        at_step = None  # grads_from="optimizer" (no grads() read): ‖g as stepped‖ (float64 runs, whole views)
+        if norm is None and not isinstance(b, LowBounds):
+            elements = lambda step: (step.get("applied") or (0.0, None))[1]  # noqa: E731  (None: not stepped)
+            whole = world == 1 or big is not None and k < len(big) and elements(big[k]) == elements(s)
+            at_step, pre = stepped_norm(s, m, case.options, whole)
+            norm = pre  # the pre-clip norm where clipping provably did not act (clipped.stepped_norm), else None
         finite = norm is not None and math.isfinite(norm)  # not finite: an fp16 window that overflowed, skipped
         empty = counts[k][0] == 0 and adapter.ignore_index is not None
         stepped = s["stepped"]
         applied = applied_coef(s)  # ‖g as stepped‖ / ‖g pre-clip‖, this rank
         want_coef = None if cap is None or not finite else min(1.0, cap / (norm + m.clip_eps))
-        if want_coef is not None and want_coef < 1.0 and stepped:
+        if (want_coef is not None and want_coef < 1.0 or at_step is not None and norm is None and cap is not None) \
+                and stepped:  # at the step: a stepped norm above max_norm − clip_eps was clipped (clipped.preclip)
             tally.clipped += 1
         # clipping as applied: the optimizer saw the pre-clip gradient × min(1, max_norm / the GLOBAL norm)
         if want_coef is not None and stepped:
@@ -143,23 +151,46 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
             got = rep[name]
             if isinstance(got, str):
                 fail(f"metric {name!r} is {got}, not a number", k)
-            want, extra, why = _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen, b)
+            want, extra, why = _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen, b,
+                                         at_step)
             if want is None:
                 tally.unchecked.setdefault(name + b.label, why)
-                continue
-            ok, err, tol = judged(name, k, s, got, want)
-            if not ok and name == "loss" and m.loss == "window" and k == 0 and last_micro is not None:
-                extra = (("the loss of this rank's last micro-batch", last_micro()),)  # run only to name a failure
-            if not ok:
-                text, hint = named(got, want, s, tol, (*extra, *b.extra(s, name, cap, m.clip_eps)))
-                fail(f"{name} reported {got!r}, expected {want!r} ({why}){text}", k, err, tol, hint)
-            tally.ok(name + b.label, err, tol or 1.0, f"{name}{b.label} (step {k})")
+                if at_step is None or name not in ("grad_norm", "clip_coef"):
+                    continue
+                tol = b.tol(name, k, s)  # not observable after clipping: judged by what it implies, and the big batch's
+                if name == "grad_norm":
+                    _implies_stepped(got, at_step, cap, m.clip_eps, tol, lambda msg, e: fail(msg, k, e, tol), tally,
+                                     f"{name} (step {k}): the norm it implies as stepped", case)
+            else:
+                ok, err, tol = judged(name, k, s, got, want)
+                if not ok and name == "loss" and m.loss == "window" and k == 0 and last_micro is not None:
+                    extra = (("the loss of this rank's last micro-batch", last_micro()),)  # run only to name a failure
+                if not ok:
+                    text, hint = named(got, want, s, tol, (*extra, *b.extra(s, name, cap, m.clip_eps)))
+                    fail(f"{name} reported {got!r}, expected {want!r} ({why}){text}", k, err, tol, hint)
+                tally.ok(name + b.label, err, tol or 1.0, f"{name}{b.label} (step {k})")
             if big is not None and k < len(big) and name in big[k]["reported"] and _same_in_big(name, m):
                 ok, err = _close(got, big[k]["reported"][name], tol)
                 if not ok:
                     fail(f"{name} reported {got!r}, the big batch reported {big[k]['reported'][name]!r} for the same "
                          f"step{factor_text(got, big[k]['reported'][name], case)}", k, err, tol)
+                if want is None and name == "clip_coef":  # its one judgement at the step (grads_from="optimizer")
+                    tally.ok(name, err, tol or 1.0, f"{name} (step {k}) against the big batch's")
     return tally
+
+
+def _implies_stepped(got: float, at_step: float, cap, clip_eps: float, tol: float, fail, tally, what: str,
+                     case) -> None:
+    """grads_from="optimizer", a step whose pre-clip norm is not observable: a reported pre-clip norm n must give the
+    norm the optimizer stepped, n·min(1, max_norm / (n + clip_eps)) — without max_norm at least it (clipping never
+    enlarges a gradient). Exact where nothing clipped; where clipping acted, it bounds n below only."""
+    implied = got * min(1.0, cap / (got + clip_eps)) if cap is not None else min(got, at_step)
+    ok, err = _close(implied, at_step, tol)
+    if not ok:
+        how = f"clipping it at max_norm {cap:g} gives {implied!r}" if cap is not None else "clipping never enlarges a gradient"
+        fail(f"grad_norm reported {got!r}, but the optimizer stepped a gradient of norm {at_step!r} (read as its step "
+             f"began; grads_from='optimizer'): {how}{factor_text(got, at_step, case)}", err)
+    tally.ok("grad_norm", err, tol or 1.0, what)
 
 
 def _same_in_big(name: str, m) -> bool:
@@ -167,9 +198,9 @@ def _same_in_big(name: str, m) -> bool:
     return not ((name == "loss" and m.loss == "last_micro") or (name in ("tokens", "rows") and m.counts == "rank"))
 
 
-def _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen, b=FLOAT64):
+def _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micro, seen, b=FLOAT64, at_step=None):
     """(value the harness expects, [(name, value) a wrong report may equal], what it is) — value None: this step
-    cannot be checked, and the third item says why."""
+    cannot be checked, and the third item says why. `at_step`: ‖g as stepped‖ where no grads() was read."""
     if name == "loss":
         if m.loss == "window":
             return losses[k], (), b.loss_what
@@ -178,8 +209,12 @@ def _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micr
         if k > 0 or last_micro is None:
             return None, (), "loss='last_micro' is known to the harness at step 0 only (the initial parameters)"
         return last_micro(), (("the window's loss", losses[0]),), "the loss of this rank's last micro-batch at step 0"
+    if name == "grad_norm" and norm is None and at_step is not None and m.grad_norm == "post_clip":
+        return at_step, (), "‖the gradient as the optimizer stepped it‖, read as its step began"
     if name in ("grad_norm", "clip_coef") and norm is None:
-        return None, (), "the harness has no pre-clip gradient (grads_from='optimizer' reads it after clipping)"
+        return None, (), ("the harness has no pre-clip gradient (grads_from='optimizer' reads it after clipping)" +
+                          ("" if at_step is None else ": judged against the big batch's report" +
+                           (" and as giving the norm stepped" if name == "grad_norm" else "")))
     if name in ("grad_norm", "clip_coef") and not math.isfinite(norm):
         return None, (), "a window whose unscaled gradient is not finite (fp16 overflow: the scaler skips its step)"
     if name == "grad_norm":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from verify._internal.cases.case import Case, Trace, split
+from verify._internal.gates.clipped import CLIP_EPS, UNJUDGED, preclip, unclipped_options, unclipped_run
 from verify._internal.gates.metrics import factor_text
 from verify._internal.gates.single import run_alone
 from verify._internal.gates.tokens import _floors, _flip, _Runs, _zeros_like_any, windows_case
@@ -22,6 +23,8 @@ __all__ = ["check_normaliser", "not_declared"]
 
 GATE = Gate.NORMALISER
 _COUNTED = {"valid targets": " (targets that are not ignore_index)"}
+_CHECKS = ("additivity", "padding", "one sequence", "per micro-batch")  # the checks that add gradients up
+PROBES = 3  # rows of window A run alone to show the other runs unclipped (grads_from="optimizer": _Term.finish)
 
 
 def not_declared(adapter) -> str | None:
@@ -39,6 +42,7 @@ def check_normaliser(adapter, case: Case, *, pool=None) -> GateResult:
     reason = not_declared(adapter)
     if reason:
         raise GateSkipped(reason)
+    case = case.replace(options=unclipped_options(adapter, case.options))  # the pre-clip gradient, where declared
     return run_alone(normaliser_job, adapter, windows_case(adapter, case), pool)
 
 
@@ -52,6 +56,41 @@ class _Term:
         self.w = Weights(adapter, objective_of(adapter))
         self.label = f"term {name!r} ({kind}: {self.norm.means})"
         self.worst, self.ratio, self.extra = "", 0.0, {}
+        # grads_from="optimizer": a run's gradient is post-clip, additive only where provably unclipped (clipped.py)
+        self.preclip, self.unjudged, self.later, self.norms = preclip(adapter, self.case.options), [], [], []
+        if self.preclip is not None:  # every run's stepped norm: the largest bounds the clip threshold from below
+            run = self.r.run
+            self.r.run = lambda *a: self._seen(run(*a))
+
+    def _seen(self, trace: Trace) -> Trace:
+        self.norms.append(whole_norm(trace.grads0))
+        return trace
+
+    def finish(self) -> None:
+        """The gradient checks put off until every run of the term was made (grads_from="optimizer"): each judged
+        where every run it adds up is provably unclipped (clipped.unclipped_run), else its loss alone was."""
+        eps = getattr(self.adapter.metrics, "clip_eps", CLIP_EPS)
+        shown = lambda t: self.preclip(t) or unclipped_run(whole_norm(t.grads0), max(self.norms), eps, bound64())  # noqa
+        self._probe(lambda: all(shown(t) for _, traces, _ in self.later for t in traces), eps)
+        for head, traces, judge in self.later:
+            if all(map(shown, traces)):
+                judge()
+            else:
+                self.unjudged.append(next(c for c in _CHECKS if head.startswith(c)))
+
+    def _probe(self, done, eps: float) -> None:
+        """Up to PROBES rows of window A, each a window alone: a mean's gradient is a convex combination of its
+        rows', so a row's norm tops a window's where nothing clipped, and then shows the window unclipped. A row
+        stepped as large as the largest run (within clip_eps) is the clip's plateau: more rows cannot tell."""
+        r = self.r
+        rows = [i for i in range(r.xa.shape[0]) if r.ign is None or r.count(r.ya[i:i + 1])][:PROBES]
+        for i in rows if self.later and self.norm.weight != "1" else ():  # a sum's window outgrows its rows
+            if done():
+                return
+            top = max(self.norms)
+            r.run([(r.xa[i:i + 1], r.ya[i:i + 1])], 1, GATE)
+            if abs(self.norms[-1] - top) <= eps + bound64() * top:
+                return
 
     def weight(self, x, y, kind: str | None = None) -> float:
         return self.w.of(kind or self.kind, x, y)
@@ -83,6 +122,14 @@ class _Term:
         if not err <= bound64(overall, kappa) and fit is not None:
             why += fit()
         self.check(f"{head} (step-0 loss)", err, overall, kappa, why, hint)
+        traces = [whole, *(t for _, t in parts)]
+        judge = lambda: self._grads(head, parts, whole, whole_w, floors, why, hint)  # noqa: E731
+        if self.preclip is None:
+            return judge()
+        self.later.append((head, traces, judge))  # after clipping: judged once every run is in (finish)
+
+    def _grads(self, head: str, parts: list, whole, whole_w: float, floors: tuple, why: str, hint) -> None:
+        overall, per = floors
         traces = [whole, *(t for _, t in parts)]
         names = sorted(set(whole.grads0).union(*(t.grads0 for _, t in parts)))
         sums, wants = {}, {}
@@ -303,11 +350,16 @@ def _per_micro(t: _Term, N: int) -> None:
 def normaliser_job(adapter, case: Case, device: str) -> GateResult:
     obj = objective_of(adapter)
     several = obj.split
-    worst, ratio, extra = "", 0.0, {}
+    worst, ratio, extra, unjudged = "", 0.0, {}, []
     for name, kind in obj.terms.items():
         t = _Term(adapter, case, device, name, kind, several)
         _term_job(t, case.accum_steps)
+        t.finish()
         extra = extra or t.extra  # the first term's counts (the one term of most objectives)
+        unjudged += [u for u in t.unjudged if u not in unjudged]
         if t.ratio >= ratio:
             worst, ratio = t.worst, t.ratio
+    if unjudged:  # the report's "Not checked" lines say it (report.coverage)
+        what = " and ".join([", ".join(unjudged[:-1]), unjudged[-1]] if unjudged[1:] else unjudged)
+        extra["unjudged"] = UNJUDGED.format(what=what + (" checks" if unjudged[1:] else " check"))
     return GateResult(GATE, case, worst, ratio, terms=dict(obj.terms), **extra)
