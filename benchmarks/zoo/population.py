@@ -98,6 +98,8 @@ def declarations(r: Recipe) -> dict:
         d["metrics"] = verify.Metrics(names=r.metrics, max_norm=clip_of if r.drawn_clip else r.clip)
     if r.overflow_rows:
         d["overflow"] = verify.data.overflow_rows
+    if r.short_window:
+        d["short_last_window"] = True
     if r.layout == "tp":
         d.update(mesh_axes=("dp", "tp"), counts=mesh.tp_counts, mesh_sizes={"tp": (2, 3, 6)})
     elif r.layout in ("pp", "dp_pp"):

@@ -41,6 +41,7 @@ class Recipe:
     partial: bool = False  # partial_grads()
     pipeline: str = ""  # pp, dp_pp: gpipe, 1f1b or interleaved
     overflow_rows: bool = False  # fp16 on floating inputs: Adapter(overflow=verify.data.overflow_rows)
+    short_window: bool = False  # one process: a run may end with a short window (Adapter(short_last_window=True))
     notes: tuple = field(default=(), compare=False)
 
     @property
@@ -82,7 +83,7 @@ class Recipe:
         return (f"{self.family}{arch} {self.data}/{self.loss}{extra} · {self.optimizer} {self.schedule} "
                 f"clip={'drawn' if self.drawn_clip else self.clip} · {'/'.join(self.precisions)} · {self.layout} "
                 f"{' ' + self.pipeline if self.pipeline else ''} ÷{self.divide}{' plain' if self.plain else ''}{' partial' if self.partial else ''}"
-                f"{' metrics=' + ','.join(self.metrics) if self.metrics else ''}")
+                f"{' metrics=' + ','.join(self.metrics) if self.metrics else ''}{' short-last-window' if self.short_window else ''}")
 
 
 def _pick(rng: random.Random, weights: dict):
@@ -129,6 +130,7 @@ def draw(seed: int) -> Recipe:
                     and rng.random() < 0.3)
     r["pipeline"] = rng.choice(("gpipe", "1f1b", "interleaved")) if layout in ("pp", "dp_pp") else ""
     r["overflow_rows"] = "fp16" in r["precisions"] and family in ("mlp", "cnn") and rng.random() < 0.5
+    r["short_window"] = layout == "single" and rng.random() < 0.4  # drawn last: the earlier choices keep their seeds' values
     return Recipe(**r)
 
 

@@ -53,7 +53,8 @@ class Trainer:
         r = self.recipe
         torch.manual_seed(spec.seed)
         self.model = build_model(r).to(spec.device, spec.dtype)
-        self.n, self.group = spec.accum_steps, spec.group
+        self.spec, self.k, self.group = spec, 0, spec.group
+        self.n = spec.window(0)  # window k's micro-batches: accum_steps, fewer in a short last one (short_last_window)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(self.group) if self.distributed else 1
         self.ddp = DDP(self.model, process_group=self.group) if r.layout in ("ddp", "uneven_ddp") else None
@@ -216,6 +217,8 @@ class Trainer:
         for opt in self.opts:
             opt.zero_grad(set_to_none=True)
         self.reset()
+        self.k += 1
+        self.n = self.spec.window(self.k)
         return loss
 
     def clip_or_norm(self):
