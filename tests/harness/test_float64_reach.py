@@ -83,7 +83,7 @@ def test_a_resolved_element_and_exact_zeros_stay_judged():
 
 def test_a_bf16_update_in_a_float64_run_is_named():
     """torch.optim.Muon's Newton–Schulz runs in bf16 whatever the dtype: the diagnosis names the cast; with it in
-    the parameters' dtype (the guide's recipe) there is none, and the trainer passes."""
+    the parameters' dtype (tolerance.md's recipe) there is none, and the trainer passes."""
     case = Case(accum_steps=3, micro_batch=3, steps=2, seed=1501, data_seed=9769)
     lead, _ = diagnose(fr.muon32, GateFailure("[equivalence] x", gate=Gate.EQUIVALENCE, case=case))
     assert lead.startswith("re-run: the float64 run's optimizer_step() rounds a float64 tensor of shape [64, 64] "
@@ -98,4 +98,4 @@ def test_the_guides_recipe_is_the_tested_one():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "design" / "tolerance.md").read_text()
-    assert inspect.getsource(fr.newton_schulz) in doc and inspect.getsource(fr.newton_schulz_in) in doc
+    assert inspect.getsource(fr.newton_schulz) in doc and inspect.getsource(fr.newton_schulz_in_param_dtype) in doc

@@ -9,7 +9,7 @@ docs/design/tolerance.md, "Later losses", "Noise in the parameters", "An update 
     muon32        an MLP, torch.optim.Muon on its hidden matrix (Newton–Schulz in bfloat16 whatever the parameters'
                   dtype) and AdamW on the rest, the loss in float32: a float32-level gradient difference becomes a
                   bfloat16-level update
-    muon64        the same with Newton–Schulz in the parameters' dtype under a float64 Spec (the guide's recipe)
+    muon64        the same with Newton–Schulz in the parameters' dtype (the recipe of tolerance.md)
 """
 import contextlib
 
@@ -95,13 +95,10 @@ def newton_schulz(grad, ns_coefficients, ns_steps, eps):
 
 
 @contextlib.contextmanager
-def newton_schulz_in(dtype):
-    """Under a float64 Spec, torch.optim.Muon's steps run Newton–Schulz in the parameters' dtype."""
+def newton_schulz_in_param_dtype():
+    """torch.optim.Muon's steps inside run Newton–Schulz in the parameters' dtype, not torch's bfloat16."""
     import torch.optim._muon as muon
 
-    if dtype != torch.float64:
-        yield
-        return
     saved, muon._zeropower_via_newtonschulz = muon._zeropower_via_newtonschulz, newton_schulz
     try:
         yield
@@ -123,7 +120,7 @@ class Muon32:
         hidden = self.model[2].weight
         self.opts = [torch.optim.Muon([hidden], lr=0.1),
                      torch.optim.AdamW([p for p in self.model.parameters() if p is not hidden], lr=1e-2)]
-        self.n, self.loss, self.dtype = spec.accum_steps, 0.0, spec.dtype
+        self.n, self.loss = spec.accum_steps, 0.0
 
     def micro_step(self, x, y, micro):
         loss = F.mse_loss(self.model(x).float(), y.float())
@@ -134,7 +131,7 @@ class Muon32:
         return {k: p.grad for k, p in self.model.named_parameters()}
 
     def optimizer_step(self):
-        with newton_schulz_in(self.dtype) if self.ns64 else contextlib.nullcontext():
+        with newton_schulz_in_param_dtype() if self.ns64 else contextlib.nullcontext():
             for o in self.opts:
                 o.step()
         for o in self.opts:
@@ -152,4 +149,4 @@ class Muon64(Muon32):
 
 _reg = verify.data.regression(features=FEATURES)
 muon32 = verify.adapter(data=_reg, name="honest MLP, torch.optim.Muon (bf16 Newton–Schulz), float32 loss")(Muon32)
-muon64 = verify.adapter(data=_reg, name="honest MLP, torch.optim.Muon, Newton–Schulz in the parameters' dtype")(Muon64)
+muon64 = verify.adapter(data=_reg, name="honest MLP, torch.optim.Muon, Newton–Schulz in the params' dtype")(Muon64)

@@ -67,5 +67,5 @@ def low_precision_update(adapter, case: Case, pooled: bool) -> str | None:
             f"to {name} (its `{op}` call): it computes the update in {bits} significant bits, so a float32-level difference "
             f"between the accumulation run's gradient and the big batch's becomes a {name}-level one in the "
             f"parameters, which no float64 reference can judge (torch.optim.Muon runs Newton–Schulz in bfloat16 "
-            f"whatever the parameters' dtype). Under a float64 Spec compute the update in the parameters' dtype "
+            f"whatever the parameters' dtype). Under the gates compute the update in the parameters' dtype "
             f"(the recipe: docs/design/tolerance.md, \"An update computed in bf16\")")
