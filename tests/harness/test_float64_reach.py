@@ -8,7 +8,7 @@ from tests.helpers import float64_reach as fr
 from verify._internal.cases.case import Case, Trace, drive
 from verify._internal.gates import GateFailure, check_equivalence
 from verify._internal.gates.floor64 import FLOOR, bound64, judged, whole_norm
-from verify._internal.gates.kappa import loss_blocks, loss_condition
+from verify._internal.gates.kappa import loss_blocks, loss_condition, loss_kappa
 from verify._internal.gates.rerun import diagnose
 from verify._internal.gates.tolerance import Judge
 from verify._internal.verdict import Gate
@@ -99,3 +99,41 @@ def test_the_guides_recipe_is_the_tested_one():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "design" / "tolerance.md").read_text()
     assert inspect.getsource(fr.newton_schulz) in doc and inspect.getsource(fr.newton_schulz_in_param_dtype) in doc
+
+
+class _LastMicroLoss(fr.PolicyGradient32):
+    """From step 1 on, reports its last micro-batch's loss as the window's (at N = 1 the same: only accumulation
+    shows it)."""
+
+    def micro_step(self, x, y, micro):
+        before = self.loss
+        super().micro_step(x, y, micro)
+        self.last = (self.loss - before) * self.n
+
+    def optimizer_step(self):
+        loss, self.steps = super().optimizer_step(), getattr(self, "steps", 0) + 1
+        return loss if self.steps == 1 else self.last
+
+
+class _AdafactorPerMicro(fr.AdafactorLM):
+    def micro_step(self, x, y, micro):
+        super().micro_step(x, y, micro)
+        if micro < self.n - 1:
+            self.opt.step()  # stepped inside the window too
+
+
+def test_real_errors_still_fail_where_kappa_and_the_noise_rule_apply():
+    """A later window's loss that is wrong (the cancelling loss, its κ measured: the parameters agree), and an
+    optimizer stepped per micro-step under Adafactor (the key bias left out, every resolved element judged)."""
+    import verify
+
+    bad = verify.adapter(data=fr._pg_data, name="broken: the last micro-batch's loss")(_LastMicroLoss)
+    acc, ref = _f64(bad, PG, PG.accum_steps), _f64(bad, PG, 1)
+    with pytest.raises(GateFailure, match=r"float64 loss at step 1: .+ × κ \d"):
+        Judge(Gate.EQUIVALENCE, PG).float64(acc, ref, lambda i: FLOOR, loss_kappa(bad, PG, "cpu", ref))
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] "):
+        check_equivalence(bad, PG)
+    bad = verify.adapter(data=fr.adafactor_lm.data, ignore_index=-100, name="broken: Adafactor per micro-step")(
+        _AdafactorPerMicro)
+    with pytest.raises(GateFailure, match=r"^\[equivalence\] "):
+        check_equivalence(bad, LM)
