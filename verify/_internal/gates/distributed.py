@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verify._internal.cases.case import TWIN_COPIES, Case, Trace, block_runs, drive, twin
+from verify._internal.cases.case import TWIN_COPIES, Case, Trace, drive, twin
 from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, family, group_links, link_of
 from verify._internal.ranks.pool import DistTimeout, get_pool, launched
 from verify._internal.ranks.mesh import cp_slice
@@ -27,7 +27,8 @@ from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row, excused
 from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.metrics import judge_world, observer
-from verify._internal.gates.tolerance import Judge, conditions, measured_floor
+from verify._internal.gates.kappa import kappa_job, loss_kappa_job
+from verify._internal.gates.tolerance import Judge, measured_floor
 from verify._internal.gates.uneven import equal_weights
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
@@ -110,12 +111,6 @@ def reference_job(ctx, adapter, case: Case, twin_of: int | None = None) -> dict:
         refs[name] = drive(trainer, batches, 1, dtype=dtype, device=ctx.device, gate=Gate.DP_EQUIVALENCE,
                            observe=observer(adapter) if dtype == F64_DTYPE and twin_of is None else None)
     return refs
-
-
-def kappa_job(ctx, adapter, case: Case, ref) -> dict:
-    """On a one-rank pool, when a check needs it (lazy κ): κ per parameter and of the loss, of the sums over every
-    rank's micro-blocks (tolerance.conditions) against the float64 reference Trace `ref`."""
-    return conditions(block_runs(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref)
 
 
 def run_distributed(adapter, case: Case, *, pool=None, ref_pool=None, gate=Gate.DP_EQUIVALENCE) -> list[RankOutcome]:
@@ -301,15 +296,16 @@ def boundary_summary(report: CommReport | None, rank: int, dtype: str, step: int
 # -- the numbers' verdict --------------------------------------------------------------------------
 
 def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: CommReport | None = None,
-                           kappa=None, measure=None) -> tuple[str, float, float | None]:
+                           kappa=None, measure=None, loss_kappa=None) -> tuple[str, float, float | None]:
     """Every rank vs the one-rank reference on the big batch; returns (the check closest to its bound,
     its error / bound, the float64 floor judged with). kappa: name -> κ, or a function returning it when a
     check needs it (Judge.step0); measure: a function measuring the case's own float64 floor on its twin when
-    a float64 check needs it (Judge.float64)."""
+    a float64 check needs it, loss_kappa: k -> κ of step k's loss, where a float64 loss check needs it (Judge.float64)."""
     big, ref = outcomes[0].refs["big32"], outcomes[0].refs["ref64"]
     worst, used = ("", 0.0), None
     kappa = functools.cache(kappa) if callable(kappa) else kappa  # one function for every rank: computed once
     measure = functools.cache(measure) if callable(measure) else measure
+    loss_kappa = functools.cache(loss_kappa) if callable(loss_kappa) else loss_kappa
     for o in outcomes:
         j = Judge(Gate.DP_EQUIVALENCE, case, f"rank {o.rank}: ",
                   lambda step, o=o: boundary_summary(report, o.rank, F32, step))
@@ -317,7 +313,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
         doomed = None
         if F64 in o.runs:  # looked at first, raised last: a case that fails anyway computes no κ
             try:
-                f = j.float64(o.runs[F64].trace, ref, measure)
+                f = j.float64(o.runs[F64].trace, ref, measure, loss_kappa)
                 used = f if used is None or (f or 0.0) > used else used
             except GateFailure as e:
                 doomed = e
@@ -353,8 +349,10 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
         ref64, kpool.run(reference_job, adapter, case, i)[0]["ref64"])
     lazy = ((lambda: kpool.run(kappa_job, adapter, case, ref64)[0])  # noqa: E731
             if case.micro_blocks > 1 else None)
+    loss_kappa = ((lambda k: kpool.run(loss_kappa_job, adapter, case, k, ref64.losses[k])[0])  # noqa: E731
+                  if case.micro_blocks > 1 else None)
     try:
-        worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, measure)
+        worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, measure, loss_kappa)
     except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
         failure = determinism(e, rerun, outcomes[0].runs[F32].trace)

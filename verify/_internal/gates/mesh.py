@@ -18,7 +18,8 @@ from verify._internal.cases.case import Case, Trace
 from verify._internal.ranks.mesh import MeshError, _who, assemble, meshes, missing, unsupported
 from verify._internal.ranks.pool import get_pool
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
-from verify._internal.gates.distributed import F32, F64, kappa_job, reference_job, run_distributed
+from verify._internal.gates.distributed import F32, F64, reference_job, run_distributed
+from verify._internal.gates.kappa import kappa_job, loss_kappa_job
 from verify._internal.gates.counts import declared_row
 from verify._internal.gates.metrics import judge_world
 from verify._internal.gates.mesh_counts import check_mesh_counts
@@ -142,13 +143,14 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
         ref, kpool.run(reference_job, adapter, case, i)[0]["ref64"]))
     kappa = functools.cache(lambda: kpool.run(kappa_job, adapter, case, ref)[0])
     lazy = kappa if case.accum_steps * case.world > 1 else None
+    loss_kappa = functools.cache(lambda k: kpool.run(loss_kappa_job, adapter, case, k, ref.losses[k])[0]) if lazy else None
     worst, used = ("", 0.0), None
     for d in range(case.mesh.dp):
         j = Judge(GATE, case, where(case) + (f"replica {d}: " if case.mesh.dp > 1 else ""))
         doomed = None
         try:
             try:  # looked at first, raised last (as in gates/distributed.py): a doomed case computes no κ
-                f = j.float64(runs[F64][d], ref, measure)
+                f = j.float64(runs[F64][d], ref, measure, loss_kappa)
                 used = f if used is None or (f or 0.0) > used else used
             except GateFailure as e:
                 doomed = e

@@ -19,6 +19,7 @@ from verify._internal.cases.case import Case, drive, shard
 from verify._internal.gates.clipped import stepped_norm
 from verify._internal.metrics import ENABLE, Observer, applied_coef, max_norm_of, norm_of
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
+from verify._internal.gates.kappa import loss_kappa as loss_kappa64, loss_kappa_job
 from verify._internal.gates.metrics_bounds import FLOAT64, Float64Bounds, LowBounds, loss_kappa
 from verify._internal.gates.tolerance import factor_text
 
@@ -277,6 +278,7 @@ def metrics_gate(adapter, case: Case, device: str) -> GateResult:
     acc, big = run(N), run(1)
     counts = expected_counts(adapter, batches)
     tally = MetricsTally()
+    bounds = Float64Bounds(loss_kappa64(adapter, case, device, big, Gate.REPORTED_METRICS))  # a loss's κ, where needed
 
     def last_micro(n):
         def value():  # at N = 1 the last micro-batch is the whole window
@@ -288,7 +290,7 @@ def metrics_gate(adapter, case: Case, device: str) -> GateResult:
 
     for who, tr, n, other in (("the big batch", big, 1, None), ("the accumulation run", acc, N, big)):
         judge_run(adapter, case, tr.seen, [norm_of(s) for s in tr.seen], counts, big.losses, who=who,
-                  big=None if other is None else other.seen, last_micro=last_micro(n), tally=tally)
+                  big=None if other is None else other.seen, last_micro=last_micro(n), tally=tally, bounds=bounds)
     if case.precision != "fp32":  # the case's autocast precision: that run's reports against its own values
         judge_precision(adapter, case, device, batches, counts, big, tally)
     return GateResult(Gate.REPORTED_METRICS, case, tally.worst, tally.ratio, **tally.extra())
@@ -326,6 +328,11 @@ def judge_world(adapter, case: Case, runs: dict, ref, norms: dict | None = None,
         return {}
     counts = expected_counts(adapter, case.batches(adapter))
     tally = MetricsTally()
+    def kappa(k):  # a loss's κ where its check fails at κ = 1, on the reference's pool (as Judge.float64's)
+        if pool is None:
+            return loss_kappa_job(_Here(case.device), adapter, case, k, ref.losses[k])
+        return pool.run(loss_kappa_job, adapter, case, k, ref.losses[k])[0]
+    bounds = Float64Bounds(kappa if case.micro_blocks > 1 else None)
     for rank, tr in sorted(runs.items()):
         who, rows = f"{case.world}-rank run", rank
         if case.mesh is not None:
@@ -338,7 +345,7 @@ def judge_world(adapter, case: Case, runs: dict, ref, norms: dict | None = None,
             return pool.run(block_loss_job, adapter, case, rows)[0]
         mine = norms[rank] if norms is not None else [norm_of(s) for s in tr.seen]
         judge_run(adapter, case, tr.seen, mine, counts, ref.losses, who=who, rank=rank, world=case.ranks,
-                  big=ref.seen, last_micro=last_micro, tally=tally,
+                  big=ref.seen, last_micro=last_micro, tally=tally, bounds=bounds,
                   no_loss={k for k, loss in enumerate(tr.losses) if loss is None})
     return tally.extra()
 

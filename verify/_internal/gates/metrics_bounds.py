@@ -31,6 +31,11 @@ class Float64Bounds:
     own_loss = False  # loss='window' expected: the float64 big batch's (here) or the run's own returned loss
     loss_what = "the float64 big batch's step loss"
 
+    def __init__(self, kappa=None):
+        # kappa(k): κ of window k's loss at the float64 big batch's parameters there (gates/kappa.py), as Judge.float64
+        # takes it: a loss whose blocks cancel is resolved no better than its largest block
+        self._kappa, self._known = kappa, {}
+
     def tol(self, name: str, k: int, s: dict) -> float:
         return 0.0 if name in ("tokens", "rows") else bound64()
 
@@ -40,7 +45,11 @@ class Float64Bounds:
 
     def refine(self, name: str, k: int) -> float | None:
         """A bound with a measured κ, for a check that failed at κ = 1 (None: nothing to measure)."""
-        return None
+        if name != "loss" or self._kappa is None:
+            return None
+        if k not in self._known:
+            self._known[k] = self._kappa(k)
+        return bound64(kappa=self._known[k]) if self._known[k] > 1.0 else None
 
     def factors(self, s: dict) -> tuple:
         """(name, factor) the run knows beyond the case's counts (a loss scale), for a failure to name."""

@@ -19,6 +19,7 @@ from verify._internal.verdict import Gate, GateFailure, GateSkipped
 from verify._internal.gates.diagnose import first_difference
 from verify._internal.gates.tolerance import param_scale, whole_norm
 from verify._internal.gates.evidence import built_wrong, micro_means, per_rank_schedule, token_mean
+from verify._internal.gates.update_dtype import low_precision_update
 
 __all__ = ["diagnose", "diagnosed", "relation", "KNOBS"]
 
@@ -144,6 +145,9 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
         schedule = _try(per_rank_schedule, adapter, case)
         if schedule:
             return "re-run: " + schedule, {}
+    low = _try(low_precision_update, adapter, case, _pooled(adapter, case, gate)) if gate in GATES else None
+    if low:  # a float64 run whose update is bf16: no float64 check can judge it, whatever else is wrong
+        return "re-run: " + low, {}
     if gate == Gate.NORMALISER:  # judged against the harness's counts, not a big batch
         c = _at_optimizer(adapter, case)
         if c is None:

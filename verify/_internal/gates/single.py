@@ -15,6 +15,7 @@ import torch
 from verify._internal.cases.case import TWIN_COPIES, Case, block_runs, drive, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import by_term, determinism
+from verify._internal.gates.kappa import loss_kappa
 from verify._internal.gates.tolerance import Judge, conditions, measured_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
@@ -41,7 +42,7 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     j, doomed, floor = (Judge if case.last_window is None else _ShortJudge)(gate, case), None, None
     try:
         try:  # the float64 verdict, looked at first and raised last: a case that fails anyway computes no κ
-            floor = j.float64(acc64, ref64, measure)
+            floor = j.float64(acc64, ref64, measure, loss_kappa(adapter, case, device, ref64, gate))
         except GateFailure as e:
             doomed = e
         kappa = (lambda: conditions(block_runs(adapter, case, device, gate), ref64)) if N > 1 else None

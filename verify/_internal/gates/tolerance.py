@@ -3,7 +3,7 @@
 * fp32, step 0: err(accumulation) ≤ C · max(err(big), err(big, all parameters)) + F · max(1, κ)
   + F_p · max(0, κ/√n − 1), C = 8, F = 8·eps32, F_p = 8·eps_p (bf16 / fp16 only); every step's loss
   within LOSS_MAX_REL of the fp32 big batch.
-* float64, all K steps: `bound64(twin_floor(measured), κ)`, floor = min(max(eps32, twin), 8·eps32), twin: the most run.
+* float64, all K steps: `bound64(twin_floor(measured), κ)`, floor = min(max(eps32, twin), 8·eps32): gates/floor64.py.
 * bit-exact: torch.equal. A NaN loss (a window without a valid token) agrees only with another NaN.
 * one parameter's gradient: relative to its own norm, or the whole gradient's where its own is zero (param_scale).
 Why these bounds (κ, the all-parameter floor, zero gradients, the twin, every margin): docs/design/tolerance.md.
@@ -15,7 +15,8 @@ import math
 import torch
 
 from verify._internal.gates.clipped import step0_read, unstepped
-from verify._internal.cases.case import TWIN_COPIES
+from verify._internal.gates.floor64 import (C, EPS32, FLOOR, Float64Checks, _max_abs, bound64, measured_floor,
+                                            overall_error, rel_err, twin_diff, twin_floor, whole_norm)
 from verify._internal.verdict import Gate, GateFailure
 
 __all__ = ["GateFailure", "C", "FLOOR", "EPS32", "EPS", "LOSS", "LOSS_MAX_REL", "KAPPA_EXACT_ABOVE", "rel_err", "condition",
@@ -23,15 +24,10 @@ __all__ = ["GateFailure", "C", "FLOOR", "EPS32", "EPS", "LOSS", "LOSS_MAX_REL", 
            "bound", "needs_kappa", "overall_error", "step0_checks", "twin_diff", "twin_floor", "measured_floor",
            "bound64", "Judge", "STEP0_TEXT", "FLOAT64_TEXT"]
 
-EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 # each precision's own epsilon: the rounding of one accumulated term under that autocast (bound's F_p)
 EPS = {"fp32": EPS32, "bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
-C = 8.0
-FLOOR = 8 * EPS32
 LOSS = "(loss)"  # the loss's key in a κ dict (conditions), beside the parameters' names
 LOSS_MAX_REL = 1e-3  # fp32 losses after AdamW steps: measured ≤ 2.4e-7 on correct trainers
-# FLOOR caps the float64 floor: C·FLOOR = 64·eps32 ≈ 7.6e-6 < 1e-5, so a real accumulation error of 1e-5
-# relative fails however noisy the reference is (the one place a correct float32 part can still fail: tolerance.md).
 # κ (one float64 run per micro-block) is computed only for a check whose error reaches this share of its κ = 1
 # bound: below it κ ≥ 1 could only lower the reported error / bound, never change a verdict. The partial-sum
 # gate measures its twin floor on the same terms (reported ratios stay < this share, or are exact).
@@ -43,20 +39,6 @@ _F = f"{FLOOR / EPS32:g}·eps32"
 STEP0_TEXT = (f"err(acc) ≤ {C:g}·max(err(big), err(big, all parameters)) + {_F}·max(1, κ) "
               f"+ {C:g}·eps_p·max(0, κ/√n − 1)")
 FLOAT64_TEXT = f"{C:g}·min(max(eps32, twin), {_F})·max(1, κ)"
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ in float64 (absolute when ref is all zero, e.g. unused embedding rows)."""
-    x, ref = x.detach().double(), ref.detach().double()
-    if x.shape != ref.shape:
-        return float("inf")
-    d, n = (x - ref).norm().item(), ref.norm().item()
-    return d / n if n > 0 else d
-
-
-def whole_norm(grads: dict) -> float:
-    """‖g‖ over every parameter at once (float64): the scale of the whole gradient."""
-    return math.sqrt(sum(g.detach().double().pow(2).sum().item() for g in grads.values()))
 
 
 def _norm(ref) -> float:
@@ -106,12 +88,6 @@ def needs_kappa(acc: float, big: float, overall: float = 0.0) -> bool:
     return acc >= KAPPA_EXACT_ABOVE * bound(big, 1.0, overall)
 
 
-def overall_error(got: dict, ref: dict) -> float:
-    """Relative error over every parameter at once (the names both have)."""
-    names = [k for k in ref if k in got]
-    return rel_err(_flat(got, names), _flat(ref, names)) if names else 0.0
-
-
 def condition(blocks: list[dict], ref: dict, whole: float | None = None) -> dict:
     """κ per parameter: max over block gradients of ‖block‖ / param_scale (float64; 1 where that is 0). `whole`: the
     whole gradient's norm (default: over `ref`)."""
@@ -132,54 +108,6 @@ def conditions(runs: list, ref) -> dict:
     top = max((abs(t.losses[0]) for t in runs if t.losses and math.isfinite(t.losses[0])), default=0.0)
     out[LOSS] = top / abs(lr) if math.isfinite(lr) and lr != 0 else 1.0
     return out
-
-
-def twin_diff(ref, twin) -> float:
-    """The float64 reference's own rounding, from two mathematically equal runs of it (Traces; `twin` saw the
-    same rows in another order): the largest relative difference over the losses of every step, the step-0
-    gradient over all parameters at once and every parameter after every step (max|Δ| / max(1, max|p|), as
-    the parameter check scales). Not finite: FLOOR (the cap)."""
-    out = 0.0
-    for a, b in zip(twin.losses, ref.losses):
-        if not (math.isnan(a) or math.isnan(b)):
-            out = max(out, abs(a - b) / (abs(b) or 1.0))
-    if ref.grads0:
-        out = max(out, overall_error(twin.grads0, ref.grads0))
-    for pa, pb in zip(twin.params, ref.params):
-        for name, p in pb.items():
-            if name in pa and p.numel():
-                out = max(out, _max_abs(pa[name], p) / max(1.0, p.abs().max().item()))
-    return out if math.isfinite(out) else FLOOR
-
-
-def twin_floor(measured: float = 0.0) -> float:
-    """The floor the float64 checks use: what an fp32 run of the case can resolve (eps32), or the reference's
-    own rounding `measured` on a twin (twin_diff) where that is larger, capped at FLOOR (module docstring)."""
-    return min(max(measured, EPS32), FLOOR)
-
-
-def measured_floor(ref, twin) -> float:
-    """twin_floor of a float64 reference Trace and its twin's (the same rows, case.twin)."""
-    return twin_floor(twin_diff(ref, twin))
-
-
-def _twins_text(i: int) -> str:
-    return "the reference's own rounding, on its twin" if i == 0 else f"the reference's own rounding, the most of {i + 1} twins"
-
-
-def bound64(floor: float = EPS32, kappa: float = 1.0) -> float:
-    """The float64 relative bound: C × the run's floor (twin_floor: eps32 up to FLOOR), × κ for a tensor that
-    is a sum whose terms cancel (as at step 0: rounding of each term is relative to the term, not to the
-    sum)."""
-    return C * twin_floor(floor) * max(1.0, kappa)
-
-
-def _flat(grads: dict, names: list) -> torch.Tensor:
-    return torch.cat([grads[k].detach().double().reshape(-1) for k in names])
-
-
-def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.shape == b.shape and a.numel() else float("nan")
 
 
 def step0_checks(acc, big, ref, kappa: dict | None, precision: str):
@@ -237,7 +165,7 @@ def _named_factor(got: float, want: float, case) -> str:
     return text if " = " in text else ""
 
 
-class Judge:
+class Judge(Float64Checks):
     """Applies the policy for one gate and one case; raises GateFailure('[gate] ...; case ...').
     `suffix(step)` may add context to a message (the distributed gate appends the boundary's collectives)."""
 
@@ -331,54 +259,6 @@ class Judge:
             if not mr < LOSS_MAX_REL:
                 self.fail(f"step-{k} loss {la!r} vs the big batch's {lb!r}: rel {mr:.3e} ≥ {LOSS_MAX_REL:g}", k,
                           error=mr, bound=LOSS_MAX_REL)
-
-    def float64(self, acc64, ref64, measure=None) -> float:
-        """Every step's loss and parameters of the float64 accumulation run vs the float64 big batch, within
-        bound64(floor). The floor is eps32 (what an fp32 run resolves) unless the reference's twins say it
-        rounds more: `measure(i)` is measured_floor on twin i (case.twin, TWIN_COPIES[i]), called only where a
-        check fails at eps32 but not at FLOOR, the largest floor (a correct run, and a real bug, need no twin),
-        and twin i + 1 only where the check still fails at the largest floor twins 0..i measured (one twin is
-        one draw of the reference's rounding: docs/design/tolerance.md). Returns the floor judged with."""
-        floor = twin_floor()
-        try:
-            self._float64(acc64, ref64, floor)
-            return floor
-        except GateFailure:
-            if measure is None:
-                raise
-            # beyond what any floor allows (a real bug): certain without a twin
-            self._float64(acc64, ref64, FLOOR, "the largest floor any reference gets")
-        for i in range(len(TWIN_COPIES)):
-            floor = max(floor, measure(i))
-            try:
-                self._float64(acc64, ref64, floor, _twins_text(i))
-                return floor
-            except GateFailure as e:
-                failure = e
-        raise failure
-
-    def _float64(self, acc64, ref64, floor: float, what: str = "") -> None:
-        rel = bound64(floor)
-        floor = twin_floor(floor)
-        what = what or "what an fp32 run resolves"  # the first judgement, at eps32
-        why = f" = {C:g}·{floor:.2e} ({what})"
-        for k, (la, lr) in enumerate(zip(acc64.losses, ref64.losses)):
-            if self._undefined(la, lr, f"float64 loss at step {k}", k):
-                continue
-            if not abs(la - lr) <= rel * abs(lr):
-                e = abs(la - lr) / (abs(lr) or 1.0)
-                self.fail(f"float64 loss at step {k}: {la!r} vs the big batch's {lr!r} "
-                          f"(rel {e:.3e} > {rel:.2e}{why})", k, error=e, bound=rel)
-        for k, (pa, pr) in enumerate(zip(acc64.params, ref64.params)):
-            for name, p in pr.items():
-                if name not in pa:
-                    self.fail(f"float64 run has no parameter {name!r} after step {k}", k)
-                scale = max(1.0, p.abs().max().item() if p.numel() else 0.0)
-                tol = rel * scale
-                d = _max_abs(pa[name], p)
-                if not d <= tol:
-                    self.fail(f"float64 parameter {name!r} after step {k}: max|Δ| = {d:.3e} > {tol:.2e}{why} vs the "
-                              f"float64 big batch", k, error=d / scale, bound=tol / scale)
 
     def equal(self, a: torch.Tensor, b: torch.Tensor, what: str, step: int = 0) -> None:
         if not (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):

@@ -1,0 +1,57 @@
+"""κ, measured where a check needs it: of every step-0 sum (tolerance.conditions, from one float64 run per block)
+and of the loss at any step k, from the float64 big batch's parameters at that step. Each in this process or, as a
+job, on the one-rank pool where the reference ran. Design: docs/design/tolerance.md ("κ", "Later losses").
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verify._internal.cases.case import Case, block_runs, drive, shard
+from verify._internal.gates.tolerance import conditions
+from verify._internal.verdict import Gate
+
+__all__ = ["kappa_job", "loss_blocks", "loss_condition", "loss_kappa", "loss_kappa_job"]
+
+F64 = torch.float64
+
+
+def kappa_job(ctx, adapter, case: Case, ref) -> dict:
+    """On a one-rank pool, when a check needs it (lazy κ): κ per parameter and of the loss, of the sums over every
+    rank's micro-blocks (tolerance.conditions) against the float64 reference Trace `ref`."""
+    return conditions(block_runs(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref)
+
+
+def loss_blocks(adapter, case: Case, device, k: int, gate: Gate | None = None) -> list[float]:
+    """The float64 loss of every block of rows one micro-step of one rank sums in window k, at the parameters the
+    float64 big batch holds there: the adapter at accum_steps=1 steps through windows 0..k−1 as the big batch
+    does (the same rows, so the same parameters, bit for bit), then sees the block alone as window k."""
+    batches = case.batches(adapter)
+    x, y = batches[k]
+    out = []
+    for r in range(case.world):
+        for bx, by in shard(x, y, case.window_of(k), r, case.world, case.rank_rows):
+            t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(device), adapter=adapter))
+            out.append(drive(t, batches[:k] + [(bx, by)], 1, dtype=F64, device=device, gate=gate).losses[k])
+    return out
+
+
+def loss_condition(blocks: list, whole: float) -> float:
+    """κ of a loss: max over its blocks of |L_block| / |L| (≥ 1 for a mean over rows or valid tokens, a convex
+    combination of its blocks; 1 where the loss or every block is undefined, or the loss is exactly 0)."""
+    top = max((abs(v) for v in blocks if v is not None and math.isfinite(v)), default=0.0)
+    return max(1.0, top / abs(whole)) if math.isfinite(whole) and whole != 0 else 1.0
+
+
+def loss_kappa(adapter, case: Case, device, ref, gate: Gate | None = None):
+    """k -> κ of window k's loss against the float64 big batch Trace `ref` (Judge.float64's loss_kappa), in this
+    process; None where a window is one block (N·W = 1: nothing is summed)."""
+    if case.accum_steps * case.world == 1 and case.rank_rows is None:
+        return None
+    return lambda k: loss_condition(loss_blocks(adapter, case, device, k, gate), ref.losses[k])
+
+
+def loss_kappa_job(ctx, adapter, case: Case, k: int, whole: float) -> float:
+    """On a one-rank pool: κ of window k's loss, `whole` the float64 big batch's loss of that window."""
+    return loss_condition(loss_blocks(adapter, case, ctx.device, k, Gate.DP_EQUIVALENCE), whole)
