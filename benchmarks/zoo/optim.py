@@ -30,9 +30,35 @@ def optimizers(kind: str, model: torch.nn.Module, params=None) -> list[torch.opt
         hidden = {id(p) for p in hidden_matrices(model)}
         matrices = [p for p in params if id(p) in hidden]
         rest = [p for p in params if id(p) not in hidden]
-        out = [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01)] if matrices else []
+        out = [MuonInParamDtype(matrices, lr=0.02, weight_decay=0.01)] if matrices else []
         return out + ([torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01)] if rest else [])
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+
+
+def newton_schulz(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's quintic Newton–Schulz iteration, in grad's own dtype (torch's runs it in bfloat16)."""
+    a, b, c = ns_coefficients
+    x = grad.T if grad.size(0) > grad.size(1) else grad
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+class MuonInParamDtype(torch.optim.Muon):
+    """torch.optim.Muon with Newton–Schulz in the parameters' dtype: how a Muon user runs the gates (torch's bf16
+    iteration is out of the float64 reference's reach until a native-precision mode: design/tolerance.md, "An update
+    computed in bf16")."""
+
+    def step(self, closure=None):
+        import torch.optim._muon as muon
+
+        saved, muon._zeropower_via_newtonschulz = muon._zeropower_via_newtonschulz, newton_schulz
+        try:
+            return super().step(closure)
+        finally:
+            muon._zeropower_via_newtonschulz = saved
 
 
 def warmup(step: int) -> float:
