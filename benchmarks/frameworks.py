@@ -83,15 +83,11 @@ def _run(cmd, log, **kw) -> str:
     return r.stdout
 
 
-def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: int, log, trainer=RECIPE) -> dict:
-    """The plugin on `trainer` (the HF recipe) from an empty directory; its report, exit status and time."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")}
-    env.update(PYTHONPATH=ROOT, HYPOTHESIS_PROFILE=profile, XTRAIN_DIST_MAX_WORLD=str(max_world),
-               OMP_NUM_THREADS="1")
-    cmd = [py, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-rs",
-           "--verify-trainer", trainer, "--verify-report", run_dir, "--junitxml", os.path.join(run_dir, "junit.xml")]
+def _launch(cmd: list, run_dir: str, env: dict, timeout: int, log) -> tuple:
+    """(exit code or None on a time-out, stdout + stderr, seconds, the run's verify-report.json or {}) of one
+    subprocess in `run_dir`, this checkout importable, one thread; its output to the log."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")},
+           "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env}
     log.write("$ " + " ".join(cmd) + "\n")
     t0 = time.perf_counter()
     try:
@@ -102,8 +98,18 @@ def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: i
     seconds = time.perf_counter() - t0
     log.write(out if isinstance(out, str) else out.decode(errors="replace"))
     path = os.path.join(run_dir, "verify-report.json")
-    report = json.load(open(path)) if os.path.exists(path) else {}
-    return dict(exit_code=code, seconds=round(seconds, 1), report=report, summary=_summary_line(out),
+    return code, out, round(seconds, 1), json.load(open(path)) if os.path.exists(path) else {}
+
+
+def run_gates(py: str, run_dir: str, *, profile: str, max_world: int, timeout: int, log, trainer=RECIPE) -> dict:
+    """The plugin on `trainer` (the HF recipe) from an empty directory; its report, exit status and time."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    cmd = [py, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q", "-rs",
+           "--verify-trainer", trainer, "--verify-report", run_dir, "--junitxml", os.path.join(run_dir, "junit.xml")]
+    code, out, seconds, report = _launch(cmd, run_dir, dict(HYPOTHESIS_PROFILE=profile,
+                                                            XTRAIN_DIST_MAX_WORLD=str(max_world)), timeout, log)
+    return dict(exit_code=code, seconds=seconds, report=report, summary=_summary_line(out),
                 test_seconds=_test_seconds(os.path.join(run_dir, "junit.xml")))
 
 
@@ -111,23 +117,13 @@ def run_selftest(py: str, run_dir: str, *, max_world: int, timeout: int, log, tr
     """`python -m verify.selftest` on a recipe that passes its gates (worlds up to max_world): the mutation score,
     whether every operator whose bug can exist was killed while the unwrapped trainer passed, and the time. The
     framework recipes' self-tests live here, on each release, not in CI (docs/performance.md)."""
-    os.makedirs(run_dir, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
     cmd = [py, "-m", "verify.selftest", "--verify-trainer", trainer, "--verify-report", run_dir,
            "--max-world", str(max_world)]
-    log.write("$ " + " ".join(cmd) + "\n")
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir, env=env, timeout=timeout)
-        code, out = r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        code, out = None, f"timed out after {timeout} s\n{e.stdout or ''}"
-    log.write(out if isinstance(out, str) else out.decode(errors="replace"))
-    path = os.path.join(run_dir, "verify-report.json")
-    st = (json.load(open(path)).get("selftest") or {}) if os.path.exists(path) else {}
-    return dict(exit_code=code, ok=code == 0 and bool(st.get("ok")), score=st.get("score"),
-                seconds=round(time.perf_counter() - t0, 1))
+    code, _, seconds, report = _launch(cmd, run_dir, {}, timeout, log)
+    st = report.get("selftest") or {}
+    return dict(exit_code=code, ok=code == 0 and bool(st.get("ok")), score=st.get("score"), seconds=seconds)
 
 
 PROBE_CASES = (dict(accum_steps=2, micro_batch=2, steps=2, seed=1, data_seed=2),

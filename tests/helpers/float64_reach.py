@@ -83,15 +83,7 @@ adafactor_lm = verify.adapter(data=verify.data.tokens(vocab=honest_lm.VOCAB, seq
 
 # -- E: Muon's Newton–Schulz in bfloat16 -----------------------------------------------------------------------
 
-def newton_schulz(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim.Muon's quintic Newton–Schulz iteration, in grad's own dtype (torch's runs it in bfloat16)."""
-    a, b, c = ns_coefficients
-    x = grad.T if grad.size(0) > grad.size(1) else grad
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if grad.size(0) > grad.size(1) else x
+from benchmarks.zoo.optim import newton_schulz  # noqa: E402  (the zoo's Muon runs the same recipe)
 
 
 @contextlib.contextmanager
