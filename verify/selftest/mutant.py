@@ -10,21 +10,28 @@ import torch
 
 from verify.selftest.metric_ops import world as _world
 
-__all__ = ["Mutant"]
+__all__ = ["Mutant", "respec"]
+
+
+def respec(spec, per_window, **kw):
+    """`spec` with accum_steps per_window(N), and each declared window's count (Spec.windows: a short last
+    window) mapped alike, so the inner trainer's windows stay those of the operator's bug."""
+    from dataclasses import replace
+
+    windows = None if spec.windows is None else tuple(per_window(m) for m in spec.windows)
+    return replace(spec, accum_steps=per_window(spec.accum_steps), windows=windows, **kw)
 
 
 class Mutant:
     """The wrapper: delegates to the inner trainer; an operator overrides one behaviour."""
 
     def __init__(self, op, factory, spec, ignore_index=None, metrics=None, objective=None):
-        from dataclasses import replace
-
         self.op, self.N, self.ignore, self.precision, self.spec = op, spec.accum_steps, ignore_index, spec.precision, spec
         self.make, self.objective = factory, objective  # objective operators build the term alone (Spec.terms)
         self.declared, self.prev_lr, self.last = metrics, None, {}  # metrics operators: the declaration, the last window
-        self.inner = factory(replace(spec, accum_steps=op.inner_accum(spec.accum_steps)))
+        self.inner = factory(respec(spec, op.inner_accum))
         # per_micro_mean: a second trainer, one micro-batch per window, to read each micro-batch's own mean
-        self.aux = factory(replace(spec, accum_steps=1)) if op.aux else None
+        self.aux = factory(respec(spec, lambda n: 1)) if op.aux else None
         self._scaled = False  # boundary-gradient operators act once per step
         self._stale = None  # stale_micro_batch: the previous step's last micro-batch
         self._reset()

@@ -4,6 +4,7 @@ around any trainer through the Mutant (the four methods, Spec.terms, the batches
 from __future__ import annotations
 
 from dataclasses import replace
+from verify.selftest.mutant import respec
 
 import torch
 
@@ -48,7 +49,7 @@ def reset_per_micro(w, x, y, m):
     term = batch_term(w.objective)
     if m == 0:
         w.shadow = w.make(replace(w.spec, accum_steps=w.N, terms=(term,)))
-        w.alone = w.make(replace(w.spec, accum_steps=1, terms=(term,)))
+        w.alone = w.make(respec(w.spec, lambda n: 1, terms=(term,)))
         _at_inner_params(w.shadow, w.inner)
     w.inner.micro_step(x, y, m)
     w.shadow.micro_step(x.clone(), y.clone(), m)
