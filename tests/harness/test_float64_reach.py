@@ -137,3 +137,26 @@ def test_real_errors_still_fail_where_kappa_and_the_noise_rule_apply():
         _AdafactorPerMicro)
     with pytest.raises(GateFailure, match=r"^\[equivalence\] "):
         check_equivalence(bad, LM)
+
+
+# the zoo's t35 (GRPO token mean, logits.float(), Muon; N=3 B=3 K=1 seed=151 data_seed=3): the middle micro-batch
+# holds every valid row, so its blocks are one number and κ over blocks is 1; its rows cancel 83×
+PG_ONE_BLOCK = Case(accum_steps=3, micro_batch=3, steps=1, seed=151, data_seed=3, lengths=(0, 0, 0, 5, 5, 5, 0, 0, 0))
+
+
+def test_a_loss_whose_rows_cancel_inside_one_block_is_judged_with_its_rows_kappa():
+    """Found by the zoo run of record: rejected at κ = 1 (rel 2.1e-6 > 8·2.4e-7, the most of 3 twins), since every
+    other micro-batch is empty. The loss's κ takes the rows of each block: a block's loss is a convex combination
+    of its rows', so κ only rises, and only where the rows cancel."""
+    from benchmarks.zoo import population
+
+    t35, case = population.t35, PG_ONE_BLOCK
+    acc, ref = _f64(t35, case, case.accum_steps), _f64(t35, case, 1)
+    blocks = loss_condition(loss_blocks(t35, case, "cpu", 0), ref.losses[0])
+    rows = loss_condition(loss_blocks(t35, case, "cpu", 0, rows=True), ref.losses[0])
+    assert blocks < 1 + 1e-5 and rows > 50, (blocks, rows)  # the block is the window (its float32 rounding aside)
+    with pytest.raises(GateFailure, match=r"float64 loss at step 0: .+ \(the reference's own rounding, the most of 3"):
+        Judge(Gate.EQUIVALENCE, case).float64(acc, ref, lambda i: 2.36e-7)  # κ = 1, what its twins drew: the false alarm
+    assert Judge(Gate.EQUIVALENCE, case).float64(acc, ref, lambda i: pytest.fail("no twin"),
+                                                 loss_kappa(t35, case, "cpu", ref)) > 0
+    assert check_equivalence(t35, case).ratio < 1

@@ -23,23 +23,28 @@ def kappa_job(ctx, adapter, case: Case, ref) -> dict:
     return conditions(block_runs(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref)
 
 
-def loss_blocks(adapter, case: Case, device, k: int, gate: Gate | None = None) -> list[float]:
-    """The float64 loss of every block of rows one micro-step of one rank sums in window k, at the parameters the
-    float64 big batch holds there: the adapter at accum_steps=1 steps through windows 0..k−1 as the big batch
-    does (the same rows, so the same parameters, bit for bit), then sees the block alone as window k."""
+def loss_blocks(adapter, case: Case, device, k: int, gate: Gate | None = None, rows: bool = False) -> list[float]:
+    """The float64 loss of every block of rows one micro-step of one rank sums in window k (with `rows`, and of
+    each row of a block of several), at the parameters the float64 big batch holds there: the adapter at
+    accum_steps=1 steps through windows 0..k−1 as the big batch does (the same rows, so the same parameters,
+    bit for bit), then sees the block (the row) alone as window k. A loss's κ takes rows: one whose rows cancel
+    inside a block (a policy gradient's advantages, the other micro-batches empty) is resolved no better than
+    its largest row (docs/design/tolerance.md, "Later losses")."""
     batches = case.batches(adapter)
     x, y = batches[k]
     out = []
     for r in range(case.world):
         for bx, by in shard(x, y, case.window_of(k), r, case.world, case.rank_rows):
-            t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(device), adapter=adapter))
-            out.append(drive(t, batches[:k] + [(bx, by)], 1, dtype=F64, device=device, gate=gate).losses[k])
+            parts = [slice(None)] + ([slice(j, j + 1) for j in range(bx.shape[0])] if rows and len(bx) > 1 else [])
+            for i in parts:
+                t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(device), adapter=adapter))
+                out.append(drive(t, batches[:k] + [(bx[i], by[i])], 1, dtype=F64, device=device, gate=gate).losses[k])
     return out
 
 
 def loss_condition(blocks: list, whole: float) -> float:
-    """κ of a loss: max over its blocks of |L_block| / |L| (≥ 1 for a mean over rows or valid tokens, a convex
-    combination of its blocks; 1 where the loss or every block is undefined, or the loss is exactly 0)."""
+    """κ of a loss: max over its blocks and their rows of |L_block| / |L| (≥ 1 for a mean over rows or valid tokens,
+    a convex combination of its blocks; 1 where the loss or every block is undefined, or the loss is exactly 0)."""
     top = max((abs(v) for v in blocks if v is not None and math.isfinite(v)), default=0.0)
     return max(1.0, top / abs(whole)) if math.isfinite(whole) and whole != 0 else 1.0
 
@@ -49,9 +54,9 @@ def loss_kappa(adapter, case: Case, device, ref, gate: Gate | None = None):
     process; None where a window is one block (N·W = 1: nothing is summed)."""
     if case.accum_steps * case.world == 1 and case.rank_rows is None:
         return None
-    return lambda k: loss_condition(loss_blocks(adapter, case, device, k, gate), ref.losses[k])
+    return lambda k: loss_condition(loss_blocks(adapter, case, device, k, gate, rows=True), ref.losses[k])
 
 
 def loss_kappa_job(ctx, adapter, case: Case, k: int, whole: float) -> float:
     """On a one-rank pool: κ of window k's loss, `whole` the float64 big batch's loss of that window."""
-    return loss_condition(loss_blocks(adapter, case, ctx.device, k, Gate.DP_EQUIVALENCE), whole)
+    return loss_condition(loss_blocks(adapter, case, ctx.device, k, Gate.DP_EQUIVALENCE, rows=True), whole)
