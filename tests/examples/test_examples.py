@@ -109,7 +109,8 @@ def plugin(tmp_path, name, worlds, *args, trainer="factory"):
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in DATA_PARALLEL])
 def test_data_parallel_examples_pass_every_gate(tmp_path, name):
     # Fabric at world 2 only: each rank process imports lightning (~5 s of CPU: it pulls in torchmetrics)
-    worlds = (2, 2) if name == "fabric_no_backward_sync" else (2, 3)
+    # Accelerate at world 2 only too: worlds 1-2 and its self-test are the release matrix's rows
+    worlds = (2, 3) if name == "ddp_no_sync" else (2, 2)
     r, gates = plugin(tmp_path, name, worlds)
     assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == sorted(set(worlds))
     assert gates["boundary-only"]["boundary_bytes_over_gradient_bytes"][1] < 1.1  # the gradients once (+ the loss)
@@ -150,11 +151,12 @@ def test_token_mean_recipe_passes_every_gate_at_worlds_1_and_2(tmp_path):
 @pytest.mark.distributed
 @needs_deepspeed
 def test_deepspeed_passes_every_gate(tmp_path):
-    """DeepSpeed's engine (ZeRO stage drawn per case, fp32) through the plugin at worlds 1-2; every stage's count
-    row at world 2 is tests/examples/test_deepspeed.py's."""
-    r, gates = plugin(tmp_path, "deepspeed_zero", (1, 2))
-    assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == [1, 2], gates
-    assert gates["data-parallel equivalence"]["worst_ratio"] < 1 and "metric loss" not in r.stdout, r.stdout[-2000:]
+    """DeepSpeed's engine (ZeRO stage drawn per case, fp32) through the plugin at world 1, the smoke CI keeps on the
+    release pip resolves; every stage's count row and the big batch at world 2 are tests/examples/test_deepspeed.py's,
+    worlds 1-2 and the self-test the release matrix's rows."""
+    r, gates = plugin(tmp_path, "deepspeed_zero", (1, 1))
+    assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == [1], gates
+    assert gates["equivalence"]["worst_ratio"] < 1 and "metric loss" not in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.distributed
@@ -242,25 +244,25 @@ def selftest(tmp_path, ref, *args, timeout=600):
 # W ≥ 2, none needs more), their gates pass at worlds 1-2 here and the plugin's gates draw W up to 4 on xtrain; the
 # ranks' start-up at worlds 3-4 on 2 cores cost ~4 min of CI (worlds 1..4: `python -m verify.selftest` by default).
 # The mesh recipes keep 4 ranks: dp=2 × tp=2 (or × pp=2) is where dp_reduction_skipped and the wrong group show.
-EVERY_CASE = ("examples.mlp_regressor:factory", "examples.ddp_no_sync:factory")  # --every-case on two cheap ones
+EVERY_CASE = ("examples.ddp_no_sync:factory",)  # --every-case on a cheap one
 CAPPED = ("xtrain_proof.adapters", "examples.ddp_no_sync", "examples.packed_documents", "examples.moe_aux")
 
 
 # The framework recipes' self-tests (HF Trainer 23/23, Lightning Trainer 17/17, Fabric 17/17, Accelerate 18/18, TRL
 # 16/16, DeepSpeed 12/12 at worlds 1-2) run in the release matrix, on each release a row expects to pass
 # (python -m benchmarks.frameworks: the self-test column), not in CI: ~150 s of its budget (docs/performance.md).
+# Three plain-torch recipes' self-tests are subsumed and left to a run by hand (docs/design/self-test.md, Results):
+# the MLP's operators are xtrain's single-process ones, DTensor TP's are FSDP2 + TP's on the same dp × tp meshes,
+# and the pipeline's are pipeline_dp's (every operator but the crashing one killed: the test below).
 @pytest.mark.distributed
 @pytest.mark.parametrize("ref,score", [
     ("xtrain_proof.adapters:adapter", "21/21"),  # + skip_decided_on_one_rank (fp16), low_precision_accumulation (bf16), 8 metrics
-    ("examples.mlp_regressor:factory", "16/16"),  # single-process: the data-parallel operators do not apply
     # mesh recipes: the eight operators wrap the plain model at Mesh() (single-process gates); the mesh operators
     # run on the mesh cases (the mesh gate): pipeline_micro_batch_dropped on pp=2 (chunks 2); on tp=2 and dp=2 × tp=2
     # also dp_reduction_skipped and reduced_over_wrong_group (dp ≥ 2: the default worlds reach 4)
     # every recipe declares Metrics: the metrics operators of the metrics it logs apply too (7 single-process, and
     # grad_norm_per_rank at W ≥ 2)
-    ("examples.pipeline_schedule:factory", "17/17"),
     ("examples.ddp_no_sync:factory", "19/19"),
-    ("examples.tensor_parallel:factory", "19/19"),
     ("examples.fsdp2_tp:factory", "19/19"),
     ("examples.packed_documents:factory", "16/16"),  # + the token and objective operators, no metrics declared
     ("examples.moe_aux:factory", "17/17"),  # + the objective operators of ce (token_mean) and aux (batch)
