@@ -160,3 +160,22 @@ def test_a_loss_whose_rows_cancel_inside_one_block_is_judged_with_its_rows_kappa
     assert Judge(Gate.EQUIVALENCE, case).float64(acc, ref, lambda i: pytest.fail("no twin"),
                                                  loss_kappa(t35, case, "cpu", ref)) > 0
     assert check_equivalence(t35, case).ratio < 1
+
+
+# the zoo's t169 (MoE, q/k/v biases, Adafactor, token mean, a short last window): window 0 holds no valid target
+EMPTY_FIRST = Case(accum_steps=3, micro_batch=1, steps=2, seed=1, data_seed=0, lengths=(0, 0, 0, 0, 8), last_window=2,
+                   terms=("lm",))
+
+
+def test_noise_is_resolved_against_the_first_window_with_a_gradient():
+    """Found by the zoo run of record: with window 0 empty, its gradient is exactly 0 everywhere, so no element was
+    unresolved there, and Adafactor's sign step on the key bias's noise at step 1 (2.6e-6 > 8·eps32) was judged. The
+    noise mask now reads the first gradient with a nonzero element (Trace.first, one-process runs)."""
+    from benchmarks.zoo import population
+
+    t169, case = population.t169, EMPTY_FIRST
+    ref = drive(t169(case.spec(accum_steps=1, dtype=torch.float64, adapter=t169)), case.batches(t169), 1,
+                dtype=torch.float64)
+    assert all(not g.any() for g in ref.grads0.values()) and ref.first is not None and ref.resolving is ref.first
+    assert "k.bias" in judged(ref.first, ref.first) and "k.bias" not in judged(ref.grads0, ref.grads0)
+    assert check_equivalence(t169, case).ratio < 1

@@ -217,6 +217,15 @@ class Trace:
     seen: list[dict] = dataclasses.field(default_factory=list)
     """With an Observer (adapters that declare metrics): per step, what the trainer reported and what the
     harness saw of the same step (verify/_internal/metrics.py)."""
+    first: dict | None = None
+    """Where the first windows hold no valid target (their gradients all exactly 0): the first gradient with a
+    nonzero element, the one whose unresolved elements the float64 parameter check leaves out (floor64.judged).
+    None: grads0 is that gradient."""
+
+    @property
+    def resolving(self) -> dict:
+        """The gradient the float64 checks resolve noise against: `first` where set, else grads0."""
+        return self.first if self.first is not None else self.grads0
 
 
 def split(inputs: torch.Tensor, targets: torch.Tensor, n: int):
@@ -321,7 +330,8 @@ def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cp
 
 
 def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows, last) -> Trace:
-    losses, params, grads0 = [], [], None
+    losses, params, grads0, first = [], [], None, None
+    empty0 = False  # window 0 held no valid target (one process: a rank's gradient may be 0 where another's is not)
     stepping = observe.stepping if observe is not None else _not_observed
     for k, (inputs, targets) in enumerate(batches):
         given = []
@@ -340,6 +350,9 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
             g = trainer.grads()
             if grads0 is None:
                 grads0 = _cpu(g)
+                empty0 = world == 1 and _all_zero(grads0)
+            elif empty0 and first is None:
+                first = _nonzero(_cpu(g))
             if observe is not None:
                 observe.grads(g)
             windows.mark(("boundary", k))
@@ -349,9 +362,13 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
             windows.mark(("boundary", k))
             with stepping(trainer):
                 g, loss = at_step()
-            if grads0 is None:
+            if grads0 is None or (empty0 and first is None):
                 windows.mark(("grads", k))  # gathering a DTensor is the harness reading, not training traffic
-                grads0 = _cpu(g)
+                if grads0 is None:
+                    grads0 = _cpu(g)
+                    empty0 = world == 1 and _all_zero(grads0)
+                else:
+                    first = _nonzero(_cpu(g))
         loss = None if loss is None else float(loss)  # None: a rank that does not know it (a pipeline's first stage)
         windows.mark(("params", k))  # the harness reading: metrics() and params() are reported, not judged
         if observe is not None:
@@ -367,7 +384,16 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
                         f"{f', rank {rank}' if world > 1 else ''}): the batch it was handed changed in place. A "
                         f"trainer must not modify its batch (clone it first): in a real loop the same storage "
                         f"may be read again", gate=gate)
-    return Trace(losses, grads0 or {}, params, observe.steps if observe is not None else [])
+    return Trace(losses, grads0 or {}, params, observe.steps if observe is not None else [], first)
+
+
+def _all_zero(grads: dict) -> bool:
+    """Every element exactly 0 (an empty window's gradient: no valid target anywhere in it). CPU copies."""
+    return all(g is None or not bool(g.ne(0).any()) for g in grads.values())
+
+
+def _nonzero(grads: dict) -> dict | None:
+    return None if _all_zero(grads) else grads
 
 
 def _not_observed(trainer):

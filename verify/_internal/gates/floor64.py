@@ -91,7 +91,7 @@ def twin_diff(ref, twin) -> float:
             out = max(out, abs(a - b) / (abs(b) or 1.0))
     if ref.grads0:
         out = max(out, overall_error(twin.grads0, ref.grads0))
-    masks = judged(twin.grads0, ref.grads0)
+    masks = judged(twin.resolving, ref.resolving)
     for pa, pb in zip(twin.params, ref.params):
         for name, p in pb.items():
             if name in pa and p.numel():
@@ -156,7 +156,7 @@ class Float64Checks:
 
     def _float64(self, acc64, ref64, floor: float, what: str = "", kappa=None) -> None:
         rel = bound64(floor)
-        masks = judged(acc64.grads0, ref64.grads0, floor)
+        masks = judged(acc64.resolving, ref64.resolving, floor)
         floor = twin_floor(floor)
         what = what or "what an fp32 run resolves"  # the first judgement, at eps32
         why = f" = {C:g}·{floor:.2e} ({what})"
