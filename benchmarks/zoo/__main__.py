@@ -1,13 +1,14 @@
 """python -m benchmarks.zoo --seed S
 python -m benchmarks.zoo run [--count 200] [--start 0 | --seeds 3,17,...] [--profile ci] [--jobs J] [--out reports/zoo]
-                             [--work DIR] [--timeout SECONDS] [--no-kill] [--max-world W]
+                             [--work DIR] [--timeout SECONDS] [--no-kill] [--max-world W] [--resume]
 python -m benchmarks.zoo kill --seed S [--out FILE]
 
 --seed: one trainer's choices, declarations and the commands that run it. run: seeds start..start+count-1 (or
 --seeds) through the plugin under the profile and, unless --no-kill, each with its drawn operator through the
 self-test; J jobs at a time (a data-parallel gate also starts up to XTRAIN_DIST_MAX_WORLD rank processes: size J
 for that); each job's files under --work (default: a fresh folder in the temp dir); reports/zoo/zoo.{json,md}
-written once at the end. Exit 0 when no honest trainer was rejected and every drawn operator was killed, 1 when
+written once at the end. --resume (with the same --work): a job that finished at this commit, profile and world cap
+in an earlier run is kept, not run again. Exit 0 when no honest trainer was rejected and every drawn operator was killed, 1 when
 not, 3 when some job erred (no verdict), 2 on bad input. kill: the subprocess the runner starts per trainer.
 """
 from __future__ import annotations
@@ -71,6 +72,7 @@ def run(argv) -> int:
     p.add_argument("--timeout", type=_positive, default=3600)
     p.add_argument("--no-kill", action="store_true")
     p.add_argument("--max-world", type=_positive, default=None)
+    p.add_argument("--resume", action="store_true")
     a = p.parse_args(argv)
     if a.start < 0:
         p.error(f"--start must be ≥ 0, got {a.start}")
@@ -85,7 +87,8 @@ def run(argv) -> int:
     print(f"zoo: {len(seeds)} trainers, profile {a.profile}, {a.jobs} jobs; files under {work}", flush=True)
     t0 = time.perf_counter()
     results = runner.run_all(seeds, work=work, profile=a.profile, jobs=a.jobs, timeout=a.timeout,
-                             kill=not a.no_kill, max_world=a.max_world, progress=lambda s: print(s, flush=True))
+                             kill=not a.no_kill, max_world=a.max_world, progress=lambda s: print(s, flush=True),
+                             resume=a.resume)
     doc = report.document(results, command=command, profile=a.profile, jobs=a.jobs, wall=time.perf_counter() - t0,
                           max_world=a.max_world)
     paths = report.write(doc, a.out)

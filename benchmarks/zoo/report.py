@@ -52,8 +52,9 @@ def document(results: dict, *, command: str, profile: str, jobs: int, wall: floa
         row.update({k: {x: y for x, y in v.items() if x != "folder"} for k, v in results[seed].items()})
         rows.append(row)
     doc = verify.report_header("zoo")
+    kept = sum(1 for jobs_of in results.values() for v in jobs_of.values() if v.get("kept"))
     doc.update(command=command, profile=profile, jobs=jobs, wall_seconds=round(wall, 1), max_world=max_world,
-               summary=summary(rows), trainers=rows)
+               kept_jobs=kept, summary=summary(rows), trainers=rows)
     return doc
 
 
@@ -67,7 +68,9 @@ def render_md(doc: dict) -> str:
     out = ["# The zoo: generated honest trainers through the gates", "",
            f"`{doc['command']}` — commit {doc.get('git_commit') or '(not a git checkout)'}, {doc['utc']}, "
            f"{m.get('cpu_count')} cores ({m.get('cpu_model')}), torch {m.get('torch')}, profile {doc['profile']}, "
-           f"{doc['jobs']} jobs, {doc['wall_seconds']:.0f} s wall", "",
+           f"{doc['jobs']} jobs, {doc['wall_seconds']:.0f} s wall"
+           + (f" (this run; {doc['kept_jobs']} jobs kept from an earlier run at the same commit, --resume)"
+              if doc.get("kept_jobs") else ""), "",
            "| trainers | gates judged | false alarms | rate | gate errors | operators judged | killed | kill rate | "
            "survived | n/a | kill errors |", "|---|---|---|---|---|---|---|---|---|---|---|",
            f"| {s['trainers']} | {s['judged']} | {len(s['false_alarms'])} | {_pct(s['false_alarm_rate'])} | "

@@ -119,17 +119,55 @@ def run_kill(seed: int, work: str, timeout: int, max_world: int | None) -> dict:
     return doc
 
 
+def commit() -> str | None:
+    """This checkout's HEAD, or None (not a git checkout, or uncommitted changes: nothing to resume against)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() if head.returncode == 0 and dirty.returncode == 0 and not dirty.stdout.strip() else None
+
+
+def _kept(work: str, seed: int, what: str, key: dict) -> dict | None:
+    """A finished job's result from an earlier run in the same --work, kept only where it ran at `key` (the same
+    commit, profile and world cap); None otherwise."""
+    path = os.path.join(work, f"t{seed}", f"{what}.result.json")
+    try:
+        doc = json.load(open(path))
+    except (OSError, ValueError):
+        return None
+    return doc["result"] if doc.get("key") == key else None
+
+
+def _keep(work: str, seed: int, what: str, key: dict, result: dict) -> None:
+    path = os.path.join(work, f"t{seed}", f"{what}.result.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(key=key, result=result), f)
+    os.replace(path + ".tmp", path)
+
+
 def run_all(seeds, *, work: str, profile: str, jobs: int, timeout: int, kill: bool, max_world: int | None,
-            progress=print) -> dict:
-    """{seed: {'gates': ..., 'kill': ...}}: every job of every seed, `jobs` at a time, a line per finished job."""
+            progress=print, resume: bool = False) -> dict:
+    """{seed: {'gates': ..., 'kill': ...}}: every job of every seed, `jobs` at a time, a line per finished job.
+    Each finished job's result is kept in its folder with the commit it ran at; `resume` reuses those of the same
+    commit, profile and world cap (a run stopped part-way goes on where it stopped: 'kept' on its line)."""
     tasks = [(s, "gates") for s in seeds] + ([(s, "kill") for s in seeds] if kill else [])
     results: dict = {s: {} for s in seeds}
     lock, t0, done = threading.Lock(), time.perf_counter(), [0]
+    key = dict(commit=commit(), profile=profile, max_world=max_world)
 
     def one(seed, what):
-        if what == "gates":
-            return run_gates(seed, work, profile, timeout, max_world)
-        return run_kill(seed, work, timeout, max_world)
+        kept = _kept(work, seed, what, key) if resume and key["commit"] else None
+        if kept is not None:
+            return dict(kept, kept=True)
+        res = (run_gates(seed, work, profile, timeout, max_world) if what == "gates"
+               else run_kill(seed, work, timeout, max_world))
+        if key["commit"]:
+            _keep(work, seed, what, key, res)
+        return res
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(one, s, w): (s, w) for s, w in tasks}
@@ -145,6 +183,7 @@ def run_all(seeds, *, work: str, profile: str, jobs: int, timeout: int, kill: bo
                 elapsed = time.perf_counter() - t0
                 eta = elapsed / done[0] * (len(tasks) - done[0])
                 label = res.get("verdict") if what == "gates" else f"{res.get('operator')} {res.get('verdict')}"
+                label += " (kept)" if res.get("kept") else ""
                 progress(f"[{done[0]:>{len(str(len(tasks)))}}/{len(tasks)}] t{seed} {what}: {label} "
                          f"({res.get('seconds', res.get('wall_seconds', 0))} s) — elapsed {elapsed:.0f} s, "
                          f"ETA {eta:.0f} s")

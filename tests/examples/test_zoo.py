@@ -102,3 +102,14 @@ def test_the_runner_writes_the_report_from_a_subprocess(tmp_path):
     assert row["seed"] == 28 and row["gates"]["verdict"] == "passes" and row["kill"]["verdict"] == "killed"
     assert row["gates"]["gates"]["equivalence"] == "pass" and doc["summary"]["false_alarm_rate"] == 0.0
     assert "--seeds 28 --profile dev" in doc["command"] and (out / "zoo.md").exists()
+
+
+def test_a_stopped_run_resumes_only_jobs_of_the_same_commit_profile_and_world_cap(tmp_path):
+    from benchmarks.zoo import runner
+
+    key = dict(commit="a" * 40, profile="ci", max_world=None)
+    runner._keep(str(tmp_path), 7, "gates", key, {"verdict": "passes", "seconds": 1.0})
+    assert runner._kept(str(tmp_path), 7, "gates", key) == {"verdict": "passes", "seconds": 1.0}
+    for other in (dict(key, commit="b" * 40), dict(key, profile="dev"), dict(key, max_world=2)):
+        assert runner._kept(str(tmp_path), 7, "gates", other) is None
+    assert runner._kept(str(tmp_path), 7, "kill", key) is None and runner._kept(str(tmp_path), 8, "gates", key) is None
