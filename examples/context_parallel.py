@@ -13,7 +13,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
-from verify._internal.ranks.mesh import device_mesh
 
 VOCAB, SEQ, D = 16, 8, 16
 IGNORE = -100
@@ -67,7 +66,7 @@ class Trainer:
         self.n = spec.accum_steps
         self.cp, self.cp_rank, self.cp_group, self.dp_group = spec.mesh.cp, 0, None, None
         if spec.mesh.size > 1:
-            mesh = device_mesh(spec)  # dims ("dp", "pp", "cp", "tp"); the harness gives each cp rank its tokens
+            mesh = verify.device_mesh(spec)  # dims ("dp", "pp", "cp", "tp"); the harness gives each cp rank its tokens
             if spec.mesh.cp > 1:
                 self.cp_group, self.cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
             if spec.mesh.dp > 1:

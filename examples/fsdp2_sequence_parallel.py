@@ -17,7 +17,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 import verify
-from verify._internal.ranks.mesh import device_mesh
 
 SEQ, WIDTH, HIDDEN = 4, 4, 24  # each row's 16 features are a sequence of 4 positions of width 4
 
@@ -47,7 +46,7 @@ class Trainer:
         self.fsdp = spec.mesh.size > 1  # at Mesh() (the 1×1 reference) the plain model, autocast for bf16
         self.tp_rank = 0
         if self.fsdp:
-            self.mesh = device_mesh(spec)  # dims ("dp", "pp", "tp")
+            self.mesh = verify.device_mesh(spec)  # dims ("dp", "pp", "tp")
             plan = {
                 "norm": SequenceParallel(),  # input: this rank's positions, Shard(1); the weight replicated
                 "up": ColwiseParallel(input_layouts=Shard(1)),  # all-gathers the sequence in forward

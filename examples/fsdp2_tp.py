@@ -13,7 +13,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import verify
-from verify._internal.ranks.mesh import device_mesh
 
 MAX_NORM = 10.0  # the clip threshold; the drawn cases' norms straddle it, so clipped and unclipped steps are checked
 
@@ -36,7 +35,7 @@ class Trainer:
         # at Mesh() (the 1×1×1 reference) the plain model: no process group needed
         self.fsdp = spec.mesh.size > 1
         if self.fsdp:
-            self.mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"): TP within a replica, FSDP2 across replicas
+            self.mesh = verify.device_mesh(spec)  # dims ("dp", "pp", "tp"): TP within a replica, FSDP2 across replicas
             parallelize_module(self.model, self.mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
             fully_shard(self.model, mesh=self.mesh["dp"])  # one unit, the root; its reduce-scatter averages over dp
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)

@@ -16,7 +16,7 @@ class Trainer(pipeline_schedule.Trainer):
         super().__init__(spec)
         self.dp_group = None
         if spec.mesh.dp > 1:
-            self.dp_group = verify._internal.ranks.mesh.device_mesh(spec)["dp"].get_group()
+            self.dp_group = verify.device_mesh(spec)["dp"].get_group()
 
     def micro_step(self, x, y, micro):
         super().micro_step(x, y, micro)

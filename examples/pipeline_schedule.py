@@ -56,7 +56,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup)
 
     def build_schedule(self, spec, model):
-        mesh = verify._internal.ranks.mesh.device_mesh(spec)
+        mesh = verify.device_mesh(spec)
         pp = spec.mesh.pp
         looped = spec.options is ScheduleInterleaved1F1B
         n_stages = 2 * pp if looped else pp

@@ -12,7 +12,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 import verify
-from verify._internal.ranks.mesh import device_mesh
 
 MAX_NORM = 1.0  # the clip threshold; the drawn cases' norms straddle it, so clipped and unclipped steps are checked
 
@@ -37,7 +36,7 @@ class Trainer:
         self.rows = 0
         self.logged = {}
         if spec.mesh.size > 1:  # at Mesh() (the 1×1×1 reference) the plain model: no process group needed
-            self.mesh = device_mesh(spec)  # dims ("dp", "pp", "tp"); the harness gives each dp replica its rows
+            self.mesh = verify.device_mesh(spec)  # dims ("dp", "pp", "tp"); the harness gives each dp replica its rows
             # the head's logits stay a DTensor sharded over the classes: loss_parallel's cross entropy reads them so
             plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(use_local_output=False)}
             parallelize_module(self.model, self.mesh["tp"], plan)

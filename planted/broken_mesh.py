@@ -31,8 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
-from verify._internal.gates.counts import CountRow
-from verify._internal.ranks.mesh import device_mesh
+from verify import CountRow, device_mesh
 
 FEATURES, HIDDEN, BLOCKS = 4, 8, 8  # blocks: Linear+Tanh ×7, then Linear(HIDDEN, 1): every pp ≤ 8 has a block per stage
 TP_HIDDEN = 840  # lcm(1..8): Colwise / Rowwise shard it evenly at every tp a world of up to 8 ranks can draw

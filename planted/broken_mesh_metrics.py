@@ -24,11 +24,8 @@ from xtrain_core.distributed import DistAccumTrainer
 from xtrain_core.fsdp import FSDP2Trainer
 from xtrain_proof import adapters as xtrain
 from planted.broken_tp import CLASSES, FEATURES, TensorParallel
+from verify import CountRow, Metrics, adapter, device_mesh
 from verify.data import classification
-from verify._internal.gates.counts import CountRow
-from verify._internal.metrics import Metrics
-from verify._internal.protocol import adapter
-from verify._internal.ranks.mesh import device_mesh
 
 
 # -- tensor parallel ---------------------------------------------------------------------------------------

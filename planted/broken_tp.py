@@ -18,10 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from verify import CountRow, adapter, device_mesh
 from verify.data import classification
-from verify._internal.gates.counts import CountRow
-from verify._internal.ranks.mesh import device_mesh
-from verify._internal.protocol import adapter
 
 FEATURES, HIDDEN, CLASSES = 8, 24, 12  # HIDDEN and CLASSES divide by every tp ≤ 4: even shards on every rank
 

@@ -34,6 +34,8 @@ __all__ = [
     "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data", "Metrics", "Objective", "Parity",
     # what a sync mode may communicate: expected collectives, a mode's exact counts, a mesh's axes
     "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "CountRow", "Windows", "Mesh",
+    # a mesh case's DeviceMesh, built once per process (dims "dp", "pp", "cp" where > 1, "tp")
+    "device_mesh",
     # loops the framework owns (HF Trainer, Lightning): the pull-mode driver
     "Pull", "PullError",
     # a gate's verdict, as a test or a script sees it
@@ -53,7 +55,7 @@ _WHERE = {
     "Expected": ("verify._internal.protocol", "Expected"), "DDP_EXPECTED": ("verify._internal.protocol", "DDP_EXPECTED"),
     "DDP_WORLD1_EXPECTED": ("verify._internal.protocol", "DDP_WORLD1_EXPECTED"),
     "CountRow": ("verify._internal.gates.counts", "CountRow"), "Windows": ("verify._internal.ranks.comm", "Windows"),
-    "Mesh": ("verify._internal.ranks.mesh", "Mesh"),
+    "Mesh": ("verify._internal.ranks.mesh", "Mesh"), "device_mesh": ("verify._internal.ranks.mesh", "device_mesh"),
     "Pull": ("verify._internal.cases.pull", "Pull"), "PullError": ("verify._internal.cases.pull", "PullError"),
     "Gate": ("verify._internal.verdict", "Gate"), "GateFailure": ("verify._internal.verdict", "GateFailure"),
     "Settings": ("verify._internal.settings", "Settings"),

@@ -6,8 +6,7 @@ pipeline_dp.py, context_parallel.py) with the Recipe's optimizer, schedule, clip
     cp      the causal LM with each row's tokens split over cp (K and V all-gathered), the token mean over dp × cp
 
 Each builds the plain model at Mesh() (the harness's 1 × 1 × 1 reference). The DeviceMesh comes from
-verify._internal.ranks.mesh.device_mesh(spec), as the guide says ("Meshes"): the one internal name a mesh
-adapter needs.
+verify.device_mesh(spec), as the guide says ("Meshes").
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import verify
 from benchmarks.zoo import losses
 from benchmarks.zoo.models import CLASSES, FEATURES, LM, OUTPUTS
 from benchmarks.zoo.optim import optimizers, schedulers
-from verify._internal.ranks.mesh import device_mesh
 
 TP_WIDTH, PP_LAYERS = 24, 8
 
@@ -73,7 +71,7 @@ class TPTrainer(MeshTrainer):
                                    nn.Linear(TP_WIDTH, CLASSES)).to(spec.device, spec.dtype)
         self.mesh = None
         if spec.mesh.size > 1:
-            self.mesh = device_mesh(spec)
+            self.mesh = verify.device_mesh(spec)
             plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(use_local_output=False)}
             parallelize_module(self.model, self.mesh["tp"], plan)
         self.setup(spec, self.model.parameters())
@@ -142,7 +140,7 @@ class PPTrainer(MeshTrainer):
     def build(self, spec):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        mesh = device_mesh(spec)
+        mesh = verify.device_mesh(spec)
         pp, kind = spec.mesh.pp, self.recipe.pipeline
         looped = kind == "interleaved"
         n_stages = 2 * pp if looped else pp
@@ -227,7 +225,7 @@ class CPTrainer(MeshTrainer):
         self.model = LM(self.recipe.arch).to(spec.device, spec.dtype)
         self.cp_rank, self.cp_group, self.dp_group = 0, None, None
         if spec.mesh.size > 1:
-            mesh = device_mesh(spec)
+            mesh = verify.device_mesh(spec)
             if spec.mesh.cp > 1:
                 self.cp_group, self.cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
             if spec.mesh.dp > 1:

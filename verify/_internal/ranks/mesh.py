@@ -145,11 +145,11 @@ def device_mesh(spec):
 
     mesh = spec.mesh
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"verify._internal.ranks.mesh.device_mesh: {mesh} needs torch.distributed initialised (the harness runs "
+        raise RuntimeError(f"verify.device_mesh: {mesh} needs torch.distributed initialised (the harness runs "
                            f"mesh adapters on a pool of {mesh.size} ranks)")
     world = dist.get_world_size()
     if world != mesh.size:
-        raise RuntimeError(f"verify._internal.ranks.mesh.device_mesh: {mesh} needs a world of {mesh.size} ranks, this one has {world}")
+        raise RuntimeError(f"verify.device_mesh: {mesh} needs a world of {mesh.size} ranks, this one has {world}")
     kind = str(spec.device).split(":")[0]
     key = (mesh, kind, world)
     if key not in _MESHES:
