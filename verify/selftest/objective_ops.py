@@ -4,9 +4,10 @@ around any trainer through the Mutant (the four methods, Spec.terms, the batches
 from __future__ import annotations
 
 from dataclasses import replace
-from verify.selftest.mutant import respec
 
 import torch
+
+from verify.selftest.mutant import respec
 
 __all__ = ["batch_term", "count_again", "reset_per_micro", "per_micro_aux"]
 

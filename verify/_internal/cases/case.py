@@ -273,11 +273,6 @@ def block_runs(adapter, case: "Case", device, gate: Gate | None = None) -> list:
     return out
 
 
-def block_grads(adapter, case: "Case", device, gate: Gate | None = None) -> list[dict]:
-    """The step-0 boundary gradients of block_runs."""
-    return [t.grads0 for t in block_runs(adapter, case, device, gate)]
-
-
 # The twins, in the order they are run: each copy count an odd prime, so every division by a row or token count
 # rounds differently from the reference's and from the other twins' (×2 is exact in binary: 6 copies round as 3).
 TWIN_COPIES = (3, 5, 7)
@@ -330,8 +325,7 @@ def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cp
 
 
 def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows, last) -> Trace:
-    losses, params, grads0, first = [], [], None, None
-    empty0 = False  # window 0 held no valid target (one process: a rank's gradient may be 0 where another's is not)
+    losses, params, kept = [], [], _FirstGrads(world == 1)
     stepping = observe.stepping if observe is not None else _not_observed
     for k, (inputs, targets) in enumerate(batches):
         given = []
@@ -348,11 +342,8 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
         if at_step is None:
             windows.mark(("grads", k))  # the harness reading the gradient: reported, not training traffic
             g = trainer.grads()
-            if grads0 is None:
-                grads0 = _cpu(g)
-                empty0 = world == 1 and _all_zero(grads0)
-            elif empty0 and first is None:
-                first = _nonzero(_cpu(g))
+            if kept.wants():
+                kept.keep(g)
             if observe is not None:
                 observe.grads(g)
             windows.mark(("boundary", k))
@@ -362,13 +353,9 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
             windows.mark(("boundary", k))
             with stepping(trainer):
                 g, loss = at_step()
-            if grads0 is None or (empty0 and first is None):
+            if kept.wants():
                 windows.mark(("grads", k))  # gathering a DTensor is the harness reading, not training traffic
-                if grads0 is None:
-                    grads0 = _cpu(g)
-                    empty0 = world == 1 and _all_zero(grads0)
-                else:
-                    first = _nonzero(_cpu(g))
+                kept.keep(g)
         loss = None if loss is None else float(loss)  # None: a rank that does not know it (a pipeline's first stage)
         windows.mark(("params", k))  # the harness reading: metrics() and params() are reported, not judged
         if observe is not None:
@@ -384,16 +371,27 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
                         f"{f', rank {rank}' if world > 1 else ''}): the batch it was handed changed in place. A "
                         f"trainer must not modify its batch (clone it first): in a real loop the same storage "
                         f"may be read again", gate=gate)
-    return Trace(losses, grads0 or {}, params, observe.steps if observe is not None else [], first)
+    return Trace(losses, kept.grads0 or {}, params, observe.steps if observe is not None else [], kept.first)
 
 
-def _all_zero(grads: dict) -> bool:
-    """Every element exactly 0 (an empty window's gradient: no valid target anywhere in it). CPU copies."""
-    return all(g is None or not bool(g.ne(0).any()) for g in grads.values())
+class _FirstGrads:
+    """CPU copies of the step-0 gradient (Trace.grads0) and, in one process, where window 0 held no valid target
+    (every element exactly 0), of the first gradient with a nonzero element (Trace.first). Several ranks keep grads0
+    only: one rank's window may be empty where another's is not."""
 
+    def __init__(self, one_process: bool):
+        self.one_process, self.grads0, self.first, self.empty0 = one_process, None, None, False
 
-def _nonzero(grads: dict) -> dict | None:
-    return None if _all_zero(grads) else grads
+    def wants(self) -> bool:
+        return self.grads0 is None or (self.empty0 and self.first is None)
+
+    def keep(self, g: dict) -> None:
+        c = _cpu(g)
+        zero = self.one_process and all(t is None or not bool(t.ne(0).any()) for t in c.values())
+        if self.grads0 is None:
+            self.grads0, self.empty0 = c, zero
+        elif not zero:
+            self.first = c
 
 
 def _not_observed(trainer):

@@ -133,22 +133,21 @@ class Float64Checks:
         check fails at eps32 but not at FLOOR, the largest floor (a correct run, and a real bug, need no twin),
         and twin i + 1 only where the check still fails at the largest floor twins 0..i measured (one twin is
         one draw of the reference's rounding: docs/design/tolerance.md). `loss_kappa(k)`: step k's loss's κ
-        (gates/kappa.py), measured only for a loss that fails at κ = 1 while every parameter passes. Returns
-        the floor judged with."""
-        kappa = _cached(loss_kappa)
+        (gates/kappa.py, cached where it is made), measured only for a loss that fails at κ = 1 while every
+        parameter passes. Returns the floor judged with."""
         floor = twin_floor()
         try:
-            self._float64(acc64, ref64, floor, kappa=kappa)
+            self._float64(acc64, ref64, floor, kappa=loss_kappa)
             return floor
         except GateFailure:
             if measure is None:
                 raise
             # beyond what any floor allows (a real bug): certain without a twin
-            self._float64(acc64, ref64, FLOOR, "the largest floor any reference gets", kappa)
+            self._float64(acc64, ref64, FLOOR, "the largest floor any reference gets", loss_kappa)
         for i in range(len(TWIN_COPIES)):
             floor = max(floor, measure(i))
             try:
-                self._float64(acc64, ref64, floor, _twins_text(i), kappa)
+                self._float64(acc64, ref64, floor, _twins_text(i), loss_kappa)
                 return floor
             except GateFailure as e:
                 failure = e
@@ -192,16 +191,3 @@ class Float64Checks:
                         mask is not None) else ""
                     self.fail(f"float64 parameter {name!r} after step {k}: max|Δ| = {d:.3e} > {tol:.2e}{why} vs the "
                               f"float64 big batch{left}", k, error=d / scale, bound=tol / scale)
-
-
-def _cached(fn):
-    """fn(k), each k computed once (a loss's κ costs a float64 run per block)."""
-    if fn is None:
-        return None
-    seen = {}
-
-    def cached(k):
-        if k not in seen:
-            seen[k] = fn(k)
-        return seen[k]
-    return cached

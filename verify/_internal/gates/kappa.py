@@ -4,6 +4,7 @@ job, on the one-rank pool where the reference ran. Design: docs/design/tolerance
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,13 +39,8 @@ def loss_blocks(adapter, case: Case, device, k: int, gate: Gate | None = None, r
         return drive(t, batches[:k] + [(bx, by)], 1, dtype=F64, device=device, gate=gate).losses[k]
 
     blocks = [b for r in range(case.world) for b in shard(x, y, case.window_of(k), r, case.world, case.rank_rows)]
-    out = [loss(bx, by) for bx, by in blocks]
-    if rows:
-        try:
-            out += [loss(bx[j:j + 1], by[j:j + 1]) for bx, by in blocks if len(bx) > 1 for j in range(len(bx))]
-        except Exception:  # noqa: BLE001  a model that cannot take one row (BatchNorm's statistics): κ over blocks,
-            pass  # the smaller κ, so at worst a stricter bound, never a looser one
-    return out
+    rows_of = [(bx[j:j + 1], by[j:j + 1]) for bx, by in blocks if len(bx) > 1 for j in range(len(bx))] if rows else []
+    return [loss(bx, by) for bx, by in blocks + rows_of]
 
 
 def loss_condition(blocks: list, whole: float) -> float:
@@ -56,10 +52,10 @@ def loss_condition(blocks: list, whole: float) -> float:
 
 def loss_kappa(adapter, case: Case, device, ref, gate: Gate | None = None):
     """k -> κ of window k's loss against the float64 big batch Trace `ref` (Judge.float64's loss_kappa), in this
-    process; None where a window is one block (N·W = 1: nothing is summed)."""
+    process, each k measured once; None where a window is one block (N·W = 1: nothing is summed)."""
     if case.accum_steps * case.world == 1 and case.rank_rows is None:
         return None
-    return lambda k: loss_condition(loss_blocks(adapter, case, device, k, gate, rows=True), ref.losses[k])
+    return functools.cache(lambda k: loss_condition(loss_blocks(adapter, case, device, k, gate, rows=True), ref.losses[k]))
 
 
 def loss_kappa_job(ctx, adapter, case: Case, k: int, whole: float) -> float:

@@ -7,6 +7,7 @@ run's loss scale (loss_scale(), read as the step begins) names it. Derivations: 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,7 +35,7 @@ class Float64Bounds:
     def __init__(self, kappa=None):
         # kappa(k): κ of window k's loss at the float64 big batch's parameters there (gates/kappa.py), as Judge.float64
         # takes it: a loss whose blocks cancel is resolved no better than its largest block
-        self._kappa, self._known = kappa, {}
+        self._kappa = None if kappa is None else functools.cache(kappa)
 
     def tol(self, name: str, k: int, s: dict) -> float:
         return 0.0 if name in ("tokens", "rows") else bound64()
@@ -47,9 +48,8 @@ class Float64Bounds:
         """A bound with a measured κ, for a check that failed at κ = 1 (None: nothing to measure)."""
         if name != "loss" or self._kappa is None:
             return None
-        if k not in self._known:
-            self._known[k] = self._kappa(k)
-        return bound64(kappa=self._known[k]) if self._known[k] > 1.0 else None
+        kappa = self._kappa(k)
+        return bound64(kappa=kappa) if kappa > 1.0 else None
 
     def factors(self, s: dict) -> tuple:
         """(name, factor) the run knows beyond the case's counts (a loss scale), for a failure to name."""
@@ -93,8 +93,8 @@ class LowBounds(Float64Bounds):
     loss_what = "this run's own step loss, as optimizer_step() returned it"
 
     def __init__(self, precision: str, metrics, kappa):
+        super().__init__(kappa)  # kappa(k): the loss's κ of window k (float64 blocks)
         self.precision, self.metrics, self.label = precision, metrics, f"@{precision}"
-        self._kappa, self._known = kappa, {}  # kappa(k): the loss's κ of window k (float64 blocks)
 
     def tol(self, name: str, k: int, s: dict) -> float:
         if name in ("tokens", "rows"):
@@ -115,9 +115,7 @@ class LowBounds(Float64Bounds):
     def refine(self, name: str, k: int) -> float | None:
         if name != "loss":
             return None
-        if k not in self._known:
-            self._known[k] = self._kappa(k)
-        kappa = self._known[k]
+        kappa = self._kappa(k)
         return C * EPS[self.precision] * kappa if kappa > 1.0 else None
 
     def factors(self, s: dict) -> tuple:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from verify._internal.cases.case import Case, _cpu, _to, block_grads, split, twin
+from verify._internal.cases.case import Case, _cpu, _to, block_runs, split, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import determinism
 from verify._internal.gates.single import _equivalence, check_equivalence, run_alone
@@ -165,7 +165,7 @@ def check_partial_sums(adapter, case: Case) -> GateResult:
                 e = param_err(g, ref, whole, floor)
             b = bound64(declared if floor is None else floor)
             if e > KAPPA_EXACT_ABOVE * b:  # a float32 part: rounding relative to the sum's terms
-                blocks = blocks if blocks is not None else block_grads(adapter, case, device, gate)
+                blocks = blocks if blocks is not None else [t.grads0 for t in block_runs(adapter, case, device, gate)]
                 b = bound64(floor, condition(blocks[:m + 1], {name: ref}, whole).get(name, 1.0))
             if not e <= b:
                 fail = GateFailure(
