@@ -83,10 +83,17 @@ def test_trl_grpo_passes_every_gate_at_world_1(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
                         "--hypothesis-seed=1", "--verify-trainer", "examples.trl_grpo:factory"], capture_output=True,
                        text=True, cwd=tmp_path / "run", env=env, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0, failures(r)
     gates = json.loads((tmp_path / "run" / "reports" / "verify-report.json").read_text())["gates"]
     assert gates["normaliser"]["examples"] > 0 and gates["boundary-only"]["worlds"] == [1], gates
     assert gates["boundary-only"]["declared_side_traffic"] > 0, gates["boundary-only"]  # TRL's metrics, seen
+
+
+def failures(r) -> str:
+    """What a failed plugin run says of its failure: its FAILURES section (the gate's message and hint), not the
+    tail, which is the "not checked" list (seen: a CI failure whose tail named no gate)."""
+    head = r.stdout.find("= FAILURES =")
+    return (r.stdout[head:head + 6000] if head >= 0 else r.stdout[-4000:]) + r.stderr[-2000:]
 
 
 def plugin(tmp_path, name, worlds, *args, trainer="factory"):
@@ -101,7 +108,7 @@ def plugin(tmp_path, name, worlds, *args, trainer="factory"):
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
                         "--hypothesis-seed=1", "--verify-trainer", f"examples.{name}:{trainer}", "-rs", *args],
                        capture_output=True, text=True, cwd=tmp_path / "run", env=env, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0, failures(r)
     return r, json.loads((tmp_path / "run" / "reports" / "verify-report.json").read_text())["gates"]
 
 
