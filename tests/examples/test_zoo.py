@@ -113,3 +113,16 @@ def test_a_stopped_run_resumes_only_jobs_of_the_same_commit_profile_and_world_ca
     for other in (dict(key, commit="b" * 40), dict(key, profile="dev"), dict(key, max_world=2)):
         assert runner._kept(str(tmp_path), 7, "gates", other) is None
     assert runner._kept(str(tmp_path), 7, "kill", key) is None and runner._kept(str(tmp_path), 8, "gates", key) is None
+
+
+def test_an_operator_that_is_the_honest_trainer_on_its_recipe_is_not_drawn():
+    """lr_previous_step on a constant LR logs the same numbers as the honest trainer (the run of record drew it on
+    t101, t149, t173, which "survived"): drawn again there, and still drawn where a schedule moves the LR."""
+    from benchmarks.zoo.kill import candidates, draw_operator
+
+    for seed in (101, 149, 173):
+        ad = getattr(population, f"t{seed}")
+        assert ad.factory.recipe.schedule == "none" and "lr_previous_step" in candidates(ad)
+        assert draw_operator(seed, ad) not in (None, "lr_previous_step"), seed
+    moving = [s for s in range(300) if draw(s).schedule != "none" and "lr" in draw(s).metrics]
+    assert any(draw_operator(s, getattr(population, f"t{s}")) == "lr_previous_step" for s in moving)
