@@ -139,7 +139,9 @@ def _execute(ctx, job, timeout: float) -> bytes:
     fn, args, kwargs = job
     faulthandler.dump_traceback_later(hang_limit(timeout), exit=True)
     try:
-        return pickle.dumps(("ok", fn(ctx, *args, **kwargs)))
+        from verify._internal.ranks import wire
+
+        return wire.dumps(("ok", fn(ctx, *args, **kwargs)))
     except BaseException:
         return pickle.dumps(("err", traceback.format_exc()))
     finally:
@@ -254,7 +256,9 @@ class LaunchedPool:
             raise DistJobError(f"the launched world of {self.world} ranks is not usable: {self.broken}")
         if self._pending is not None:
             raise RuntimeError(f"the launched world already runs {self._pending[1]}")
-        self.store.set(f"job/{self._seq}", pickle.dumps(job))
+        from verify._internal.ranks import wire
+
+        self.store.set(f"job/{self._seq}", wire.dumps(job))
         self._pending = (world, getattr(fn, "__qualname__", repr(fn)))
         self.worlds.add(world)
 

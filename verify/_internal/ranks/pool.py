@@ -128,7 +128,9 @@ class RankPool:
             raise DistJobError(f"pool of world {self.world} is not usable (a previous job failed or hung)")
         if self._pending is not None:
             raise RuntimeError(f"pool of world {self.world} already runs {self._pending}")
-        payload = pickle.dumps((fn, args, kwargs))
+        from verify._internal.ranks import wire
+
+        payload = wire.dumps((fn, args, kwargs))
         try:
             for c in self.conns:
                 c.send_bytes(payload)

@@ -110,6 +110,8 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump
     except BaseException:
         conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
         os._exit(1)
+    from verify._internal.ranks import wire  # torch: loaded once the recorder is on (above)
+
     while True:
         try:
             msg = conn.recv_bytes()
@@ -120,7 +122,7 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, conn, dump
             break
         fn, args, kwargs = job
         try:
-            reply = pickle.dumps(("ok", fn(ctx, *args, **kwargs)))  # a gate job's value: its verdict object
+            reply = wire.dumps(("ok", fn(ctx, *args, **kwargs)))  # a gate job's value: its verdict object
         except BaseException:
             reply = pickle.dumps(("err", traceback.format_exc()))
         conn.send_bytes(reply)
