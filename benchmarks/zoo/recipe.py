@@ -120,6 +120,8 @@ def draw(seed: int) -> Recipe:
     if layout in ("ddp", "uneven_ddp") and len(probe.terms) > 1:
         styles = [s for s in styles if s == "mean"]
     r["divide"] = "mean" if mesh and probe.fixed_units() else "boundary" if mesh else rng.choice(styles)
+    if r["divide"] == "optimizer" and r["clip"] is not None:  # the guide: a trainer that clips where the gradient
+        r["drawn_clip"] = True  # is read (grads_from="optimizer") declares unclipped=, or a ×N before the clip hides
     if rng.random() < 0.5:
         names = ["loss", "grad_norm", "lr", "tokens" if probe.token_weighted else "rows"]
         if r["clip"] is not None and not r["drawn_clip"]:
