@@ -42,7 +42,7 @@ def _meta() -> dict:
 
 
 def _write(out_dir: str, name: str, payload: dict) -> str:
-    from verify._internal.header import atomic_write
+    from verify import atomic_write
 
     path = os.path.join(out_dir, name)
     atomic_write(path, json.dumps(payload, indent=1, default=str))
@@ -187,7 +187,6 @@ def _pool_row(r: dict) -> str:
 
 def steps_mode(args) -> dict | None:
     from verify._internal.ranks import comm
-    from verify._internal.header import fp32_only
 
     comm.enable(nccl=args.device == "cuda")  # before the process group: the flight recorder counts collectives
     import torch
@@ -205,7 +204,7 @@ def steps_mode(args) -> dict | None:
     if cuda:
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-        fp32_only()
+        plain_torch.tf32_off()
     else:
         dev = torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")

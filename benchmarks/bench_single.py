@@ -24,9 +24,7 @@ from xtrain_core.config import PRESETS, OptimConfig
 from xtrain_core.model import build_model
 from xtrain_core.trainer import AccumTrainer
 
-from verify._internal.header import atomic_write, fp32_only
-
-from verify import report_header
+from verify import atomic_write, report_header
 
 from . import plain_torch
 
@@ -95,7 +93,7 @@ def main(argv=None):
             raise UsageError(f"--configs must look like 1x32,4x8 (N x B, each ≥ 1), got {a.configs!r}")
     except UsageError as e:
         fail(str(e))
-    fp32_only()
+    plain_torch.tf32_off()
     rows = []
     print(f"{'N':>3} {'B':>3} {'anchor ms':>10} {'xtrain ms':>10} {'ratio':>6} {'tok/s':>9}", flush=True)
     for N, B in configs:

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from verify._internal.cli import Parser, UsageError, fail, positive_int, writable_dir
+from verify.memory.cli import Parser, UsageError, fail, positive_int, writable_dir
 from xtrain_core.config import PRESETS
 
 from xtrain_proof.memory_preset import MODE_TRAINERS

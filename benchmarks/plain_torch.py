@@ -186,6 +186,17 @@ class NvmlPeak:
             self.peak_gib = self._used[0] / GiB
 
 
+def tf32_off() -> None:
+    """True fp32 on the GPU: TF32 off for matmuls and convolutions, as every fp32 measurement here is taken
+    (newer torch prefers fp32_precision and may warn; the effect is the same)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -258,8 +269,7 @@ def measure_ddp(device: torch.device, n: int, b: int, steps: int, model_kw: dict
 
 
 def main(argv=None) -> int:
-    from verify._internal.header import atomic_write, fp32_only
-    from verify import report_header
+    from verify import atomic_write, report_header
 
     p = argparse.ArgumentParser(prog="benchmarks.plain_torch", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["single", "ddp"])
@@ -277,7 +287,7 @@ def main(argv=None) -> int:
     p.add_argument("--n-head", type=int, default=12)
     a = p.parse_args(argv)
     model_kw = dict(vocab=a.vocab_size, d=a.d_model, layers=a.n_layer, heads=a.n_head, seq=a.seq_len)
-    fp32_only()
+    tf32_off()
     if a.what == "single":
         device = torch.device(a.device)
         configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",")]

@@ -43,7 +43,7 @@ __all__ = [
     # every knob of a run (the knob table: docs/verify-your-trainer.md)
     "Settings",
     # the studies beside the gates, and the header every report carries
-    "run_selftest", "measure_memory", "report_header",
+    "run_selftest", "measure_memory", "report_header", "atomic_write",
 ]
 
 # name -> (module, attribute); modules are absolute so a reader finds them with one search
@@ -60,7 +60,7 @@ _WHERE = {
     "Gate": ("verify._internal.verdict", "Gate"), "GateFailure": ("verify._internal.verdict", "GateFailure"),
     "Settings": ("verify._internal.settings", "Settings"),
     "run_selftest": ("verify.selftest", "run_selftest"), "measure_memory": ("verify.memory", "measure"),
-    "report_header": ("verify._internal.header", "header"),
+    "report_header": ("verify._internal.header", "header"), "atomic_write": ("verify._internal.header", "atomic_write"),
 }
 
 

@@ -17,9 +17,7 @@ from xtrain_core.config import OptimConfig
 from xtrain_core.data import TokenStream
 from xtrain_core.model import IGNORE, build_model
 
-from verify._internal.metrics import Metrics
-from verify._internal.gates.parity import Parity
-from verify._internal.protocol import DDP_EXPECTED, Adapter, Spec
+from verify import DDP_EXPECTED, Adapter, CountRow, Metrics, Parity, Spec
 from xtrain_proof.memory import predicted_peak as peak
 from xtrain_proof.memory_preset import PRESET
 from xtrain_proof.options import XtrainOptions, checkpointed, unclipped
@@ -131,8 +129,6 @@ def fsdp2_row(case, reshard_after_forward: bool = True):
     counter reads the row's reduce_scatter as) and clipping all-reduces the per-parameter norms. Reductions carry the padded gradient once (FSDP2
     pads each parameter's dim 0 to a multiple of W) plus those norms."""
     import math
-
-    from verify._internal.gates.counts import CountRow
 
     o = options_of(case.spec())
     U, W = o.model.n_layer + 1, case.world
@@ -273,22 +269,3 @@ single = Adapter(factory=single_factory, plain=PlainTrainer, name="xtrain AccumT
 data_parallel = Adapter(factory=dist_factory, data_parallel=True, subgroups=True, name="xtrain DistAccumTrainer",
                         predicted_peak=peak("xtrain"), **_COMMON)
 
-
-# -- xtrain's own promise: world 1 IS the single-process path -------------------------------------------
-
-def world1_job(ctx, case):
-    """On a one-rank pool: DistAccumTrainer and AccumTrainer on the same data, with the collectives the
-    first one issued (it has nobody to talk to: none)."""
-    from verify._internal.cases.case import drive
-
-    batches = case.batches(adapter)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)  # CUDA: no atomics-order differences
-    try:
-        ctx.recorder.discard()
-        got = drive(dist_factory(case.spec(device=str(ctx.device))), batches, case.accum_steps, device=ctx.device)
-        n_collectives = len(ctx.recorder.read())
-        want = drive(single_factory(case.spec(device=str(ctx.device))), batches, case.accum_steps, device=ctx.device)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-    return got, want, n_collectives

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from xtrain_core.config import PRESETS, OptimConfig
 
-from verify._internal.cli import UsageError, positive_int
-from verify.memory.cli import Wing
+from verify.memory.cli import UsageError, Wing, positive_int
 from xtrain_proof.memory import ANCHOR, ANCHOR_NAME, anchor_applies
 from xtrain_proof.options import XtrainOptions
 

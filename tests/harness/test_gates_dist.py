@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planted import broken_dist, registry as planted
+from tests.helpers import dist_jobs
 from xtrain_proof import adapters as xtrain
 from xtrain_proof.adapters import XtrainOptions
 from verify._internal.cases.case import Case
@@ -56,7 +57,7 @@ def test_world1_is_the_single_process_path(data):
     from verify._internal.gates.tolerance import Judge
 
     case = data.draw(dist_cases(xtrain.adapter, min_world=1, max_world=1))
-    got, want, n = get_pool(1).run(xtrain.world1_job, case)[0]
+    got, want, n = get_pool(1).run(dist_jobs.world1_job, case)[0]
     assert n == 0, f"{n} collective(s) issued with nobody to talk to; case {case}"
     Judge("world 1 = single process", case).bit_exact(got, want, "DistAccumTrainer")
 

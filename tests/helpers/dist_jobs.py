@@ -141,3 +141,23 @@ def verdict_of(adapter, case, device):
     if adapter == "fail":
         raise GateFailure("[equivalence] differs", gate=Gate.EQUIVALENCE, error=2.0, bound=1.0, hint="a hint")
     return GateResult(Gate.EQUIVALENCE, case, "loss", 0.5)
+
+
+def world1_job(ctx, case):
+    """xtrain's own promise, world 1 IS the single-process path: on a one-rank pool, DistAccumTrainer and
+    AccumTrainer on the same data, with the collectives the first one issued (it has nobody to talk to: none)."""
+    from verify._internal.cases.case import drive
+    from xtrain_proof import adapters as xtrain
+
+    batches = case.batches(xtrain.adapter)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # CUDA: no atomics-order differences
+    try:
+        ctx.recorder.discard()
+        spec = case.spec(device=str(ctx.device))
+        got = drive(xtrain.dist_factory(spec), batches, case.accum_steps, device=ctx.device)
+        n_collectives = len(ctx.recorder.read())
+        want = drive(xtrain.single_factory(spec), batches, case.accum_steps, device=ctx.device)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    return got, want, n_collectives

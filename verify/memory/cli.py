@@ -24,6 +24,10 @@ from verify._internal.cli import (Parser, Progress, UsageError, check_fits, fail
 from verify._internal.settings import launcher_var
 from verify.memory.plan import Plan, plan_configs
 
+# What a wing (a trainer family's flags and options) and a sweep over this command line (benchmarks/memory_modes.py)
+# use: the Wing itself, and the plumbing that makes their bad input one line and exit status 2, as this command's.
+__all__ = ["Wing", "main", "UsageError", "Parser", "fail", "positive_int", "writable_dir"]
+
 
 @dataclass(frozen=True)
 class Wing:
