@@ -2,12 +2,16 @@
 xtrain's trainer and its float64 run (the references and the float64 checks see a correct trainer); only in
 its low precision does `.grad` hold a bf16 / fp16 running sum, whose rounding grows with N (each micro-step
 adds a term rounded to 8 or 11 significant bits, relative to the running sum). The long-window gate, which
-draws every declared precision (verify/test_gates.py), must reject each from the N where that error crosses
-the bound; reports/cpu/lowprec-detection.md gives the N measured.
+draws every declared precision (verify/test_gates.py), must reject each: the converted models by their
+gradient's dtype, the fp32 buffers by their sum's dependence on the micro-batches' order (windows.check_order),
+at every N ≥ 2; the error itself crosses the equivalence bound only from N ≈ 256 in bf16, 320–384 in fp16
+(reports/cpu/lowprec-detection.md).
 
-    half_model      fp16: the model converted with `.half()` (fp16 parameters, gradients, AdamW), a static
-                    loss scale (torch's GradScaler refuses fp16 gradients), unscaled once at the boundary
-    bf16_params     bf16: the model converted to bf16 (bf16 parameters, gradients, AdamW), no loss scale
+    half_model          fp16: the model converted with `.half()` (fp16 parameters, gradients, AdamW), a static
+                        loss scale (torch's GradScaler refuses fp16 gradients), unscaled once at the boundary
+    bf16_params         bf16: the model converted to bf16 (bf16 parameters, gradients, AdamW), no loss scale
+    low_precision_grad  fp32 parameters and `.grad`, rounded to bf16 / fp16 after every micro-step
+    fp16_grad_buffer    the same, declaring fp16 alone
 
 (broken_numerics.bf16_accumulation_buffer keeps fp32 parameters and sums into a separate bf16 buffer.)
 """
@@ -70,3 +74,6 @@ half_model = xtrain.variant(HalfModel, xtrain.single)
 bf16_params = xtrain.variant(Bf16Params, xtrain.single)
 
 low_precision_grad = xtrain.variant(LowPrecisionGrad, xtrain.single)
+# The same buffer in fp16 alone: its 11 bits stay under the equivalence policy at N = 256 on xtrain's models
+# (reports/cpu/lowprec-detection.md); the long window's order check rejects it at any N (windows.check_order).
+fp16_grad_buffer = low_precision_grad.replace(precisions=("fp32", "fp16"), name="broken: LowPrecisionGrad, fp16")

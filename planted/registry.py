@@ -301,6 +301,11 @@ PLANTED: tuple[PlantedBug, ...] = (
                broken_lowprec.low_precision_grad, Gate.LONG_WINDOW,
                r"bf16, N=256: \[equivalence\] gradient \(step 0\) of '[\w.]+': accumulation error",
                Case(accum_steps=256, micro_batch=1, steps=1, options=LONG, seed=3, data_seed=4), slow=True),
+    PlantedBug("fp16_grad_buffer", "`.grad` rounded to fp16 after every micro-step: under the equivalence policy",
+               broken_lowprec.fp16_grad_buffer, Gate.LONG_WINDOW,
+               r"fp16, N=16: the boundary gradient moves by [\d.e+-]+ \(relative, all parameters\) when the window's "
+               r"micro-batches run in reverse order",
+               Case(accum_steps=16, micro_batch=1, steps=1, options=TINY, precision="fp16", seed=1, data_seed=2)),
     # -- the overflow path (broken_overflow.py): args (micro-step, rank) of the injected overflow; the message
     # names the window and rank that went wrong, and where the overflow was injected
     PlantedBug("skip_decided_on_one_rank", "the overflow skip decided on rank 0 alone",

@@ -33,7 +33,8 @@ BOUNDS = {
                          "issues the same gradient collectives carrying the same bytes, every step",
     Gate.SPLIT_INVARIANCE: "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
     Gate.LONG_WINDOW: "N = 64..256, one process: the equivalence policy; N = 256 in each declared low precision: "
-                      "the same policy in that precision",
+                      "the same policy in that precision, and the window's micro-batches reversed move the gradient "
+                      "by no more than an fp32 sum's rounding (C·2γ_{N−1}, else measured)",
     Gate.PARTIAL_SUMS: f"after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
                        f"{FLOAT64_TEXT}",
     Gate.NORMALISER: "float64, same parameters, each term alone: w × the losses of windows A, B add up to A∪B's (w: the "

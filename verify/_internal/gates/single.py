@@ -23,7 +23,8 @@ __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "G
 
 def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -> GateResult:
     """`runs64`: float64 runs by (rows or twin, N), kept across calls on the same case (a float64 run has no
-    autocast: the long-window gate's bf16 and fp16 passes share theirs)."""
+    autocast: the long-window gate's bf16 and fp16 passes share theirs); the accumulated run is left there by
+    (precision, N)."""
     gate, N = Gate.EQUIVALENCE, case.accum_steps
     batches = case.batches(adapter)
     f64, runs64 = torch.float64, {} if runs64 is None else runs64
@@ -37,6 +38,7 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
         return runs64[what, n]
 
     acc, big = run(N, torch.float32), run(1, torch.float32)
+    runs64[case.precision, N], runs64[case.precision, 1] = acc, big  # the long window's order check reads them
     acc64, ref64 = kept(N), kept(1)
     measure = lambda i: measured_floor(ref64, kept(1, twin(batches, TWIN_COPIES[i]), f"twin {i}"))  # noqa: E731
     j, doomed, floor = (Judge if case.last_window is None else _ShortJudge)(gate, case), None, None

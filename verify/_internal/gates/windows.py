@@ -11,16 +11,19 @@ Design: docs/design/numerics.md, "Every split of a window".
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from verify._internal.cases.case import Case, _cpu, _to, block_runs, split, twin
+from verify._internal.cases.case import Case, _cpu, _to, block_runs, drive, split, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import determinism
 from verify._internal.gates.single import _equivalence, check_equivalence, run_alone
-from verify._internal.gates.tolerance import (KAPPA_EXACT_ABOVE, bound64, condition, measured_floor, param_err, scale_note,
-                                              twin_floor, whole_norm)
+from verify._internal.gates.tolerance import (C, EPS32, KAPPA_EXACT_ABOVE, bound64, condition, measured_floor,
+                                              overall_error, param_err, scale_note, twin_floor, whole_norm)
 
-__all__ = ["splits", "check_split_invariance", "check_partial_sums", "checkpoints", "check_long_window", "LOW_PRECISIONS", "LONG_N"]
+__all__ = ["splits", "check_split_invariance", "check_partial_sums", "checkpoints", "check_long_window", "check_order",
+           "summation_floor", "LOW_PRECISIONS", "LONG_N"]
 
 LOW_PRECISIONS = ("bf16", "fp16")
 LONG_N = 256  # the longest window the long-window gate draws; every declared low precision runs at it
@@ -77,23 +80,85 @@ def check_long_window(adapter, case: Case) -> list[GateResult]:
 
 def _long_window(adapter, case: Case, device: str) -> list[GateResult]:
     """check_long_window's work, in one process (a pool rank for an adapter that needs a group): the precisions
-    share the window's float64 runs (the trainer at N and at 1, the twin), which have no autocast."""
-    out, runs64 = [], {}
+    share the window's float64 runs (the trainer at N and at 1, the twin), which have no autocast. Each precision:
+    the equivalence policy, then the order check on its accumulated run."""
+    out, runs = [], {}
     for p in (p for p in LOW_PRECISIONS if p in adapter.precisions):
         c = case.replace(precision=p)
         try:
-            out.append(_equivalence(adapter, c, device, runs64))
+            r = _equivalence(adapter, c, device, runs)
+            ratio = check_order(adapter, c, device, runs)
+            if ratio >= r.ratio:
+                r.worst, r.ratio = "the boundary gradient, micro-batches reversed", ratio
+            out.append(r)
         except GateFailure as e:
             raise GateFailure(f"[{Gate.LONG_WINDOW}] {p}, N={c.accum_steps}: {e}", gate=_outer(e, Gate.LONG_WINDOW),
                               case=c, error=e.error, bound=e.bound, hint=e.hint) from None
     return out
 
 
+def summation_floor(n: int) -> float:
+    """2·γ_{n−1} (u = eps32 / 2, γ_k = k·u / (1 − k·u)): the most two fp32 recursive sums of the same n terms, in
+    two orders, can differ by relative to Σ|terms| (Higham, Accuracy and Stability, §4.2), so relative to the sum
+    where its terms do not cancel."""
+    k, u = n - 1, EPS32 / 2
+    return 2 * k * u / (1 - k * u)
+
+
+def reverse_micro(batches, n: int):
+    """The same windows with their n micro-batches in reverse order, each micro-batch's rows as they were (its
+    own gradient bit for bit: only the accumulator's sum changes order)."""
+    flip = lambda t: t.reshape(n, -1, *t.shape[1:]).flip(0).reshape(t.shape)  # noqa: E731
+    return [(flip(x), flip(y)) for x, y in batches]
+
+
+def check_order(adapter, case: Case, device: str, runs: dict) -> float:
+    """The accumulator's own precision, apart from the forward's: at step 0 every micro-batch's gradient is the
+    same whatever its place in the window, so running the window's micro-batches in reverse moves the boundary
+    gradient by the accumulator's rounding alone — an fp32 sum's (≤ summation_floor(N)), where a sum rounded to
+    bf16 / fp16 after each micro-step moves by its 8 / 11 bits (reports/cpu/lowprec-detection.md: that error
+    under C·err(big) at N = 256 in fp16, ×1000 an fp32 sum's here). Relative over the whole gradient:
+        moved ≤ C·summation_floor(N)                                          passes;
+        moved ≤ C·(Δ(big, rows reversed) + max(Δ(fp32 run, reversed), summation_floor(N)))   else
+    (measured only then: a trainer whose micro-steps read a window-wide float statistic moves by its own
+    reordering, in fp32 and through the low-precision forward). Reads `_equivalence`'s runs; returns error / bound."""
+    N, p = case.accum_steps, case.precision
+    acc = runs.get((p, N))
+    if N < 2 or acc is None or not acc.grads0 or case.steps < 1:
+        return 0.0
+    data = case.batches(adapter)[:1]
+    back = reverse_micro(data, N)
+
+    def grads(n, c, batches):
+        t = adapter(c.spec(accum_steps=n, dtype=torch.float32, device=device, adapter=adapter))
+        return drive(t, batches, n, dtype=torch.float32, device=device, gate=Gate.LONG_WINDOW).grads0
+
+    moved, floor = overall_error(grads(N, case, back), acc.grads0), summation_floor(N)
+    if not math.isfinite(moved):  # an overflowed fp16 window: the equivalence policy judged it
+        return 0.0
+    if moved <= C * floor:
+        return moved / (C * floor)
+    c32 = case.replace(precision="fp32")
+    own = overall_error(grads(1, case, back), runs[p, 1].grads0)
+    f32 = overall_error(grads(N, c32, back), grads(N, c32, data))
+    b = C * (own + max(f32, floor))
+    if not moved <= b:
+        bits = {"bf16": 8, "fp16": 11}[p]
+        raise GateFailure(
+            f"the boundary gradient moves by {moved:.3e} (relative, all parameters) when the window's micro-batches "
+            f"run in reverse order, > {C:g}·({own:.1e} (the {p} big batch's, its rows so reversed) + {max(f32, floor):.1e} "
+            f"(an fp32 accumulator's: the fp32 run's {f32:.1e}, fp32 summation of N terms {floor:.1e}))",
+            gate=Gate.LONG_WINDOW, case=case, error=moved, bound=b,
+            hint=f"the window's sum depends on its order by {moved / max(own + max(f32, floor), 1e-300):.3g}× what an fp32 "
+                 f"accumulator's does: it is rounded to about {bits} significant bits after micro-steps — a {p} "
+                 f"gradient buffer or .grad (keep .grad in fp32 and autocast the forward only), or a micro-step's "
+                 f"gradient that depends on its place in the window")
+    return moved / b
+
+
 def _prefix_reference(adapter, case: Case, x, y, device, reverse: bool = False):
     """float64 big batch of these rows (or its twin, case.twin): the adapter at accum_steps=1, one step;
     its Trace (the boundary gradient is grads0)."""
-    from verify._internal.cases.case import drive
-
     trainer = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=device, adapter=adapter))
     batches = twin([(x, y)]) if reverse else [(x, y)]
     return drive(trainer, batches, 1, dtype=torch.float64, device=device, gate=Gate.PARTIAL_SUMS)
