@@ -355,13 +355,18 @@ def _broken(res, adapter, case, i: int, plain: bool) -> set:
             if any(res.baseline[i].get(c, "pass") != "pass" for c in cols) for g in cols}
 
 
+def cases_of(op, adapter, cases, overflow_ok: bool) -> list:
+    """[(i, case)] of the self-test's cases where `op`'s bug exists for this adapter: its mesh or not, its world,
+    its window (the long one or not), fp16 overflow only where the adapter can inject it. Empty: the operator is n/a."""
+    return [(i, c) for i, c in enumerate(cases) if (c.mesh is not None) == op.mesh and op.applies(adapter)
+            and op.exists(c) and (c.world > 1 or not op.dist_only) and (c.accum_steps >= LONG_N) == op.long
+            and (not op.fp16 or overflow_ok)]
+
+
 def _mutant_row(res, op, adapter, plain: bool, every_case: bool, overflow_ok: bool) -> dict:
     """{gate: cell, 'verdict': ...} of one operator over the cases where its bug exists (run_selftest)."""
     mutant, n1 = op.apply(adapter), res.n_single
-    where = [(i, c) for i, c in enumerate(res.cases) if (c.mesh is not None) == op.mesh and op.applies(adapter)
-             and op.exists(c)
-             and (c.world > 1 or not op.dist_only) and (c.accum_steps >= LONG_N) == op.long
-             and (not op.fp16 or overflow_ok)]
+    where = cases_of(op, adapter, res.cases, overflow_ok)
     row = {g: "n/a" for g in GATES}
     for j, (i, case) in enumerate(where):
         broken = _broken(res, adapter, case, i, plain)
