@@ -65,8 +65,8 @@ _WHERE = {
 
 
 def __getattr__(name: str):
-    if name == "data":
-        return importlib.import_module(".data", __name__)
+    if name in ("data", "mesh"):  # mesh: the deprecated path of device_mesh and Mesh (it warns)
+        return importlib.import_module(f".{name}", __name__)
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'verify' has no attribute {name!r}")

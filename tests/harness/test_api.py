@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import verify
 
 PUBLIC = {
@@ -63,3 +65,17 @@ def test_each_public_name_is_used_in_an_example_or_the_guide():
     text += "".join(p.read_text() for p in sorted((ROOT / "examples").glob("*.py")))
     unused = [n for n in sorted(PUBLIC) if not re.search(rf"\b{re.escape(n)}\b", text)]
     assert not unused, f"public names in no example and not in the guide: {unused}"
+
+
+def test_the_old_mesh_path_still_works_and_names_the_new_one(monkeypatch):
+    """An adapter written from the guide before 12-05 (`from verify.mesh import device_mesh`, `verify.mesh.device_mesh(
+    spec)`) runs: the old path gives the same objects, warning once that they are `verify.device_mesh` and `verify.Mesh`."""
+    import importlib
+    import sys
+
+    monkeypatch.delitem(sys.modules, "verify.mesh", raising=False)
+    monkeypatch.delitem(vars(verify), "mesh", raising=False)
+    with pytest.warns(FutureWarning, match=r"verify\.mesh is deprecated: use verify\.device_mesh\(spec\) and verify\.Mesh"):
+        old = verify.mesh  # attribute access, as the old recipes wrote it
+    assert old.device_mesh is verify.device_mesh and old.Mesh is verify.Mesh
+    assert importlib.import_module("verify.mesh") is old  # `from verify.mesh import device_mesh`: the same module

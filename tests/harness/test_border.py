@@ -34,7 +34,7 @@ LAYERS = [
     ("harness base", ["verify", "verify.data", "verify._internal", "verify._internal.metrics", "verify._internal.objective", "verify._internal.header", "verify._internal.settings", "verify._internal.trainers",
                       "verify._internal.verdict", "verify._internal.protocol", "verify._internal.precision", "verify._internal.expected",
                       "verify._internal.hints", "verify._internal.atstep", "verify._internal.ranks",
-                      "verify._internal.ranks.comm", "verify._internal.ranks.mesh"]),
+                      "verify._internal.ranks.comm", "verify._internal.ranks.mesh", "verify.mesh"]),
     # running a case: cases and strategies, the pull driver, rank pools, the GPU lock
     ("harness runtime", ["verify._internal.cases", "verify._internal.cases.*", "verify._internal.ranks.*",
                          "verify._internal.gpulock"]),
