@@ -33,7 +33,7 @@ import sys
 import time
 
 from benchmarks.stacks import HF as RECIPE, STACKS, explain, explain_metric, known_text, parse
-from verify._internal.cli import Parser, UsageError, fail, positive_int, writable_dir
+from _xtrain_cli import Parser, UsageError, fail, positive_int, writable_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xtrain-verify", "frameworks")

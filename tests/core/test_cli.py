@@ -162,7 +162,7 @@ def test_the_memory_floor_is_below_what_a_step_holds():
 
 
 def test_check_fits_names_the_estimate_and_the_machine(monkeypatch):
-    from verify._internal import cli as _cli
+    import _xtrain_cli as _cli
 
     monkeypatch.setattr(_cli, "available_memory", lambda device: (2 * 2**30, "MemAvailable"))
     _cli.check_fits(2**30, "cpu", "--x 1", "pass less")  # fits: nothing

@@ -18,7 +18,7 @@ import pytest
 from _xtrain_pytest import conflict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCES = ["pyproject.toml", "README.md", "xtrain_core", "xtrain_proof", "verify", "_xtrain_pytest"]
+SOURCES = ["pyproject.toml", "README.md", "xtrain_core", "xtrain_proof", "verify", "_xtrain_pytest", "_xtrain_cli"]
 CLONE = "/path/to/xtrain"  # the README's placeholder for a clone
 
 
@@ -77,7 +77,7 @@ def test_documented_install_from_an_empty_directory_proves_a_users_trainer(tmp_p
                            capture_output=True, text=True, env=env, check=True, cwd=empty).stdout.split()
     site = where[1]
     assert where[0].startswith(str(venv)) and where[2] == "0.1.0", where  # the installed copy, not this checkout
-    ours = [os.path.join(site, p) for p in ("verify", "xtrain_core", "_xtrain_pytest")]
+    ours = [os.path.join(site, p) for p in ("verify", "xtrain_core", "_xtrain_pytest", "_xtrain_cli")]
     before = [_tree(p) for p in ours]
 
     user = tmp_path / "user"

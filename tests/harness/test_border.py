@@ -4,6 +4,7 @@
     verify         the generic harness: imports nothing of xtrain (xtrain_core, xtrain_proof), of the planted
                    bench or of this repository's tests, and names none of them in a "MODULE:NAME" string
     xtrain_proof   xtrain's wing: the one shipped package that imports both
+    _xtrain_cli    the command lines' plumbing both use (one-line errors, exit 2): imports neither
 
 Every `import` counts wherever it stands (a function-local import runs at call time; a cycle closed lazily is
 still a cycle). Importing `a.b.c` also runs `a/__init__` and `a/b/__init__`; those implied edges are left out.
@@ -17,7 +18,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SHIPPED = ("verify", "xtrain_core", "xtrain_proof")
+SHIPPED = ("verify", "xtrain_core", "xtrain_proof", "_xtrain_cli")
 PACKAGES = (*SHIPPED, "planted")
 MAX_LINES = 400
 MAX_DOC = 10  # a module docstring says what the module is for and points at its design note
@@ -27,6 +28,8 @@ NOT_GENERIC = ("xtrain_core", "xtrain_proof", "planted", "tests", "examples", "b
 # Lowest first; a module may import modules of its own layer and of lower ones. Patterns are fnmatch'ed on
 # the dotted name; the most specific (longest) pattern that matches a module decides its layer.
 LAYERS = [
+    # the command lines' one-line errors (exit 2), integer types, progress bar: xtrain's and the harness's alike
+    ("CLI plumbing, shared", ["_xtrain_cli"]),
     ("xtrain core", ["xtrain_core", "xtrain_core.*"]),
     ("xtrain CLI", ["xtrain_core.train"]),
     ("CLI plumbing", ["verify._internal.cli"]),
@@ -156,6 +159,11 @@ def test_the_graph_is_read():
     assert "verify._internal.report" in GRAPH["verify.selftest.__main__"]  # function-local
     assert {"verify", "xtrain_core.trainer"} <= {t for t in IMPORTS["xtrain_proof.adapters"]}  # public names
     assert "torch" in IMPORTS["xtrain_core.trainer"]  # an import of another distribution is kept, as written
+
+
+def test_the_shared_cli_plumbing_imports_neither_side():
+    bad = crossings("_xtrain_cli", ("verify", "xtrain_core", "xtrain_proof", "planted", "_xtrain_pytest"))
+    assert not bad, "_xtrain_cli importing a side:\n  " + "\n  ".join(bad)
 
 
 def test_xtrain_core_imports_nothing_of_the_harness():
