@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.verify_gate, pytest.mark.usefixtures("gpu_shared")]
 
 
 def test_accumulation_equals_big_batch(verify_adapter):
-    hard = corners(verify_adapter, "equivalence")
+    hard = corners(verify_adapter, Gate.EQUIVALENCE)
 
-    @settings(max_examples=random_budget("equivalence", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.EQUIVALENCE, hard), deadline=None)
     @given(case=cases(verify_adapter, short=True))  # a short last window only where declared (short_last_window)
     def equivalence(case):
         report.record(check_equivalence(verify_adapter, case))
@@ -40,7 +40,7 @@ def test_accum1_bit_identical_to_plain(verify_adapter):
         report.skip(Gate.BIT_EXACT, reason)
         pytest.skip(reason)
 
-    @settings(max_examples=gate_budget("bit_exact"), deadline=None)
+    @settings(max_examples=gate_budget(Gate.BIT_EXACT), deadline=None)
     @given(data=st.data())
     def bit_exact(data):
         case = data.draw(cases(verify_adapter, max_accum=1, max_micro_batch=8), label="case")
@@ -63,10 +63,10 @@ def test_split_invariance_on_padded_windows(verify_adapter, verify_settings):
         report.skip(Gate.SPLIT_INVARIANCE, reason)
         pytest.skip(reason)
     worlds = max_world(verify_settings) if verify_adapter.data_parallel else 1
-    hard = corners(verify_adapter, "split_invariance")
+    hard = corners(verify_adapter, Gate.SPLIT_INVARIANCE)
 
     # N ≥ 2 so the window has a split; some padding, so its micro-batches' valid-target counts differ
-    @settings(max_examples=random_budget("split_invariance", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.SPLIT_INVARIANCE, hard), deadline=None)
     @given(case=cases(verify_adapter, min_accum=2, max_accum=6, max_micro_batch=2, max_steps=2, padded=True,
                       some_padding=True))
     def split_invariance(case):
@@ -90,9 +90,9 @@ def test_normaliser(verify_adapter):
         report.skip(Gate.NORMALISER, reason)
         pytest.skip(reason)
 
-    hard = corners(verify_adapter, "normaliser")
+    hard = corners(verify_adapter, Gate.NORMALISER)
 
-    @settings(max_examples=random_budget("normaliser", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.NORMALISER, hard), deadline=None)
     @given(case=_token_cases(verify_adapter))
     def normaliser(case):
         report.record(check_normaliser(verify_adapter, case))
@@ -111,9 +111,9 @@ def test_path_parity(verify_adapter):
                   f"@verify.adapter(parity=verify.Parity(name=..., apply=...)), e.g. activation checkpointing)")
         report.skip(Gate.PATH_PARITY, reason)
         pytest.skip(reason)
-    hard = corners(verify_adapter, "parity")
+    hard = corners(verify_adapter, Gate.PATH_PARITY)
 
-    @settings(max_examples=random_budget("parity", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.PATH_PARITY, hard), deadline=None)
     @given(case=cases(verify_adapter, max_accum=4, max_micro_batch=2, max_steps=2,
                       padded=verify_adapter.ignore_index is not None))
     def parity(case):
@@ -135,9 +135,9 @@ def test_empty_window_is_no_step(verify_adapter):
         report.skip(Gate.EMPTY_WINDOW, reason)
         pytest.skip(reason)
 
-    hard = corners(verify_adapter, "empty_window")
+    hard = corners(verify_adapter, Gate.EMPTY_WINDOW)
 
-    @settings(max_examples=random_budget("empty_window", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.EMPTY_WINDOW, hard), deadline=None)
     @given(case=_token_cases(verify_adapter))
     def empty_window(case):
         report.record(check_empty_window(verify_adapter, case))
@@ -153,12 +153,12 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
     from verify._internal.gates.windows import check_long_window, check_partial_sums
 
     # the corner's low-precision window is the drawn one's (N = 256, one window: the policy judges its step 0)
-    hard = [(c, c.replace(accum_steps=LONG_N, steps=1)) for c in corners(verify_adapter, "long_windows")]
+    hard = [(c, c.replace(accum_steps=LONG_N, steps=1)) for c in corners(verify_adapter, Gate.LONG_WINDOW)]
 
     # No shrink phase: a window cannot shrink below N=64 here, and each attempt replays 64..256 micro-steps
     # plus the float64 references, so hypothesis' shrinker ran into its 300 s cap (transformers 4.45.2:
     # 317 s, still at N=135) while the other gates give the same bug's minimal case in seconds.
-    @settings(max_examples=random_budget("long_windows", hard), deadline=None,
+    @settings(max_examples=random_budget(Gate.LONG_WINDOW, hard), deadline=None,
               phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target))
     @given(drawn=st.tuples(cases(verify_adapter, min_accum=64, max_accum=LONG_N, max_micro_batch=1, max_steps=2),
                            cases(verify_adapter, min_accum=LONG_N, max_accum=LONG_N, max_micro_batch=1, max_steps=1)))
@@ -189,9 +189,9 @@ def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):
     if verify_adapter.process_group:
         pytest.skip("needs a process group even alone: test_gates_dist.py runs the overflow gate")
 
-    hard = corners(verify_adapter, "overflow")  # the overflow in the boundary's micro-step first
+    hard = corners(verify_adapter, Gate.OVERFLOW)  # the overflow in the boundary's micro-step first
 
-    @settings(max_examples=random_budget("overflow", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.OVERFLOW, hard), deadline=None)
     @given(drawn=overflow_cases(verify_adapter))
     def overflow(drawn):
         case, micro, rank = drawn
@@ -212,9 +212,9 @@ def test_reported_metrics(verify_adapter):
         reason = not_declared(verify_adapter)
         report.skip(Gate.REPORTED_METRICS, reason)
         pytest.skip(reason)
-    hard = corners(verify_adapter, "metrics")
+    hard = corners(verify_adapter, Gate.REPORTED_METRICS)
 
-    @settings(max_examples=random_budget("metrics", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.REPORTED_METRICS, hard), deadline=None)
     @given(case=cases(verify_adapter, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=3))
     def metrics(case):  # the float64 runs; a drawn bf16 / fp16 also that precision's run, against its own values
         report.record(check_metrics(verify_adapter, case))

@@ -34,9 +34,9 @@ def _data_parallel(adapter):
 def test_data_parallel_boundary_only_and_equivalent(verify_adapter, verify_settings):
     _data_parallel(verify_adapter)
     lo, hi = min_world(verify_adapter, verify_settings), max_world(verify_settings)
-    hard = corners(verify_adapter, "data_parallel", min_world=lo, max_world=hi)
+    hard = corners(verify_adapter, Gate.DP_EQUIVALENCE, min_world=lo, max_world=hi)
 
-    @settings(max_examples=random_budget("data_parallel", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.DP_EQUIVALENCE, hard), deadline=None)
     @given(case=dist_cases(verify_adapter, min_world=lo, max_world=hi))
     def gates(case):
         event(f"world {case.world}")
@@ -55,9 +55,9 @@ def test_bytes_per_step_independent_of_N(verify_adapter, verify_settings):
         pytest.skip(reason)
 
     lo, hi = max(2, min_world(verify_adapter, verify_settings)), max_world(verify_settings)
-    hard = corners(verify_adapter, "bytes_per_step", min_world=lo, max_world=hi)
+    hard = corners(verify_adapter, Gate.BYTES_PER_STEP, min_world=lo, max_world=hi)
 
-    @settings(max_examples=random_budget("bytes_per_step", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.BYTES_PER_STEP, hard), deadline=None)
     @given(case=dist_cases(verify_adapter, min_world=lo, max_world=hi, min_accum=2))
     def same_bytes(case):
         report.record(check_same_bytes(verify_adapter, case), Gate.BYTES_PER_STEP)
@@ -78,9 +78,9 @@ def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapte
     lo = min(min_world(verify_adapter, verify_settings), top)
     # first the overflow on the LAST rank of the top world: drawn, the rank shrinks to 0, where a skip decided
     # by rank 0 alone is right
-    hard = corners(verify_adapter, "overflow", min_world=lo, max_world=top)
+    hard = corners(verify_adapter, Gate.OVERFLOW, min_world=lo, max_world=top)
 
-    @settings(max_examples=random_budget("overflow", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.OVERFLOW, hard), deadline=None)
     @given(drawn=overflow_cases(verify_adapter, min_world=lo, max_world=top))
     def overflow(drawn):
         case, micro, rank = drawn

@@ -40,9 +40,9 @@ def _mesh(adapter, gate: Gate, s):
 def test_mesh_equivalent(verify_adapter, verify_settings):
     _mesh(verify_adapter, Gate.MESH_EQUIVALENCE, verify_settings)
     lo, hi = max(2, min_world(settings=verify_settings)), max_world(verify_settings)
-    hard = corners(verify_adapter, "mesh", min_world=lo, max_world=hi)
+    hard = corners(verify_adapter, Gate.MESH_EQUIVALENCE, min_world=lo, max_world=hi)
 
-    @settings(max_examples=random_budget("mesh", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.MESH_EQUIVALENCE, hard), deadline=None)
     @given(case=mesh_cases(verify_adapter, min_world=lo, max_world=hi))
     def gates(case):
         event(str(case.mesh))
@@ -56,9 +56,9 @@ def test_mesh_split_invariance(verify_adapter, verify_settings):
     world over the adapter's axes: each gives the 1×1×1 big batch's step."""
     _mesh(verify_adapter, Gate.MESH_SPLIT_INVARIANCE, verify_settings)
     lo, hi = max(2, min_world(settings=verify_settings)), max_world(verify_settings)
-    hard = corners(verify_adapter, "mesh_split", min_world=lo, max_world=hi)
+    hard = corners(verify_adapter, Gate.MESH_SPLIT_INVARIANCE, min_world=lo, max_world=hi)
 
-    @settings(max_examples=random_budget("mesh_split", hard), deadline=None)
+    @settings(max_examples=random_budget(Gate.MESH_SPLIT_INVARIANCE, hard), deadline=None)
     @given(drawn=mesh_split_cases(verify_adapter, min_world=lo, max_world=hi))
     def splits(drawn):
         case, world = drawn

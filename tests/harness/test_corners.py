@@ -11,6 +11,7 @@ import pytest
 
 from planted import broken_mesh, broken_overflow
 from xtrain_proof import adapters as xtrain
+from verify import Gate
 from verify._internal.cases.strategies import GATE_BUDGETS, gate_budget, random_budget
 from verify._internal.cases.corners import corners
 
@@ -18,14 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_overflow_corner_is_the_boundary_micro_step_on_the_last_rank():
-    (case, micro, rank), (small, micro2, rank2) = corners(xtrain.tokens_adapter, "overflow", min_world=1, max_world=4)
+    (case, micro, rank), (small, micro2, rank2) = corners(xtrain.tokens_adapter, Gate.OVERFLOW, min_world=1, max_world=4)
     assert (case.world, case.accum_steps, micro, rank, case.precision) == (4, 3, 2, 3, "fp16")
     assert (small.world, micro2, rank2) == (2, 0, 1) and 0 not in case.empty_steps()
-    assert [(c.world, r) for c, _, r in corners(xtrain.tokens_adapter, "overflow")] == [(1, 0)]  # one process
+    assert [(c.world, r) for c, _, r in corners(xtrain.tokens_adapter, Gate.OVERFLOW)] == [(1, 0)]  # one process
 
 
 def test_data_parallel_corners_have_N_2_at_W_2_and_an_empty_micro_batch_and_rank():
-    got = corners(xtrain.tokens_adapter, "data_parallel", min_world=1, max_world=3)
+    got = corners(xtrain.tokens_adapter, Gate.DP_EQUIVALENCE, min_world=1, max_world=3)
     assert [c.world for c in got] == [2, 3] and all(c.accum_steps >= 2 for c in got)
     c = got[0]
     E, WB = c.accum_steps * c.micro_batch * c.world, c.micro_batch * c.world
@@ -33,13 +34,13 @@ def test_data_parallel_corners_have_N_2_at_W_2_and_an_empty_micro_batch_and_rank
     assert len(c.lengths) == c.steps * E and not any(window0[WB:2 * WB])  # micro-batch 1 empty
     assert any(window0[2 * WB:2 * WB + c.micro_batch]) and not any(window0[3 * WB - c.micro_batch:3 * WB])  # last rank
     assert 0 not in c.empty_steps()
-    assert corners(xtrain.tokens_adapter, "data_parallel", min_world=1, max_world=1) == []  # no W ≥ 2 to draw
+    assert corners(xtrain.tokens_adapter, Gate.DP_EQUIVALENCE, min_world=1, max_world=1) == []  # no W ≥ 2 to draw
 
 
 def test_pipeline_corner_has_two_chunks_and_two_outer_steps_on_pp_2():
-    (c,) = corners(broken_mesh.pipe, "mesh", min_world=2, max_world=4)
+    (c,) = corners(broken_mesh.pipe, Gate.MESH_EQUIVALENCE, min_world=2, max_world=4)
     assert (c.mesh.pp, c.mesh.dp, c.pipeline_chunks, c.accum_steps // c.pipeline_chunks) == (2, 1, 2, 2)
-    (split, world), = corners(broken_mesh.pipe, "mesh_split", min_world=2, max_world=4)
+    (split, world), = corners(broken_mesh.pipe, Gate.MESH_SPLIT_INVARIANCE, min_world=2, max_world=4)
     assert world == 2 and split.pipeline_chunks == 2 and split.accum_steps == 4 and split.mesh is None
 
 
@@ -48,7 +49,7 @@ def test_every_profile_starts_the_long_windows_with_a_run_past_256_micro_steps()
     random draws (N = 64..256, K = 1..2) rarely reach one, so its corner is one (planted narrow_counter: rejected
     there and at N=200 K=2, passing at N=128 K=2, 256 micro-steps — measured, the registry holds its case)."""
     for adapter in (xtrain.adapter, xtrain.tokens_adapter, xtrain.single.replace(precisions=("fp32",))):
-        (c,) = corners(adapter, "long_windows")
+        (c,) = corners(adapter, Gate.LONG_WINDOW)
         assert c.accum_steps * c.steps > 256 and c.accum_steps > 128 and 256 % c.accum_steps, c
         assert (c.micro_batch, c.world, c.lengths) == (1, 1, None)  # the cheapest such run: B = 1, unpadded
 

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from planted import broken, registry as planted
 from xtrain_proof import adapters as xtrain
 from xtrain_proof.adapters import XtrainOptions
+from verify import Gate
 from verify._internal.cases.case import Case
 from verify._internal.gates import GateFailure, GateSkipped, check_bit_exact, check_equivalence
 from verify._internal.protocol import Adapter
@@ -125,7 +126,7 @@ def test_a_trainer_normalising_by_its_own_window_passes_short_and_full_windows(n
     from verify._internal.cases.corners import corners
 
     adapter = getattr(sa, name)
-    hard = corners(adapter, "equivalence")
+    hard = corners(adapter, Gate.EQUIVALENCE)
     assert [c.last_window for c in hard] == [None, 2] and bool(hard[1].lengths) == (name == "window_tokens")
     drawn = []
 
@@ -148,7 +149,7 @@ def test_an_undeclared_adapter_draws_the_same_cases_and_no_short_window():
     from verify._internal.cases.corners import corners
 
     undeclared = sa.own_count.replace(short_last_window=False)
-    assert [c.last_window for c in corners(undeclared, "equivalence")] == [None]
+    assert [c.last_window for c in corners(undeclared, Gate.EQUIVALENCE)] == [None]
 
     def drawn(short):
         got = []

@@ -370,15 +370,15 @@ def test_token_weighted_mesh_corners_pad_the_last_cp_rank_and_one_replica():
     from examples import context_parallel as cpx
     from verify._internal.cases.corners import corners
 
-    cp, dp = corners(cpx.factory, "mesh", min_world=2, max_world=4)
+    cp, dp = corners(cpx.factory, Gate.MESH_EQUIVALENCE, min_world=2, max_world=4)
     assert (cp.mesh, dp.mesh) == (Mesh(cp=2), Mesh(dp=2)) and cp.lengths and dp.lengths
     n = {(k, c): v for k, _, c, v in _valid_per_rank(cpx.factory, cp)}
     assert 0 < n[(0, 1)] < n[(0, 0)] and n[(1, 1)] == 0 < n[(1, 0)]  # right padding: the last cp rank's tokens
     per = {(k, d): v for k, d, _, v in _valid_per_rank(cpx.factory, dp)}
     assert per[(0, 1)] < per[(0, 0)] and dp.lengths[(1 * 2 + 1) * 2:][:2] == (0, 0)  # replica 1's micro-batch 1 empty
-    (split, world), = corners(cpx.factory, "mesh_split", min_world=2, max_world=4)
+    (split, world), = corners(cpx.factory, Gate.MESH_SPLIT_INVARIANCE, min_world=2, max_world=4)
     assert world == 2 and split.lengths and len(split.lengths) == split.steps * split.effective_batch
-    assert [c.lengths for c in corners(broken_mesh.pipe, "mesh", min_world=2, max_world=2)] == [None]  # no padding
+    assert [c.lengths for c in corners(broken_mesh.pipe, Gate.MESH_EQUIVALENCE, min_world=2, max_world=2)] == [None]  # no padding
 
 
 def test_mesh_cases_draw_padding_for_a_token_weighted_adapter():
@@ -411,10 +411,10 @@ def test_a_per_rank_token_mean_over_cp_or_dp_is_rejected_on_padded_rows_and_name
     from verify._internal.gates.mesh import check_mesh_splits
     from verify._internal.gates.rerun import diagnose
 
-    cp, dp = corners(cpx.factory, "mesh", min_world=2, max_world=2)
+    cp, dp = corners(cpx.factory, Gate.MESH_EQUIVALENCE, min_world=2, max_world=2)
     for case in (cp, dp):
         assert check_mesh(cpx.factory, case).ratio < 1
-    (split, world), = corners(cpx.factory, "mesh_split", min_world=2, max_world=2)
+    (split, world), = corners(cpx.factory, Gate.MESH_SPLIT_INVARIANCE, min_world=2, max_world=2)
     assert check_mesh_splits(cpx.factory, split, world).extra["splits"] == 2
     for bug, case, axis in ((ca.cp_rank_token_mean, cp, "a per-rank token count on the cp axis"),
                             (ca.dp_replica_token_mean, dp, "a per-replica token count on the dp axis")):

@@ -15,6 +15,7 @@ import torch
 
 from planted import broken_amp_metrics as amp
 from planted.registry import METRIC, TOKEN_WINDOWS, _opts
+from verify import Gate
 from verify._internal.cases.case import Case
 from verify._internal.cases.corners import corners
 from verify._internal.gates import check_equivalence
@@ -146,8 +147,8 @@ def test_the_norm_bound_holds_for_a_naive_fp32_loop(n):
 
 
 def test_each_declared_low_precision_is_a_metrics_corner_and_the_table_counts_it():
-    assert [c.precision for c in corners(xtrain.single, "metrics")] == ["fp32", "bf16", "fp16"]
-    assert [c.precision for c in corners(amp.scaled_under_bf16, "metrics")] == ["fp32", "bf16"]
+    assert [c.precision for c in corners(xtrain.single, Gate.REPORTED_METRICS)] == ["fp32", "bf16", "fp16"]
+    assert [c.precision for c in corners(amp.scaled_under_bf16, Gate.REPORTED_METRICS)] == ["fp32", "bf16"]
     rows = _metrics_rows({"checked": {"loss": 4, "loss@fp16": 2, "loss@bf16": 2}}, {"metrics": {"names": ["loss"]}})
     assert "| loss | 4 (+ bf16 2, fp16 2) | window |  |" in rows, rows
 

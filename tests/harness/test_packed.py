@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from verify import Gate
 import verify
 from examples import packed_documents as recipe
 from planted import packed_adapters as pa
@@ -132,8 +133,8 @@ def test_packed_windows_are_drawn_under_every_profile(profile):
     """The normaliser gate's draws of the packed recipe under each profile (its corner first, never shrunk): at least
     GATE_MIN_EXAMPLES, windows holding packed rows among them, and the corner's window A starting with a packed row,
     so the gate halves one of its documents there (as it does: halved_packed)."""
-    hard, n = corners(recipe.factory, "normaliser"), settings.get_profile(profile).max_examples
-    budget = gate_budget("normaliser", n)
+    hard, n = corners(recipe.factory, Gate.NORMALISER), settings.get_profile(profile).max_examples
+    budget = gate_budget(Gate.NORMALISER, n)
     drawn = []
 
     @settings(settings.get_profile(profile), max_examples=max(1, budget - len(hard)), database=None)

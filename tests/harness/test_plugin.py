@@ -10,6 +10,7 @@ import sys
 import pytest
 from hypothesis import settings
 
+from verify import Gate
 from verify._internal.cases.strategies import gate_budget
 
 
@@ -82,7 +83,7 @@ def test_a_non_gpt_trainer_through_the_plugin_writes_the_report_where_invoked(tm
     assert "boundary-only: examples.mlp_regressor.Trainer does not declare data parallelism" in skipped
     # every gate that ran is counted (issue 42: the long window's passes went to equivalence's row, and the summary
     # said it did not run); the data-parallel gates each say why they did not
-    assert g["long window"]["examples"] >= gate_budget("long_windows", DEV) and "long window:" not in skipped
+    assert g["long window"]["examples"] >= gate_budget(Gate.LONG_WINDOW, DEV) and "long window:" not in skipped
     assert "data-parallel equivalence: examples.mlp_regressor.Trainer does not declare data parallelism" in skipped
     assert "verify: checked 4 of 15 gates and 5 of 6 metrics" in skipped  # equivalence, bit-exact, long window, metrics
     other = tmp_path / "elsewhere"
@@ -158,18 +159,6 @@ def test_dev_profile_draws_at_least_3_examples_per_gate_with_padded_split_window
             case = g["worst_case"]
             assert case["accum_steps"] >= 2 and min(case["lengths"][:case["world"] * case["micro_batch"]]) < \
                 _row_length(case), case  # micro-batch 0 of the window is padded
-
-
-def test_the_guides_example_counts_are_the_codes():
-    import re
-
-    from verify._internal.cases.strategies import GATE_BUDGETS, gate_budget
-
-    with open(os.path.join(ROOT, "docs", "verify-your-trainer.md"), encoding="utf-8") as f:
-        rows = {m[1]: [int(m[2]), int(m[3]), int(m[4])] for m in re.finditer(r"^\| `(\w+)`[^|]*\| (\d+) \| (\d+) \| (\d+) \|$",
-                                                                             f.read(), re.M)}
-    n = [settings.get_profile(p).max_examples for p in ("dev", "ci", "gpu")]
-    assert rows == {gate: [gate_budget(gate, k) for k in n] for gate in GATE_BUDGETS}
 
 
 def test_a_trainer_that_raises_shows_its_own_frame_and_its_error_whole(tmp_path):

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 
 from planted import uneven_adapters as ua
 from planted.registry import UNEVEN
+from verify import Gate
 from verify._internal.cases.case import Case, shard
 from verify._internal.cases.strategies import dist_cases, random_budget
 from verify._internal.cases.corners import corners
@@ -38,12 +39,12 @@ def test_the_ranks_micro_batches_are_the_big_batch_in_order():
 
 
 def test_uneven_windows_are_drawn_in_every_profile_only_where_declared():
-    hard = corners(ua.global_count, "data_parallel", min_world=1, max_world=2)  # every profile draws its corners
+    hard = corners(ua.global_count, Gate.DP_EQUIVALENCE, min_world=1, max_world=2)  # every profile draws its corners
     assert [c.rank_rows for c in hard if c.uneven] == [((2, 2, 2), (3, 1))]
-    assert not any(c.uneven for c in corners(NOT_DECLARED, "data_parallel", min_world=1, max_world=2))
+    assert not any(c.uneven for c in corners(NOT_DECLARED, Gate.DP_EQUIVALENCE, min_world=1, max_world=2))
     seen = {"declared": [], "not": []}
 
-    @settings(max_examples=random_budget("data_parallel", hard), deadline=None,
+    @settings(max_examples=random_budget(Gate.DP_EQUIVALENCE, hard), deadline=None,
               derandomize=True, database=None)
     @given(a=dist_cases(ua.global_count, min_world=2, max_world=2), b=dist_cases(NOT_DECLARED, min_world=2, max_world=2))
     def draw(a, b):

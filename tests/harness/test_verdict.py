@@ -140,32 +140,20 @@ NOT_GATES = {
     ("protocol.py", "overflow"): "the Adapter field `overflow` (how to make rows overflow fp16)",
     ("gates/diagnose.py", "determinism"): "the function `determinism`, named in __all__",
 }
-# verify/_internal/cases/strategies.py keys the example budget by gate TEST (one budget covers both data-parallel gates); the
-# plugin's gate tests pass those keys to gate_budget(), and to corners() / random_budget() (each test's hard
-# corners, corners.corners branching on the same keys). Their names are tests', not gates'.
-BUDGET_CALLS = ("gate_budget", "corners", "random_budget")
-
-
 def _spellings(name: str) -> set:
     return {name, name.replace(" ", "_").replace("-", "_"), name.replace(" ", "-").replace("_", "-"),
             name.replace("-", " ").replace("_", " ")}
 
 
 def _string_constants(tree):
-    """(node, value) of every str constant that is not a docstring, an __all__ entry or a gate_budget key."""
+    """(node, value) of every str constant that is not a docstring or an __all__ entry (the example budgets and the
+    corners are keyed by Gate itself: one name per gate)."""
     skip = set()
     for n in ast.walk(tree):
         body = getattr(n, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             skip.add(id(body[0].value))  # a docstring
         if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets):
-            skip |= {id(c) for c in ast.walk(n.value)}
-        if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) in BUDGET_CALLS:
-            skip |= {id(c) for a in n.args for c in ast.walk(a)}
-        if isinstance(n, ast.FunctionDef) and n.name in BUDGET_CALLS:  # keyed by budget key inside
-            skip |= {id(c) for c in ast.walk(n) if isinstance(c, ast.Compare)} | {
-                id(x) for c in ast.walk(n) if isinstance(c, ast.Compare) for x in ast.walk(c)}
-        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "GATE_BUDGETS" for t in n.targets):
             skip |= {id(c) for c in ast.walk(n.value)}
     return [(n, n.value) for n in ast.walk(tree)
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip]

@@ -16,6 +16,7 @@ from verify._internal.cases.strategies import (_options_strategy, _row_length, d
                                                 gate_device, seed_only_draws)
 from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
+from verify._internal.verdict import Gate
 
 __all__ = ["corners", "LONG_CORNER", "mesh_padding", "corner_axes"]
 
@@ -117,54 +118,55 @@ def _mesh_corner(adapter, axis: str, B: int = 2, split: bool = False):
 LONG_CORNER = (129, 2)
 
 
-def corners(adapter, gate: str, *, min_world: int = 1, max_world: int = 1) -> list:
-    """The known-hard cases of `gate` (a GATE_BUDGETS key) for `adapter`, within [min_world, max_world], in the
-    form the gate test's @given draws (a Case; overflow: (case, micro, rank); mesh_split: (case, world)):
+def corners(adapter, gate: Gate, *, min_world: int = 1, max_world: int = 1) -> list:
+    """The known-hard cases of the gate test of `gate` (a GATE_BUDGETS key) for `adapter`, within [min_world,
+    max_world], in the form its @given draws (a Case; overflow: (case, micro, rank); mesh split invariance:
+    (case, world)):
 
-    equivalence, normaliser, empty_window,   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in
-    parity                                  window 0; equivalence, for an adapter that declares short_last_window:
+    equivalence, normaliser, empty window,   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in
+    path parity                             window 0; equivalence, for an adapter that declares short_last_window:
                                             also the same with window 1 short (last_window=2)
-    split_invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
-    metrics                                 N=3 B=2 K=3, padded: as equivalence's, one step longer; again in
+    split invariance                        the same window, N=3 K=1, micro-batch 0 partly padded
+    reported metrics                        N=3 B=2 K=3, padded: as equivalence's, one step longer; again in
                                             each declared bf16 / fp16 (its reports judged in that precision too)
-    data_parallel, bytes_per_step           N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
-                                            and one empty on the last rank only; data_parallel, for an adapter
+    data-parallel equivalence               N ≥ 2 at W = 2 (and at the top world), padded: an empty micro-batch
+    (and boundary-only), bytes per step     and one empty on the last rank only; data-parallel, for an adapter
                                             that declares `uneven`: also rank_rows (2, 2, 2) on every rank but the
                                             last, (3, 1) on it (fewer micro-steps, fewer rows), padded
     overflow                                the overflow in the boundary's micro-step (N−1) on the LAST rank of
                                             the top world; at W ≥ 2 also micro-step 0 on rank 1 of W=2
-    mesh, mesh_split                        pp=2 with 2 chunks × 2 outer steps; tp=2, cp=2 with 2 outer steps;
+    mesh equivalence, mesh split invariance pp=2 with 2 chunks × 2 outer steps; tp=2, cp=2 with 2 outer steps;
                                             with an ignore_index padded (mesh_padding), and dp=2 too (mesh)
-    long_windows                            N=129 B=1 K=2 (LONG_CORNER): a run of more than 256 micro-steps
+    long window (and partial sums)          N=129 B=1 K=2 (LONG_CORNER): a run of more than 256 micro-steps
     """
-    lo, hi = min_world, max(min_world, max_world)
-    if gate in ("equivalence", "normaliser", "empty_window", "parity"):
-        short = gate == "equivalence" and declares_short(adapter)  # then also window 1 short: 2 of 3 micro-batches
+    lo, hi, gate = min_world, max(min_world, max_world), Gate(gate)
+    if gate in (Gate.EQUIVALENCE, Gate.NORMALISER, Gate.EMPTY_WINDOW, Gate.PATH_PARITY):
+        short = gate is Gate.EQUIVALENCE and declares_short(adapter)  # then also window 1 short: 2 of 3 micro-batches
         return [_base(adapter, N=3, B=2, K=2, padded=True)] + ([_base(adapter, N=3, B=2, K=2, padded=True,
                                                                       last_window=2)] if short else [])
-    if gate == "split_invariance":
+    if gate is Gate.SPLIT_INVARIANCE:
         return [_base(adapter, N=3, B=2, K=1, padded=True)]
-    if gate == "long_windows":
+    if gate is Gate.LONG_WINDOW:
         return [_base(adapter, N=LONG_CORNER[0], B=1, K=LONG_CORNER[1])]
-    if gate == "metrics":  # three steps: a warm-up's LR changes between them; each declared autocast precision
+    if gate is Gate.REPORTED_METRICS:  # three steps: a warm-up's LR changes between them; each declared autocast precision
         base = _base(adapter, N=3, B=2, K=3, padded=True)
         return [base] + [base.replace(precision=p) for p in adapter.precisions if p != base.precision and p != "fp32"]
-    if gate in ("data_parallel", "bytes_per_step"):
+    if gate in (Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP):
         worlds = sorted({w for w in (max(2, lo), hi) if lo <= w <= hi and w >= 2})
         out = [_base(adapter, N=3, B=2, K=2, W=w, padded=True) for w in worlds]
-        if gate == "data_parallel" and worlds and declares_uneven(adapter):
+        if gate is Gate.DP_EQUIVALENCE and worlds and declares_uneven(adapter):
             w = worlds[0]
             out.append(_base(adapter, N=3, B=2, K=2, W=w, padded=True, rank_rows=((2, 2, 2),) * (w - 1) + ((3, 1),)))
         return out
-    if gate == "overflow":
+    if gate is Gate.OVERFLOW:
         top = _base(adapter, N=3, B=2, K=2, W=hi).replace(precision="fp16")
         out = [(top, 2, hi - 1)]
         if hi > 2 and lo <= 2:
             out.append((top.replace(world=2), 0, 1))
         return out
-    if gate == "mesh":
+    if gate is Gate.MESH_EQUIVALENCE:
         return [c for c in (_mesh_corner(adapter, a) for a in corner_axes(adapter)) if c] if lo <= 2 <= hi else []
-    if gate == "mesh_split":
+    if gate is Gate.MESH_SPLIT_INVARIANCE:
         axis = next((a for a in corner_axes(adapter) if a != "dp"), None)
         c = _mesh_corner(adapter, axis, B=2 * 2, split=True) if lo <= 2 <= hi and axis else None
         return [(c.replace(mesh=None, world=1), 2)] if c else []

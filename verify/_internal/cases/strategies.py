@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from verify._internal.cases.case import Case
 from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
+from verify._internal.verdict import Gate
 
 __all__ = ["cases", "dist_cases", "uneven_windows", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding",
            "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
@@ -44,15 +45,18 @@ def budget(share: int, least: int, n: int | None = None) -> int:
 # counts the guide states (docs/verify-your-trainer.md §1; tests/harness/test_plugin.py checks them).
 # normaliser / empty_window: ~6 trainers built per case (HF's Trainer: ~1 s each), and every count bug shows
 # on nearly every padded case, so a fifth of split invariance's share.
-GATE_BUDGETS = {"equivalence": (1, 1), "bit_exact": (1, 1), "split_invariance": (10, 3), "normaliser": (20, 3),
-                "empty_window": (20, 3), "long_windows": (30, 2), "data_parallel": (2, 8), "bytes_per_step": (30, 3),
-                "overflow": (10, 3), "mesh": (10, 3), "mesh_split": (30, 2), "metrics": (20, 3), "parity": (10, 3)}
+GATE_BUDGETS = {Gate.EQUIVALENCE: (1, 1), Gate.BIT_EXACT: (1, 1), Gate.SPLIT_INVARIANCE: (10, 3),
+                Gate.NORMALISER: (20, 3), Gate.EMPTY_WINDOW: (20, 3), Gate.LONG_WINDOW: (30, 2),
+                Gate.DP_EQUIVALENCE: (2, 8), Gate.BYTES_PER_STEP: (30, 3), Gate.OVERFLOW: (10, 3),
+                Gate.MESH_EQUIVALENCE: (10, 3), Gate.MESH_SPLIT_INVARIANCE: (30, 2), Gate.REPORTED_METRICS: (20, 3),
+                Gate.PATH_PARITY: (10, 3)}
 
 
-def gate_budget(gate: str, n: int | None = None) -> int:
+def gate_budget(gate: Gate, n: int | None = None) -> int:
     """Examples a gate test of the plugin draws under the loaded profile (or one of max_examples n):
-    budget(*GATE_BUDGETS[gate]), never below GATE_MIN_EXAMPLES."""
-    return max(GATE_MIN_EXAMPLES, budget(*GATE_BUDGETS[gate], n=n))
+    budget(*GATE_BUDGETS[gate]), never below GATE_MIN_EXAMPLES. `gate`: the test's gate (the data-parallel test's
+    budget is DP_EQUIVALENCE's, boundary-only judged on the same runs; the long-window test's LONG_WINDOW's)."""
+    return max(GATE_MIN_EXAMPLES, budget(*GATE_BUDGETS[Gate(gate)], n=n))
 
 
 def gate_device(settings=None) -> str:
