@@ -54,7 +54,7 @@ def test_accum1_bit_identical_to_plain(verify_adapter):
 def test_split_invariance_on_padded_windows(verify_adapter, verify_settings):
     """Adapters with an ignore_index: a padded window (empty sequences, micro-batches, ranks included) gives
     the float64 big batch's token mean under every (N, B, W) split of its rows."""
-    from verify._internal.gates.distributed import max_world
+    from verify._internal.gates.worlds import max_world
     from verify._internal.gates.windows import check_split_invariance
 
     if verify_adapter.ignore_index is None:

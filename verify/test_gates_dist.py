@@ -14,7 +14,7 @@ from verify._internal import report
 from verify._internal.gpulock import gpu_shared  # noqa: F401
 from verify._internal.gates import check_distributed, check_same_bytes
 from verify._internal.gates.overflow import check_overflow, overflow_hook
-from verify._internal.gates.distributed import max_world, min_world
+from verify._internal.gates.worlds import needs_world, world_range
 from verify._internal.cases.strategies import dist_cases, overflow_cases, random_budget, with_corners
 from verify._internal.cases.corners import corners
 from verify._internal.verdict import Gate
@@ -33,7 +33,7 @@ def _data_parallel(adapter):
 
 def test_data_parallel_boundary_only_and_equivalent(verify_adapter, verify_settings):
     _data_parallel(verify_adapter)
-    lo, hi = min_world(verify_adapter, verify_settings), max_world(verify_settings)
+    lo, hi = world_range(verify_adapter, verify_settings)
     hard = corners(verify_adapter, Gate.DP_EQUIVALENCE, min_world=lo, max_world=hi)
 
     @settings(max_examples=random_budget(Gate.DP_EQUIVALENCE, hard), deadline=None)
@@ -49,12 +49,12 @@ def test_bytes_per_step_independent_of_N(verify_adapter, verify_settings):
     """The same case at N and at N=1 over the SAME global window (N·B rows per rank in one micro-step;
     padded cases keep their lengths): the same boundary collectives and bytes in every step."""
     _data_parallel(verify_adapter)
-    if max_world(verify_settings) < 2:
-        reason = "needs world ≥ 2 (XTRAIN_DIST_MAX_WORLD / GPUs)"
+    reason = needs_world(2, verify_settings)
+    if reason:
         report.skip(Gate.BYTES_PER_STEP, reason)
         pytest.skip(reason)
 
-    lo, hi = max(2, min_world(verify_adapter, verify_settings)), max_world(verify_settings)
+    lo, hi = world_range(verify_adapter, verify_settings, at_least=2)
     hard = corners(verify_adapter, Gate.BYTES_PER_STEP, min_world=lo, max_world=hi)
 
     @settings(max_examples=random_budget(Gate.BYTES_PER_STEP, hard), deadline=None)
@@ -74,8 +74,7 @@ def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapte
         pytest.skip(why)
     if not verify_adapter.data_parallel:
         pytest.skip("not data-parallel: test_gates.py runs the overflow gate in one process")
-    top = max_world(verify_settings)
-    lo = min(min_world(verify_adapter, verify_settings), top)
+    lo, top = world_range(verify_adapter, verify_settings)
     # first the overflow on the LAST rank of the top world: drawn, the rank shrinks to 0, where a skip decided
     # by rank 0 alone is right
     hard = corners(verify_adapter, Gate.OVERFLOW, min_world=lo, max_world=top)

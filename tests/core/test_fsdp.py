@@ -11,7 +11,7 @@ from planted import broken_dist
 from xtrain_proof import adapters as xtrain
 from verify._internal.cases.case import Case
 from verify._internal.gates import GateFailure, check_distributed
-from verify._internal.gates.distributed import max_world
+from verify._internal.gates.worlds import max_world
 from verify._internal.cases.strategies import budget, dist_cases
 from xtrain_core.config import ModelConfig, OptimConfig
 

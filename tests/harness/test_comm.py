@@ -4,7 +4,7 @@ import pytest
 
 from verify._internal.ranks.comm import Collective, Windows, _parse
 from tests.helpers.dist_jobs import overflow_recorder, probe_counter, recorder_reads_clean
-from verify._internal.gates.distributed import max_world
+from verify._internal.gates.worlds import max_world
 from verify._internal.ranks.pool import get_pool
 
 pytestmark = pytest.mark.distributed

@@ -8,7 +8,7 @@ from planted import count_adapters as ca
 from xtrain_proof import adapters as xtrain
 from verify._internal.cases.case import Case
 from verify._internal.gates import check_distributed, check_same_bytes
-from verify._internal.gates.distributed import max_world
+from verify._internal.gates.worlds import max_world
 from xtrain_core.config import ModelConfig, OptimConfig
 
 pytestmark = pytest.mark.distributed

@@ -14,7 +14,7 @@ from planted.ddp_modes import MODES, P_MLP, P_ROUTER, Router
 from verify._internal.cases.case import Case, shard
 from verify._internal.gates import GateFailure, check_distributed
 from verify._internal.gates.counts import families
-from verify._internal.gates.distributed import max_world, min_world
+from verify._internal.gates.worlds import max_world, min_world
 from verify._internal.ranks.pool import DistJobError, get_pool
 from verify._internal.cases.strategies import budget, dist_cases
 

@@ -12,7 +12,7 @@ from xtrain_proof import adapters as xtrain
 from xtrain_proof.adapters import XtrainOptions
 from verify._internal.cases.case import Case
 from verify._internal.gates import (GateFailure, check_boundary_only, check_dist_equivalence, check_distributed, run_distributed)
-from verify._internal.gates.distributed import max_world, min_world
+from verify._internal.gates.worlds import max_world, min_world
 from verify._internal.ranks.pool import get_pool
 from verify._internal.cases.strategies import budget, dist_cases
 from xtrain_core.config import ModelConfig, OptimConfig

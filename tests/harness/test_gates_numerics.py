@@ -9,7 +9,7 @@ from planted import registry as planted
 from xtrain_proof import adapters as xtrain
 from verify._internal.cases.case import Case
 from verify._internal.gates import GateFailure, check_distributed, check_equivalence
-from verify._internal.gates.distributed import max_world
+from verify._internal.gates.worlds import max_world
 from verify._internal.gates.windows import check_partial_sums, check_split_invariance, splits
 from verify._internal.cases.strategies import budget, cases, dist_cases
 from xtrain_core.config import ModelConfig, OptimConfig

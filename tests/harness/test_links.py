@@ -7,7 +7,7 @@ import pytest
 from planted import hsdp_adapters
 from verify._internal.cases.case import Case
 from verify._internal.gates import check_distributed
-from verify._internal.gates.distributed import max_world
+from verify._internal.gates.worlds import max_world
 
 pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(max_world() < 4, reason="needs world ≥ 4 (XTRAIN_DIST_MAX_WORLD / GPUs)")]

@@ -7,7 +7,7 @@ import torch
 import verify
 from planted import broken_mesh
 from verify._internal.cases.case import Case
-from verify._internal.gates.distributed import max_world
+from verify._internal.gates.worlds import max_world
 from verify._internal.gates.mesh import check_mesh
 from verify._internal.ranks.mesh import Mesh, MeshError, assemble
 from verify._internal.protocol import AdapterError, Spec

@@ -12,7 +12,7 @@ from planted import broken_overflow as bo
 from xtrain_proof import adapters as xtrain
 from verify._internal.cases.case import Case
 from verify._internal.gates import GateSkipped
-from verify._internal.gates.distributed import max_world
+from verify._internal.gates.worlds import max_world
 from verify._internal.gates.overflow import BackwardInf, check_overflow
 from verify._internal.cases.strategies import budget, cases
 from xtrain_core.config import ModelConfig, OptimConfig

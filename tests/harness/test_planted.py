@@ -12,7 +12,7 @@ from planted import cp_adapters, parity_adapters, short_adapters, uneven_adapter
 from planted import broken_amp_metrics  # issue 42 item 3
 from planted import atstep_adapters  # issue 42, the zoo's grads_from="optimizer" classes
 from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_normaliser)
-from verify._internal.gates.distributed import max_world
+from verify._internal.gates.worlds import max_world
 from verify._internal.gates.mesh import check_mesh
 from verify._internal.gates.metrics import check_metrics
 from verify._internal.gates.parity import check_parity

@@ -12,7 +12,7 @@ from planted import broken_mesh, registry as planted
 from xtrain_proof import adapters as xtrain
 from verify._internal.cases.case import Case
 from verify._internal.gates import GateFailure, check_equivalence, check_same_bytes
-from verify._internal.gates.distributed import max_world
+from verify._internal.gates.worlds import max_world
 from verify._internal.gates.mesh import check_mesh_splits
 from verify._internal.verdict import Gate
 from xtrain_core.config import ModelConfig, OptimConfig

@@ -187,7 +187,7 @@ def _load(ref: str, settings: Settings):
 
 
 def settings_of(config) -> dict:
-    from verify._internal.gates.distributed import max_world, min_world
+    from verify._internal.gates.worlds import max_world, min_world
 
     s = config.stash[_SETTINGS]
     profile = s.hypothesis_profile or config.getoption("hypothesis_profile", None) or "default"

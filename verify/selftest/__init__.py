@@ -298,11 +298,11 @@ def _baseline_cell(baseline: dict, gate: str) -> str:
 
 
 def worlds_of(max_world: int | None = None) -> list[int]:
-    """The worlds the gates draw (verify._internal.gates.distributed.min_world..max_world), capped by max_world."""
-    from verify._internal.gates.distributed import max_world as gates_max, min_world
+    """The worlds the gates draw (verify._internal.gates.distributed.world_range), capped by max_world."""
+    from verify._internal.gates.worlds import world_range
 
-    top = gates_max() if max_world is None else min(max_world, gates_max())
-    return list(range(min_world(), top + 1))
+    lo, hi = world_range()
+    return list(range(lo, (hi if max_world is None else min(max_world, hi)) + 1))
 
 
 def run_selftest(adapter, *, max_world: int | None = None, device: str = "cpu", progress=None,

@@ -20,9 +20,8 @@ import torch
 
 from verify._internal.cases.case import TWIN_COPIES, Case, Trace, drive, twin
 from verify._internal.ranks.comm import INTER, INTRA, Collective, Windows, family, group_links, link_of
-from verify._internal.ranks.pool import DistTimeout, get_pool, launched
+from verify._internal.ranks.pool import DistTimeout, get_pool
 from verify._internal.ranks.mesh import cp_slice
-from verify._internal.settings import Settings, current
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.counts import SCALARS, CountRow, check_step, declared_row, excused
 from verify._internal.gates.diagnose import by_term, determinism
@@ -32,31 +31,11 @@ from verify._internal.gates.tolerance import Judge, measured_floor
 from verify._internal.gates.uneven import equal_weights
 
 __all__ = ["check_same_bytes", "check_distributed", "check_boundary_only", "check_dist_equivalence", "run_distributed",
-           "max_world", "min_world", "SCALARS"]
+           "SCALARS"]
 
 DTYPES = (torch.float32, torch.float64)
 F64_DTYPE = torch.float64  # the run whose reported metrics are judged (gates/metrics.py)
 F32, F64 = str(torch.float32), str(torch.float64)
-
-
-def max_world(settings: Settings | None = None) -> int:
-    """World sizes the suite draws up to under `settings` (default settings.current()): XTRAIN_DIST_MAX_WORLD
-    (default 4), capped by GPUs under NCCL; under a launcher (verify.run) the launched world, whatever the box's
-    GPUs. A value the gate tests pass on to the strategies (dist_cases(max_world=...))."""
-    world = getattr(launched(), "world", None)
-    return world or (settings or current()).world_cap()
-
-
-def min_world(adapter=None, settings: Settings | None = None) -> int:
-    """The smallest world the suite draws: XTRAIN_DIST_MIN_WORLD (default 1), e.g. 8 to run only world 8. Under
-    a launcher the launched world too, unless `adapter` declares subgroups (it reduces over Spec.group): then
-    the worlds below run on subgroups of the launched ranks (LaunchedPool.sub), world 1 in a one-rank pool on
-    rank 0's node as the references do. Without the declaration they would be pools spawned there, not launched."""
-    world = getattr(launched(), "world", None)
-    if world and not getattr(adapter, "subgroups", False):
-        return world
-    s = settings or current()
-    return min(s.min_world, max_world(s))
 
 
 # -- what runs on the ranks ----------------------------------------------------------------------------
