@@ -15,7 +15,8 @@ from verify._internal import report
 from verify._internal.gpulock import gpu_shared  # noqa: F401  (fixture: GPU gates share the GPU, memory probes do not)
 from verify._internal.gates import check_bit_exact, check_equivalence
 from verify._internal.gates.windows import LONG_N
-from verify._internal.cases.strategies import (cases, gate_budget, overflow_cases, random_budget, seed_only_draws, with_corners)
+from verify._internal.cases.strategies import cases, overflow_cases, seed_only_draws, with_corners
+from verify._internal.gates.table import gate_budget, random_budget
 from verify._internal.cases.corners import corners
 from verify._internal.verdict import Gate
 
@@ -33,11 +34,9 @@ def test_accumulation_equals_big_batch(verify_adapter):
     with_corners(equivalence, hard)()
 
 
-def test_accum1_bit_identical_to_plain(verify_adapter):
-    if verify_adapter.plain is None:
-        reason = (f"{verify_adapter.name} declares no plain (no-accumulation) step: declare "
-                  f"@verify.adapter(plain=...) to prove accum_steps=1 is that step bit for bit")
-        report.skip(Gate.BIT_EXACT, reason)
+def test_accum1_bit_identical_to_plain(verify_adapter, verify_settings):
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.BIT_EXACT)
+    if reason:
         pytest.skip(reason)
 
     @settings(max_examples=gate_budget(Gate.BIT_EXACT), deadline=None)
@@ -57,10 +56,8 @@ def test_split_invariance_on_padded_windows(verify_adapter, verify_settings):
     from verify._internal.gates.worlds import max_world
     from verify._internal.gates.windows import check_split_invariance
 
-    if verify_adapter.ignore_index is None:
-        reason = (f"{verify_adapter.name} declares no ignore_index: padded, variable-length windows do not apply "
-                  f"(declare @verify.adapter(ignore_index=-100) for a token-weighted trainer)")
-        report.skip(Gate.SPLIT_INVARIANCE, reason)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.SPLIT_INVARIANCE)
+    if reason:
         pytest.skip(reason)
     worlds = max_world(verify_settings) if verify_adapter.data_parallel else 1
     hard = corners(verify_adapter, Gate.SPLIT_INVARIANCE)
@@ -79,15 +76,14 @@ def _token_cases(adapter):
     return cases(adapter, max_accum=4, max_micro_batch=2, min_steps=2, max_steps=2, padded=adapter.ignore_index is not None)
 
 
-def test_normaliser(verify_adapter):
+def test_normaliser(verify_adapter, verify_settings):
     """Each term of the declared objective (verify.Objective; with an ignore_index and nothing declared, a token
     mean) against the counts the harness knows: windows add up by its weight, padding and one sequence's halves
     as it says, the term vs the big batch (verify/_internal/gates/objective.py)."""
-    from verify._internal.gates.objective import check_normaliser, not_declared
+    from verify._internal.gates.objective import check_normaliser
 
-    reason = not_declared(verify_adapter)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.NORMALISER)
     if reason:
-        report.skip(Gate.NORMALISER, reason)
         pytest.skip(reason)
 
     hard = corners(verify_adapter, Gate.NORMALISER)
@@ -100,16 +96,14 @@ def test_normaliser(verify_adapter):
     with_corners(normaliser, hard)()
 
 
-def test_path_parity(verify_adapter):
+def test_path_parity(verify_adapter, verify_settings):
     """A switch the adapter declares must not change the result (verify.Parity: activation checkpointing, a fused
     loss, compile): on vs off on the same windows, bit for bit where the math is the same
     (verify/_internal/gates/parity.py)."""
     from verify._internal.gates.parity import check_parity
 
-    if verify_adapter.parity is None:
-        reason = (f"{verify_adapter.name} declares no switch that must leave the result unchanged (declare "
-                  f"@verify.adapter(parity=verify.Parity(name=..., apply=...)), e.g. activation checkpointing)")
-        report.skip(Gate.PATH_PARITY, reason)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.PATH_PARITY)
+    if reason:
         pytest.skip(reason)
     hard = corners(verify_adapter, Gate.PATH_PARITY)
 
@@ -122,17 +116,13 @@ def test_path_parity(verify_adapter):
     with_corners(parity, hard)()
 
 
-def test_empty_window_is_no_step(verify_adapter):
+def test_empty_window_is_no_step(verify_adapter, verify_settings):
     """Adapters with an ignore_index: a window without a valid target leaves the parameters bit-unchanged and
     the next window as if it had not been there — unless the adapter declares empty_windows=False."""
     from verify._internal.gates import check_empty_window
 
-    reason = (f"{verify_adapter.name} declares no ignore_index: it has no empty windows"
-              if verify_adapter.ignore_index is None else
-              f"{verify_adapter.name} declares empty_windows=False: never fed a window without a valid target"
-              if not verify_adapter.empty_windows else None)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.EMPTY_WINDOW)
     if reason:
-        report.skip(Gate.EMPTY_WINDOW, reason)
         pytest.skip(reason)
 
     hard = corners(verify_adapter, Gate.EMPTY_WINDOW)
@@ -177,15 +167,14 @@ def test_long_accumulation_and_partial_sums(verify_adapter):
     with_corners(long_windows, hard, "drawn")()
 
 
-def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):
+def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter, verify_settings):
     """fp16, one process on the gate's device: window 0 of K=2 overflows in ONE drawn micro-step
     (verify/_internal/gates/overflow.py; every world, on rank pools: test_gates_dist.py)."""
-    from verify._internal.gates.overflow import check_overflow, overflow_hook
+    from verify._internal.gates.overflow import check_overflow
 
-    hook, why = overflow_hook(verify_adapter)
-    if hook is None:
-        report.skip(Gate.OVERFLOW, why)
-        pytest.skip(why)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.OVERFLOW)
+    if reason:
+        pytest.skip(reason)
     if verify_adapter.process_group:
         pytest.skip("needs a process group even alone: test_gates_dist.py runs the overflow gate")
 
@@ -201,16 +190,15 @@ def test_an_overflowing_fp16_window_is_skipped_whole(verify_adapter):
     with_corners(overflow, hard, "drawn")()
 
 
-def test_reported_metrics(verify_adapter):
+def test_reported_metrics(verify_adapter, verify_settings):
     """Adapters that declare Metrics: what metrics() logs each step (loss, pre-clip grad_norm, clip_coef, lr,
     tokens / rows) equals the harness's own value and the big batch's; with a max_norm, the coefficient the
     optimizer saw applied too (verify/_internal/gates/metrics.py); in each declared bf16 / fp16, against that
     run's own unscaled values (its corners: one per precision)."""
-    from verify._internal.gates.metrics import check_metrics, not_declared
+    from verify._internal.gates.metrics import check_metrics
 
-    if verify_adapter.metrics is None:
-        reason = not_declared(verify_adapter)
-        report.skip(Gate.REPORTED_METRICS, reason)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.REPORTED_METRICS)
+    if reason:
         pytest.skip(reason)
     hard = corners(verify_adapter, Gate.REPORTED_METRICS)
 

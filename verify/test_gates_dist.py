@@ -13,26 +13,22 @@ from hypothesis import assume, event, given, settings
 from verify._internal import report
 from verify._internal.gpulock import gpu_shared  # noqa: F401
 from verify._internal.gates import check_distributed, check_same_bytes
-from verify._internal.gates.overflow import check_overflow, overflow_hook
-from verify._internal.gates.worlds import needs_world, world_range
-from verify._internal.cases.strategies import dist_cases, overflow_cases, random_budget, with_corners
+from verify._internal.gates.overflow import check_overflow
+from verify._internal.gates.worlds import world_range
+from verify._internal.cases.strategies import dist_cases, overflow_cases, with_corners
+from verify._internal.gates.table import random_budget
 from verify._internal.cases.corners import corners
 from verify._internal.verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
 
 
-def _data_parallel(adapter):
-    if not adapter.data_parallel:
-        reason = f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))"
-        for gate in (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP):  # each says why it did not run
-            report.skip(gate, reason)
-        pytest.skip(reason)
-
-
-
 def test_data_parallel_boundary_only_and_equivalent(verify_adapter, verify_settings):
-    _data_parallel(verify_adapter)
+    # one set of runs judges both (and bytes per step needs them): each says why it did not run
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.DP_EQUIVALENCE, Gate.BOUNDARY_ONLY,
+                                   Gate.BYTES_PER_STEP)
+    if reason:
+        pytest.skip(reason)
     lo, hi = world_range(verify_adapter, verify_settings)
     hard = corners(verify_adapter, Gate.DP_EQUIVALENCE, min_world=lo, max_world=hi)
 
@@ -48,10 +44,8 @@ def test_data_parallel_boundary_only_and_equivalent(verify_adapter, verify_setti
 def test_bytes_per_step_independent_of_N(verify_adapter, verify_settings):
     """The same case at N and at N=1 over the SAME global window (N·B rows per rank in one micro-step;
     padded cases keep their lengths): the same boundary collectives and bytes in every step."""
-    _data_parallel(verify_adapter)
-    reason = needs_world(2, verify_settings)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.BYTES_PER_STEP)
     if reason:
-        report.skip(Gate.BYTES_PER_STEP, reason)
         pytest.skip(reason)
 
     lo, hi = world_range(verify_adapter, verify_settings, at_least=2)
@@ -68,10 +62,9 @@ def test_bytes_per_step_independent_of_N(verify_adapter, verify_settings):
 def test_an_overflowing_fp16_window_is_skipped_whole_on_every_rank(verify_adapter, verify_settings):
     """fp16: window 0 of K=2 overflows in ONE drawn micro-step on ONE drawn rank (verify/_internal/gates/overflow.py).
     One process (the GPU gate's CUDA step) runs it in test_gates.py."""
-    hook, why = overflow_hook(verify_adapter)
-    if hook is None:
-        report.skip(Gate.OVERFLOW, why)
-        pytest.skip(why)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.OVERFLOW)
+    if reason:
+        pytest.skip(reason)
     if not verify_adapter.data_parallel:
         pytest.skip("not data-parallel: test_gates.py runs the overflow gate in one process")
     lo, top = world_range(verify_adapter, verify_settings)

@@ -12,34 +12,20 @@ from hypothesis import event, given, settings
 
 from verify._internal import report
 from verify._internal.gpulock import gpu_shared  # noqa: F401
-from verify._internal.gates.worlds import needs_world, world_range
+from verify._internal.gates.worlds import world_range
 from verify._internal.gates.mesh import check_mesh, check_mesh_splits
-from verify._internal.cases.strategies import (mesh_cases, mesh_split_cases, mesh_worlds, random_budget, with_corners)
+from verify._internal.cases.strategies import mesh_cases, mesh_split_cases, with_corners
+from verify._internal.gates.table import random_budget
 from verify._internal.cases.corners import corners
 from verify._internal.verdict import Gate
 
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
 
 
-def _mesh(adapter, gate: Gate, s):
-    if not adapter.mesh_axes:
-        reason = f"{adapter.name} declares no mesh axes (Adapter(mesh_axes=('pp',) | ('tp',) | ...))"
-        report.skip(gate, reason)
-        pytest.skip(reason)
-    reason = needs_world(2, s)
-    if reason:
-        report.skip(gate, reason)
-        pytest.skip(reason)
-    lo, hi = world_range(settings=s, at_least=2)
-    if not mesh_worlds(adapter, lo, hi):
-        reason = (f"{adapter.name}: no mesh of {lo}..{hi} ranks over {adapter.mesh_axes} "
-                  f"within its mesh_sizes {adapter.mesh_sizes} (XTRAIN_DIST_MAX_WORLD)")
-        report.skip(gate, reason)
-        pytest.skip(reason)
-
-
 def test_mesh_equivalent(verify_adapter, verify_settings):
-    _mesh(verify_adapter, Gate.MESH_EQUIVALENCE, verify_settings)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.MESH_EQUIVALENCE)
+    if reason:
+        pytest.skip(reason)
     lo, hi = world_range(settings=verify_settings, at_least=2)
     hard = corners(verify_adapter, Gate.MESH_EQUIVALENCE, min_world=lo, max_world=hi)
 
@@ -55,7 +41,9 @@ def test_mesh_equivalent(verify_adapter, verify_settings):
 def test_mesh_split_invariance(verify_adapter, verify_settings):
     """One window (N = chunks × outer micro-steps of B rows per rank of the world) on every mesh of one
     world over the adapter's axes: each gives the 1×1×1 big batch's step."""
-    _mesh(verify_adapter, Gate.MESH_SPLIT_INVARIANCE, verify_settings)
+    reason = report.not_applicable(verify_adapter, verify_settings, Gate.MESH_SPLIT_INVARIANCE)
+    if reason:
+        pytest.skip(reason)
     lo, hi = world_range(settings=verify_settings, at_least=2)
     hard = corners(verify_adapter, Gate.MESH_SPLIT_INVARIANCE, min_world=lo, max_world=hi)
 

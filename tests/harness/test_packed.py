@@ -10,7 +10,8 @@ from examples import packed_documents as recipe
 from planted import packed_adapters as pa
 from planted.registry import PACKED
 from verify._internal.cases.case import shard
-from verify._internal.cases.strategies import cases, gate_budget, with_corners
+from verify._internal.cases.strategies import cases, with_corners
+from verify._internal.gates.table import gate_budget
 from verify._internal.cases.corners import corners
 from verify._internal.gates import GateFailure, check_normaliser
 from verify._internal.gates.tokens import windows_case

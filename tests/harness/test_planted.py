@@ -11,23 +11,15 @@ from planted import broken_mesh_metrics, broken_tp, ddp_modes, moe_adapters, pac
 from planted import cp_adapters, parity_adapters, short_adapters, uneven_adapters, zero_adapters, zero_grad_adapters
 from planted import broken_amp_metrics  # issue 42 item 3
 from planted import atstep_adapters  # issue 42, the zoo's grads_from="optimizer" classes
-from verify._internal.gates import (GateFailure, check_bit_exact, check_distributed, check_empty_window, check_equivalence, check_overflow, check_same_bytes, check_normaliser)
+from verify._internal.gates import GateFailure
 from verify._internal.gates.worlds import max_world
 from verify._internal.gates.mesh import check_mesh
-from verify._internal.gates.metrics import check_metrics
-from verify._internal.gates.parity import check_parity
-from verify._internal.gates.windows import check_long_window, check_partial_sums, check_split_invariance
+from verify._internal.gates.table import TABLE
 from verify._internal.protocol import Adapter
 from verify._internal.verdict import Gate
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = {Gate.EQUIVALENCE: check_equivalence, Gate.BIT_EXACT: check_bit_exact, Gate.PARTIAL_SUMS: check_partial_sums,
-       Gate.SPLIT_INVARIANCE: lambda a, case, w: check_split_invariance(a, case, max_world=w),
-       Gate.LONG_WINDOW: check_long_window, Gate.NORMALISER: check_normaliser, Gate.EMPTY_WINDOW: check_empty_window,
-       Gate.OVERFLOW: check_overflow, Gate.BOUNDARY_ONLY: check_distributed, Gate.DP_EQUIVALENCE: check_distributed,
-       Gate.MESH_EQUIVALENCE: check_mesh, Gate.BYTES_PER_STEP: check_same_bytes, Gate.PATH_PARITY: check_parity,
-       # one process: the metrics gate's own runs; W ranks: the data-parallel gate judges every rank's metrics
-       Gate.REPORTED_METRICS: lambda a, case: (check_metrics if case.world == 1 else check_distributed)(a, case)}
+RUN = {g: row.check for g, row in TABLE.items()}  # each gate's check, from the gate table
 # harmless by design, and checked to pass where they are tested; compiled_runs_eager fails the trainer's own
 # guard (DistJobError), not a gate
 CONTROLS = {id(a) for a in (broken.scaled_by_one, broken_dist.fsdp2_switch_after_forward,
@@ -36,10 +28,12 @@ CONTROLS = {id(a) for a in (broken.scaled_by_one, broken_dist.fsdp2_switch_after
 
 def _param(b):
     marks = [pytest.mark.slow] if b.slow else []
-    if b.case.ranks > 1 or (isinstance(b.adapter, Adapter) and b.adapter.process_group):
+    # the split gates take their world as an argument: (max_world,), (world,)
+    ranks = max(b.case.ranks, b.args[0] if b.gate in (Gate.SPLIT_INVARIANCE, Gate.MESH_SPLIT_INVARIANCE) else 1)
+    if ranks > 1 or (isinstance(b.adapter, Adapter) and b.adapter.process_group):
         marks.append(pytest.mark.distributed)
-    if b.case.ranks > max_world():
-        marks.append(pytest.mark.skip(reason=f"needs world ≥ {b.case.ranks} (XTRAIN_DIST_MAX_WORLD / GPUs)"))
+    if ranks > max_world():
+        marks.append(pytest.mark.skip(reason=f"needs world ≥ {ranks} (XTRAIN_DIST_MAX_WORLD / GPUs)"))
     return pytest.param(b, id=b.name, marks=marks)
 
 

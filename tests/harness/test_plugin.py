@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings
 
 from verify import Gate
-from verify._internal.cases.strategies import gate_budget
+from verify._internal.gates.table import gate_budget
 
 
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback

@@ -9,7 +9,8 @@ from planted import uneven_adapters as ua
 from planted.registry import UNEVEN
 from verify import Gate
 from verify._internal.cases.case import Case, shard
-from verify._internal.cases.strategies import dist_cases, random_budget
+from verify._internal.cases.strategies import dist_cases
+from verify._internal.gates.table import random_budget
 from verify._internal.cases.corners import corners
 from verify._internal.gates import GateFailure, check_distributed
 from verify._internal.gates.distributed import F32

@@ -13,48 +13,16 @@ import json
 import os
 
 from verify._internal.ranks.comm import LINKS
-from verify._internal.gates.tolerance import C, FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT
+from verify._internal.gates.table import TABLE
 from verify._internal.verdict import Gate
 
-__all__ = ["record", "skip", "dump", "write", "replaces", "read", "render_md", "REPORT_NAME"]
+__all__ = ["record", "skip", "not_applicable", "dump", "write", "replaces", "read", "render_md", "REPORT_NAME"]
 
 REPORT_NAME = "verify-report"
 _STATS: dict[str, dict] = {}
 
 # Keys: the gates' names (Gate values), "@precision" added for a mixed-precision tally (equivalence@bf16).
-BOUNDS = {
-    Gate.EQUIVALENCE: f"step 0 (fp32 or the autocast precision): {STEP0_TEXT} vs float64 (the loss's all-parameter term only "
-                      f"under autocast); fp32 losses rel < {LOSS_MAX_REL:g}; "
-                      f"float64 K steps: loss rel, params / max(1,|p|) ≤ {FLOAT64_TEXT}",
-    Gate.BIT_EXACT: "torch.equal on every gradient, loss and parameter after K steps",
-    Gate.BOUNDARY_ONLY: "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 elements",
-    Gate.DP_EQUIVALENCE: "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal",
-    Gate.BYTES_PER_STEP: "the case at N and its window at N = 1 (N·B rows in one micro-step): every rank's boundary "
-                         "issues the same gradient collectives carrying the same bytes, every step",
-    Gate.SPLIT_INVARIANCE: "every (N, B, W) with N·B·W = E, padded windows: the equivalence / data-parallel policy",
-    Gate.LONG_WINDOW: "N = 64..256, one process: the equivalence policy; N = 256 in each declared low precision: "
-                      "the same policy in that precision, and the window's micro-batches reversed move the gradient "
-                      "by no more than an fp32 sum's rounding (C·2γ_{N−1}, else measured)",
-    Gate.PARTIAL_SUMS: f"after every micro-step: partial_grads() vs the float64 big batch of micro-batches 0..n, rel ≤ "
-                       f"{FLOAT64_TEXT}",
-    Gate.NORMALISER: "float64, same parameters, each term alone: w × the losses of windows A, B add up to A∪B's (w: the "
-                     "declared normaliser's count); padding and one sequence's halves as it says; rel ≤ "
-                     f"{FLOAT64_TEXT} (floor: the twins')",
-    Gate.EMPTY_WINDOW: "a window without a valid target: parameters torch.equal; the next window as without it (float64)",
-    Gate.MESH_EQUIVALENCE: "each dp replica assembled (pp stages own each parameter once, tp ranks bit-equal): the "
-                           "equivalence policy vs the 1×1×1 big batch; replicas bit-equal",
-    Gate.MESH_SPLIT_INVARIANCE: "one window on every dp × pp × tp mesh of one world: the mesh equivalence policy, "
-                                "each vs the same 1×1×1 big batch",
-    Gate.REPORTED_METRICS: f"float64 runs, every step: each reported metric vs the harness's own value (the pre-clip norm over "
-                  f"every element once, min(1, max_norm / norm), the LR the optimizer applied, the window's counts) and "
-                  f"vs the big batch's report, rel ≤ {FLOAT64_TEXT.split('·max')[0]}; counts exact; a bf16 / fp16 "
-                  f"case also its run in that precision vs its own unscaled values: norms within exp((n + 8)·eps32) − 1 "
-                  f"(n elements), the loss within {C:g}·eps_p·max(1, κ)",
-    Gate.OVERFLOW: "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to before the "
-                   "window; loss_scale() equal to the big batch's after every window; ranks torch.equal after every window",
-    Gate.PATH_PARITY: "the declared switch on vs off, same windows and init: every loss, step-0 gradient and parameter "
-                      "torch.equal (exact), else the equivalence policy with the off side as the big batch",
-}
+BOUNDS = {g: row.claim for g, row in TABLE.items()}  # each gate's bound in words, in the report's order
 ORDER = tuple(g.value for g in BOUNDS)  # the report's gate order: BOUNDS' order
 EXACT = (Gate.BIT_EXACT, Gate.EMPTY_WINDOW)  # torch.equal or a failure: no error / bound to rank
 LARGEST = (Gate.BOUNDARY_ONLY, Gate.BYTES_PER_STEP, Gate.OVERFLOW)  # exact too: the worst case is the largest world × N
@@ -221,6 +189,17 @@ def skip(gate: Gate, reason: str) -> None:
     s = _gate(Gate(gate).value)
     s["skipped"] += 1
     s["skip_reason"] = reason
+
+
+def not_applicable(adapter, settings, *gates: Gate) -> str | None:
+    """In a gate test: why the first of `gates` does not apply (the gate table's why_not), recorded as the reason
+    every one of them was not checked; None where it applies. The test skips with it (pytest.skip(reason))."""
+    from verify._internal.gates.table import why_not
+
+    reason = why_not(gates[0], adapter, settings)
+    for gate in gates if reason else ():
+        skip(gate, reason)
+    return reason
 
 
 def dump() -> str:

@@ -119,9 +119,9 @@ LONG_CORNER = (129, 2)
 
 
 def corners(adapter, gate: Gate, *, min_world: int = 1, max_world: int = 1) -> list:
-    """The known-hard cases of the gate test of `gate` (a GATE_BUDGETS key) for `adapter`, within [min_world,
-    max_world], in the form its @given draws (a Case; overflow: (case, micro, rank); mesh split invariance:
-    (case, world)):
+    """The known-hard cases of the gate test of `gate` (a gate with a budget in gates/table.py) for `adapter`,
+    within [min_world, max_world], in the form its @given draws (a Case; overflow: (case, micro, rank); mesh split
+    invariance: (case, world)):
 
     equivalence, normaliser, empty window,   N=3 B=2 K=2, padded (ignore_index): an empty micro-batch in
     path parity                             window 0; equivalence, for an adapter that declares short_last_window:

@@ -5,7 +5,7 @@
     padding, uneven_windows, overflow_cases, mesh_split_cases
 
 Every gate draws its known-hard corners first (cases/corners.py; with_corners: explicit @example's, never shrunk),
-then random_budget() random draws; seed_only_draws makes a gate's draws a function of the seed alone.
+then the gate table's random_budget() random draws (gates/table.py); seed_only_draws makes a gate's draws a function of the seed alone.
 An adapter's options come from its `options` hook (xtrain's: xtrain_proof/strategies.py).
 Why: docs/design/protocol.md, "Drawing cases".
 """
@@ -20,10 +20,9 @@ from hypothesis import strategies as st
 from verify._internal.cases.case import Case
 from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
-from verify._internal.verdict import Gate
 
 __all__ = ["cases", "dist_cases", "uneven_windows", "mesh_cases", "mesh_worlds", "overflow_cases", "mesh_split_cases", "padding",
-           "with_corners", "random_budget", "seed_only_draws", "gate_device", "budget", "gate_budget", "GATE_MIN_EXAMPLES", "GATE_BUDGETS"]
+           "with_corners", "seed_only_draws", "gate_device", "budget", "GATE_MIN_EXAMPLES"]
 
 # Every gate of the plugin draws at least this many cases under any profile: the dev profile's fast loop
 # must still exercise each gate on several drawn cases (one is a smoke test, and hypothesis shrinks it to
@@ -39,24 +38,6 @@ def budget(share: int, least: int, n: int | None = None) -> int:
     n = settings.default.max_examples if n is None else n  # n: another profile's max_examples
     floor = least if n >= 100 else max(1, round(least * n / 100))
     return max(floor, n // share)
-
-
-# Each gate test's share of the profile's budget and its floor (budget()): the one table behind the example
-# counts the guide states (docs/verify-your-trainer.md §1; tests/harness/test_plugin.py checks them).
-# normaliser / empty_window: ~6 trainers built per case (HF's Trainer: ~1 s each), and every count bug shows
-# on nearly every padded case, so a fifth of split invariance's share.
-GATE_BUDGETS = {Gate.EQUIVALENCE: (1, 1), Gate.BIT_EXACT: (1, 1), Gate.SPLIT_INVARIANCE: (10, 3),
-                Gate.NORMALISER: (20, 3), Gate.EMPTY_WINDOW: (20, 3), Gate.LONG_WINDOW: (30, 2),
-                Gate.DP_EQUIVALENCE: (2, 8), Gate.BYTES_PER_STEP: (30, 3), Gate.OVERFLOW: (10, 3),
-                Gate.MESH_EQUIVALENCE: (10, 3), Gate.MESH_SPLIT_INVARIANCE: (30, 2), Gate.REPORTED_METRICS: (20, 3),
-                Gate.PATH_PARITY: (10, 3)}
-
-
-def gate_budget(gate: Gate, n: int | None = None) -> int:
-    """Examples a gate test of the plugin draws under the loaded profile (or one of max_examples n):
-    budget(*GATE_BUDGETS[gate]), never below GATE_MIN_EXAMPLES. `gate`: the test's gate (the data-parallel test's
-    budget is DP_EQUIVALENCE's, boundary-only judged on the same runs; the long-window test's LONG_WINDOW's)."""
-    return max(GATE_MIN_EXAMPLES, budget(*GATE_BUDGETS[Gate(gate)], n=n))
 
 
 def gate_device(settings=None) -> str:
@@ -293,7 +274,3 @@ def with_corners(test, values, arg: str = "case"):
 
     return seeded
 
-
-def random_budget(gate: str, values) -> int:
-    """The random draws left to a gate test after its corners: they replace drawn cases within gate_budget(gate)."""
-    return max(1, gate_budget(gate) - len(values))

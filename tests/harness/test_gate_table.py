@@ -1,0 +1,64 @@
+"""The gate table (verify/_internal/gates/table.py) is the one definition of each gate: every gate has a row, every
+row a planted bug its check must reject, and the gate tests, the report and the planted bench read the row."""
+import inspect
+
+import pytest
+
+from planted import registry as planted
+from verify._internal import report
+from verify._internal.gates.table import TABLE, GateRow, why_not
+from verify._internal.verdict import Gate
+from xtrain_proof import adapters as xtrain
+
+GATES = [g for g in Gate if g is not Gate.DETERMINISM]  # determinism: a diagnosis of a failure, never drawn
+
+
+def test_every_gate_has_one_row_and_the_report_prints_its_claim():
+    assert list(TABLE) == [g for g in TABLE] and set(TABLE) == set(GATES)
+    for gate, row in TABLE.items():
+        assert row.gate is gate and len(row.claim) > 20 and callable(row.check)
+        assert report.BOUNDS[gate] == row.claim
+        if row.runs_in is not None:  # judged on another gate test's runs: that one has its own budget
+            assert TABLE[row.runs_in].budget is not None
+
+
+@pytest.mark.parametrize("gate", GATES, ids=lambda g: g.value)
+def test_every_gate_has_a_planted_bug_it_must_reject(gate):
+    """A gate nothing is planted against proves nothing: each has a registry row, which test_planted.py runs
+    through the row's check (TABLE[gate].check) and expects rejected with its message."""
+    assert planted.of_gate(gate), f"no planted bug for {gate.value!r}: add one to planted/registry.py"
+
+
+def test_a_row_needs_a_budget_or_the_test_whose_runs_judge_it():
+    with pytest.raises(ValueError, match="'equivalence': give a budget .* not neither"):
+        GateRow(Gate.EQUIVALENCE, "claim", print)
+    with pytest.raises(ValueError, match="not both"):
+        GateRow(Gate.EQUIVALENCE, "claim", print, (1, 1), runs_in=Gate.LONG_WINDOW)
+
+
+def test_why_not_names_the_declaration_that_enables_a_gate():
+    """xtrain's one-process adapter: no ignore_index, objective, mesh, metrics or parity; each gate that needs one
+    says which declaration turns it on; those it satisfies apply."""
+    a = xtrain.single
+    applies = {g for g in GATES if why_not(g, a) is None}
+    assert {Gate.EQUIVALENCE, Gate.BIT_EXACT, Gate.LONG_WINDOW, Gate.PARTIAL_SUMS} <= applies
+    assert "ignore_index=" in why_not(Gate.SPLIT_INVARIANCE, a) and "ignore_index" in why_not(Gate.EMPTY_WINDOW, a)
+    assert "mesh_axes=" in why_not(Gate.MESH_EQUIVALENCE, a) and "parity=" in why_not(Gate.PATH_PARITY, a)
+    assert "data_parallel=True" in why_not(Gate.DP_EQUIVALENCE, a.replace(data_parallel=False))
+    assert why_not(Gate.BOUNDARY_ONLY, a.replace(data_parallel=False)) == why_not(Gate.DP_EQUIVALENCE,
+                                                                                  a.replace(data_parallel=False))
+
+
+def test_the_gate_tests_skip_through_the_table():
+    """Every plugin gate test asks the table, not a condition of its own: its module calls report.not_applicable and
+    spells no declaration check that the table holds."""
+    import verify.test_gates as single
+    import verify.test_gates_dist as dist
+    import verify.test_gates_mesh as mesh
+
+    for module in (single, dist, mesh):
+        src = inspect.getsource(module)
+        assert "report.not_applicable(" in src
+        for condition in ("ignore_index is None", ".plain is None", ".parity is None", ".metrics is None",
+                          "not_declared(", "overflow_hook(", "needs_world("):
+            assert condition not in src, f"{module.__name__} decides '{condition}' itself: the gate table's why_not does"
