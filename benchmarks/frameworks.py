@@ -136,9 +136,7 @@ def probe_metrics() -> None:
     import dataclasses
     import importlib
 
-    from verify._internal.cases.case import Case
-    from verify._internal.gates.metrics import check_metrics
-    from verify._internal.verdict import GateFailure
+    from verify import Case, Gate, GateFailure, check
 
     module, name = RECIPE.split(":")
     adapter = getattr(importlib.import_module(module), name)
@@ -148,7 +146,7 @@ def probe_metrics() -> None:
         out[metric] = "passes"
         for fields in PROBE_CASES:
             try:
-                check_metrics(alone, Case(**fields))
+                check(Gate.REPORTED_METRICS, alone, Case(**fields))
             except GateFailure as e:
                 out[metric] = str(e).splitlines()[0]
                 break

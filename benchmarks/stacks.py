@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from verify._internal.verdict import Gate
+from verify import Gate
 
 TORCH = "torch==2.13.0"  # pinned like the README's install: the local CPU wheel, never a multi-GB CUDA build
 TOOLS = ["pytest>=8", "hypothesis>=6.100"]

@@ -38,8 +38,8 @@ __all__ = [
     "device_mesh",
     # loops the framework owns (HF Trainer, Lightning): the pull-mode driver
     "Pull", "PullError",
-    # a gate's verdict, as a test or a script sees it
-    "Gate", "GateFailure",
+    # one gate on one case, and its verdict, as a test or a script sees it
+    "check", "Case", "Gate", "GateFailure", "GateSkipped",
     # every knob of a run (the knob table: docs/verify-your-trainer.md)
     "Settings",
     # the studies beside the gates, and the header every report carries
@@ -57,6 +57,8 @@ _WHERE = {
     "CountRow": ("verify._internal.gates.counts", "CountRow"), "Windows": ("verify._internal.ranks.comm", "Windows"),
     "Mesh": ("verify._internal.ranks.mesh", "Mesh"), "device_mesh": ("verify._internal.ranks.mesh", "device_mesh"),
     "Pull": ("verify._internal.cases.pull", "Pull"), "PullError": ("verify._internal.cases.pull", "PullError"),
+    "check": ("verify._internal.gates.table", "check"), "Case": ("verify._internal.cases.case", "Case"),
+    "GateSkipped": ("verify._internal.verdict", "GateSkipped"),
     "Gate": ("verify._internal.verdict", "Gate"), "GateFailure": ("verify._internal.verdict", "GateFailure"),
     "Settings": ("verify._internal.settings", "Settings"),
     "run_selftest": ("verify.selftest", "run_selftest"), "measure_memory": ("verify.memory", "measure"),

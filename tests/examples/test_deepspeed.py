@@ -9,8 +9,8 @@ import importlib.util
 
 import pytest
 
-from verify._internal.cases.case import Case
-from verify._internal.gates import check_distributed, check_equivalence
+import verify
+from verify import Case, Gate
 
 # slow: every rank imports DeepSpeed (~5-10 s on 2 cores) and runs its engine end to end: CI, not the dev loop
 pytestmark = [pytest.mark.distributed, pytest.mark.slow,
@@ -29,12 +29,12 @@ def _case(stage, precision="fp32", world=2):
 def test_each_zero_stage_meets_its_count_row_and_the_big_batch(stage):
     from examples.deepspeed_zero import factory
 
-    r = check_distributed(factory, _case(stage))
+    r = verify.check(Gate.DP_EQUIVALENCE, factory, _case(stage))
     assert r.ratio < 1 and r.extra["comm"].steps, r
-    assert check_equivalence(factory, _case(stage, world=1)).ratio < 1
+    assert verify.check(Gate.EQUIVALENCE, factory, _case(stage, world=1)).ratio < 1
 
 
 def test_bf16_with_fp32_accumulation_at_stage_1_passes_on_this_release():
     from examples.deepspeed_zero import bf16
 
-    assert check_distributed(bf16, _case(1, "bf16")).ratio < 1
+    assert verify.check(Gate.DP_EQUIVALENCE, bf16, _case(1, "bf16")).ratio < 1

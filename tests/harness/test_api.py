@@ -11,7 +11,7 @@ import verify
 PUBLIC = {
     "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data", "Metrics", "Objective", "Parity",
     "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "CountRow", "Windows", "Mesh", "device_mesh",
-    "Pull", "PullError", "Gate", "GateFailure", "Settings",
+    "Pull", "PullError", "check", "Case", "Gate", "GateFailure", "GateSkipped", "Settings",
     "run_selftest", "measure_memory", "report_header", "atomic_write",
 }
 ROOT = pathlib.Path(__file__).resolve().parents[2]

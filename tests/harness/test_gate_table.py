@@ -62,3 +62,18 @@ def test_the_gate_tests_skip_through_the_table():
         for condition in ("ignore_index is None", ".plain is None", ".parity is None", ".metrics is None",
                           "not_declared(", "overflow_hook(", "needs_world("):
             assert condition not in src, f"{module.__name__} decides '{condition}' itself: the gate table's why_not does"
+
+
+def test_verify_check_runs_one_gate_on_one_case_as_the_plugin_does():
+    """The public door to one gate (verify.check, the guide's §10): a pass returns its GateResult, a bug raises
+    the plugin's GateFailure, a gate that does not apply raises GateSkipped."""
+    import verify
+
+    case = verify.Case(accum_steps=2, micro_batch=1, steps=1, seed=1, data_seed=2)
+    assert verify.check(verify.Gate.EQUIVALENCE, xtrain.single, case).ratio < 1
+    bug = planted.BY_NAME["missing_1_over_N"]
+    with pytest.raises(verify.GateFailure, match=r"^\[equivalence\] ") as e:
+        verify.check(verify.Gate.EQUIVALENCE, bug.adapter, bug.case)
+    assert e.value.gate is verify.Gate.EQUIVALENCE
+    with pytest.raises(verify.GateSkipped, match="declares no objective and no ignore_index"):
+        verify.check(verify.Gate.NORMALISER, xtrain.single, case)

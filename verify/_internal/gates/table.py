@@ -15,7 +15,7 @@ from verify._internal.gates.tolerance import FLOAT64_TEXT, LOSS_MAX_REL, STEP0_T
 from verify._internal.gates.worlds import needs_world, world_range
 from verify._internal.verdict import Gate
 
-__all__ = ["GateRow", "TABLE", "why_not", "gate_budget", "random_budget"]
+__all__ = ["GateRow", "TABLE", "why_not", "check", "gate_budget", "random_budget"]
 
 
 def _always(adapter, settings) -> None:
@@ -189,6 +189,13 @@ def why_not(gate: Gate, adapter, settings=None) -> str | None:
     from verify._internal.settings import current
 
     return TABLE[Gate(gate)].why_not(adapter, settings or current())
+
+
+def check(gate: Gate, adapter, case, *args):
+    """One gate on one case, as the plugin runs it (verify.check): the GateResult of a pass; raises GateFailure
+    (the verdict, its numbers and its hint) or GateSkipped (the gate does not apply). `args`: the overflow gate's
+    (micro-step, rank), split invariance's (max_world,), mesh split invariance's (world,)."""
+    return TABLE[Gate(gate)].check(adapter, case, *args)
 
 
 def gate_budget(gate: Gate, n: int | None = None) -> int:
