@@ -77,3 +77,14 @@ def test_verify_check_runs_one_gate_on_one_case_as_the_plugin_does():
     assert e.value.gate is verify.Gate.EQUIVALENCE
     with pytest.raises(verify.GateSkipped, match="declares no objective and no ignore_index"):
         verify.check(verify.Gate.NORMALISER, xtrain.single, case)
+
+
+def test_every_gate_the_self_test_runs_has_an_operator_aimed_at_it_and_every_operator_a_gate():
+    """The self-test's columns are the gates with operators in the table; every operator is aimed at one gate, and
+    each aimed name is an operator. A gate without one would have a column nothing is shown to reach."""
+    from verify.selftest import GATES, OPERATORS
+
+    aimed = {g: row.operators for g, row in TABLE.items() if row.operators}
+    assert set(aimed) == set(GATES), sorted(g.value for g in set(aimed) ^ set(GATES))
+    names = [o for ops in aimed.values() for o in ops]
+    assert sorted(names) == sorted(OPERATORS), (sorted(set(names) - set(OPERATORS)), sorted(set(OPERATORS) - set(names)))

@@ -35,6 +35,9 @@ class GateRow:
     runs_in: Gate | None = None
     why_not: Callable = _always
     """why_not(adapter, settings) -> the reason the gate does not apply to this adapter here, or None."""
+    operators: tuple[str, ...] = ()
+    """The self-test's fault operators aimed at this gate (verify/selftest/operators.py): the bugs it is the first
+    to see; none for a gate the self-test does not run (its fixed cases draw no split, partial sum or empty window)."""
 
     def __post_init__(self):
         if (self.budget is None) == (self.runs_in is None):
@@ -138,13 +141,19 @@ _DIST = _lazy("verify._internal.gates.distributed", "check_distributed")
 TABLE: dict[Gate, GateRow] = {r.gate: r for r in (
     GateRow(Gate.EQUIVALENCE, f"step 0 (fp32 or the autocast precision): {STEP0_TEXT} vs float64 (the loss's "
             f"all-parameter term only under autocast); fp32 losses rel < {LOSS_MAX_REL:g}; float64 K steps: loss rel, "
-            f"params / max(1,|p|) ≤ {FLOAT64_TEXT}", _lazy("verify._internal.gates.single", "check_equivalence"), (1, 1)),
+            f"params / max(1,|p|) ≤ {FLOAT64_TEXT}", _lazy("verify._internal.gates.single", "check_equivalence"), (1, 1),
+            operators=("drop_micro_step", "repeat_micro_step", "grads_times_N", "grads_over_N",
+                       "optimizer_step_every_micro", "zero_grad_in_micro_loop", "stale_micro_batch",
+                       "loss_sum_not_mean", "per_micro_mean", "count_from_first_micro")),
     GateRow(Gate.BIT_EXACT, "torch.equal on every gradient, loss and parameter after K steps",
-            _lazy("verify._internal.gates.single", "check_bit_exact"), (1, 1), why_not=_plain),
+            _lazy("verify._internal.gates.single", "check_bit_exact"), (1, 1), why_not=_plain,
+            operators=("all_positions", "sequences")),
     GateRow(Gate.BOUNDARY_ONLY, "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 "
-            "elements", _DIST, runs_in=Gate.DP_EQUIVALENCE, why_not=_data_parallel),
+            "elements", _DIST, runs_in=Gate.DP_EQUIVALENCE, why_not=_data_parallel,
+            operators=("extra_collective_micro_0",)),
     GateRow(Gate.DP_EQUIVALENCE, "the equivalence policy, every rank vs the one-rank big batch; ranks bit-equal", _DIST,
-            (2, 8), why_not=_data_parallel),
+            (2, 8), why_not=_data_parallel,
+            operators=("divide_by_world_twice", "per_rank_mean", "equal_rank_weights")),
     GateRow(Gate.BYTES_PER_STEP, "the case at N and its window at N = 1 (N·B rows in one micro-step): every rank's "
             "boundary issues the same gradient collectives carrying the same bytes, every step",
             _lazy("verify._internal.gates.distributed", "check_same_bytes"), (30, 3), why_not=_two_ranks),
@@ -153,19 +162,22 @@ TABLE: dict[Gate, GateRow] = {r.gate: r for r in (
     GateRow(Gate.LONG_WINDOW, "N = 64..256, one process: the equivalence policy; N = 256 in each declared low precision: "
             "the same policy in that precision, and the window's micro-batches reversed move the gradient by no more "
             "than an fp32 sum's rounding (C·2γ_{N−1}, else measured)",
-            _lazy("verify._internal.gates.windows", "check_long_window"), (30, 2)),
+            _lazy("verify._internal.gates.windows", "check_long_window"), (30, 2),
+            operators=("low_precision_accumulation",)),
     GateRow(Gate.PARTIAL_SUMS, f"after every micro-step: partial_grads() vs the float64 big batch of micro-batches "
             f"0..n, rel ≤ {FLOAT64_TEXT}", _lazy("verify._internal.gates.windows", "check_partial_sums"),
             runs_in=Gate.LONG_WINDOW),
     GateRow(Gate.NORMALISER, "float64, same parameters, each term alone: w × the losses of windows A, B add up to "
             "A∪B's (w: the declared normaliser's count); padding and one sequence's halves as it says; rel ≤ "
             f"{FLOAT64_TEXT} (floor: the twins')", _lazy("verify._internal.gates.objective", "check_normaliser"),
-            (20, 3), why_not=_normaliser),
+            (20, 3), why_not=_normaliser,
+            operators=("normaliser_applied_twice", "aux_reset_per_micro")),
     GateRow(Gate.EMPTY_WINDOW, "a window without a valid target: parameters torch.equal; the next window as without it "
             "(float64)", _lazy("verify._internal.gates.tokens", "check_empty_window"), (20, 3), why_not=_empty),
     GateRow(Gate.MESH_EQUIVALENCE, "each dp replica assembled (pp stages own each parameter once, tp ranks bit-equal): "
             "the equivalence policy vs the 1×1×1 big batch; replicas bit-equal",
-            _lazy("verify._internal.gates.mesh", "check_mesh"), (10, 3), why_not=_mesh),
+            _lazy("verify._internal.gates.mesh", "check_mesh"), (10, 3), why_not=_mesh,
+            operators=("pipeline_micro_batch_dropped", "dp_reduction_skipped", "reduced_over_wrong_group")),
     GateRow(Gate.MESH_SPLIT_INVARIANCE, "one window on every dp × pp × tp mesh of one world: the mesh equivalence "
             "policy, each vs the same 1×1×1 big batch", _lazy("verify._internal.gates.mesh", "check_mesh_splits"),
             (30, 2), why_not=_mesh),
@@ -174,10 +186,13 @@ TABLE: dict[Gate, GateRow] = {r.gate: r for r in (
             f"window's counts) and vs the big batch's report, rel ≤ {FLOAT64_TEXT.split('·max')[0]}; counts exact; a "
             f"bf16 / fp16 case also its run in that precision vs its own unscaled values: norms within "
             f"exp((n + 8)·eps32) − 1 (n elements), the loss within {C:g}·eps_p·max(1, κ)", _metrics_check, (20, 3),
-            why_not=_metrics),
+            why_not=_metrics,
+            operators=("grad_norm_one_shard", "grad_norm_last_micro", "grad_norm_post_clip", "grad_norm_zero",
+                       "grad_norm_per_rank", "lr_previous_step", "count_one_micro", "loss_last_micro")),
     GateRow(Gate.OVERFLOW, "fp16, one micro-batch on one rank overflowing: every rank's parameters torch.equal to "
             "before the window; loss_scale() equal to the big batch's after every window; ranks torch.equal after "
-            "every window", _lazy("verify._internal.gates.overflow", "check_overflow"), (10, 3), why_not=_overflow),
+            "every window", _lazy("verify._internal.gates.overflow", "check_overflow"), (10, 3), why_not=_overflow,
+            operators=("skip_decided_on_one_rank",)),
     GateRow(Gate.PATH_PARITY, "the declared switch on vs off, same windows and init: every loss, step-0 gradient and "
             "parameter torch.equal (exact), else the equivalence policy with the off side as the big batch",
             _lazy("verify._internal.gates.parity", "check_parity"), (10, 3), why_not=_parity),
