@@ -8,11 +8,11 @@ from __future__ import annotations
 import importlib
 
 __all__ = [
-    "PRESETS", "ModelConfig", "OptimConfig", "TrainConfig", "TokenStream", "DocStream", "Windows", "split_micro",
+    "PRESETS", "ModelConfig", "OptimConfig", "TrainConfig", "TokenStream", "DocStream", "FullWindows", "split_micro",
     "GPT", "build_model", "AccumTrainer", "make_optimizer", "plain_step",
 ]
 _WHERE = {"PRESETS": "config", "ModelConfig": "config", "OptimConfig": "config", "TrainConfig": "config",
-          "TokenStream": "data", "DocStream": "data", "Windows": "data", "split_micro": "data",
+          "TokenStream": "data", "DocStream": "data", "FullWindows": "data", "split_micro": "data",
           "GPT": "model", "build_model": "model", "AccumTrainer": "trainer", "make_optimizer": "trainer",
           "plain_step": "trainer"}
 

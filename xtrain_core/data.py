@@ -140,7 +140,7 @@ def _index_lines(path, chunk: int = 1 << 20) -> tuple[array, array]:
     return starts, lengths
 
 
-class Windows:
+class FullWindows:
     """Micro-batches grouped into accumulation windows of exactly N. A window is never stepped short: a
     tail of fewer than N micro-batches (data that ends mid-window) is dropped — 1/N over fewer than N
     micro-steps would weigh them wrongly — and counted in `.dropped` once iteration ends."""

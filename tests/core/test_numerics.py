@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from xtrain_core.config import ModelConfig, OptimConfig
-from xtrain_core.data import DocStream, Windows
+from xtrain_core.data import DocStream, FullWindows
 from xtrain_core.model import IGNORE, build_model
 from xtrain_core.trainer import AccumTrainer
 
@@ -116,9 +116,9 @@ def test_a_trainer_that_sanitizes_non_finite_gradients_steps_the_poisoned_window
 
 
 def test_a_partial_window_is_never_stepped_short():
-    """Data that ends mid-window: Windows drops the tail (and counts it); train_step refuses fewer than N."""
+    """Data that ends mid-window: FullWindows drops the tail (and counts it); train_step refuses fewer than N."""
     mbs = [_batch(2, [8, 8], seed=i) for i in range(7)]
-    w = Windows(mbs, 3)
+    w = FullWindows(mbs, 3)
     windows = list(w)
     assert [len(x) for x in windows] == [3, 3] and w.dropped == 1
     t = AccumTrainer(build_model(CFG, 0), OptimConfig(), 3)
