@@ -29,8 +29,23 @@ def _gpu_sharing(request):
         yield
 
 
+MATRIX = ("matrix: an end-to-end plugin run of a framework recipe whose claims the release matrix proves on the "
+          "framework's releases (python -m benchmarks.frameworks); left out of a run unless -m names it")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", MATRIX)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Longest first: the tests marked `slow` (end to end: subprocesses, torchrun agents, self-tests; 10-60 s each)
-    start before the rest, so under xdist the short ones fill the workers' last minutes instead of one worker
-    finishing a minute-long test alone (longest-processing-time-first). Stable: otherwise collection order."""
+    """The release matrix's end-to-end runs leave the default run (CI's, the dev loop's): `pytest -m matrix` runs
+    them; each recipe keeps a fast smoke that runs by default. Then longest first: the tests marked `slow` (end to
+    end: subprocesses, torchrun agents, self-tests; 10-60 s each) start before the rest, so under xdist the short
+    ones fill the workers' last minutes instead of one worker finishing a minute-long test alone
+    (longest-processing-time-first). Stable: otherwise collection order."""
+    if "matrix" not in (config.getoption("markexpr") or ""):
+        left = [item for item in items if item.get_closest_marker("matrix") is not None]
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = [item for item in items if item.get_closest_marker("matrix") is None]
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

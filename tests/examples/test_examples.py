@@ -57,6 +57,15 @@ def _marks(name):
     return NEEDS.get(name, [])
 
 
+# framework recipes whose end-to-end plugin runs are release-matrix rows (reports/frameworks): `pytest -m matrix`
+# runs them; by default each keeps its fast smoke (tests/examples/test_recipe_metrics.py, test_deepspeed.py)
+MATRIX = ("accelerate_accumulate", "fabric_no_backward_sync", "hf_trainer", "lightning_trainer", "deepspeed_zero")
+
+
+def _end_to_end(name):
+    return _marks(name) + ([pytest.mark.matrix] if name in MATRIX else [])
+
+
 RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents", "moe_aux", "trl_grpo",
                              "deepspeed_zero", "token_mean_lm"]
 
@@ -114,7 +123,7 @@ def plugin(tmp_path, name, worlds, *args, trainer="factory"):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in DATA_PARALLEL])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_end_to_end(n)) for n in DATA_PARALLEL])
 def test_data_parallel_examples_pass_every_gate(tmp_path, name):
     # Fabric at world 2 only: each rank process imports lightning (~5 s of CPU: it pulls in torchmetrics)
     # Accelerate at world 2 only too: worlds 1-2 and its self-test are the release matrix's rows
@@ -157,27 +166,30 @@ def test_token_mean_recipe_passes_every_gate_at_worlds_1_and_2(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.matrix
 @needs_deepspeed
 def test_deepspeed_passes_every_gate(tmp_path):
-    """DeepSpeed's engine (ZeRO stage drawn per case, fp32) through the plugin at world 1, the smoke CI keeps on the
-    release pip resolves; every stage's count row and the big batch at world 2 are tests/examples/test_deepspeed.py's,
-    worlds 1-2 and the self-test the release matrix's rows."""
+    """DeepSpeed's engine (ZeRO stage drawn per case, fp32) through the plugin at world 1 (`-m matrix`: the release
+    matrix's rows prove worlds 1-2 and the self-test on DeepSpeed's releases); CI's smoke on the release pip resolves
+    is tests/examples/test_deepspeed.py: every stage's count row and the big batch at world 2."""
     r, gates = plugin(tmp_path, "deepspeed_zero", (1, 1))
     assert gates["equivalence"]["examples"] >= DEV and gates["boundary-only"]["worlds"] == [1], gates
     assert gates["equivalence"]["worst_ratio"] < 1 and "metric loss" not in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.distributed
+@pytest.mark.matrix
 @needs_accelerate
 def test_accelerate_passes_at_world_1(tmp_path):
     """Alone in a one-rank group (the gates' world 1) Accelerate wraps DDP without entering no_sync(): an
-    all-reduce per micro-step, declared for world 1 only (verify.DDP_WORLD1_EXPECTED)."""
+    all-reduce per micro-step, declared for world 1 only (verify.DDP_WORLD1_EXPECTED). `-m matrix`, as the release
+    matrix's Accelerate rows (worlds 1-2); CI's smoke is tests/examples/test_recipe_metrics.py's."""
     r, gates = plugin(tmp_path, "accelerate_accumulate", (1, 1), "-k", "data_parallel")
     assert gates["boundary-only"]["worlds"] == [1] and gates["boundary-only"]["expected_before_boundary"] > 0
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in ["hf_trainer", "lightning_trainer"]])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_end_to_end(n)) for n in ["hf_trainer", "lightning_trainer"]])
 def test_framework_recipes_pass_every_gate_at_world_1(tmp_path, name):
     """The framework owns the loop (verify.Pull): HF Trainer.train() and Lightning fit(), from an empty
     directory, at world 1 (DDP under the harness's one-rank process group). At world 2 the unwrapped recipe
