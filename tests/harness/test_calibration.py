@@ -88,6 +88,7 @@ def test_a_real_1e5_error_fails_even_when_declared(data):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~4 s: Lightning Fabric imported on two ranks (CI only; the one-process floor tests stay in the dev loop)
 def test_the_data_parallel_gate_uses_the_same_floor():
     case = Case(accum_steps=7, micro_batch=1, steps=2, world=2, seed=5, data_seed=9)
     r = check_distributed(ca.fabric_64_true, case)

@@ -52,7 +52,11 @@ CLASSES = {
 }
 
 
-@pytest.mark.parametrize("cls", sorted(CLASSES))
+# slow (each ~3 s of rank pools and meshes, CI only): "no /W" keeps a data-parallel re-run in the dev loop
+SLOW = {"/W twice", "tp − 1"}
+
+
+@pytest.mark.parametrize("cls", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in sorted(CLASSES)])
 def test_each_bug_class_is_diagnosed_by_re_running(cls):
     name, check, case, says = CLASSES[cls]
     adapter, failure = _planted(name) if check is None else (_helper(name), _failure(check, _helper(name), case))

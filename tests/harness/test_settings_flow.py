@@ -98,6 +98,7 @@ def test_the_settings_cross_a_process_boundary_whole():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~4 s: a spawned rank imports torch afresh (CI only)
 def test_a_pool_rank_uses_its_parents_settings_whatever_its_environment(monkeypatch):
     """A spawned rank inherits this process's environment as it is when the rank starts: the knobs there say
     otherwise (timeout 5, 1 thread), the rank still runs under the Settings its pool was built with (timeout 77)."""
