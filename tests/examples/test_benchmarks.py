@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from verify._internal.header import SCHEMA_VERSION
+import verify
 
 
 pytestmark = pytest.mark.slow  # subprocesses end to end: deselect with -m 'not slow' for fast feedback
@@ -31,7 +31,7 @@ def _run(args, out, timeout=120):
 def _report(path) -> dict:
     assert path.is_file(), f"{path.name} not written"
     doc = json.loads(path.read_text())
-    assert doc["schema_version"] == SCHEMA_VERSION
+    assert doc["schema_version"] == verify.report_header("benchmarks")["schema_version"]
     assert isinstance(doc["machine_info"], dict) and doc["machine_info"]["torch"] == torch.__version__
     return doc
 
@@ -154,7 +154,7 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     assert fw.main(["--out", str(out), "--versions", "4.45.2,current", "--cache", str(tmp_path / "cache")]) == 0
     assert selftests == ["current"]
     doc = json.loads((out / "frameworks.json").read_text())
-    assert doc["kind"] == "frameworks" and doc["schema_version"] == SCHEMA_VERSION
+    assert doc["kind"] == "frameworks" and doc["schema_version"] == verify.report_header("frameworks")["schema_version"]
     old, new = doc["versions"]
     assert (old["verdict"], old["expected"], new["verdict"], new["expected"]) == ("rejected", "rejected", "passes", "passes")
     assert old["failures"][0]["gate"] == "split invariance" and old["failures"][0]["case"].endswith("lengths=[8, 7]")
