@@ -272,7 +272,7 @@ def main(argv=None) -> int:
         writable_dir("--cache", a.cache)
     except UsageError as e:
         fail(str(e))
-    from verify._internal.header import atomic_write_all
+    from verify import atomic_write
     from verify import report_header
 
     os.makedirs(a.out, exist_ok=True)
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     doc = dict(report_header("frameworks"), profile=a.profile, max_world=a.max_world,
                command="python -m benchmarks.frameworks " + " ".join(argv if argv is not None else sys.argv[1:]),
                versions=rows)
-    atomic_write_all({os.path.join(a.out, "frameworks.json"): json.dumps(doc, indent=1, default=str),
+    atomic_write({os.path.join(a.out, "frameworks.json"): json.dumps(doc, indent=1, default=str),
                       os.path.join(a.out, "frameworks.md"): render_md(doc)})
     print(f"wrote {os.path.join(a.out, 'frameworks.json')} and frameworks.md")
     return 0 if all(r["meets_expectation"] is not False for r in rows) else 1

@@ -159,14 +159,14 @@ def render_md(report, stem: str) -> str:
 
 
 def write_all(report, out: Path, stem: str) -> list[Path]:
-    from verify._internal.header import atomic_write_all
+    from verify import atomic_write
 
     files = {out / f"{stem}.json": json.dumps(report, indent=1, default=str) + "\n", out / f"{stem}.md": render_md(report, stem)}
     try:
         files[out / f"{stem}.png"] = plot.to_png(modes_figure(report))
     except ImportError:
         print("benchmarks.memory_modes: matplotlib is not installed; writing the report without the plot", file=sys.stderr)
-    return [Path(p) for p in atomic_write_all(files)]
+    return [Path(p) for p in atomic_write(files)]
 
 
 def modes_figure(report):

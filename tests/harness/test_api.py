@@ -84,3 +84,17 @@ def test_the_old_mesh_path_still_works_and_names_the_new_one(monkeypatch):
         old = verify.mesh  # attribute access, as the old recipes wrote it
     assert old.device_mesh is verify.device_mesh and old.Mesh is verify.Mesh
     assert importlib.import_module("verify.mesh") is old  # `from verify.mesh import device_mesh`: the same module
+
+
+def test_atomic_write_writes_one_file_or_several_all_or_none(tmp_path):
+    """verify.atomic_write(path, text), and a dict {path: text}: every file written (folders made), or none of them
+    (a failure on the second leaves the first as it was, no temp file behind)."""
+    one, two = tmp_path / "a.json", tmp_path / "b.md"
+    assert verify.atomic_write(str(one), "1") == [str(one)] and one.read_text() == "1"
+    assert verify.atomic_write({str(one): "2", str(two): "3"}) == [str(one), str(two)]
+    assert (one.read_text(), two.read_text(), oct(one.stat().st_mode & 0o777)) == ("2", "3", "0o644")
+    with pytest.raises(OSError):  # the second file's folder would be a file
+        verify.atomic_write({str(one): "4", str(one / "c.md"): "5"})
+    assert one.read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.md"]
+    with pytest.raises(TypeError, match="takes no data argument"):
+        verify.atomic_write({str(one): "6"}, "7")

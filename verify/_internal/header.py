@@ -144,10 +144,15 @@ def header(kind: str, device=None) -> dict:
                 git_commit=git_commit(), utc=utc_now(), xtrain_version=version(), versions=versions())
 
 
-def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:
+def atomic_write(path, data: str | bytes | None = None, mode: int = 0o644) -> list[str]:
     """Write to a temp file in the same folder, then os.replace: readers see the old file or the new one.
-    Reports are for reading: mode 0644 (mkstemp alone would leave 0600)."""
-    atomic_write_all({path: data}, mode)
+    Reports are for reading: mode 0644 (mkstemp alone would leave 0600). `path` a dict {path: data}: several files,
+    all or none (atomic_write_all). Returns the paths written."""
+    if isinstance(path, dict):
+        if data is not None:
+            raise TypeError("atomic_write({path: data, ...}) takes no data argument: the dict holds each file's")
+        return atomic_write_all(path, mode)
+    return atomic_write_all({path: data}, mode)
 
 
 def atomic_write_all(files: dict, mode: int = 0o644) -> list[str]:
