@@ -44,7 +44,7 @@ def test_the_plugin_is_registered_on_the_pytest11_entry_point():
 
 # benchmarks on public names only; the others measure the harness itself (its rank pools, its collective counter,
 # the gates' margins: bench_dist, float64_margins, ...), which has no public door yet (issue 43)
-PUBLIC_BENCHMARKS = ("bench_single.py", "memory_modes.py", "plain_torch.py", "stacks.py")
+PUBLIC_BENCHMARKS = ("bench_single.py", "memory_modes.py", "plain_torch.py", "stacks.py", "frameworks.py")
 # the recipes' tests that use public names only (test_examples' budgets, test_recipe_metrics' drive: not yet)
 PUBLIC_RECIPE_TESTS = ("test_deepspeed.py", "test_benchmarks.py", "test_launcher.py", "test_install.py", "test_zoo.py")
 INTERNAL_IMPORT = re.compile(r"^\s*(?:from|import)\s+verify\._internal\b", re.M)
