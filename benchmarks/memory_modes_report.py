@@ -43,7 +43,6 @@ def _flat(rep: dict) -> dict:
 
 
 def assemble(args, results: list[dict], argv, wall: float) -> dict:
-    from verify._internal.header import git_state
     from verify import report_header
 
     head = report_header("memory-modes")
@@ -64,7 +63,7 @@ def assemble(args, results: list[dict], argv, wall: float) -> dict:
             m.update(stderr_tail=r["stderr_tail"])
         modes.append(m)
     return dict(
-        head, tool="benchmarks.memory_modes", git={k: v for k, v in git_state().items() if k != "commit"},
+        head, tool="benchmarks.memory_modes",
         command="python -m benchmarks.memory_modes " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         settings=dict(effective_batch=args.effective_batch, world_size=args.world, device=args.device,
                       model_name=s.get("model_name"), model=s.get("model"), n_params=s.get("n_params"),

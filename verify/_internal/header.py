@@ -139,9 +139,11 @@ def versions_text(found: dict | None = None) -> str:
 
 def header(kind: str, device=None) -> dict:
     """The header every report carries (verify.report_header): schema_version, kind, the machine (of `device`),
-    the git commit, UTC time, and the releases of xtrain-verify and of each dependency found."""
+    the git commit and its state (where it came from, the branch, dirty), UTC time, and the releases of xtrain-verify
+    and of each dependency found."""
+    git = {k: v for k, v in git_state().items() if k != "commit"}  # where the commit came from, branch, dirty
     return dict(schema_version=SCHEMA_VERSION, kind=kind, machine_info=machine_info(device),
-                git_commit=git_commit(), utc=utc_now(), xtrain_version=version(), versions=versions())
+                git_commit=git_commit(), git=git, utc=utc_now(), xtrain_version=version(), versions=versions())
 
 
 def atomic_write(path, data: str | bytes | None = None, mode: int = 0o644) -> list[str]:

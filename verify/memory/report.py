@@ -266,7 +266,7 @@ def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nv
     """The report: the common header (verify/_internal/header.py), memory-specific provenance, settings, probe
     definitions, thresholds, every configuration with its per-rank rows, the verdicts, the anchor
     comparison. `nvml`: why NVML could not be used on this GPU (None: it could)."""
-    from verify._internal.header import git_state, header
+    from verify._internal.header import header
     from verify._internal.cases.case import _plain, _short
     from verify.memory.probes import probe_definition
 
@@ -282,8 +282,7 @@ def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nv
     if plan.cuda:
         head["machine_info"]["nvml"] = "ok" if nvml is None else nvml
     ref = plan.adapter.locate()
-    git = {k: v for k, v in git_state().items() if k != "commit"}  # the commit is the header's git_commit
-    git["sources_sha256"] = sources_sha256(ref, plan.sources)
+    git = dict(head["git"], sources_sha256=sources_sha256(ref, plan.sources))  # the header's, and the sources' hash
     n_params = plan.n_params if plan.n_params is not None else (ok0[0]["param_count"] if ok0 else None)
     floor, _ = tolerance(plan.cuda)
     hwm = all(x.get("hwm_source", "").startswith("VmHWM") for x in ok0)
