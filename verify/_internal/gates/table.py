@@ -95,7 +95,8 @@ def _mesh(a, s):
 def _overflow(a, s):
     from verify._internal.gates.overflow import overflow_hook
 
-    return overflow_hook(a)[1] if overflow_hook(a)[0] is None else None
+    hook, why = overflow_hook(a)
+    return why if hook is None else None
 
 
 def _metrics(a, s):
