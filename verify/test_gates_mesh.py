@@ -22,12 +22,17 @@ from verify._internal.verdict import Gate
 pytestmark = [pytest.mark.verify_gate, pytest.mark.distributed, pytest.mark.usefixtures("gpu_shared")]
 
 
-def test_mesh_equivalent(verify_adapter, verify_settings):
-    reason = report.not_applicable(verify_adapter, verify_settings, Gate.MESH_EQUIVALENCE)
+def _drawn(adapter, settings, gate: Gate):
+    """(lo, hi, the corners) of a mesh gate's test, after skipping it where the gate does not apply."""
+    reason = report.not_applicable(adapter, settings, gate)
     if reason:
         pytest.skip(reason)
-    lo, hi = world_range(settings=verify_settings, at_least=2)
-    hard = corners(verify_adapter, Gate.MESH_EQUIVALENCE, min_world=lo, max_world=hi)
+    lo, hi = world_range(settings=settings, at_least=2)
+    return lo, hi, corners(adapter, gate, min_world=lo, max_world=hi)
+
+
+def test_mesh_equivalent(verify_adapter, verify_settings):
+    lo, hi, hard = _drawn(verify_adapter, verify_settings, Gate.MESH_EQUIVALENCE)
 
     @settings(max_examples=random_budget(Gate.MESH_EQUIVALENCE, hard), deadline=None)
     @given(case=mesh_cases(verify_adapter, min_world=lo, max_world=hi))
@@ -41,11 +46,7 @@ def test_mesh_equivalent(verify_adapter, verify_settings):
 def test_mesh_split_invariance(verify_adapter, verify_settings):
     """One window (N = chunks × outer micro-steps of B rows per rank of the world) on every mesh of one
     world over the adapter's axes: each gives the 1×1×1 big batch's step."""
-    reason = report.not_applicable(verify_adapter, verify_settings, Gate.MESH_SPLIT_INVARIANCE)
-    if reason:
-        pytest.skip(reason)
-    lo, hi = world_range(settings=verify_settings, at_least=2)
-    hard = corners(verify_adapter, Gate.MESH_SPLIT_INVARIANCE, min_world=lo, max_world=hi)
+    lo, hi, hard = _drawn(verify_adapter, verify_settings, Gate.MESH_SPLIT_INVARIANCE)
 
     @settings(max_examples=random_budget(Gate.MESH_SPLIT_INVARIANCE, hard), deadline=None)
     @given(drawn=mesh_split_cases(verify_adapter, min_world=lo, max_world=hi))
