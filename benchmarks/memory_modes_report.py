@@ -105,9 +105,8 @@ def text_table(report) -> str:
 def render_md(report, stem: str) -> str:
     s, mi = report["settings"], report["machine_info"]
     unit, _ = _unit(report)
-    from verify._internal.header import commit_text
-
-    commit = commit_text(report, 12)
+    sha, dirty = report.get("git_commit"), (report.get("git") or {}).get("dirty")  # verify.report_header's fields
+    commit = f"commit `{sha[:12]}{' (dirty)' if dirty else ''}`" if sha else "not a git checkout"
     dev = mi["gpu"] if mi.get("gpu") and s["device"] == "cuda" else f"CPU ({mi.get('cpu_model') or 'unknown'}, {mi['cpu_count']} cores)"
     L = [f"# Peak memory per data-parallel mode, E = {s['effective_batch']}, W = {s['world_size']}: **{report['verdict']}**", "",
          f"`{report['command']}` · {commit} · {report['utc']} · {dev} · torch {mi['torch']} · "
