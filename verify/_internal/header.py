@@ -36,7 +36,7 @@ def git_state(where: str | None = None) -> dict:
     head = _git("rev-parse", "HEAD", where=where)
     status = _git("status", "--porcelain", "--untracked-files=no", where=where) if head else None
     source = env_of("git_commit") if current().git_commit else ("git" if head else None)
-    return dict(commit=git_commit(where), commit_source=source,
+    return dict(commit=current().git_commit or head or None, commit_source=source,  # git_commit's rule, head once
                 branch=_git("rev-parse", "--abbrev-ref", "HEAD", where=where) if head else None,
                 dirty=None if status is None else bool(status))
 
@@ -141,9 +141,9 @@ def header(kind: str, device=None) -> dict:
     """The header every report carries (verify.report_header): schema_version, kind, the machine (of `device`),
     the git commit and its state (where it came from, the branch, dirty), UTC time, and the releases of xtrain-verify
     and of each dependency found."""
-    git = {k: v for k, v in git_state().items() if k != "commit"}  # where the commit came from, branch, dirty
+    git = git_state()  # the commit, where it came from, the branch, dirty: one set of git calls
     return dict(schema_version=SCHEMA_VERSION, kind=kind, machine_info=machine_info(device),
-                git_commit=git_commit(), git=git, utc=utc_now(), xtrain_version=version(), versions=versions())
+                git_commit=git.pop("commit"), git=git, utc=utc_now(), xtrain_version=version(), versions=versions())
 
 
 def atomic_write(path, data: str | bytes | None = None, mode: int = 0o644) -> list[str]:

@@ -124,7 +124,7 @@ def check_order(adapter, case: Case, device: str, runs: dict) -> float:
     reordering, in fp32 and through the low-precision forward). Reads `_equivalence`'s runs; returns error / bound."""
     N, p = case.accum_steps, case.precision
     acc = runs.get((p, N))
-    if N < 2 or acc is None or not acc.grads0 or case.steps < 1:
+    if N < 2 or acc is None or not acc.grads0:  # no order to change; a step 0 GradScaler skipped: no gradient
         return 0.0
     data = case.batches(adapter)[:1]
     back = reverse_micro(data, N)
