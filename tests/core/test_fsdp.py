@@ -3,6 +3,7 @@ count table row of its sync mode, per micro-step and at the boundary; and the FS
 import re
 
 import pytest
+from tests.helpers.tiers import dev_first
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,8 +23,9 @@ TWO_BLOCKS = xtrain.XtrainOptions(model=ModelConfig(vocab_size=32, seq_len=8, n_
 
 
 
-@pytest.mark.parametrize("adapter", [xtrain.fsdp2, xtrain.fsdp2_keep, xtrain.fsdp2_tokens],
-                         ids=["reshard", "keep", "tokens"])
+@pytest.mark.parametrize("adapter", dev_first([pytest.param(xtrain.fsdp2, id="reshard"),
+                                               pytest.param(xtrain.fsdp2_keep, id="keep"),
+                                               pytest.param(xtrain.fsdp2_tokens, id="tokens")]))
 @settings(max_examples=budget(25, 4), deadline=None)
 @given(data=st.data())
 def test_fsdp2_passes_its_count_row_and_the_equivalence_gate(adapter, data):

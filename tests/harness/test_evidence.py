@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.helpers.tiers import dev_first
 
 from planted import calib_adapters as calib
 from planted import hint_adapters as ha
@@ -136,7 +137,7 @@ def _accelerate_runs(name, W):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", ["fixed_undeclared", "tokens_undeclared"])
+@pytest.mark.parametrize("name", dev_first(["fixed_undeclared", "tokens_undeclared"]))
 def test_the_per_rank_scheduler_is_named_in_every_failure_of_an_undeclared_accelerate_trainer(name, W):
     adapter = _accelerate(name)
     runs = _accelerate_runs(name, W)

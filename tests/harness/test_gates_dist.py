@@ -2,6 +2,7 @@
 (planted/broken_dist.py) with a message naming the micro-step and the collective.
 (The gates' runs on the default adapter are verify/test_gates_dist.py.)"""
 import pytest
+from tests.helpers.tiers import dev_first
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,8 +66,8 @@ def test_world1_is_the_single_process_path(data):
 # -- the gates must reject broken trainers --------------------------------------------------------
 
 @needs_2
-@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("boundary-only", "data-parallel equivalence",
-                                                                   module="broken_dist") if "fsdp2" not in b.name])
+@pytest.mark.parametrize("name", dev_first([b.name for b in planted.of_gate("boundary-only", "data-parallel equivalence",
+                                                                             module="broken_dist") if "fsdp2" not in b.name]))
 @settings(max_examples=budget(30, 3), deadline=None)
 @given(data=st.data())
 def test_rejects_broken(name, data):

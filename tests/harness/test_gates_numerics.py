@@ -1,6 +1,7 @@
 """The gates on token-weighted, mixed-precision and long windows: xtrain passes them, and the planted bugs
 of planted/broken_numerics.py are rejected wherever they can exist."""
 import pytest
+from tests.helpers.tiers import dev_first
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -96,7 +97,7 @@ def _ranks_uneven(case) -> bool:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("split invariance")])
+@pytest.mark.parametrize("name", dev_first([b.name for b in planted.of_gate("split invariance")]))
 @settings(max_examples=budget(30, 3), deadline=None)
 @given(data=st.data())
 def test_split_invariance_rejects_broken_token_weighting(name, data):

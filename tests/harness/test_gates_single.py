@@ -1,6 +1,7 @@
 """The single-process gates reject the bugs users hit (planted/broken.py), pass a harmless
 control, and say what differs. (The gates' runs on xtrain's trainer are verify/test_gates.py.)"""
 import pytest
+from tests.helpers.tiers import dev_first
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ from xtrain_core.config import ModelConfig, OptimConfig
 SMALL = ModelConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16)
 
 
-@pytest.mark.parametrize("name", [b.name for b in planted.of_gate("equivalence", module="broken")])
+@pytest.mark.parametrize("name", dev_first([b.name for b in planted.of_gate("equivalence", module="broken")]))
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_equivalence_rejects(name, data):

@@ -1,6 +1,7 @@
 """The normaliser gate (verify/_internal/gates/objective.py) on one correct trainer per declared normaliser, drawn
 cases included, and the declarations around it: a per-micro-batch term, Spec.terms, bad declarations."""
 import pytest
+from tests.helpers.tiers import dev_first
 from hypothesis import given, settings
 
 import verify
@@ -14,7 +15,7 @@ from verify._internal.report import coverage
 CORRECT = ["token_mean", "seq_mean", "seq_sum", "summed", "row_mean", "two_terms"]
 
 
-@pytest.mark.parametrize("name", CORRECT)
+@pytest.mark.parametrize("name", dev_first(CORRECT))
 def test_each_correct_normaliser_passes_on_drawn_windows(name):
     adapter = getattr(oa, name)
 

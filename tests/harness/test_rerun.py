@@ -1,6 +1,7 @@
 """verify/_internal/gates/rerun.py: a failing case re-run with one knob changed names its class — one representative of
 each planted bug class (planted/registry.py, tests/helpers/), asserted on this project's own hint."""
 import pytest
+from tests.helpers.tiers import dev_first
 
 from planted.registry import BY_NAME
 from verify._internal.cases.case import Case
@@ -52,11 +53,12 @@ CLASSES = {
 }
 
 
-# slow (each ~3 s of rank pools and meshes, CI only): "no /W" keeps a data-parallel re-run in the dev loop
-SLOW = {"/W twice", "tp − 1"}
+# The dev loop re-runs one single-process class and one data-parallel one; CI every class (docs/performance.md,
+# "Test tiers").
+DEV = ("1/N twice", "no /W")
 
 
-@pytest.mark.parametrize("cls", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in sorted(CLASSES)])
+@pytest.mark.parametrize("cls", dev_first([*DEV, *sorted(set(CLASSES) - set(DEV))], dev=len(DEV)))
 def test_each_bug_class_is_diagnosed_by_re_running(cls):
     name, check, case, says = CLASSES[cls]
     adapter, failure = _planted(name) if check is None else (_helper(name), _failure(check, _helper(name), case))

@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+from tests.helpers.tiers import dev_first
 
 pytest.importorskip("matplotlib")
 from benchmarks import memory_modes_report  # noqa: E402
@@ -40,9 +41,10 @@ def layout_problems(fig) -> list[str]:
 
 
 @pytest.mark.parametrize("figure,path", [("peaks_figure", "reports/cpu/memory-E32.json"),
-                                         ("peaks_figure", "reports/h200/memory-E32.json"),
                                          ("modes_figure", "reports/cpu/memory-modes-cpu.json"),
-                                         ("modes_figure", "reports/h200x2/memory-modes/memory-modes-cuda.json")])
+                                         *dev_first([("peaks_figure", "reports/h200/memory-E32.json"),
+                                                     ("modes_figure", "reports/h200x2/memory-modes/memory-modes-cuda.json")],
+                                                    dev=0)])
 def test_figure_legend_covers_no_point(figure, path):
     with open(os.path.join(ROOT, path)) as f:
         fig = FIGURES[figure](json.load(f))
