@@ -389,7 +389,8 @@ def test_mesh_cases_draw_padding_for_a_token_weighted_adapter():
 
     seen = []
 
-    @settings(max_examples=40, deadline=None, database=None)
+    # a fixed draw: a random one drew 40 cases all padded (or none) once, in a serial run
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True)
     @given(mesh_cases(cpx.factory, max_world=4), mesh_split_cases(cpx.factory, max_world=4))
     def draw(c, split):
         for case in (c, split[0]):
