@@ -13,7 +13,7 @@ import json
 import os
 
 from verify._internal.ranks.comm import LINKS
-from verify._internal.gates.table import TABLE
+from verify._internal.gates.table import TABLE, gate_budget
 from verify._internal.verdict import Gate
 
 __all__ = ["record", "skip", "not_applicable", "dump", "write", "replaces", "read", "render_md", "REPORT_NAME"]
@@ -29,8 +29,11 @@ LARGEST = (Gate.BOUNDARY_ONLY, Gate.BYTES_PER_STEP, Gate.OVERFLOW)  # exact too:
 
 
 def _gate(name: str) -> dict:
-    return _STATS.setdefault(name, dict(examples=0, skipped=0, skip_reason=None, worst_ratio=0.0,
-                                        worst_check="", worst_case=None))
+    if name not in _STATS:  # budget: the examples the gate's own test draws under this profile (None: judged on
+        row = TABLE.get(next((g for g in Gate if g.value == name), None))  # another's runs, or a precision's tally)
+        _STATS[name] = dict(examples=0, skipped=0, skip_reason=None, worst_ratio=0.0, worst_check="", worst_case=None,
+                            budget=gate_budget(row.gate) if row is not None and row.budget else None)
+    return _STATS[name]
 
 
 def _keep_worst(s: dict, ratio: float, check: str, case) -> None:

@@ -17,7 +17,7 @@ SUMMED = ("examples", "skipped", "expected_before_boundary", "declared_side_traf
 UNITED = ("worlds", "meshes", "axes_not_counted")
 RANGES = ("boundary_bytes_over_gradient_bytes", "boundary_collectives_per_step", *LINK_KEYS)  # [lo, hi]
 WORST = ("worst_ratio", "worst_check", "worst_case", "worst_case_text")  # one case, kept whole
-KNOWN = (*SUMMED, *UNITED, *RANGES, *WORST, "float64_floor", "checked", "unchecked", "skip_reason")
+KNOWN = (*SUMMED, *UNITED, *RANGES, *WORST, "float64_floor", "checked", "unchecked", "skip_reason", "budget")
 
 
 def merge(into: dict, blob: str) -> None:

@@ -54,6 +54,7 @@ class MetricsTally:
         self.unchecked: dict[str, str] = {}
         self.clipped = self.steps = 0
         self.worst, self.ratio = "", 0.0
+        self.reported: set[str] = set()  # every key metrics() returned, declared or not
 
     def ok(self, name: str, err: float, bound: float, what: str) -> None:
         self.checked[name] = self.checked.get(name, 0) + 1
@@ -63,7 +64,7 @@ class MetricsTally:
 
     def extra(self) -> dict:
         return dict(metrics_checked=dict(self.checked), metrics_unchecked=dict(self.unchecked),
-                    clipped_steps=self.clipped, metric_steps=self.steps)
+                    clipped_steps=self.clipped, metric_steps=self.steps, metrics_reported=sorted(self.reported))
 
 
 def _close(got: float, want: float, tol: float, error=None) -> tuple[bool, float]:
@@ -114,6 +115,7 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
     for k, s in enumerate(seen):
         tally.steps += 1
         rep, norm = s["reported"], norms[k]
+        tally.reported.update(rep)
         at_step = None  # grads_from="optimizer" (no grads() read): ‖g as stepped‖ (float64 runs, whole views)
         if norm is None and not isinstance(b, LowBounds):
             elements = lambda step: (step.get("applied") or (0.0, None))[1]  # noqa: E731  (None: not stepped)
