@@ -27,7 +27,7 @@ from xtrain_core.distributed import DistAccumTrainer
 from xtrain_core.trainer import AccumTrainer
 
 from xtrain_proof import adapters as xtrain
-from planted.template import Planted
+from planted.template import ModelState, Planted, window_loss
 from planted.broken_numerics import SanitizeNonFinite, unscale_update_every_micro
 from verify.data import regression, tokens
 from verify._internal.protocol import adapter
@@ -68,7 +68,7 @@ def _world():
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-class FoundInfOfRankZero:
+class FoundInfOfRankZero(ModelState):
     """Static loss scaling by hand (Megatron / apex style): scaled backward per micro-step; at the boundary
     each rank checks ITS OWN gradient, the flag is broadcast from rank 0 (the bug), then the gradients are
     all-reduced. A skip halves the scale; a step unscales and steps without looking again."""
@@ -121,14 +121,8 @@ class FoundInfOfRankZero:
                 p.grad.div_(self.scale if self.fp16 else 1.0)
             self.opt.step()
         self.opt.zero_grad()
-        loss, self.losses = torch.stack(self.losses).mean(), []
-        if _world() > 1:
-            dist.all_reduce(loss)
-            loss /= _world()
+        loss, self.losses = window_loss(self.losses, _world()), []
         return loss
-
-    def params(self):
-        return dict(self.model.named_parameters())
 
     def loss_scale(self):
         return self.scale

@@ -20,11 +20,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
+from planted.template import ModelState, window_loss
 
 FEATURES, CLASSES = 8, 5
 
 
-class Trainer:
+class Trainer(ModelState):
     """N micro-steps of backward(loss / N), then AdamW; the LR warms up linearly over 3 optimizer steps."""
 
     def __init__(self, spec):
@@ -57,9 +58,6 @@ class Trainer:
     def partial_grads(self):  # the window's gradient had it ended after len(self.losses) micro-steps
         return {k: p.grad * (self.n / len(self.losses)) for k, p in self.model.named_parameters()}
 
-    def grads(self):
-        return {k: p.grad for k, p in self.model.named_parameters()}
-
     def sched_steps(self) -> int:
         return 1
 
@@ -68,14 +66,8 @@ class Trainer:
         for _ in range(self.sched_steps()):
             self.sched.step()
         self.opt.zero_grad()
-        loss, self.losses = torch.stack(self.losses).mean(), []
-        if self.world > 1:
-            dist.all_reduce(loss)
-            loss /= self.world
+        loss, self.losses = window_loss(self.losses, self.world), []
         return loss
-
-    def params(self):
-        return dict(self.model.named_parameters())
 
 
 class HFStyle(Trainer):

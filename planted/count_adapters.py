@@ -18,11 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
+from planted.template import ModelState
 
 IGNORE, VOCAB = -100, 11
 
 
-class CountReducing:
+class CountReducing(ModelState):
     gather = False  # HF style: all_gather the per-rank counts and sum them, instead of one all_reduce
 
     def __init__(self, spec):
@@ -58,18 +59,12 @@ class CountReducing:
             torch.nn.utils.vector_to_parameters(flat[:-1], [p.grad for p in ps])
             self.num = flat[-1] if self.count else torch.full_like(flat[-1], float("nan"))
 
-    def grads(self):
-        return {k: p.grad for k, p in self.model.named_parameters()}
-
     def optimizer_step(self):
         if self.count:  # a window without a valid target leaves the parameters (and AdamW's state) alone
             self.opt.step()
         self.opt.zero_grad()
         loss, self.count, self.num = self.num, 0, 0.0
         return loss
-
-    def params(self):
-        return dict(self.model.named_parameters())
 
 
 class Gathering(CountReducing):

@@ -12,13 +12,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
+from planted.template import ModelState, window_loss
 
 
 def _world():
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-class Scaled:
+class Scaled(ModelState):
     local_clean = False
 
     def __init__(self, spec):
@@ -56,14 +57,8 @@ class Scaled:
         self.scaler.update()
         self.opt.zero_grad()
         self._unscaled = False
-        loss, self.losses = torch.stack(self.losses).mean(), []
-        if _world() > 1:
-            dist.all_reduce(loss)
-            loss /= _world()
+        loss, self.losses = window_loss(self.losses, _world()), []
         return loss
-
-    def params(self):
-        return dict(self.model.named_parameters())
 
     def loss_scale(self):
         return self.scaler.get_scale()

@@ -62,3 +62,26 @@ class SyncSwitch:
 
     def backward_context(self, micro):
         return contextlib.nullcontext()
+
+
+class ModelState:
+    """The protocol's two reads of a trainer that holds one `self.model` (the hand-written planted trainers and the
+    tests' helpers, which are not xtrain's): its gradients and its parameters by name."""
+
+    def grads(self):
+        return {k: p.grad for k, p in self.model.named_parameters()}
+
+    def params(self):
+        return dict(self.model.named_parameters())
+
+
+def window_loss(losses: list, world: int):
+    """The window's reported loss: the mean of its micro-steps' losses, averaged over `world` ranks."""
+    import torch
+    import torch.distributed as dist
+
+    loss = torch.stack(losses).mean()
+    if world > 1:
+        dist.all_reduce(loss)
+        loss /= world
+    return loss

@@ -18,11 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
+from planted.template import ModelState
 
 VOCAB, SEQ, D = 12, 4, 8
 
 
-class GlobalCount:
+class GlobalCount(ModelState):
     """Σ cross-entropy in every micro-step; the boundary (this rank's micro-step N_r - 1) all-reduces [Σ grads,
     Σ loss, count] once and divides by the global count: the mean over every rank's targets."""
 
@@ -61,17 +62,11 @@ class GlobalCount:
     def divide(self, flat):
         flat[:-1] /= flat[-1]  # the global count: every rank's targets
 
-    def grads(self):
-        return {k: p.grad for k, p in self.model.named_parameters()}
-
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
         loss, self.count, self.num = self.num, 0, 0.0
         return loss
-
-    def params(self):
-        return dict(self.model.named_parameters())
 
 
 class EqualRankWeights(GlobalCount):

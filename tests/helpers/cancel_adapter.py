@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import verify
+from planted.template import ModelState
 
 FEATURES, A = 8, 30.0
 
@@ -19,7 +20,7 @@ def _data(rows: int, seed: int):
     return x, y
 
 
-class CancellingBias:
+class CancellingBias(ModelState):
     """N micro-steps of backward(loss / N) under autocast, SGD at the boundary: the textbook loop."""
 
     def __init__(self, spec):
@@ -36,17 +37,11 @@ class CancellingBias:
         (loss if self.n == 1 else loss / self.n).backward()
         self.losses.append(loss.detach().double())
 
-    def grads(self):
-        return {k: p.grad for k, p in self.model.named_parameters()}
-
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
         loss, self.losses = torch.stack(self.losses).mean(), []
         return loss
-
-    def params(self):
-        return dict(self.model.named_parameters())
 
 
 cancelling_bias = verify.adapter(data=_data, precisions=("fp32", "bf16", "fp16"))(CancellingBias)

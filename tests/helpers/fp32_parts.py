@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
+from planted.template import ModelState, window_loss
 
 FEATURES, IGNORE, VOCAB = 6, -100, 9
 
@@ -25,7 +26,7 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-class MeanLoss:
+class MeanLoss(ModelState):
     """N micro-steps of backward(scale(loss)), the gradient averaged over ranks at the boundary, then AdamW."""
 
     def __init__(self, spec):
@@ -53,20 +54,11 @@ class MeanLoss:
     def partial_grads(self):  # the window's gradient had it ended after len(self.losses) micro-steps
         return {k: p.grad * (self.n / len(self.losses)) for k, p in self.model.named_parameters()}
 
-    def grads(self):
-        return {k: p.grad for k, p in self.model.named_parameters()}
-
     def optimizer_step(self):
         self.opt.step()
         self.opt.zero_grad()
-        loss, self.losses = torch.stack(self.losses).mean(), []
-        if self.world > 1:
-            dist.all_reduce(loss)
-            loss /= self.world
+        loss, self.losses = window_loss(self.losses, self.world), []
         return loss
-
-    def params(self):
-        return dict(self.model.named_parameters())
 
 
 class Constant(MeanLoss):
@@ -79,7 +71,7 @@ class Loss32(MeanLoss):
         return F.mse_loss(self.model(x), y).float()  # the loss in float32; its backward casts back
 
 
-class Count32:
+class Count32(ModelState):
     """Σ cross-entropy over valid targets per micro-step; at the boundary the summed gradients (and loss) of
     every rank, reduced once with the count riding along, times the count's float32 reciprocal."""
 
@@ -108,18 +100,12 @@ class Count32:
     def partial_grads(self):  # one process: the window so far, by its count so far
         return {k: p.grad * _inv32(self.count) for k, p in self.model.named_parameters()}
 
-    def grads(self):
-        return {k: p.grad for k, p in self.model.named_parameters()}
-
     def optimizer_step(self):
         if self.count:  # a window without a valid target is no step
             self.opt.step()
         self.opt.zero_grad()
         loss, self.count, self.num = self.num, 0, 0.0
         return loss
-
-    def params(self):
-        return dict(self.model.named_parameters())
 
 
 class Mse32(MeanLoss):
