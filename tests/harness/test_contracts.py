@@ -20,14 +20,14 @@ def _broken(dist: str, what: str, where: str) -> str:
 
 def test_hypothesis_profiles_and_phases():
     """verify/_internal/plugin.py: the dev/ci/gpu profiles extend hypothesis' own "ci" profile and leave out the explain
-    phase; test_gates.py names the phases of its long-window test."""
+    phase; prove.py leaves out the shrink phase where a row says so (the long window)."""
     from hypothesis import Phase, settings
 
     ci = settings.get_profile("ci")
     assert ci.derandomize, _broken("hypothesis", "a derandomized built-in 'ci' profile", "verify/_internal/plugin.py's ci profile")
     names = {p.name for p in Phase}
     need = {"explicit", "reuse", "generate", "target", "shrink", "explain"}
-    assert need <= names, _broken("hypothesis", f"the phases {sorted(need - names)}", "verify/_internal/plugin.py and test_gates.py")
+    assert need <= names, _broken("hypothesis", f"the phases {sorted(need - names)}", "verify/_internal/plugin.py and verify/_internal/prove.py")
 
 
 def test_hypothesis_storage_can_be_moved(tmp_path):

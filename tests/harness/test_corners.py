@@ -13,7 +13,7 @@ from planted import broken_mesh, broken_overflow
 from xtrain_proof import adapters as xtrain
 from verify import Gate
 from verify._internal.gates.table import TABLE, gate_budget, random_budget
-from verify._internal.cases.corners import corners
+from verify._internal.cases.corners import LONG_N, corners
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,7 +49,8 @@ def test_every_profile_starts_the_long_windows_with_a_run_past_256_micro_steps()
     random draws (N = 64..256, K = 1..2) rarely reach one, so its corner is one (planted narrow_counter: rejected
     there and at N=200 K=2, passing at N=128 K=2, 256 micro-steps — measured, the registry holds its case)."""
     for adapter in (xtrain.adapter, xtrain.tokens_adapter, xtrain.single.replace(precisions=("fp32",))):
-        (c,) = corners(adapter, Gate.LONG_WINDOW)
+        ((c, low),) = corners(adapter, Gate.LONG_WINDOW)
+        assert (low.accum_steps, low.steps) == (LONG_N, 1) and low.seed == c.seed  # its low-precision window
         assert c.accum_steps * c.steps > 256 and c.accum_steps > 128 and 256 % c.accum_steps, c
         assert (c.micro_batch, c.world, c.lengths) == (1, 1, None)  # the cheapest such run: B = 1, unpadded
 

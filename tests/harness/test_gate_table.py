@@ -49,19 +49,26 @@ def test_why_not_names_the_declaration_that_enables_a_gate():
                                                                                   a.replace(data_parallel=False))
 
 
-def test_the_gate_tests_skip_through_the_table():
-    """Every plugin gate test asks the table, not a condition of its own: its module calls report.not_applicable and
-    spells no declaration check that the table holds."""
+def test_the_gate_tests_are_their_rows():
+    """Every plugin gate test is its gate's row run by prove (skip through the table's why_not, its draw, corners,
+    budget): one per gate with a draw, each calling prove and spelling no declaration check, draw or budget itself."""
     import verify.test_gates as single
     import verify.test_gates_dist as dist
     import verify.test_gates_mesh as mesh
 
+    proved = []
     for module in (single, dist, mesh):
-        src = inspect.getsource(module)
-        assert "report.not_applicable(" in src
-        for condition in ("ignore_index is None", ".plain is None", ".parity is None", ".metrics is None",
-                          "not_declared(", "overflow_hook(", "needs_world("):
-            assert condition not in src, f"{module.__name__} decides '{condition}' itself: the gate table's why_not does"
+        for name, test in inspect.getmembers(module, inspect.isfunction):
+            if not name.startswith("test_"):
+                continue
+            src = inspect.getsource(test)
+            assert src.count("prove(Gate.") == 1, f"{module.__name__}.{name} is not one prove() call"
+            proved.append(src.split("prove(Gate.", 1)[1].split(",", 1)[0])
+            for spelled in ("ignore_index is None", ".plain is None", ".parity is None", ".metrics is None",
+                            "not_declared(", "overflow_hook(", "needs_world(", "@given", "random_budget("):
+                assert spelled not in src, f"{module.__name__}.{name} spells '{spelled}': the gate table's row does"
+    # each gate with a draw has a test (overflow two: one process, and ranks), none without one
+    assert sorted(set(proved)) == sorted(g.name for g, row in TABLE.items() if row.draw is not None), proved
 
 
 def test_verify_check_runs_one_gate_on_one_case_as_the_plugin_does():

@@ -179,9 +179,10 @@ def test_the_long_window_test_counts_under_its_own_gate(monkeypatch):
     equivalence, and the summary said "long window: no test of this gate ran in this session")."""
     from examples import mlp_regressor
     from verify import test_gates
+    from verify._internal.settings import current
 
     monkeypatch.setattr(report, "_STATS", {})
-    test_gates.test_long_accumulation_and_partial_sums(mlp_regressor.factory)
+    test_gates.test_long_accumulation_and_partial_sums(mlp_regressor.factory, current())
     gates = json.loads(report.dump())
     assert gates["long window"]["examples"] >= 3 and "equivalence" not in gates, gates
     assert gates["long window"]["worst_case"]["accum_steps"] >= 64

@@ -18,7 +18,7 @@ from verify._internal.objective import window_terms
 from verify._internal.ranks.mesh import meshes
 from verify._internal.verdict import Gate
 
-__all__ = ["corners", "LONG_CORNER", "mesh_padding", "corner_axes"]
+__all__ = ["corners", "LONG_CORNER", "LONG_N", "mesh_padding", "corner_axes"]
 
 
 def corner_axes(adapter) -> list[str]:
@@ -116,6 +116,7 @@ def _mesh_corner(adapter, axis: str, B: int = 2, split: bool = False):
 # The long-window corner: K = 2 windows of N = 129 micro-steps, 258 in the run: past 256, where a uint8 counter
 # wraps (window 0 alone passes 128, an int8's), and N divides neither, so a wrapped count lands mid-window.
 LONG_CORNER = (129, 2)
+LONG_N = 256  # the longest window the long-window gate draws; every declared low precision runs at it
 
 
 def corners(adapter, gate: Gate, *, min_world: int = 1, max_world: int = 1) -> list:
@@ -137,7 +138,8 @@ def corners(adapter, gate: Gate, *, min_world: int = 1, max_world: int = 1) -> l
                                             the top world; at W ≥ 2 also micro-step 0 on rank 1 of W=2
     mesh equivalence, mesh split invariance pp=2 with 2 chunks × 2 outer steps; tp=2, cp=2 with 2 outer steps;
                                             with an ignore_index padded (mesh_padding), and dp=2 too (mesh)
-    long window (and partial sums)          N=129 B=1 K=2 (LONG_CORNER): a run of more than 256 micro-steps
+    long window (and partial sums)          N=129 B=1 K=2 (LONG_CORNER): a run of more than 256 micro-steps; its
+                                            low-precision window N=LONG_N K=1
     """
     lo, hi, gate = min_world, max(min_world, max_world), Gate(gate)
     if gate in (Gate.EQUIVALENCE, Gate.NORMALISER, Gate.EMPTY_WINDOW, Gate.PATH_PARITY):
@@ -146,8 +148,9 @@ def corners(adapter, gate: Gate, *, min_world: int = 1, max_world: int = 1) -> l
                                                                       last_window=2)] if short else [])
     if gate is Gate.SPLIT_INVARIANCE:
         return [_base(adapter, N=3, B=2, K=1, padded=True)]
-    if gate is Gate.LONG_WINDOW:
-        return [_base(adapter, N=LONG_CORNER[0], B=1, K=LONG_CORNER[1])]
+    if gate is Gate.LONG_WINDOW:  # (the window, its low-precision window: N = LONG_N, one step)
+        c = _base(adapter, N=LONG_CORNER[0], B=1, K=LONG_CORNER[1])
+        return [(c, c.replace(accum_steps=LONG_N, steps=1))]
     if gate is Gate.REPORTED_METRICS:  # three steps: a warm-up's LR changes between them; each declared autocast precision
         base = _base(adapter, N=3, B=2, K=3, padded=True)
         return [base] + [base.replace(precision=p) for p in adapter.precisions if p != base.precision and p != "fp32"]

@@ -16,6 +16,7 @@ import math
 import torch
 
 from verify._internal.cases.case import Case, _cpu, _to, block_runs, drive, split, twin
+from verify._internal.cases.corners import LONG_N
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import determinism
 from verify._internal.gates.single import _equivalence, check_equivalence, run_alone
@@ -26,7 +27,6 @@ __all__ = ["splits", "check_split_invariance", "check_partial_sums", "checkpoint
            "summation_floor", "LOW_PRECISIONS", "LONG_N"]
 
 LOW_PRECISIONS = ("bf16", "fp16")
-LONG_N = 256  # the longest window the long-window gate draws; every declared low precision runs at it
 
 
 def splits(E: int, max_world: int) -> list[tuple[int, int, int]]:
