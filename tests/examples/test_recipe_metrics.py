@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 
 import pytest
+from tests.helpers.tiers import imports_framework
 
 from verify import Case, Gate, GateFailure, check
 
@@ -34,6 +35,7 @@ def _factory(name):
     return importlib.import_module(f"examples.{name}").factory
 
 
+@imports_framework
 @pytest.mark.parametrize("name", [_param(n) for n in RECIPES])
 def test_recipe_passes_the_metrics_gate_and_reports_what_it_declares(name):
     adapter = _factory(name)
@@ -48,6 +50,7 @@ def test_recipe_passes_the_metrics_gate_and_reports_what_it_declares(name):
     assert r.extra["metrics_reported"] == sorted(adapter.metrics.names), r.extra  # what it declares, no more
 
 
+@imports_framework
 @pytest.mark.parametrize("name", [_param(n) for n in RECIPES])
 def test_a_convention_the_framework_does_not_follow_is_rejected(name):
     adapter = _factory(name)

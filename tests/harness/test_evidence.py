@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers.tiers import dev_first
+from tests.helpers.tiers import imports_framework
 
 from planted import calib_adapters as calib
 from planted import hint_adapters as ha
@@ -135,9 +135,10 @@ def _accelerate_runs(name, W):
     return [(check_distributed, dp, {}), (check_split_invariance, split, {"max_world": W})]
 
 
+@imports_framework
 @pytest.mark.distributed
 @pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", dev_first(["fixed_undeclared", "tokens_undeclared"]))
+@pytest.mark.parametrize("name", ["fixed_undeclared", "tokens_undeclared"])
 def test_the_per_rank_scheduler_is_named_in_every_failure_of_an_undeclared_accelerate_trainer(name, W):
     adapter = _accelerate(name)
     runs = _accelerate_runs(name, W)
@@ -165,6 +166,7 @@ def test_the_schedule_lead_reads_what_the_reference_does():
     assert per_rank_schedule(calib.fp32_constant_dp, case) is None  # a warm-up stepped once per step, any world
 
 
+@imports_framework
 @pytest.mark.distributed
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler")  # the order Accelerate's examples show
 def test_a_scheduler_stepped_in_the_micro_steps_inside_accumulate_is_named_too():

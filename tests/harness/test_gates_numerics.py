@@ -1,7 +1,7 @@
 """The gates on token-weighted, mixed-precision and long windows: xtrain passes them, and the planted bugs
 of planted/broken_numerics.py are rejected wherever they can exist."""
 import pytest
-from tests.helpers.tiers import dev_first
+from tests.helpers.tiers import dev_first, imports_framework
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -45,6 +45,7 @@ def test_the_loss_has_the_condition_number_of_its_blocks():
     assert conditions(blocks, Trace([float("nan")], g, []))[LOSS] == 1.0
 
 
+@imports_framework
 @pytest.mark.skipif(__import__("importlib").util.find_spec("trl") is None, reason="trl is not installed")
 def test_a_policy_gradient_loss_whose_micro_batches_cancel_is_not_rejected():
     """TRL's grpo loss on this case: block losses -0.494, 0.459, -0.009 of a window loss -0.0146 (κ 33.8). Its

@@ -14,3 +14,8 @@ def dev_first(values, *, dev: int = 1):
         marks = [*p.marks, *([pytest.mark.slow] if i >= dev else [])]
         out.append(pytest.param(*p.values, marks=marks, id=p.id))
     return out
+
+
+# A test that imports a training framework (transformers, TRL, Accelerate, Lightning, DeepSpeed) runs in CI, not in
+# the dev loop: each import costs seconds in every xdist worker that meets one (accelerate pulls in deepspeed).
+imports_framework = pytest.mark.slow
