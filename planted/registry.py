@@ -77,7 +77,10 @@ class PlantedBug:
 
     @property
     def trainer(self) -> str:
-        """The trainer class, as `module.Class` (the docs' table names it)."""
+        """The trainer class, as `module.Class` (the docs' table names it); a lazy row's adapter as `module.name`,
+        named without importing its framework."""
+        if not isinstance(self.adapter, Adapter):
+            return f"{self.adapter.module}.{self.adapter.attr}"
         make = self.load().factory
         return f"{make.__module__.rsplit('.', 1)[-1]}.{make.__name__.removeprefix('make_')}"
 
@@ -88,7 +91,7 @@ def _lazy(module: str, name: str):
     without importing it (of_gate filters by it at collection)."""
     def load() -> Adapter:
         return getattr(importlib.import_module(f"planted.{module}"), name)
-    load.module = module
+    load.module, load.attr = module, name
     return load
 
 

@@ -7,6 +7,7 @@ import os
 import threading
 
 import pytest
+from tests.helpers.tiers import imports_framework
 import torch
 
 import verify
@@ -75,6 +76,7 @@ needs = lambda mod: pytest.mark.skipif(importlib.util.find_spec(mod) is None,  #
                                        reason=f"{mod} is not installed (the [examples] extra)")
 
 
+@imports_framework
 @needs("transformers")
 def test_hf_trainer_with_a_per_micro_batch_mean_is_rejected_on_padded_data():
     """The historical HF bug (each micro-batch's own token mean ÷ N): padded micro-batches with 8 and 2
@@ -87,6 +89,7 @@ def test_hf_trainer_with_a_per_micro_batch_mean_is_rejected_on_padded_data():
     assert framework_bugs.hf_per_micro_batch_mean.factory is not factory.factory
 
 
+@imports_framework
 @needs("lightning")
 def test_lightning_with_the_loss_divided_by_N_twice_is_rejected():
     from examples.lightning_trainer import factory
