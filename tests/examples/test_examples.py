@@ -79,13 +79,15 @@ def test_each_recipe_reads_like_a_users_code(name):
     assert not golfed, f"examples/{name}.py: {golfed}"
 
 
+@pytest.mark.matrix
 @pytest.mark.distributed
 @needs_trl
 def test_trl_grpo_passes_every_gate_at_world_1(tmp_path):
     """TRL's own GRPO loss (token-level) on the fixed rollouts, every gate at world 1 (a one-rank group): its declared
-    normaliser, and TRL's per-micro-step metric reductions declared as sized side traffic (CountRow.side). The
-    smoke CI keeps; worlds 1-2 and TRL's grpo and dr_grpo loss types (a row-weighted normaliser and a constant
-    one) are rows of the release matrix (python -m benchmarks.frameworks), which proves them on TRL's releases."""
+    normaliser, and TRL's per-micro-step metric reductions declared as sized side traffic (CountRow.side). A release
+    matrix row (python -m benchmarks.frameworks proves worlds 1-2 and TRL's grpo and dr_grpo loss types on TRL's
+    releases), so `-m matrix` runs it; CI keeps TRL's fast smoke, the recipe's loss through the equivalence gate
+    (tests/harness/test_gates_numerics.py, the cancelling policy-gradient case)."""
     env = {**ENV, "XTRAIN_DIST_MIN_WORLD": "1", "XTRAIN_DIST_MAX_WORLD": "1", "XDG_CACHE_HOME": str(tmp_path / "c")}
     os.makedirs(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "verify", "-p", "no:cacheprovider", "-q",
