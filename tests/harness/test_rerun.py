@@ -1,7 +1,7 @@
 """verify/_internal/gates/rerun.py: a failing case re-run with one knob changed names its class — one representative of
 each planted bug class (planted/registry.py, tests/helpers/), asserted on this project's own hint."""
 import pytest
-from tests.helpers.tiers import dev_first
+from tests.helpers.tiers import dev_first, imports_framework
 
 from planted.registry import BY_NAME
 from verify._internal.cases.case import Case
@@ -69,6 +69,7 @@ def test_each_bug_class_is_diagnosed_by_re_running(cls):
         assert "something acts per micro-batch" not in line, line
 
 
+@imports_framework
 def test_an_undeclared_accelerate_scheduler_gets_the_per_rank_diagnosis_not_the_clipping_pattern():
     adapter = _helper("accelerate_undeclared")
     failure = _failure(check_distributed, adapter, Case(accum_steps=2, micro_batch=2, steps=3, world=2, seed=2,
