@@ -20,12 +20,14 @@ def test_the_mesh_cases_follow_the_axes_and_the_largest_world():
     assert MESH_OPS == ["pipeline_micro_batch_dropped", "dp_reduction_skipped", "reduced_over_wrong_group"]
 
 
+@pytest.mark.slow  # a self-test run on meshes (end to end: CI's tier, docs/performance.md)
 def test_every_mesh_operator_is_killed_on_a_correct_dp_tp_trainer():
     res = run_selftest(broken_mesh.tp, max_world=4, operators=MESH_OPS)
     assert res.ok and res.score == "3/3", res.table()
     assert res.meshes == ["mesh dp=1 pp=1 tp=2", "mesh dp=2 pp=1 tp=2"]
 
 
+@pytest.mark.slow  # a self-test run on meshes (end to end: CI's tier, docs/performance.md)
 def test_a_reduction_out_of_reach_survives():
     """The dp all_reduce through a name bound at import: skipping or rerouting torch.distributed.all_reduce
     changes nothing, the gates pass, the operators survive and the self-test fails naming them."""
