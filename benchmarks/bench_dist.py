@@ -53,7 +53,7 @@ def _write(out_dir: str, name: str, payload: dict) -> str:
 
 def _fixed_cases(world: int):
     from xtrain_proof.adapters import XtrainOptions
-    from verify._internal.cases.case import Case
+    from verify import Case
     from xtrain_core.config import PRESETS, ModelConfig, OptimConfig
 
     small = Case(accum_steps=4, micro_batch=2, steps=2, world=world, options=XtrainOptions(
@@ -109,6 +109,7 @@ def pools(args) -> dict:
 
     from xtrain_proof import adapters
     from tests.helpers.dist_jobs import whoami  # a no-op job (test plumbing, repo root on the path)
+    from verify import Gate, check
     from verify._internal.gates import check_distributed
     from verify._internal.ranks.pool import RankPool, get_pool
     from verify._internal.settings import Settings, install, using
@@ -162,7 +163,7 @@ def pools(args) -> dict:
         for impl, adapter in (("xtrain", adapters.adapter), ("torch", adapters.torch_ddp)):
             for n in (1, 4, 8):
                 case = dataclasses.replace(base, accum_steps=n, steps=3)
-                rep = check_distributed(adapter, case, pool=get_pool(2, args.backend)).extra["comm"]
+                rep = check(Gate.DP_EQUIVALENCE, adapter, case).extra["comm"]  # the installed settings' backend
                 steps = [_step_row(s) for s in rep.steps[(0, "torch.float32")]]
                 init = rep.init[(0, "torch.float32")]
                 counted.append(dict(impl=impl, N=n, grad_elements=rep.grad_elements,

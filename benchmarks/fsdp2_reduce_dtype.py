@@ -16,8 +16,7 @@ import time
 
 import torch
 
-from verify import report_header
-from verify._internal.header import atomic_write
+from verify import atomic_write, report_header
 
 ISSUE = "pytorch/pytorch#190626"
 MESHES = ((1, 2), (2, 2))  # (dp, tp): tp alone, and FSDP2's dp reduce-scatter after it
@@ -46,18 +45,15 @@ def norm_reduce(outcomes, case, width: int) -> tuple[list[str], float]:
 
 def row(adapter, dp: int, tp: int, N: int, B: int) -> dict:
     from examples.fsdp2_sequence_parallel import WIDTH
-    from verify._internal.cases.case import Case
-    from verify._internal.gates import GateFailure
-    from verify._internal.gates.distributed import run_distributed
-    from verify._internal.gates.mesh import GATE, check_mesh
-    from verify._internal.ranks.mesh import Mesh
+    from verify import Case, Gate, GateFailure, Mesh, check
+    from verify._internal.gates.distributed import run_distributed  # per-rank runs: no public door yet
 
     case = Case(accum_steps=N, micro_batch=B, steps=2, world=dp, seed=1, data_seed=2, precision="bf16",
                 mesh=Mesh(dp=dp, tp=tp))
     t0 = time.perf_counter()
-    dtypes, err = norm_reduce(run_distributed(adapter, case, gate=GATE), case, WIDTH)
+    dtypes, err = norm_reduce(run_distributed(adapter, case, gate=Gate.MESH_EQUIVALENCE), case, WIDTH)
     try:
-        result = check_mesh(adapter, case)
+        result = check(Gate.MESH_EQUIVALENCE, adapter, case)
         verdict, ratio, worst = "passed", result.ratio, result.worst
     except GateFailure as e:
         verdict, ratio, worst = f"rejected by {e.gate}", None, str(e).split(";")[0]
