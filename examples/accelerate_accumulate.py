@@ -71,5 +71,6 @@ class Trainer:
 # scheduler_per_rank: Accelerate steps a prepared scheduler num_processes times per optimizer step.
 # metrics: lr="next", the LR read after the scheduler's step.
 METRICS = verify.Metrics(names=("loss", "grad_norm", "lr"), max_norm=MAX_NORM, lr="next")
-factory = verify.adapter(data=verify.data.regression(features=8), data_parallel=True, scheduler_per_rank=True,
-                         expected=verify.DDP_EXPECTED + verify.DDP_WORLD1_EXPECTED, metrics=METRICS)(Trainer)
+factory = verify.adapter(data=verify.data.regression(features=8), metrics=METRICS,
+                         distributed=verify.Distributed(data_parallel=True, scheduler_per_rank=True,
+                                                        expected=verify.DDP_EXPECTED + verify.DDP_WORLD1_EXPECTED))(Trainer)

@@ -134,5 +134,6 @@ def data(rows, seed):
 
 
 # mesh_axes: data parallel × context parallel; cp must divide the 8 tokens of a row
-factory = verify.adapter(data=data, ignore_index=IGNORE, mesh_axes=("dp", "cp"), mesh_sizes={"cp": (2, 4, 8)},
-                         counts=counts)(Trainer)
+factory = verify.adapter(data=data, batches=verify.Batches(ignore_index=IGNORE),
+                         distributed=verify.Distributed(mesh_axes=("dp", "cp"), mesh_sizes={"cp": (2, 4, 8)}, counts=counts))(
+    Trainer)

@@ -82,5 +82,6 @@ class Trainer:
 # subgroups: every collective goes over spec.group, so a launched world also runs its sub-worlds.
 # metrics: what metrics() logs, and the threshold it clips at (the harness checks the scale the optimizer saw).
 metrics = verify.Metrics(names=("loss", "grad_norm", "lr", "rows"), max_norm=MAX_NORM)
-factory = verify.adapter(data=verify.data.regression(features=8), process_group=True,
-                         expected=verify.DDP_EXPECTED, subgroups=True, metrics=metrics)(Trainer)
+factory = verify.adapter(data=verify.data.regression(features=8), metrics=metrics,
+                         distributed=verify.Distributed(process_group=True, expected=verify.DDP_EXPECTED, subgroups=True))(
+    Trainer)

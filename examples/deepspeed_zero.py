@@ -175,15 +175,16 @@ def bf16_counts(case):
 
 STAGES = st.builds(Options, stage=st.sampled_from([0, 1, 2, 3]))
 metrics = verify.Metrics(names=("loss",), max_norm=MAX_NORM)
-factory = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
-                         options=STAGES, defaults=Options(), metrics=metrics, counts=counts)(Trainer)
-bf16 = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
+factory = verify.adapter(data=verify.data.regression(features=FEATURES), options=STAGES, defaults=Options(),
+                         metrics=metrics, distributed=verify.Distributed(process_group=True, counts=counts))(Trainer)
+BF16 = verify.Numerics(precisions=("fp32", "bf16"))
+bf16 = verify.adapter(data=verify.data.regression(features=FEATURES), numerics=BF16,
                       options=st.builds(Options, stage=st.sampled_from([1, 2, 3])), defaults=Options(stage=1),
-                      precisions=("fp32", "bf16"), metrics=metrics, counts=bf16_counts)(BF16Trainer)
+                      metrics=metrics, distributed=verify.Distributed(process_group=True, counts=bf16_counts))(BF16Trainer)
 # the configuration of DeepSpeed PR #7985 alone: bf16, grad_accum_dtype fp32, ZeRO-1 (BF16_Optimizer)
-bf16_zero1 = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
-                            options=st.just(Options(stage=1)), defaults=Options(stage=1), precisions=("fp32", "bf16"),
-                            metrics=metrics, counts=bf16_counts)(BF16Trainer)
+bf16_zero1 = verify.adapter(data=verify.data.regression(features=FEATURES), numerics=BF16,
+                            options=st.just(Options(stage=1)), defaults=Options(stage=1), metrics=metrics,
+                            distributed=verify.Distributed(process_group=True, counts=bf16_counts))(BF16Trainer)
 def muon_counts(case):
     """ZeRO-3's row with Muon (measured at 0.19.8, N = 1, 2, 4, on the two weight matrices alone): at the boundary
     each weight is fetched for the forward and the backward (1 + 1, cached after the first micro-step), its gradient
@@ -194,6 +195,6 @@ def muon_counts(case):
 
 
 # DeepSpeed's Muon under ZeRO-3 (its Newton–Schulz belongs on the window's gradient, once per step: #8443)
-muon_zero3 = verify.adapter(data=verify.data.regression(features=FEATURES), data_parallel=True, process_group=True,
-                            options=st.just(Options(stage=3)), defaults=Options(stage=3), counts=muon_counts)(
-    MuonTrainer)
+muon_zero3 = verify.adapter(data=verify.data.regression(features=FEATURES), options=st.just(Options(stage=3)),
+                            defaults=Options(stage=3),
+                            distributed=verify.Distributed(process_group=True, counts=muon_counts))(MuonTrainer)

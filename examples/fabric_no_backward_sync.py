@@ -73,5 +73,5 @@ class Trainer:
 # data_parallel: under a process group Fabric wraps the model in DDP (hence DDP's declared bucket rebuild).
 # metrics: no LR (a constant one, which Fabric does not log).
 METRICS = verify.Metrics(names=("loss", "grad_norm"), max_norm=MAX_NORM)
-factory = verify.adapter(data=verify.data.regression(features=8), data_parallel=True,
-                         expected=verify.DDP_EXPECTED, metrics=METRICS)(Trainer)
+factory = verify.adapter(data=verify.data.regression(features=8), metrics=METRICS,
+                         distributed=verify.Distributed(data_parallel=True, expected=verify.DDP_EXPECTED))(Trainer)

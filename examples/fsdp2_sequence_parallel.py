@@ -107,6 +107,6 @@ def counts(case):
     return rows
 
 
-factory = verify.adapter(data=verify.data.regression(features=SEQ * WIDTH), mesh_axes=("dp", "tp"),
-                         mesh_sizes={"tp": (2, 4)}, precisions=("fp32", "bf16"),
-                         counts=counts, metrics=verify.Metrics(names=("loss",)))(Trainer)
+factory = verify.adapter(data=verify.data.regression(features=SEQ * WIDTH), metrics=verify.Metrics(names=("loss",)),
+                         distributed=verify.Distributed(mesh_axes=("dp", "tp"), mesh_sizes={"tp": (2, 4)}, counts=counts),
+                         numerics=verify.Numerics(precisions=("fp32", "bf16")))(Trainer)

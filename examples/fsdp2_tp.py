@@ -99,5 +99,5 @@ def counts(case):
 
 # metrics: what metrics() logs, and the threshold it clips at (the harness checks the scale the optimizer saw)
 metrics = verify.Metrics(names=("loss", "grad_norm", "lr", "rows"), max_norm=MAX_NORM)
-factory = verify.adapter(data=verify.data.regression(features=8), mesh_axes=("dp", "tp"), counts=counts,
-                         metrics=metrics)(Trainer)
+factory = verify.adapter(data=verify.data.regression(features=8), metrics=metrics,
+                         distributed=verify.Distributed(mesh_axes=("dp", "tp"), counts=counts))(Trainer)

@@ -47,8 +47,9 @@ METRICS = verify.Metrics(names=LOGGED, max_norm=MAX_NORM)
 
 # empty_windows=False: HF steps AdamW on a window without a valid label (zero gradient, but momentum moves
 # the parameters): such windows are not drawn.
-@verify.adapter(data=verify.data.causal_lm(vocab=VOCAB, seq_len=SEQ), ignore_index=-100, data_parallel=True,
-                expected=(ALONE, *verify.DDP_EXPECTED, BUFFERS), empty_windows=False, metrics=METRICS)
+@verify.adapter(data=verify.data.causal_lm(vocab=VOCAB, seq_len=SEQ), metrics=METRICS,
+                batches=verify.Batches(ignore_index=-100, empty_windows=False),
+                distributed=verify.Distributed(data_parallel=True, expected=(ALONE, *verify.DDP_EXPECTED, BUFFERS)))
 def factory(spec):
     torch.manual_seed(spec.seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ + 1, n_embd=16, n_layer=1, n_head=2,

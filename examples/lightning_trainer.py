@@ -58,8 +58,8 @@ SIGTERM = verify.Expected("broadcast", count=1, dtype="integer", why="Lightning'
 METRICS = verify.Metrics(names=("loss", "grad_norm", "lr"), max_norm=MAX_NORM, loss="last_micro")
 
 
-@verify.adapter(data=verify.data.regression(features=8), data_parallel=True, expected=(SIGTERM, *verify.DDP_EXPECTED),
-                metrics=METRICS)
+@verify.adapter(data=verify.data.regression(features=8), metrics=METRICS,
+                distributed=verify.Distributed(data_parallel=True, expected=(SIGTERM, *verify.DDP_EXPECTED)))
 def factory(spec):
     module = Regressor(spec)
     pull = verify.Pull(spec)

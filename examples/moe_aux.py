@@ -240,10 +240,11 @@ def checkpointed(options, on):
 
 OBJECTIVE = verify.Objective(terms={"ce": "token_mean", "aux": "batch"})
 OPTIONS = st.builds(Options, checkpointing=st.booleans())
-factory = verify.adapter(data=data, ignore_index=IGNORE, objective=OBJECTIVE, options=OPTIONS, defaults=Options(),
-                         data_parallel=True, parity=verify.Parity(name="activation checkpointing", apply=checkpointed))(
+PADDED, DP = verify.Batches(ignore_index=IGNORE), verify.Distributed(data_parallel=True)
+factory = verify.adapter(data=data, batches=PADDED, objective=OBJECTIVE, options=OPTIONS, defaults=Options(),
+                         distributed=DP, parity=verify.Parity(name="activation checkpointing", apply=checkpointed))(
     Trainer)
 # the aux term per micro-batch: a different objective from the big batch's, declared; the ce is still checked
-per_micro = verify.adapter(data=data, ignore_index=IGNORE, options=OPTIONS, defaults=Options(), data_parallel=True,
+per_micro = verify.adapter(data=data, batches=PADDED, options=OPTIONS, defaults=Options(), distributed=DP,
                            objective=verify.Objective(terms={"ce": "token_mean", "aux": "batch"}, per_micro=("aux",)))(
     MicroTrainer)

@@ -98,4 +98,5 @@ class Trainer:
 # objective: each document's token mean, averaged over the window's documents (count_documents: from the restarts)
 objective = verify.Objective(terms={"loss": "seq_mean"}, sequences=verify.data.count_documents)
 factory = verify.adapter(data=verify.data.packed(vocab=VOCAB, seq_len=SEQ_LEN, max_docs=MAX_DOCS, ignore_index=IGNORE),
-                         ignore_index=IGNORE, objective=objective, data_parallel=True)(Trainer)
+                         batches=verify.Batches(ignore_index=IGNORE), objective=objective,
+                         distributed=verify.Distributed(data_parallel=True))(Trainer)

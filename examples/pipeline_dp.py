@@ -32,7 +32,7 @@ class Trainer(pipeline_schedule.Trainer):
 
 
 # the pipeline recipe's data, schedule options and metrics, on a dp × pp mesh
-factory = verify.adapter(data=pipeline_schedule.factory.data, mesh_axes=("dp", "pp"),
+factory = verify.adapter(data=pipeline_schedule.factory.data, distributed=verify.Distributed(mesh_axes=("dp", "pp")),
                          defaults=pipeline_schedule.factory.defaults,
                          options=pipeline_schedule.factory.options,
                          metrics=pipeline_schedule.factory.metrics)(Trainer)

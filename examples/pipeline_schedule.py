@@ -150,5 +150,6 @@ class Trainer:
 
 # metrics: what metrics() logs, and the threshold it clips at (the harness checks the scale the optimizer saw)
 metrics = verify.Metrics(names=("loss", "grad_norm", "lr", "rows"), max_norm=MAX_NORM)
-factory = verify.adapter(data=verify.data.regression(features=WIDTH), mesh_axes=("pp",), defaults=ScheduleGPipe,
+factory = verify.adapter(data=verify.data.regression(features=WIDTH), distributed=verify.Distributed(mesh_axes=("pp",)),
+                         defaults=ScheduleGPipe,
                          options=st.sampled_from(SCHEDULES), metrics=metrics)(Trainer)

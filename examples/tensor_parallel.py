@@ -109,5 +109,6 @@ def counts(case):
 # mesh_sizes: tp shards the widths 24 and 12 evenly.
 # metrics: what metrics() logs, and the threshold it clips at (the harness checks the scale the optimizer saw).
 metrics = verify.Metrics(names=("loss", "grad_norm", "lr", "rows"), max_norm=MAX_NORM)
-factory = verify.adapter(data=verify.data.classification(features=8, classes=12), mesh_axes=("dp", "tp"),
-                         counts=counts, mesh_sizes={"tp": (2, 3, 4, 6)}, metrics=metrics)(Trainer)
+factory = verify.adapter(data=verify.data.classification(features=8, classes=12), metrics=metrics,
+                         distributed=verify.Distributed(mesh_axes=("dp", "tp"), mesh_sizes={"tp": (2, 3, 4, 6)},
+                                                        counts=counts))(Trainer)

@@ -95,5 +95,6 @@ class Trainer:
 
 # uneven=True: the count is global, so ranks may hold different rows and micro-steps per window (token budgets)
 METRICS = verify.Metrics(names=("loss", "grad_norm", "tokens"), max_norm=MAX_NORM)
-factory = verify.adapter(data=verify.data.tokens(vocab=VOCAB, seq_len=SEQ_LEN), ignore_index=IGNORE,
-                         data_parallel=True, uneven=True, metrics=METRICS)(Trainer)
+factory = verify.adapter(data=verify.data.tokens(vocab=VOCAB, seq_len=SEQ_LEN), metrics=METRICS,
+                         batches=verify.Batches(ignore_index=IGNORE),
+                         distributed=verify.Distributed(data_parallel=True, uneven=True))(Trainer)

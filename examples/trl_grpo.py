@@ -174,7 +174,8 @@ def counts(case):
 def declare(trainer, normaliser):
     """The adapter of one loss_type. empty_windows=False: a window without a completion token still steps AdamW
     (zero gradient, moving moments)."""
-    return verify.adapter(data=DATA, ignore_index=-100, data_parallel=True, empty_windows=False, counts=counts,
+    return verify.adapter(data=DATA, batches=verify.Batches(ignore_index=-100, empty_windows=False),
+                          distributed=verify.Distributed(data_parallel=True, counts=counts),
                           objective=verify.Objective(terms={"loss": normaliser}),
                           name=f"TRL GRPOTrainer (loss_type={trainer.LOSS_TYPE!r})")(trainer)
 

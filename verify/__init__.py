@@ -31,7 +31,9 @@ def _other_verify() -> None:
 _other_verify()
 __all__ = [
     # the protocol your trainer implements, and how to declare its adapter
-    "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data", "Metrics", "Objective", "Parity",
+    "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data",
+    # its declarations, one per concern (docs/verify-your-trainer.md, "Declarations")
+    "Batches", "Distributed", "Numerics", "MemoryModel", "Metrics", "Objective", "Parity",
     # what a sync mode may communicate: expected collectives, a mode's exact counts, a mesh's axes
     "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "CountRow", "Windows", "Mesh",
     # a mesh case's DeviceMesh, built once per process (dims "dp", "pp", "cp" where > 1, "tp")
@@ -51,7 +53,9 @@ _WHERE = {
     "Trainer": ("verify._internal.protocol", "Trainer"), "Spec": ("verify._internal.protocol", "Spec"),
     "Adapter": ("verify._internal.protocol", "Adapter"), "adapter": ("verify._internal.protocol", "adapter"),
     "AdapterError": ("verify._internal.protocol", "AdapterError"), "Metrics": ("verify._internal.metrics", "Metrics"),
-    "Objective": ("verify._internal.objective", "Objective"), "Parity": ("verify._internal.gates.parity", "Parity"),
+    "Objective": ("verify._internal.objective", "Objective"), "Parity": ("verify._internal.declare", "Parity"),
+    "Batches": ("verify._internal.declare", "Batches"), "Distributed": ("verify._internal.declare", "Distributed"),
+    "Numerics": ("verify._internal.declare", "Numerics"), "MemoryModel": ("verify._internal.declare", "MemoryModel"),
     "Expected": ("verify._internal.protocol", "Expected"), "DDP_EXPECTED": ("verify._internal.protocol", "DDP_EXPECTED"),
     "DDP_WORLD1_EXPECTED": ("verify._internal.protocol", "DDP_WORLD1_EXPECTED"),
     "CountRow": ("verify._internal.gates.counts", "CountRow"), "Windows": ("verify._internal.ranks.comm", "Windows"),

@@ -77,12 +77,12 @@ OVERFLOW_FACTOR = 2.0**20  # a power of two: N(0, 1) inputs become ~1e6 > fp16's
 
 
 def overflow_rows(trainer, inputs: torch.Tensor, targets: torch.Tensor, rows: slice):
-    """An overflow hook for floating inputs (Adapter(overflow=verify.data.overflow_rows)): `rows` of the
+    """An overflow hook for floating inputs (numerics=verify.Numerics(overflow=verify.data.overflow_rows)): `rows` of the
     micro-batch scaled by 2^20, so the fp16 forward of those rows holds an inf (the trainer is not touched).
     New tensors. Not the default: a normalising first layer undoes the scale, the harness's injection into
     the backward (verify._internal.gates.overflow.BackwardInf) cannot be undone."""
     if not inputs.is_floating_point():
-        raise ValueError("overflow_rows scales floating inputs; leave Adapter(overflow=None) for token data: the "
+        raise ValueError("overflow_rows scales floating inputs; leave Numerics(overflow=None) for token data: the "
                          "harness then injects the overflow into the backward")
     x = inputs.clone()
     x[rows] *= OVERFLOW_FACTOR

@@ -1,6 +1,6 @@
 """PYTEST_DONT_REWRITE (no rewritten bytecode is cached next to an installed package)
 
-The mesh gates on the adapter under proof, when it declares mesh axes (Adapter(mesh_axes=("pp",) |
+The mesh gates on the adapter under proof, when it declares mesh axes (distributed=verify.Distributed(mesh_axes=("pp",) |
 ("tp",) | ...)): every drawn dp × pp × tp mesh of 2..XTRAIN_DIST_MAX_WORLD ranks (default 4; 8 opt-in)
 with its pipeline chunks and outer steps against the adapter's own 1×1×1 big batch (verify/_internal/gates/mesh.py),
 and split invariance over mesh shapes: one window on every factorisation of one world. Each draws its

@@ -35,7 +35,7 @@ LAYERS = [
     ("CLI plumbing", ["verify._internal.cli"]),
     # the façade (`verify`: lazy, imports nothing at load) and what every part of the harness shares
     ("harness base", ["verify", "verify.data", "verify._internal", "verify._internal.metrics", "verify._internal.objective", "verify._internal.header", "verify._internal.settings", "verify._internal.trainers",
-                      "verify._internal.verdict", "verify._internal.protocol", "verify._internal.precision", "verify._internal.expected",
+                      "verify._internal.verdict", "verify._internal.protocol", "verify._internal.declare", "verify._internal.precision", "verify._internal.expected",
                       "verify._internal.hints", "verify._internal.atstep", "verify._internal.ranks",
                       "verify._internal.ranks.comm", "verify._internal.ranks.mesh", "verify.mesh"]),
     # running a case: cases and strategies, the pull driver, rank pools, the GPU lock

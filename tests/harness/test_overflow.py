@@ -117,6 +117,6 @@ def test_no_module_to_inject_into_is_a_skip_naming_the_hook():
     from torch.nn.modules import module
 
     adapter = verify.adapter(data=verify.data.regression(features=8), precisions=("fp32", "fp16"))(_NoModule)
-    with pytest.raises(GateSkipped, match=r"could not inject the overflow; declare Adapter\(overflow=...\)"):
+    with pytest.raises(GateSkipped, match=r"could not inject the overflow; declare numerics=verify.Numerics\(overflow=...\)"):
         check_overflow(adapter, _case(options=None), 1, 0)
     assert not module._global_forward_hooks  # disarmed: the process-wide hook did not outlive the run

@@ -204,4 +204,4 @@ def test_an_adapter_that_is_not_data_parallel_says_so_for_each_data_parallel_gat
     missing, _ = report.coverage(json.loads(report.dump()), None)
     for gate in (Gate.BOUNDARY_ONLY, Gate.DP_EQUIVALENCE, Gate.BYTES_PER_STEP):
         assert f"{gate.value}: examples.mlp_regressor.Trainer does not declare data parallelism " \
-               "(Adapter(data_parallel=True))" in missing, missing
+               "(distributed=verify.Distributed(data_parallel=True))" in missing, missing

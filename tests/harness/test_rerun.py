@@ -120,7 +120,7 @@ def test_a_bad_grads_from_or_unclipped_is_one_line_naming_the_field():
     from verify._internal.protocol import AdapterError
 
     for kw, says in ((dict(grads_from="step"), "grads_from must be one of 'grads', 'optimizer', got 'step'"),
-                     (dict(unclipped=0.5), "unclipped= must be callable")):
+                     (dict(unclipped=0.5), "Adapter.unclipped must be callable")):
         with pytest.raises(AdapterError) as e:
             verify.adapter(data=verify.data.regression(features=2), **kw)(_helper("over_n_twice").factory)
         assert says in str(e.value) and "\n" not in str(e.value)

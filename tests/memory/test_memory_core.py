@@ -349,5 +349,5 @@ def test_the_adapter_declares_a_callable_hook():
 
     from verify._internal.protocol import AdapterError
 
-    with pytest.raises(AdapterError, match="predicted_peak= must be callable"):
+    with pytest.raises(AdapterError, match="MemoryModel.predicted_peak must be callable"):
         memory_adapters.mlp.replace(predicted_peak=3)

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from verify._internal.declare import AdapterError
+
 __all__ = ["Metrics", "METRIC_NAMES", "CONVENTIONS", "Observer", "max_norm_of"]
 
 METRIC_NAMES = ("loss", "grad_norm", "clip_coef", "lr", "tokens", "rows")
@@ -41,8 +43,6 @@ class Metrics:
     clip_eps: float = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coefficient = max_norm / (norm + clip_eps)
 
     def __post_init__(self):
-        from verify._internal.protocol import AdapterError
-
         names = (self.names,) if isinstance(self.names, str) else tuple(self.names)
         bad = [n for n in names if n not in METRIC_NAMES]
         if bad:

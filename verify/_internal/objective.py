@@ -12,6 +12,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from verify._internal.declare import AdapterError
+
 __all__ = ["Objective", "NORMALISERS", "Normaliser", "objective_of", "window_terms", "Weights", "non_equivalences"]
 
 
@@ -59,8 +61,6 @@ class Objective:
     segments: Callable | None = None
 
     def __post_init__(self):
-        from verify._internal.protocol import AdapterError
-
         if not isinstance(self.terms, Mapping) or not self.terms:
             raise AdapterError(f"Objective.terms must be a non-empty {{name: normaliser}}, got {self.terms!r}")
         for name, kind in self.terms.items():

@@ -18,13 +18,17 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 from verify._internal.atstep import GRADS_FROM, OptimizerGrads
+from verify._internal.declare import (FLAT, AdapterError, Batches, Distributed, MemoryModel, Numerics, Parity,
+                                      callables, declared_fields, regroup)
 from verify._internal.expected import DDP_EXPECTED, DDP_WORLD1_EXPECTED, Expected
+from verify._internal.metrics import Metrics
+from verify._internal.objective import Objective
 from verify._internal.precision import AUTOCAST, Precision
-from verify._internal.ranks.mesh import Mesh, check_spec, mesh_axes, mesh_sizes
+from verify._internal.ranks.mesh import Mesh, check_spec
 from verify._internal.verdict import raised_at
 
 __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter",
-           "AdapterError", "Precision", "AUTOCAST"]
+           "AdapterError", "Precision", "AUTOCAST", "Batches", "Distributed", "Numerics", "MemoryModel"]
 
 
 @runtime_checkable
@@ -108,10 +112,6 @@ class Spec:
         return max(1, self.schedule_world // processes)
 
 
-class AdapterError(ValueError):
-    """A trainer reference or adapter declaration that cannot be used; str(e) is one line."""
-
-
 def _one_positional(fn) -> bool:
     """True when fn can be called with exactly one positional argument."""
     try:
@@ -127,61 +127,36 @@ def _one_positional(fn) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class Adapter:
-    """A trainer factory plus the declarations the harness needs (see the module docstring)."""
+    """A trainer factory plus what the harness needs to know of it, one declaration per concern (module
+    docstring; declare.py). The flat keywords of earlier releases (`ignore_index=`, `data_parallel=`, ...)
+    still build and read: each is its group's field (declare.FLAT)."""
 
     factory: Callable[[Spec], Trainer]
     data: Callable
     plain: Callable[[Spec], Trainer] | None = None
     options: Any = None  # a hypothesis SearchStrategy, or None
     defaults: Any = None
-    data_parallel: bool = False
-    process_group: bool = False
-    expected: tuple[Expected, ...] = ()
     name: str = ""
+    batches: Batches = Batches()
+    distributed: Distributed = Distributed()
+    numerics: Numerics = Numerics()
+    memory: MemoryModel = MemoryModel()
+    metrics: Metrics | None = None
+    """What the trainer's metrics() reports per optimizer step and its conventions (the metrics gate); None:
+    metrics are not checked, and the report says so."""
+    objective: Objective | None = None
+    """How each term of the loss normalises (the normaliser gate); None: a token mean with an ignore_index,
+    else a row mean that only the split-based gates judge."""
+    parity: Parity | None = None  # a switch of the options that must not change the result (gates/parity.py)
+    grads_from: str = "grads"  # "grads": grads(); "optimizer": .grad as optimizer step() begins (atstep.py)
+    unclipped: Callable | None = None
+    """options -> the same options with gradient clipping off: lets a failure's diagnosis re-run it unclipped."""
     ref: str | None = field(default=None, compare=False)
     """'module:attribute' this adapter is importable as; found on first use when not given."""
     mutation: Any = None
     """Set by the self-test: the fault operator wrapped around `factory`, an object with `name` and
     `apply(adapter)` that pickles by reference (verify.selftest.operators.Operator); pool ranks rebuild the
     mutant through it, so the protocol needs no import of the self-test."""
-    precisions: tuple[str, ...] = ("fp32",)
-    ignore_index: int | None = None
-    scheduler_per_rank: bool = False
-    """The trainer's LR scheduler advances once per RANK per optimizer step (Accelerate's prepared scheduler,
-    split_batches=False): W ranks equal one process whose scheduler steps W times. The harness then builds
-    every trainer with Spec.schedule_world = the world it is compared at; the trainer calls its scheduler's
-    step() Spec.scheduler_calls times per optimizer step (1 in its own W-rank run)."""
-    empty_windows: bool = True
-    """With an ignore_index: the trainer takes windows without a valid target (and must leave the parameters
-    and its state alone on them). False: the harness never draws such a window, and says so."""
-    counts: Callable | None = None
-    """case -> verify._internal.gates.counts.CountRow: the exact collectives per micro-step and at the boundary of
-    this adapter's sync mode (FSDP all-gathers, ...); for a mesh case {axis: CountRow} (gates/mesh_counts.py).
-    Without it: none before the boundary (but `expected`), and every gradient element reduced once at it."""
-    overflow: Callable | None = None
-    """(trainer, inputs, targets, rows) -> (inputs, targets): makes the micro-batch's `rows` overflow fp16
-    (the injected-overflow gate). None: the harness injects an inf into that backward (gates/overflow.py)."""
-    mesh_axes: tuple[str, ...] = ()  # axes beyond plain data parallel ("dp", "pp", "tp"; verify/_internal/ranks/mesh.py)
-    mesh_sizes: dict | None = None  # {axis: sizes it supports}, e.g. {"tp": (2, 4)}; None: every size (verify/_internal/ranks/mesh.py)
-    subgroups: bool = False  # honours Spec.group: a launched world runs its sub-worlds on subgroups
-    uneven: bool = False  # normalises by the GLOBAL count: ranks may hold unequal rows / micro-steps (Case.rank_rows)
-    short_last_window: bool = False  # one process: a run may end with a window of fewer micro-batches (Spec.windows)
-    unclipped: Callable | None = None
-    """options -> the same options with gradient clipping off: lets a failure's diagnosis re-run it unclipped."""
-    grads_from: str = "grads"  # "grads": grads(); "optimizer": .grad as optimizer step() begins (verify/_internal/atstep.py)
-    predicted_peak: Callable | None = None
-    """verify.memory.PeakQuery -> verify.memory.Prediction | str: the predicted peak per configuration of
-    `python -m verify.memory` (the adapter's memory model; xtrain's: xtrain_proof/memory.py)."""
-    metrics: Any = None
-    """A verify.Metrics: what the trainer's metrics() reports per optimizer step and its conventions (the
-    metrics gate, verify/_internal/gates/metrics.py); None: metrics are not checked, and the report says so."""
-    objective: Any = None
-    """A verify.Objective: how each term of the loss normalises (the normaliser gate, gates/objective.py); None:
-    a token mean with an ignore_index, else a row mean that only the split-based gates judge."""
-    parity: Any = None  # a verify.Parity: a switch of the options that must not change the result (gates/parity.py)
-    memory_preset: Any = None
-    """What `python -m verify.memory` adds for this trainer's family when it is the configured default trainer
-    (a verify.memory.cli.Wing: short --trainer names, flags, options, the anchor); None: none."""
 
     def __post_init__(self):
         for what in ("factory", "data"):
@@ -191,54 +166,42 @@ class Adapter:
             raise AdapterError(f"the factory {_qual(self.factory)} must take one argument (a verify.Spec)")
         if self.plain is not None and not (callable(self.plain) and _one_positional(self.plain)):
             raise AdapterError(f"plain= must be a factory taking one argument (a verify.Spec), got {self.plain!r}")
-        object.__setattr__(self, "expected", tuple(self.expected))
-        bad = [p for p in self.precisions if p not in tuple(Precision)]
-        if bad or not self.precisions:
-            raise AdapterError(f"precisions must be a non-empty subset of fp32, bf16, fp16, got {tuple(self.precisions)}")
-        object.__setattr__(self, "precisions", tuple(Precision(p) for p in self.precisions))
-        if self.overflow is not None and not callable(self.overflow):
-            raise AdapterError(f"overflow= must be callable (trainer, inputs, targets, rows) -> (inputs, targets), "
-                               f"got {self.overflow!r}")
-        if self.unclipped is not None and not callable(self.unclipped):
-            raise AdapterError(f"unclipped= must be callable (options -> options without clipping), got {self.unclipped!r}")
-        if self.predicted_peak is not None and not callable(self.predicted_peak):
-            raise AdapterError(f"predicted_peak= must be callable (PeakQuery -> Prediction | str), got {self.predicted_peak!r}")
-        object.__setattr__(self, "mesh_axes", mesh_axes(self.mesh_axes, AdapterError))
-        object.__setattr__(self, "mesh_sizes", mesh_sizes(self.mesh_sizes, self.mesh_axes, AdapterError))
-        for f, kind, args in (("metrics", "Metrics", "names"), ("objective", "Objective", "terms"), ("parity", "Parity", "name")):
-            if getattr(self, f) is not None and type(getattr(self, f)).__name__ != kind:
-                raise AdapterError(f"{f}= must be a verify.{kind}({args}=...), got {getattr(self, f)!r}")
+        for f, kind in (("metrics", Metrics), ("objective", Objective), ("parity", Parity)):
+            if getattr(self, f) is not None and not isinstance(getattr(self, f), kind):
+                raise AdapterError(f"{f}= must be a verify.{kind.__name__}(...), got {getattr(self, f)!r}")
         if self.metrics is not None and self.ignore_index is None and "tokens" in self.metrics.names:
             raise AdapterError("Metrics.names has 'tokens' but the adapter declares no ignore_index: report 'rows', "
-                               "or declare ignore_index= so the harness can count valid targets")
+                               "or declare Batches(ignore_index=...) so the harness can count valid targets")
         if self.grads_from not in GRADS_FROM:
             raise AdapterError(f"grads_from must be one of {', '.join(map(repr, GRADS_FROM))}, got {self.grads_from!r}")
-        for f in ("empty_windows", "subgroups", "uneven", "short_last_window"):
-            if not isinstance(getattr(self, f), bool):
-                raise AdapterError(f"{f} must be True or False, got {getattr(self, f)!r}")
-        if self.process_group and not self.data_parallel:
-            object.__setattr__(self, "data_parallel", True)
+        callables(self, unclipped="(options -> options without clipping)")
         if not self.name:
             object.__setattr__(self, "name", self.ref or _qual(self.factory))
+
+    def __getattr__(self, name: str):  # only for names that are not fields: a flat name reads its group's field
+        group = FLAT.get(name)
+        if group is None:
+            raise AttributeError(f"'Adapter' object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, group), name)
 
     def __repr__(self):
         return f"Adapter({self.name!r}{', ' + self.mutation.name if self.mutation is not None else ''})"
 
     def declarations(self) -> dict:
-        """Every declaration that changes what the gates expect, by name (the report lists them)."""
-        out = {}
-        for f in ("plain", "ignore_index", "expected", "counts", "precisions", "scheduler_per_rank",
-                  "process_group", "data_parallel", "subgroups", "uneven", "empty_windows", "overflow",
-                  "mesh_axes", "mesh_sizes", "grads_from", "metrics", "objective", "parity", "short_last_window"):
-            v = getattr(self, f)
-            default = next(x for x in dataclasses.fields(self) if x.name == f).default
-            if (f == "empty_windows" and self.ignore_index is None) or (f in ("subgroups", "uneven") and not self.data_parallel):
-                continue  # means nothing without padding / without data parallelism
-            if v != default and v is not None and v != ():
-                out[f] = (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
-                          else list(v) if isinstance(v, tuple) else {a: list(n) for a, n in v.items()}
-                          if f == "mesh_sizes" else v.declared() if f in ("metrics", "objective") else v)
-        return out
+        """Every declaration that changes what the gates expect, by its flat name (the report lists them)."""
+        out = {} if self.plain is None else {"plain": self.plain}
+        out.update(declared_fields(self, skip=("memory",)))
+        if self.ignore_index is None:
+            out.pop("empty_windows", None)  # means nothing without padding
+        if not self.data_parallel:
+            out.pop("subgroups", None), out.pop("uneven", None)  # mean nothing without data parallelism
+        if self.grads_from != "grads":
+            out["grads_from"] = self.grads_from
+        out.update({f: getattr(self, f) for f in ("metrics", "objective", "parity") if getattr(self, f) is not None})
+        return {f: (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
+                    else list(v) if isinstance(v, tuple) else {a: list(n) for a, n in v.items()}
+                    if f == "mesh_sizes" else v.declared() if f in ("metrics", "objective") else v)
+                for f, v in out.items() if v is not None and v != ()}
 
     def __call__(self, spec: Spec) -> Trainer:
         trainer = self.factory(spec)
@@ -279,9 +242,10 @@ class Adapter:
             raise AdapterError(f"{option} {self.ref or self.name}: " + _no_trainer(_qual(self.factory), obj, missing))
 
     def replace(self, **changes) -> "Adapter":
+        """A copy with `changes` (flat names too: each replaces its group's field, the rest of the group kept)."""
         changes.setdefault("ref", None)
         changes.setdefault("name", "")
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **regroup(changes, base=self))
 
     def batch(self, rows: int, seed: int, options=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`rows` rows of (inputs, targets) for `seed`, on the CPU."""
@@ -313,6 +277,15 @@ class Adapter:
         return _rebuild, (self.locate(), self.mutation)
 
 
+_fields_init = Adapter.__init__
+
+
+def _init(self, *args, **changes):  # Adapter(..., ignore_index=-100): the flat keywords fold into their groups
+    _fields_init(self, *args, **regroup(changes))
+
+
+Adapter.__init__ = _init
+
 TRAINER_METHODS = ("micro_step", "grads", "optimizer_step", "params")  # verify.Trainer, in call order
 
 
@@ -335,18 +308,19 @@ def _qual(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def adapter(*, data, plain=None, options=None, defaults=None, data_parallel: bool = False,
-            process_group: bool = False, expected=(), name: str = "", precisions=("fp32",),
-            ignore_index: int | None = None, counts=None, scheduler_per_rank: bool = False,
-            empty_windows: bool = True, overflow=None, predicted_peak=None, mesh_axes=(),
-            subgroups: bool = False, uneven: bool = False, grads_from: str = "grads", unclipped=None, mesh_sizes=None,
-            memory_preset=None, metrics=None, objective=None, parity=None, short_last_window: bool = False):
+def adapter(*, data, **declared):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
-    `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec."""
-    declared = dict(locals())  # every keyword above is an Adapter field of the same name
+    `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec. The
+    keywords are Adapter's fields (and the flat names of earlier releases, declare.FLAT)."""
+    fields = {f.name for f in dataclasses.fields(Adapter)} - {"factory", "data", "ref", "mutation"}
+    unknown = sorted(set(declared) - fields - set(FLAT))
+    if unknown:
+        raise AdapterError(f"adapter() has no declaration {unknown[0]!r}; declarations: {', '.join(sorted(fields))} "
+                           f"(docs/verify-your-trainer.md, Declarations)")
+    declared = regroup(declared)
 
     def wrap(fn) -> Adapter:  # fn: a function or a trainer class, Spec -> trainer
-        return Adapter(factory=fn, **{**declared, "name": name or f"{fn.__module__}.{fn.__qualname__}"})
+        return Adapter(factory=fn, data=data, **{**declared, "name": declared.get("name") or f"{fn.__module__}.{fn.__qualname__}"})
 
     return wrap
 

@@ -1,5 +1,5 @@
 """The predicted peak beside the measured one: an adapter may declare a memory model,
-`Adapter(predicted_peak=fn)`, and `python -m verify.memory` reports each configuration's measured peak as a
+`verify.MemoryModel(predicted_peak=fn)`, and `python -m verify.memory` reports each configuration's measured peak as a
 ratio of it. The harness knows no model: it asks the adapter's hook (`PeakQuery` -> `Prediction`) once,
 after the sweeps, on rank 0, and judges only the ratio (exit 1 outside `ABSURD`). xtrain's memory model,
 one per data-parallel mode, is xtrain_proof/memory.py.

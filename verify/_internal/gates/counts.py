@@ -242,7 +242,7 @@ def check_step(row: CountRow, micro: list, boundary: list, k: int, W: int, expec
             listed = "; ".join(describe(c) for c in rest[:3]) + (f" (+{len(rest) - 3} more)" if len(rest) > 3 else "")
             return used, (f"step {k}, micro-step {m} of {N}: {len(rest)} collective(s) before the boundary: {listed} — "
                           f"{'micro-step 0' if N == 2 else f'micro-steps 0..{N - 2}'} must not communicate (a "
-                          f"collective the trainer needs there must be declared: Adapter(expected=...))")
+                          f"collective the trainer needs there must be declared: distributed=verify.Distributed(expected=...))")
         where = f"step {k}, micro-step {m} of {N} (before the boundary)"
         msg = None if default else check_row(row, rest, row.before, where, describe,
                                              row.first_micro if (k, m) == (0, 0) else None, links=links,

@@ -316,7 +316,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
 def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
     """Both gates on one run: the counter first (its message names the collective), then the numbers."""
     if not adapter.data_parallel:
-        raise GateSkipped(f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))")
+        raise GateSkipped(f"{adapter.name} does not declare data parallelism (distributed=verify.Distributed(data_parallel=True))")
     outcomes = run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
     row = declared_row(adapter, case)
     # the float64 reference run has no autocast (precision fp32): a framework's collectives follow its precision

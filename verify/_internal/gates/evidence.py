@@ -141,7 +141,7 @@ def per_rank_schedule(adapter, case: Case) -> str | None:
     fix = ("you declare scheduler_per_rank=True, yet in the one-process reference (Spec.schedule_world = W) it "
            "advances once per step: call the scheduler's step() Spec.scheduler_calls times per optimizer step"
            if declared else
-           "declare @verify.adapter(scheduler_per_rank=True) and call the scheduler's step() Spec.scheduler_calls "
+           "declare distributed=verify.Distributed(scheduler_per_rank=True) and call the scheduler's step() Spec.scheduler_calls "
            "times per optimizer step (1 on the ranks, W in the harness's one-process reference)")
     return (f"at step {k} the {W}-rank run applies LR {got[k]:.6g}, its one-process reference {ref[k]:.6g}; at "
             f"every step k ≤ {K} the ranks' LR is the reference's at step {W}·k{f' + {o}' if o else ''}: the LR "

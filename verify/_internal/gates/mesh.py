@@ -124,7 +124,7 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
     """The mesh gate on one case (case.mesh set, case.world its dp). GateSkipped for an adapter that
     declares no mesh_axes; ValueError for a mesh wider than the adapter declares."""
     if not adapter.mesh_axes:
-        raise GateSkipped(f"{adapter.name} declares no mesh axes (Adapter(mesh_axes=('pp',) | ('tp',) | ...))")
+        raise GateSkipped(f"{adapter.name} declares no mesh axes (distributed=verify.Distributed(mesh_axes=('pp',) | ('tp',) | ...))")
     if case.mesh is None:
         raise ValueError("check_mesh needs a case with a mesh (Case(mesh=verify.Mesh(...), world=mesh.dp))")
     extra = [a for a in case.mesh.axes() if a not in adapter.mesh_axes]

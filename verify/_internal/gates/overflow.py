@@ -69,7 +69,7 @@ def overflow_hook(adapter):
     """How the gate overflows one micro-batch of the adapter: its own `overflow` hook, else BackwardInf
     (the harness's, any inputs); None (with why) when the adapter has no fp16."""
     if "fp16" not in adapter.precisions:
-        return None, f"{adapter.name} does not declare fp16 (Adapter(precisions=...)): no loss scaling to overflow"
+        return None, f"{adapter.name} does not declare fp16 (numerics=verify.Numerics(precisions=...)): no loss scaling to overflow"
     return (adapter.overflow if adapter.overflow is not None else BackwardInf), ""
 
 
@@ -135,7 +135,7 @@ def check_overflow(adapter, case: Case, micro: int, rank: int, *, pool=None, ref
     if hook is None:
         raise GateSkipped(why)
     if case.world > 1 and not adapter.data_parallel:
-        raise GateSkipped(f"{adapter.name} does not declare data parallelism (Adapter(data_parallel=True))")
+        raise GateSkipped(f"{adapter.name} does not declare data parallelism (distributed=verify.Distributed(data_parallel=True))")
     if case.precision != "fp16" or case.steps < 2 or not (0 <= micro < case.accum_steps and 0 <= rank < case.world):
         raise ValueError(f"the overflow gate needs precision fp16, steps ≥ 2 and micro < N, rank < W; got {case} "
                          f"micro={micro} rank={rank}")
@@ -154,7 +154,7 @@ def check_overflow(adapter, case: Case, micro: int, rank: int, *, pool=None, ref
     if any(run["fired"] is False for run in (ref, *runs)):  # the harness's injection saw no backward there
         raise GateSkipped(f"{adapter.name}: no backward through a floating module output that requires grad in the "
                           f"overflowing micro-step ({where}), so the harness could not inject the overflow; declare "
-                          f"Adapter(overflow=...) to make one micro-batch overflow fp16")
+                          f"numerics=verify.Numerics(overflow=...) to make one micro-batch overflow fp16")
 
     def fail(msg):
         raise GateFailure(f"[{GATE}] {msg} ({where}); case {case}", gate=GATE, case=case)

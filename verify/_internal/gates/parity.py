@@ -9,12 +9,10 @@ as its big batch (tolerance.Judge.step0 and the float64 runs). A difference is f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
 import torch
 
 from verify._internal.cases.case import Case, drive
+from verify._internal.declare import Parity
 from verify._internal.gates.diagnose import determinism, first_difference
 from verify._internal.gates.single import run_alone
 from verify._internal.gates.tolerance import Judge
@@ -27,27 +25,6 @@ HINT = ("the switch changed the numbers: something the forward computes (a count
         "draw) runs again when the backward recomputes it under checkpointing, or a fused path normalises "
         "differently. Keep state updates out of the recomputed region (or skip them while recomputing: "
         "torch.utils.checkpoint's recompute runs under the same module), and make both paths divide by the same count")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Parity:
-    """A switch that must not change the result: `name` (as messages say it), `apply(options, on)` -> the
-    adapter's options with the switch on or off (options is the drawn value, None without an options strategy);
-    `exact`: the math is the same on both sides, so bit-equality; False: the precision bound applies."""
-
-    name: str
-    apply: Callable[[Any, bool], Any]
-    exact: bool = True
-
-    def __post_init__(self):
-        from verify._internal.protocol import AdapterError
-
-        if not isinstance(self.name, str) or not self.name:
-            raise AdapterError(f"Parity.name must be a non-empty string, got {self.name!r}")
-        if not callable(self.apply):
-            raise AdapterError(f"Parity.apply must be callable (options, on: bool) -> options, got {self.apply!r}")
-        if not isinstance(self.exact, bool):
-            raise AdapterError(f"Parity.exact must be True or False, got {self.exact!r}")
 
 
 def check_parity(adapter, case: Case, *, pool=None) -> GateResult:

@@ -237,7 +237,7 @@ def _classify(adapter, failure: GateFailure, seen: dict, step_wrong: bool = Fals
     if seen.get("K=1") and seen.get("W=1"):
         return (said + "step 0 agrees, a later step differs, only at W > 1: state that advances per step differs "
                 f"across ranks — an LR scheduler stepped once per rank (Accelerate's prepared scheduler steps it "
-                f"num_processes times: declare @verify.adapter(scheduler_per_rank=True))")
+                f"num_processes times: declare distributed=verify.Distributed(scheduler_per_rank=True))")
     if seen.get("K=1") or step_wrong:
         what = ("step 0 agrees, a later step differs" if seen.get("K=1") else
                 "the step-0 gradient equals the big batch's, the update does not")

@@ -79,7 +79,7 @@ def _plain(a, s):
 def _padded(a, s):
     return None if a.ignore_index is not None else (
         f"{a.name} declares no ignore_index: padded, variable-length windows do not apply (declare "
-        f"@verify.adapter(ignore_index=-100) for a token-weighted trainer)")
+        f"batches=verify.Batches(ignore_index=-100) for a token-weighted trainer)")
 
 
 def _normaliser(a, s):
@@ -95,7 +95,7 @@ def _empty(a, s):
 
 
 def _data_parallel(a, s):
-    return None if a.data_parallel else f"{a.name} does not declare data parallelism (Adapter(data_parallel=True))"
+    return None if a.data_parallel else f"{a.name} does not declare data parallelism (distributed=verify.Distributed(data_parallel=True))"
 
 
 def _two_ranks(a, s):
@@ -104,7 +104,7 @@ def _two_ranks(a, s):
 
 def _mesh(a, s):
     if not a.mesh_axes:
-        return f"{a.name} declares no mesh axes (Adapter(mesh_axes=('pp',) | ('tp',) | ...))"
+        return f"{a.name} declares no mesh axes (distributed=verify.Distributed(mesh_axes=('pp',) | ('tp',) | ...))"
     reason = needs_world(2, s)
     if reason:
         return reason

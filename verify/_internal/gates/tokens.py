@@ -39,7 +39,7 @@ def windows_case(adapter, case: Case) -> Case:
 def _skip_unless_tokens(adapter) -> None:
     if adapter.ignore_index is None:
         raise GateSkipped(f"{adapter.name} declares no ignore_index: it claims no token mean (declare "
-                          f"@verify.adapter(ignore_index=-100) for a token-weighted trainer)")
+                          f"batches=verify.Batches(ignore_index=-100) for a token-weighted trainer)")
 
 
 def check_empty_window(adapter, case: Case, *, pool=None) -> GateResult:
@@ -122,7 +122,7 @@ def empty_window_job(adapter, case: Case, device: str) -> GateResult:
                 f"[{EMPTY}] a window without a valid target (after window A, {r.count(r.ya)} valid targets) changed "
                 f"parameter {name!r}: max|Δ| = {d:.3e}{' (NaN: a division by a count of 0?)' if math.isnan(d) else ''}. "
                 f"It must be no step at all — skip the update when the window's valid count is 0 — or declare "
-                f"@verify.adapter(empty_windows=False); case {case}", gate=EMPTY, case=case, error=d, bound=0.0,
+                f"batches=verify.Batches(empty_windows=False); case {case}", gate=EMPTY, case=case, error=d, bound=0.0,
                 hint="an empty window was stepped: weight decay, momentum or a 0/0 moved the parameters")
     j = Judge(EMPTY, case, where="window B after an empty window, vs B right after A with no empty window between "
                                  "(the reference): ")
