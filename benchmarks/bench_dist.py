@@ -68,14 +68,15 @@ def _drawn_cases(world: int, n: int):
     """The ci profile's draws: derandomized, as the suite sees them."""
     from hypothesis import HealthCheck, given, settings
 
+    from verify import Gate
+    from verify.study import strategy
     from xtrain_proof import adapters as xtrain
-    from verify._internal.cases.strategies import dist_cases
 
     got = []
 
     @settings(max_examples=n, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(case=dist_cases(xtrain.adapter, min_world=world, max_world=world))
+    @given(case=strategy(Gate.DP_EQUIVALENCE, xtrain.adapter, world, world))
     def collect(case):
         got.append(case)
 
@@ -84,7 +85,7 @@ def _drawn_cases(world: int, n: int):
 
 
 def _time_example(adapter, case, pool, ref_pool=None) -> float:
-    from verify._internal.gates import check_distributed
+    from verify.study import check_distributed
 
     t0 = time.perf_counter()
     check_distributed(adapter, case, pool=pool, ref_pool=ref_pool)
@@ -96,7 +97,7 @@ def _other(c) -> str:
 
 
 def _step_row(s) -> dict:
-    """One optimizer step as the counter saw it (verify._internal.gates.distributed.StepComm)."""
+    """One optimizer step as the counter saw it (the equivalence gate's comm report, extra['comm'])."""
     non_grad = [c for c in [*(c for cs in s.micro for c in cs), *s.boundary] if c.kind != "gradient"]
     return dict(gradient_collectives=len(s.reduced), boundary_bytes=s.boundary_bytes,
                 boundary_elements=s.boundary_elements, ops=[f"{c.backend}:{c.op}" for c in s.reduced],
@@ -110,9 +111,8 @@ def pools(args) -> dict:
     from xtrain_proof import adapters
     from tests.helpers.dist_jobs import whoami  # a no-op job (test plumbing, repo root on the path)
     from verify import Gate, check
-    from verify._internal.gates import check_distributed
-    from verify._internal.ranks.pool import RankPool, get_pool
-    from verify._internal.settings import Settings, install, using
+    from verify import Settings
+    from verify.study import RankPool, install, pool as get_pool, using
 
     settings = install(Settings.from_env(backend=args.backend))  # the backend: the reference's get_pool(1) too
     torch.set_num_threads(settings.threads)
@@ -187,9 +187,10 @@ def _pool_row(r: dict) -> str:
 # -- step-time mode (under torchrun) ---------------------------------------------------------------
 
 def steps_mode(args) -> dict | None:
-    from verify._internal.ranks import comm
+    from verify import Windows
+    from verify.study import Recorder, count_collectives
 
-    comm.enable(nccl=args.device == "cuda")  # before the process group: the flight recorder counts collectives
+    count_collectives(nccl=args.device == "cuda")  # before the process group: the flight recorder counts collectives
     import torch
     import torch.distributed as dist
 
@@ -213,7 +214,7 @@ def steps_mode(args) -> dict | None:
     cfg = PRESETS[args.model]
     N, B, S = args.n, args.b, args.seq or cfg.seq_len
     optim = OptimConfig(lr=1e-4, max_grad_norm=1.0)
-    recorder = comm.Recorder()
+    recorder = Recorder()
 
     def sync():
         if cuda:
@@ -285,7 +286,7 @@ def steps_mode(args) -> dict | None:
     for k, t in trainers.items():
         sync()
         recorder.discard()  # the timed reps above overflowed the ring: count from here
-        win = comm.Windows()
+        win = Windows()
         for m, (x, y) in enumerate(data[0]):
             win.mark(("micro", m))
             t.micro_step(x, y, m)
@@ -392,9 +393,9 @@ def main(argv=None) -> int:
     args.reps = args.reps or 15
     res = pools(args)
     print("wrote", _write(args.out, f"bench_dist_pools_{args.backend}.json", {**_meta(), "results": res}))
-    from verify._internal.ranks.pool import close_all
+    from verify.study import close_pools
 
-    close_all()
+    close_pools()
     return 0
 
 

@@ -27,17 +27,14 @@ def norm_reduce(outcomes, case, width: int) -> tuple[list[str], float]:
     """The dtypes of the tp all-reduces of the norm weight's gradient (a (width,) tensor) at step 0's boundary,
     over every rank's candidate (float32 parameters, bf16 compute) run; and that gradient's largest relative
     error against the float64 big batch's, over the ranks."""
-    from verify._internal.gates.distributed import F32, _split
-    from verify._internal.gates.mesh_counts import axis_of
-    from verify._internal.ranks.comm import _TORCH_NAME, family
+    from verify.study import boundary
 
     seen, err = set(), 0.0
     for o in outcomes:
-        steps, _, _ = _split(o.runs[F32], case)
-        for c in steps[0].boundary:
-            if axis_of(c, case.mesh) == "tp" and family(c.op) == "all_reduce" and c.sizes == ((width,),):
-                seen.update(_TORCH_NAME.get(d, d) for d in c.dtypes)
-        got, ref = o.runs[F32].trace.grads0.get("norm.weight"), o.refs["ref64"].grads0["norm.weight"]
+        for c in boundary(o, case, step=0):
+            if c.axis == "tp" and c.family == "all_reduce" and c.sizes == ((width,),):
+                seen.update(c.dtypes)
+        got, ref = o.runs["torch.float32"].trace.grads0.get("norm.weight"), o.refs["ref64"].grads0["norm.weight"]
         if got is not None:
             err = max(err, ((got.double() - ref).abs().max() / ref.abs().max()).item())
     return sorted(seen), err
@@ -46,12 +43,12 @@ def norm_reduce(outcomes, case, width: int) -> tuple[list[str], float]:
 def row(adapter, dp: int, tp: int, N: int, B: int) -> dict:
     from examples.fsdp2_sequence_parallel import WIDTH
     from verify import Case, Gate, GateFailure, Mesh, check
-    from verify._internal.gates.distributed import run_distributed  # per-rank runs: no public door yet
+    from verify.study import rank_runs
 
     case = Case(accum_steps=N, micro_batch=B, steps=2, world=dp, seed=1, data_seed=2, precision="bf16",
                 mesh=Mesh(dp=dp, tp=tp))
     t0 = time.perf_counter()
-    dtypes, err = norm_reduce(run_distributed(adapter, case, gate=Gate.MESH_EQUIVALENCE), case, WIDTH)
+    dtypes, err = norm_reduce(rank_runs(adapter, case, gate=Gate.MESH_EQUIVALENCE), case, WIDTH)
     try:
         result = check(Gate.MESH_EQUIVALENCE, adapter, case)
         verdict, ratio, worst = "passed", result.ratio, result.worst
@@ -82,7 +79,7 @@ def main(argv=None) -> int:
     if not a.out.endswith(".json"):
         ap.exit(2, f"--out must name a .json file (the .md is written beside it), got {a.out}\n")
     from examples.fsdp2_sequence_parallel import factory
-    from verify._internal.ranks.pool import close_all
+    from verify.study import close_pools
 
     rows = []
     try:
@@ -93,7 +90,7 @@ def main(argv=None) -> int:
                       f"({r['seconds']} s)", flush=True)
                 rows.append(r)
     finally:
-        close_all()
+        close_pools()
     plain = {d for r in rows if r["N"] == 1 for d in r["norm_grad_tp_reduce"]}
     accum = {d for r in rows if r["N"] > 1 for d in r["norm_grad_tp_reduce"]}
     passed = all(r["verdict"] == "passed" for r in rows)

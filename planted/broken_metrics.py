@@ -14,7 +14,7 @@ import torch
 from xtrain_core.model import IGNORE
 from xtrain_core.trainer import AccumTrainer
 
-from verify._internal.metrics import Metrics
+from verify import Metrics
 from xtrain_proof import adapters as xtrain
 from planted.template import Planted
 

@@ -30,7 +30,7 @@ from xtrain_proof import adapters as xtrain
 from planted.template import ModelState, Planted, window_loss
 from planted.broken_numerics import SanitizeNonFinite, unscale_update_every_micro
 from verify.data import regression, tokens
-from verify._internal.protocol import adapter
+from verify import adapter
 
 __all__ = ["skip_decided_on_one_rank", "skip_only_overflowing_micro", "scaler_update_every_micro",
            "nan_to_num_before_check", "found_inf_of_rank_0_tokens", "found_inf_of_rank_0_float",

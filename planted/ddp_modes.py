@@ -67,8 +67,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from verify.data import regression
-from verify._internal.gates.counts import CountRow
-from verify._internal.protocol import DDP_EXPECTED, Adapter, Expected
+from verify import DDP_EXPECTED, Adapter, CountRow, Expected
 
 __all__ = ["MODES", "MLP", "Router", "first_backward_under_no_sync", "compiled_graphs"]
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
-import verify._internal.settings
+import verify.study
 
 VOCAB = 11
 
@@ -94,7 +94,7 @@ class EagerInter(HSDP):
 def row(case):
     """HSDP's count table row: per link (a node of one rank has no intra-node reduction, one node no
     inter-node one; the layout is the pool's, XTRAIN_RANKS_PER_NODE)."""
-    per_node = verify._internal.settings.current().per_node(case.world)  # the Settings the pool runs under
+    per_node = verify.study.current_settings().per_node(case.world)  # the Settings the pool runs under
     intra, inter = int(per_node > 1), int(case.world > per_node)
     return verify.CountRow("HSDP: inter-node at the boundary only", before={"all_reduce@intra-node": intra},
                            boundary={"all_reduce@intra-node": intra, "all_reduce@inter-node": inter})

@@ -21,11 +21,8 @@ from typing import Callable
 
 from xtrain_core.config import ModelConfig, OptimConfig
 
-from verify._internal.cases.case import Case
-from verify._internal.cases.corners import mesh_padding
-from verify._internal.ranks.mesh import Mesh
-from verify._internal.protocol import Adapter
-from verify._internal.verdict import Gate
+from verify import Adapter, Case, Gate, Mesh
+from verify.study import mesh_padding
 from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, cp_adapters, ddp_modes,
                      hint_adapters, hsdp_adapters,

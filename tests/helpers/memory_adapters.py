@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from verify._internal.protocol import Adapter, Spec
+from verify import Adapter, Spec
 
 
 @dataclass(frozen=True)
