@@ -27,7 +27,7 @@ from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_me
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, cp_adapters, ddp_modes,
                      hint_adapters, hsdp_adapters,
                      moe_adapters, objective_adapters, overflow_adapters, packed_adapters, parity_adapters, pull_loops,
-                     short_adapters, uneven_adapters, zero_adapters,
+                     scale_adapters, short_adapters, uneven_adapters, zero_adapters,
                      zero_grad_adapters)
 from planted import broken_amp_metrics  # issue 42 item 3: metrics in every precision
 from planted import atstep_adapters  # issue 42, the zoo's grads_from="optimizer" classes (optgrads)
@@ -604,6 +604,10 @@ PLANTED: tuple[PlantedBug, ...] = (
     PlantedBug("per_micro_token_mean", "each micro-batch ÷ its own valid-token count, then ÷ N",
                hint_adapters.per_micro_token_mean, Gate.EQUIVALENCE, r"(loss|gradient) .*step 0",
                Case(accum_steps=3, micro_batch=2, steps=1, seed=1, data_seed=2, lengths=(2, 4, 0, 5, 5, 3))),
+    PlantedBug("llama_micro_token_mean", "the Llama recipe, each micro-batch ÷ its own token count, then ÷ N "
+               "(its 1.1B size: python -m verify.gpu_gate --scale)", scale_adapters.tiny, Gate.EQUIVALENCE,
+               r"(loss|gradient) .*step 0", Case(accum_steps=3, micro_batch=2, steps=1, seed=1, data_seed=2,
+                                                 lengths=(16, 2, 16, 16, 3, 16))),
     PlantedBug("model_not_in_spec_dtype", "the model built in float32 whatever Spec.dtype (AdamW on a zero-gradient "
                "logit shift)", hint_adapters.wrong_dtype, Gate.EQUIVALENCE, r"'shift'",
                Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2)),

@@ -1,11 +1,12 @@
 """python -m verify.gpu_gate [--out DIR] [--profile gpu|ci|dev] [--max-world W] [--no-memory] [--backend nccl|gloo]
-                            [--trainer MODULE:FACTORY]
+                            [--trainer MODULE:FACTORY] [--scale]
 
 The CI gate on a GPU box: the shipped gates on CUDA (profile gpu), the memory probe on the first GPU, and with
 ≥ 2 GPUs the data-parallel gates over NCCL; each step a subprocess with its own log, then DIR/gpu-gate.json and
 DIR/summary.md; exit 1 if a step failed, 2 on bad input. `--trainer` proves your trainer (the memory step is
 then left out). Under torchrun it adds the launched world (verify.run) above the box's GPUs. A repository adds
-its own steps through main(extra=...) (this one's: tools/gpu_gate.py). Details: docs/design/distributed.md.
+its own steps through main(extra=...) (this one's: tools/gpu_gate.py). `--scale --trainer T`: a production-size
+trainer on one GPU, planned first (scale_plan). Details: docs/design/distributed.md, memory.md ("Scale plan").
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from verify._internal.cli import Parser, UsageError, fail, plugin_args, positive
 
 from verify._internal.settings import Settings, SettingError, child_environ, env_of, install
 
-STEP_TIMEOUT = {"gates": 900, "memory": 600, "nccl": 1200, "launched": 1800}  # seconds
+STEP_TIMEOUT = {"plan": 300, "gates": 900, "memory": 600, "nccl": 1200, "launched": 1800}  # seconds
+SCALE_GATES = "accumulation_equals_big_batch or accum1_bit_identical or reported_metrics"  # verify/test_gates.py
 OTHER_STEP_TIMEOUT = 1200  # a caller's own step (plan's `extra`)
 GO = "gpu-gate/go"  # torchrun's store key rank 0 sets when the launched world may start (pool_launched.connect's prefix)
 
@@ -32,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--no-memory", action="store_true", help="skip the memory probe")
     p.add_argument("--trainer", metavar="MODULE:FACTORY",
                    help="the trainer the gates prove (default xtrain's; then xtrain's own steps are left out)")
+    p.add_argument("--scale", action="store_true",
+                   help="one GPU, a production-size --trainer: its memory plan, then equivalence, bit-exact, metrics "
+                        "(profile scale) and the memory probe")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
                    help="under torchrun: the launched world's backend (default nccl; gloo: CPU ranks, a dry run)")
     return p.parse_args(argv)
@@ -46,6 +51,8 @@ def plan(gpus: int, out: str, args, launch: dict | None = None, extra=None) -> l
     trainer = getattr(args, "trainer", None)
     pytest += ["--verify-trainer", trainer] if trainer else []
     env = {env_of("hypothesis_profile"): args.profile}
+    if getattr(args, "scale", False):
+        return scale_plan(out, args, pytest, {env_of("hypothesis_profile"): "scale"})
     steps = [("gates", [*pytest, "--pyargs", "verify", "-m", "not distributed", "--verify-device", "cuda", "-n", "4",
                         "--verify-report", os.path.join(out, "gates"), "--junitxml", os.path.join(out, "gates.xml")], env)]
     if not args.no_memory and not trainer:  # the probe's own default: the configured default trainer
@@ -64,6 +71,19 @@ def plan(gpus: int, out: str, args, launch: dict | None = None, extra=None) -> l
                                    "--verify-report", os.path.join(out, "launched"),
                                    "--junitxml", os.path.join(out, "launched.xml")], env))
     return steps
+
+
+def scale_plan(out: str, args, pytest: list[str], env: dict) -> list[tuple[str, list[str], dict]]:
+    """--scale: the memory plan (verify/_internal/scaleplan.py; one line and exit 2 when it cannot fit, nothing else
+    run), then equivalence, bit-exact and metrics in one process on cuda:0 (no xdist: one trainer at a time; profile
+    scale: every corner and one drawn case), then the memory probe on the same trainer (an effective batch of 8).
+    Each step's GPU peak is in the report (GpuPeak)."""
+    py = sys.executable
+    return [("plan", [py, "-m", "verify._internal.scaleplan", args.trainer, "cuda:0", os.path.join(out, "plan.json")], {}),
+            ("gates", [*pytest, "--pyargs", "verify", "-k", SCALE_GATES, "--verify-device", "cuda", "-p", "no:xdist",
+                       "--verify-report", os.path.join(out, "gates"), "--junitxml", os.path.join(out, "gates.xml")], env),
+            ("memory", [py, "-m", "verify.memory", "--trainer", args.trainer, "--effective-batch", "8", "--device",
+                        "cuda:0", "--out", os.path.join(out, "memory")], {})]
 
 
 def nccl_world(gpus: int, args) -> dict:
@@ -110,7 +130,7 @@ def run_steps(steps, out: str, cwd: str, before=None) -> list[dict]:
         print(f"[{i + 1}/{len(steps)}] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         limit = STEP_TIMEOUT.get(name, OTHER_STEP_TIMEOUT)
         t0 = time.monotonic()
-        with open(log, "w") as f:
+        with open(log, "w") as f, GpuPeak() as peak:
             try:
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
                                     env={**step_environ(name), **env}, timeout=limit,
@@ -121,10 +141,46 @@ def run_steps(steps, out: str, cwd: str, before=None) -> list[dict]:
                 f.write(f"\nverify.gpu_gate: step {name} timed out after {limit} s\n")
         dt = time.monotonic() - t0
         results.append(dict(step=name, command=" ".join(cmd), returncode=rc, seconds=round(dt, 1), log=log,
-                            last_line=_last_line(log)))
-        print(f"    {'ok' if rc == 0 else 'FAILED (exit %d)' % rc} in {dt:.0f} s: {results[-1]['last_line']}",
+                            last_line=_last_line(log), gpu_peak_gib=peak.gib))
+        print(f"    {'ok' if rc == 0 else 'FAILED (exit %d)' % rc} in {dt:.0f} s"
+              f"{'' if peak.gib is None else f', GPU peak {peak.gib:.1f} GiB'}: {results[-1]['last_line']}",
               file=sys.stderr, flush=True)
+        if name == "plan" and rc != 0:
+            break  # a plan that does not fit runs nothing
     return results
+
+
+class GpuPeak:
+    """The most memory any GPU of the box had in use while the block ran (NVML, sampled every 0.2 s: every process,
+    the CUDA contexts included); gib is None without NVML."""
+
+    def __enter__(self):
+        import threading
+
+        self.gib, self._stop = None, threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # noqa: BLE001  (no NVML: no GPU peak, the step runs the same)
+            return self
+        self.gib = 0.0
+
+        def sample():
+            while not self._stop.wait(0.2):
+                used = max(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles)
+                self.gib = max(self.gib, used / 2**30)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if getattr(self, "_thread", None) is not None:
+            self._thread.join()
+        return False
 
 
 def summary_md(doc: dict) -> str:
@@ -136,10 +192,11 @@ def summary_md(doc: dict) -> str:
              f"{mi.get('gpu_count')} × {mi.get('gpu')} · torch {mi.get('torch')} · CUDA {mi.get('cuda')} · NCCL "
              f"{mi.get('nccl')} · driver {mi.get('driver')} · {commit_text(doc)} · {doc.get('utc')}", "",
              *([f"launched: {_launch_text(doc['launch'])}", ""] if doc.get("launch") else []),
-             "| step | result | seconds | last line |", "|---|---|---|---|"]
+             "| step | result | seconds | GPU peak (GiB) | last line |", "|---|---|---|---|---|"]
     for s in doc["steps"]:
+        peak = "—" if s.get("gpu_peak_gib") is None else f"{s['gpu_peak_gib']:.1f}"
         lines.append(f"| {s['step']} | {'passed' if s['returncode'] == 0 else 'FAILED (%d)' % s['returncode']} | "
-                     f"{s['seconds']:.0f} | {s['last_line'].replace('|', '/')} |")
+                     f"{s['seconds']:.0f} | {peak} | {s['last_line'].replace('|', '/')} |")
     from verify._internal import report
 
     for sub in ("gates", "nccl", "launched"):
@@ -195,6 +252,9 @@ def main(argv=None, extra=None) -> int:
             raise UsageError("no CUDA GPU is visible to torch: this gate is for GPU runners (on a CPU box run "
                              "`HYPOTHESIS_PROFILE=ci python -m pytest -n auto`)")
         writable_dir("--out", args.out)
+        if args.scale and not args.trainer:
+            raise UsageError("--scale needs --trainer MODULE:FACTORY: the production-size trainer to prove "
+                             "(a module-level adapter of it)")
         if args.trainer:  # one line now, rather than a usage error in every step's log
             from verify._internal.protocol import load_adapter
 
@@ -215,6 +275,8 @@ def main(argv=None, extra=None) -> int:
             pool_launched.connect(s.timeout).set(GO, "1")
 
     steps = run_steps(plan(gpus, out, args, launch, extra), out, os.getcwd(), go)
+    if steps[0]["step"] == "plan" and steps[0]["returncode"] != 0:  # --scale: refused before anything ran
+        fail(steps[0]["last_line"].removeprefix("verify.scaleplan: ").removeprefix("error: "))
     doc = dict(header("gpu-gate", "cuda"), out=out, gpus=gpus, profile=args.profile, steps=steps,
                passed=all(s["returncode"] == 0 for s in steps), **({"launch": launch} if launch else {}))
     atomic_write(os.path.join(out, "gpu-gate.json"), json.dumps(doc, indent=1))

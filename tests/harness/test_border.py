@@ -44,7 +44,8 @@ LAYERS = [
     ("gates", ["verify._internal.gates", "verify._internal.gates.*"]),
     # the run report prints each gate's bound in words from the tolerance policy's constants
     ("report", ["verify._internal.report", "verify._internal.report_merge", "verify._internal.prove"]),
-    ("studies", ["verify.selftest", "verify.selftest.*", "verify.memory", "verify.memory.*", "verify.study"]),
+    ("studies", ["verify.selftest", "verify.selftest.*", "verify.memory", "verify.memory.*", "verify.study",
+                 "verify._internal.scaleplan"]),
     ("front ends", ["verify._internal.plugin", "verify._internal.failure_view", "verify.run", "verify.gpu_gate",
                     "verify.selftest.__main__", "verify.memory.cli", "verify.memory.__main__", "verify.test_gates",
                     "verify.test_gates_*"]),

@@ -66,10 +66,11 @@ def test_without_a_gpu_it_is_one_line_exit_2(tmp_path):
 def test_summary_names_each_step_and_fails_when_one_does(tmp_path):
     doc = dict(machine_info=dict(gpu_count=2, gpu="NVIDIA H200", torch="2.11", cuda="13.0", nccl="2.28", driver="580"),
                git_commit="abc", utc="now", out=str(tmp_path),
-               steps=[dict(step="gates", returncode=0, seconds=40.2, last_line="300 passed"),
+               steps=[dict(step="gates", returncode=0, seconds=40.2, last_line="300 passed", gpu_peak_gib=31.26),
                       dict(step="nccl", returncode=1, seconds=90, last_line="1 failed, 30 passed")])
     md = gpu_gate.summary_md(doc)
-    assert md.startswith("## verify GPU gate: FAILED") and "| nccl | FAILED (1) | 90 | 1 failed, 30 passed |" in md
+    assert md.startswith("## verify GPU gate: FAILED") and "| nccl | FAILED (1) | 90 | — | 1 failed, 30 passed |" in md
+    assert "| gates | passed | 40 | 31.3 | 300 passed |" in md
 
 
 def test_workflows_pass_actionlint():
@@ -206,3 +207,68 @@ def test_rank_0_runs_its_steps_then_the_launched_world_and_records_the_launch(tm
     assert [s["step"] for s in doc["steps"]] == ["gates", "gpu-tests", "launched"] and doc["passed"]
     assert (doc["launch"]["world"], doc["launch"]["ranks_per_node"], doc["launch"]["backend"]) == (2, 2, "gloo")
     assert "launched: torchrun, 1 node(s) × 2 = world 2, gloo, rendezvous" in (out / "summary.md").read_text()
+
+
+def test_scale_plans_first_then_three_gates_in_one_process_then_the_memory_probe(tmp_path):
+    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=False, trainer="examples.llama_scale:billion", scale=True)
+    steps = gpu_gate.plan(8, str(tmp_path), args, extra=REPO)  # however many GPUs: one, and no repository steps
+    assert _names(steps) == ["plan", "gates", "memory"]
+    (_, plan, _), (_, gates, env), (_, memory, _) = steps
+    assert plan[2:5] == ["verify._internal.scaleplan", "examples.llama_scale:billion", "cuda:0"]
+    assert gates[gates.index("-k") + 1] == gpu_gate.SCALE_GATES and "no:xdist" in gates and "-n" not in gates
+    assert env["HYPOTHESIS_PROFILE"] == "scale" and "--trainer" in memory and "cuda:0" in memory
+
+
+def test_scale_without_a_trainer_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_gate, "_cuda_available", lambda: True)
+    with pytest.raises(SystemExit) as e:
+        gpu_gate.main(["--out", str(tmp_path / "out"), "--scale"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--scale needs --trainer MODULE:FACTORY" in err, err
+
+
+def test_a_scale_plan_that_cannot_fit_runs_nothing_else_and_refuses_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_gate, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100")
+    ran = []
+
+    def run(cmd, stdout=None, **kw):  # the plan step refuses, as scaleplan.main does
+        ran.append(cmd[2])
+        stdout.write("verify.scaleplan: error: the scale plan does not fit: 4.40B parameters: ...\n")
+        return SimpleNamespace(returncode=2)
+
+    monkeypatch.setattr(gpu_gate.subprocess, "run", run)
+    with pytest.raises(SystemExit) as e:
+        gpu_gate.main(["--out", str(tmp_path / "out"), "--scale", "--trainer", "examples.llama_scale:factory"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and ran == ["verify._internal.scaleplan"], ran
+    assert err == "verify.gpu_gate: error: the scale plan does not fit: 4.40B parameters: ...", err
+    assert not (tmp_path / "out" / "gpu-gate.json").exists()
+
+
+def test_the_plan_refuses_past_the_device_and_names_the_largest_size_that_fits():
+    from verify._internal.scaleplan import HEADROOM, MAX_ROWS, Plan
+
+    # 1.1B in float64 with Adam: ~35 GiB of state; 0.09 GiB a row: 224 rows ~ 20 GiB; an 80 GiB card fits it
+    fits = Plan(parameters=1_100_000_000, state_gib=35.2, per_row_gib=0.09, fixed_gib=1.0, rows=MAX_ROWS,
+                need_gib=round(35.2 + 1.0 + MAX_ROWS * 0.09, 1), total_gib=79.1)
+    assert fits.fits and fits.largest_rows() >= MAX_ROWS
+    big = Plan(parameters=4_400_000_000, state_gib=140.8, per_row_gib=0.3, fixed_gib=2.0, rows=MAX_ROWS,
+               need_gib=round(140.8 + 2.0 + MAX_ROWS * 0.3, 1), total_gib=79.1)
+    assert not big.fits and big.largest_rows() == 0
+    assert big.largest_parameters() == pytest.approx(4_400_000_000 * HEADROOM * 79.1 / big.need_gib, rel=1e-9)
+    line = big.refusal()
+    assert line.startswith("the scale plan does not fit: 4.40B parameters") and "\n" not in line
+    assert f"~{big.largest_parameters() / 1e9:.2f}B parameters" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_probe_measures_state_and_rows_on_the_device():
+    from examples import llama_scale
+    from verify._internal.scaleplan import probe
+
+    plan = probe(llama_scale.factory, "cuda:0")
+    params = llama_scale.SIZES["tiny"].parameters
+    assert plan.parameters == params and plan.state_gib * 2**30 >= 4 * 8 * params * 0.99 and plan.fits

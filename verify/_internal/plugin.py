@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from verify._internal.settings import Settings, SettingError, check_report_dir, env_of, install, launcher_var
+from verify._internal.settings import PROFILES, Settings, SettingError, check_report_dir, env_of, install, launcher_var
 from verify._internal.trainers import default_trainer, trainer_ref
 
 OPT_TRAINER, OPT_REPORT, OPT_BACKEND, OPT_DEVICE = "--verify-trainer", "--verify-report", "--verify-backend", "--verify-device"
@@ -39,12 +39,14 @@ def _profiles() -> None:
     settings.register_profile("ci", parent=ci, max_examples=100, deadline=None, phases=phases,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=150)
+    # production sizes on one GPU (verify.gpu_gate --scale): every gate's corners and one drawn case
+    settings.register_profile("scale", parent=settings.get_profile("ci"), max_examples=1)
 
 
 def load_profile(s: Settings) -> None:
     """HYPOTHESIS_PROFILE of `s`, where it names one of ours (before collection: budgets read it when tests
     are defined; hypothesis' --hypothesis-profile, loaded after this, still wins)."""
-    if s.hypothesis_profile in ("dev", "ci", "gpu"):
+    if s.hypothesis_profile in PROFILES:
         from hypothesis import settings
 
         settings.load_profile(s.hypothesis_profile)

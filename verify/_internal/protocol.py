@@ -8,6 +8,7 @@ optimizer. Each declaration is described once, in docs/verify-your-trainer.md ("
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import inspect
 import os
@@ -204,6 +205,8 @@ class Adapter:
                 for f, v in out.items() if v is not None and v != ()}
 
     def __call__(self, spec: Spec) -> Trainer:
+        if str(spec.device).startswith("cuda"):
+            gc.collect()  # the last run's trainer, held by its own reference cycles (modules, hooks, closures), goes first
         trainer = self.factory(spec)
         missing = missing_methods(trainer)
         if missing:

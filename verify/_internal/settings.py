@@ -72,7 +72,7 @@ _BY_ENV = {k.env: k for k in KNOBS}
 def env_of(name: str) -> str:
     """The variable of knob `name` (the one place it is spelled)."""
     return _BY_FIELD[name].env
-PROFILES = ("dev", "ci", "gpu")  # the hypothesis profiles the plugin registers (verify/_internal/plugin.py)
+PROFILES = ("dev", "ci", "gpu", "scale")  # the hypothesis profiles the plugin registers (verify/_internal/plugin.py)
 
 
 def knobs_table() -> str:

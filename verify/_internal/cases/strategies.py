@@ -30,6 +30,9 @@ __all__ = ["cases", "dist_cases", "uneven_windows", "mesh_cases", "mesh_worlds",
 GATE_MIN_EXAMPLES = 3
 
 
+MAX_ACCUM, MAX_MICRO = 8, 4  # the largest window a gate's case draws, N micro-steps of B rows (scaleplan sizes by it)
+
+
 def budget(share: int, least: int, n: int | None = None) -> int:
     """Examples for a test worth 1/share of the profile's budget (ci: 100), at least `least` — a floor that
     scales down with a profile under 100 (dev: 10 -> a tenth, never below 1), so the dev profile is fast."""
@@ -119,7 +122,7 @@ def _row_length(adapter, options) -> int:
 
 
 @st.composite
-def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = 8, max_micro_batch: int = 4,
+def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = MAX_ACCUM, max_micro_batch: int = MAX_MICRO,
           min_steps: int = 1, max_steps: int = 3, device: str | None = None, world: int = 1,
           padded: bool | None = None, some_padding: bool = False, uneven: bool | None = None,
           short: bool = False) -> Case:
