@@ -59,7 +59,7 @@ def test_export_writes_only_what_options_set():
     ({"XTRAIN_DIST_TIMEOUT": "0.001"}, {}, "XTRAIN_DIST_TIMEOUT=0.001: must be a number of seconds ≥ 1"),
     ({"XTRAIN_TEST_THREADS": "1000"}, {}, f"XTRAIN_TEST_THREADS=1000: exceeds the {usable_cores()} CPU core(s) this "
                                           f"process may use; set XTRAIN_TEST_THREADS ≤ {usable_cores()}"),
-    ({"HYPOTHESIS_PROFILE": "bogus"}, {}, "HYPOTHESIS_PROFILE=bogus: unknown profile; use dev, ci, gpu (or one "
+    ({"HYPOTHESIS_PROFILE": "bogus"}, {}, "HYPOTHESIS_PROFILE=bogus: unknown profile; use dev, ci, gpu, scale (or one "
                                           "registered with hypothesis' register_profile)"),
     ({"XTRAIN_POOL_START": "fork"}, {}, "XTRAIN_POOL_START=fork: must be forkserver or spawn"),
     ({"XTRAIN_DIST_MIN_WORLD": "8"}, {}, "XTRAIN_DIST_MIN_WORLD=8: exceeds max_world=4; set XTRAIN_DIST_MAX_WORLD ≥ 8 too"),
@@ -219,7 +219,7 @@ def test_the_plugin_refuses_a_bad_option_in_one_line(tmp_path, args, line):
 @pytest.mark.slow
 @pytest.mark.parametrize("env,line", [
     ({"XTRAIN_DIST_TIMEOUT": "soon"}, "ERROR: XTRAIN_DIST_TIMEOUT=soon: must be a number of seconds ≥ 1"),
-    ({"HYPOTHESIS_PROFILE": "bogus"}, "ERROR: HYPOTHESIS_PROFILE=bogus: unknown profile; use dev, ci, gpu (or one "
+    ({"HYPOTHESIS_PROFILE": "bogus"}, "ERROR: HYPOTHESIS_PROFILE=bogus: unknown profile; use dev, ci, gpu, scale (or one "
                                       "registered with hypothesis' register_profile)"),
     ({"XTRAIN_DIST_MAX_WORLD": "100"}, f"ERROR: XTRAIN_DIST_MAX_WORLD=100: more gloo ranks than this machine runs: at "
                                        f"most {4 * usable_cores()} (4 per CPU core × the {usable_cores()} core(s) this "
