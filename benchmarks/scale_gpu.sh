@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The scale tier's GPU measurements (reports/scale/), one phase per device call (each under 10 minutes):
+#   side   the 134M measurement side by side: the equivalence gate, dev profile, old tree vs this one
+#   plan   the 1.1B trainer's memory plan alone
+#   good   python -m verify.gpu_gate --scale on the 1.1B recipe
+#   bug    the same on its per-micro token-mean bug (planted/scale_adapters.py)
+# usage: bash benchmarks/scale_gpu.sh PHASE OUT
+set -u
+phase=$1 out=$2
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+py=python3
+case $phase in
+side)
+  $py -m benchmarks.scale_old_tree /tmp/scale-old >/dev/null
+  eq=(-m pytest -p no:cacheprovider -p _xtrain_pytest.entry -q -rs --pyargs verify -k accumulation_equals_big_batch
+      --verify-trainer examples.llama_scale:m134 --verify-device cuda -p no:xdist)
+  for side in new old new old; do
+    dir=$PWD; [ $side = old ] && dir=/tmp/scale-old
+    (cd "$dir" && HYPOTHESIS_PROFILE=dev $py -m benchmarks.gpu_peak "$side 134M equivalence, dev profile" -- $py "${eq[@]}" \
+       > "$out/side-$side.log" 2>&1; tail -1 "$out/side-$side.log" >> "$out/side.jsonl")
+    [ $side = old ] && [ -n "${ONCE:-}" ] && break
+  done ;;
+plan)
+  $py -m verify._internal.scaleplan examples.llama_scale:billion cuda:0 "$out/plan.json" 2>&1 | tail -3 ;;
+good)
+  $py -m verify.gpu_gate --scale --trainer examples.llama_scale:billion --out "$out/good" 2>&1 | tail -8 ;;
+bug)
+  $py -m verify.gpu_gate --scale --trainer planted.scale_adapters:billion --out "$out/bug" 2>&1 | tail -8 ;;
+*) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
