@@ -24,6 +24,11 @@ plan)
   $py -m verify._internal.scaleplan examples.llama_scale:billion cuda:0 "$out/plan.json" 2>&1 | tail -3 ;;
 good)
   $py -m verify.gpu_gate --scale --trainer examples.llama_scale:billion --out "$out/good" 2>&1 | tail -8 ;;
+gates)  # the gates step alone, without the plan (what the plan's refusal would have run), measured
+  HYPOTHESIS_PROFILE=scale $py -m benchmarks.gpu_peak "1.1B gates, profile scale" -- $py -m pytest -p no:cacheprovider \
+    -p _xtrain_pytest.entry -q -rs --pyargs verify -k "accumulation_equals_big_batch or accum1_bit_identical or reported_metrics" \
+    --verify-trainer "${TRAINER:-examples.llama_scale:billion}" --verify-device cuda -p no:xdist > "$out/gates.log" 2>&1
+  tail -4 "$out/gates.log" ;;
 bug)
   $py -m verify.gpu_gate --scale --trainer planted.scale_adapters:billion --out "$out/bug" 2>&1 | tail -8 ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;

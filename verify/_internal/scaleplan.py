@@ -4,9 +4,10 @@ makes will hold on the GPU, from a probe of the trainer itself, and a refusal in
 The gates run one trainer at a time (every Trace is a CPU copy; Adapter.__call__ frees the last trainer's cycles on
 CUDA), so the peak is the largest single run: the float64 reference on the most rows any run of the scale profile
 holds (the equivalence gate's twin: TWIN_COPIES[-1] copies of the largest window, N·B = MAX_ACCUM·MAX_MICRO rows).
-An fp32 or bf16 run holds at most half of a float64 one. The probe builds the trainer in float64 at its defaults,
-runs a micro-step of 1 row, then one of 2 rows, then its optimizer step: the per-row activations are the slope
-between the two peaks, the state (parameters, gradients, optimizer) what is left after the step plus the gradients.
+An fp32 or bf16 run holds at most half of a float64 one. The probe builds the trainer in float64 at its defaults and
+runs micro-steps of 1, 1 and 2 rows, then its optimizer step: the per-row activations are the slope between the last
+two peaks (both accumulating into existing gradients: the first micro-step's backward takes its gradients without
+an add), the state (parameters, gradients, optimizer) what is left after the step plus the gradients.
 Design: docs/design/memory.md, "Scale plan".
 """
 from __future__ import annotations
@@ -69,12 +70,12 @@ def probe(adapter, device: str) -> Plan:
     dev = torch.device(device)
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
-    trainer = adapter(Spec(accum_steps=2, dtype=torch.float64, device=device, options=adapter.defaults))
+    trainer = adapter(Spec(accum_steps=3, dtype=torch.float64, device=device, options=adapter.defaults))
     params = trainer.params()
     parameters = sum(p.numel() for p in params.values())
     weights = torch.cuda.memory_allocated(dev) - base
     peaks = []
-    for m, rows in enumerate((1, 2)):
+    for m, rows in enumerate((1, 1, 2)):
         x, y = adapter.batch(rows, seed=m, options=adapter.defaults)
         torch.cuda.reset_peak_memory_stats(dev)
         trainer.micro_step(x.to(device, torch.float64 if x.is_floating_point() else x.dtype), y.to(device), m)
@@ -82,8 +83,8 @@ def probe(adapter, device: str) -> Plan:
     grads = sum(g.numel() * g.element_size() for g in trainer.grads().values() if g is not None)
     trainer.optimizer_step()
     state = torch.cuda.memory_allocated(dev) - base + grads  # after zero_grad(set_to_none): + the gradients again
-    per_row = max(0, peaks[1] - peaks[0])
-    fixed = max(0, peaks[0] - per_row - weights - grads)
+    per_row = max(0, peaks[2] - peaks[1])
+    fixed = max(0, peaks[1] - per_row - weights - grads)
     del trainer, params
     need = state + fixed + MAX_ROWS * per_row
     total = torch.cuda.get_device_properties(dev).total_memory
