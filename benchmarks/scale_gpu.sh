@@ -27,7 +27,7 @@ good)
 gates)  # the gates step alone, without the plan (what the plan's refusal would have run), measured
   HYPOTHESIS_PROFILE=scale $py -m benchmarks.gpu_peak "1.1B gates, profile scale" -- $py -m pytest -p no:cacheprovider \
     -p _xtrain_pytest.entry -q -rs --pyargs verify -k "accumulation_equals_big_batch or accum1_bit_identical or reported_metrics" \
-    --verify-trainer "${TRAINER:-examples.llama_scale:billion}" --verify-device cuda -p no:xdist > "$out/gates.log" 2>&1
+    --verify-trainer "${TRAINER:-examples.llama_scale:billion}" --verify-device cuda -p no:xdist ${EXTRA:-} > "$out/gates.log" 2>&1
   tail -4 "$out/gates.log" ;;
 bug)
   $py -m verify.gpu_gate --scale --trainer planted.scale_adapters:billion --out "$out/bug" 2>&1 | tail -8 ;;
