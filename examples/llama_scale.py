@@ -39,6 +39,7 @@ class Size:
 SIZES = {  # TinyLlama's shape at 1.1B; 134M: the measured size
     "tiny": Size(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, seq=16),
     "134m": Size(vocab=32000, dim=768, layers=12, heads=12, kv_heads=4, ffn=2048, seq=128),
+    "500m": Size(vocab=32000, dim=1536, layers=16, heads=24, kv_heads=4, ffn=4096, seq=128),
     "1b": Size(vocab=32000, dim=2048, layers=22, heads=32, kv_heads=4, ffn=5632, seq=128),
 }
 
@@ -208,4 +209,5 @@ def _adapter(size: str, name: str):
 
 factory = _adapter("tiny", "Llama-shaped LM, tiny")
 m134 = _adapter("134m", f"Llama-shaped LM, {SIZES['134m'].parameters / 1e6:.0f}M")
+half = _adapter("500m", f"Llama-shaped LM, {SIZES['500m'].parameters / 1e9:.2f}B")
 billion = _adapter("1b", f"Llama-shaped LM, {SIZES['1b'].parameters / 1e9:.2f}B")

@@ -33,3 +33,4 @@ def _broken(adapter):
 tiny = _broken(llama_scale.factory)
 billion = _broken(llama_scale.billion)
 m134 = _broken(llama_scale.m134)
+half = _broken(llama_scale.half)

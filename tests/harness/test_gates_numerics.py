@@ -161,3 +161,34 @@ def test_partial_sums_hold_for_xtrain_in_every_precision_and_norm(data):
     adapter = data.draw(st.sampled_from([xtrain.single, xtrain.tokens_adapter]))
     case = data.draw(cases(adapter, min_accum=2, max_accum=12, max_steps=1))
     check_partial_sums(adapter, case)
+
+
+def test_kappas_block_runs_keep_norms_and_no_parameters():
+    """κ reads each block gradient's norm and the block's loss: at a billion float64 parameters a kept copy of either
+    gradients or parameters per block would cost 8 GiB of host memory each (verify.gpu_gate --scale)."""
+    import torch
+
+    from verify._internal.cases.case import Case
+    from verify._internal.gates.kappa import block_runs
+
+    case = Case(accum_steps=3, micro_batch=2, steps=1, seed=1, data_seed=2)
+    runs = block_runs(xtrain.single, case, "cpu")
+    assert len(runs) == 3 and all(r.params == [{}] for r in runs)
+    assert all(v.dim() == 0 and v.dtype == torch.float64 for r in runs for v in r.grads0.values())
+
+
+def test_the_scale_profile_draws_windows_a_billion_parameter_trainer_can_hold():
+    from hypothesis import find
+
+    from verify._internal.cases.strategies import SCALE_ACCUM, SCALE_MICRO, SCALE_STEPS, cases
+    from verify._internal.settings import current, using
+
+    with using(current().replace(hypothesis_profile="scale")):
+        big = find(cases(xtrain.single), lambda c: c.accum_steps >= SCALE_ACCUM and c.micro_batch >= SCALE_MICRO
+                   and c.steps >= SCALE_STEPS)
+        assert (big.accum_steps, big.micro_batch, big.steps) == (SCALE_ACCUM, SCALE_MICRO, SCALE_STEPS)
+        from hypothesis.errors import NoSuchExample
+
+        with pytest.raises(NoSuchExample):
+            find(cases(xtrain.single), lambda c: c.accum_steps > SCALE_ACCUM or c.micro_batch > SCALE_MICRO
+                 or c.steps > SCALE_STEPS)

@@ -259,7 +259,12 @@ def test_the_plan_refuses_past_the_device_and_names_the_largest_size_that_fits()
     assert not big.fits and big.largest_rows() == 0
     assert big.largest_parameters() == pytest.approx(4_400_000_000 * HEADROOM * 79.1 / big.need_gib, rel=1e-9)
     line = big.refusal()
-    assert line.startswith("the scale plan does not fit: 4.40B parameters") and "\n" not in line
+    assert line.startswith("the scale plan does not fit in GPU memory: 4.40B parameters") and "\n" not in line
+    host = Plan(parameters=1_100_000_000, state_gib=35.2, per_row_gib=0.09, fixed_gib=1.0, rows=MAX_ROWS,
+                need_gib=41.2, total_gib=139.8, host_need_gib=131.1, host_total_gib=125.8)
+    assert not host.fits and host.refusal().startswith("the scale plan does not fit in host memory: 1.10B")
+    assert f"~{host.largest_parameters() / 1e9:.2f}B parameters" in host.refusal()
+    assert host.largest_parameters() == pytest.approx(1.1e9 * 0.8 * 125.8 / 131.1, rel=1e-6)
     assert f"~{big.largest_parameters() / 1e9:.2f}B parameters" in line
 
 

@@ -1,28 +1,30 @@
-"""The memory plan of a scale run (python -m verify.gpu_gate --scale): before any gate, what the largest run a gate
-makes will hold on the GPU, from a probe of the trainer itself, and a refusal in one line when it cannot fit.
-
-The gates run one trainer at a time (every Trace is a CPU copy; Adapter.__call__ frees the last trainer's cycles on
-CUDA), so the peak is the largest single run: the float64 reference on the most rows any run of the scale profile
-holds (the equivalence gate's twin: TWIN_COPIES[-1] copies of the largest window, N·B = MAX_ACCUM·MAX_MICRO rows).
-An fp32 or bf16 run holds at most half of a float64 one. The probe builds the trainer in float64 at its defaults and
-runs micro-steps of 1, 1 and 2 rows, then its optimizer step: the per-row activations are the slope between the last
-two peaks (both accumulating into existing gradients: the first micro-step's backward takes its gradients without
-an add), the state (parameters, gradients, optimizer) what is left after the step plus the gradients.
-Design: docs/design/memory.md, "Scale plan".
+"""The memory plan of a scale run (python -m verify.gpu_gate --scale): before any gate, the GPU memory of the largest
+single run (the float64 twin of the largest window: the gates run one trainer at a time) and the host memory of the
+Traces a case keeps, from a float64 probe of the trainer itself; a refusal in one line when either cannot fit.
+The probe runs micro-steps of 1, 1 and 2 rows, then its optimizer step: the per-row activations are the slope
+between the last two peaks (both accumulate into existing gradients), the state what is left after the step plus
+the gradients. Design: docs/design/memory.md, "Scale plan".
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
 
 from verify._internal.cases.case import TWIN_COPIES
-from verify._internal.cases.strategies import MAX_ACCUM, MAX_MICRO
+from verify._internal.cases.strategies import SCALE_ACCUM, SCALE_MICRO
 from verify._internal.protocol import Spec
 
 GIB = 2**30
 HEADROOM = 0.9  # of the device's memory: the CUDA context, the allocator's fragmentation, the harness's own tensors
-MAX_ROWS = TWIN_COPIES[-1] * MAX_ACCUM * MAX_MICRO  # the most rows one run of a gate holds
+HOST_HEADROOM = 0.8  # of the host's memory: the interpreter, torch, the data, the pytest process
+MAX_ROWS = TWIN_COPIES[-1] * max(SCALE_ACCUM * SCALE_MICRO, 3 * 2)  # the most rows one run holds (the corners: 3 × 2)
+MAX_STEPS = 3  # the metrics gate's corner: K = 3
+# the Traces an equivalence case keeps on the host at once, in parameter copies of (K + 1) snapshots (step-0 gradient,
+# parameters after each step): the float64 accumulation, reference and first twin (8 bytes), fp32 accumulation and big
+# batch (4 bytes)
+KEPT_BYTES_PER_PARAMETER = (3 * 8 + 2 * 4) * (MAX_STEPS + 1)
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,16 @@ class Plan:
     rows: int  # the largest run's rows
     need_gib: float
     total_gib: float
+    host_need_gib: float = 0.0  # the Traces a case keeps in host memory (KEPT_BYTES_PER_PARAMETER)
+    host_total_gib: float = float("inf")
 
     @property
     def fits(self) -> bool:
-        return self.need_gib <= HEADROOM * self.total_gib
+        return self.need_gib <= HEADROOM * self.total_gib and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_need_gib <= HOST_HEADROOM * self.host_total_gib
 
     def largest_rows(self) -> int:
         """The most rows one float64 run can hold at this model size."""
@@ -45,20 +53,24 @@ class Plan:
         return max(0, int(free / self.per_row_gib)) if self.per_row_gib > 0 else self.rows
 
     def largest_parameters(self) -> int:
-        """The largest model (scaling state and activations with the parameter count) whose largest run fits."""
-        scale = HEADROOM * self.total_gib / self.need_gib if self.need_gib else 1.0
-        return int(self.parameters * scale)
+        """The largest model (scaling state, activations and kept Traces with the parameter count) that fits both."""
+        gpu = HEADROOM * self.total_gib / self.need_gib if self.need_gib else 1.0
+        host = HOST_HEADROOM * self.host_total_gib / self.host_need_gib if self.host_need_gib else gpu
+        return int(self.parameters * min(gpu, host))
 
     def line(self) -> str:
-        return (f"{self.parameters / 1e9:.2f}B parameters: float64 state {self.state_gib:.1f} GiB + {self.rows} rows × "
-                f"{self.per_row_gib * 1024:.0f} MiB + {self.fixed_gib:.1f} GiB = {self.need_gib:.1f} GiB of "
-                f"{self.total_gib:.1f} GiB")
+        return (f"{self.parameters / 1e9:.2f}B parameters: GPU: float64 state {self.state_gib:.1f} GiB + {self.rows} "
+                f"rows × {self.per_row_gib * 1024:.0f} MiB + {self.fixed_gib:.1f} GiB = {self.need_gib:.1f} GiB of "
+                f"{self.total_gib:.1f} GiB; host: the kept runs {self.host_need_gib:.1f} GiB of "
+                f"{self.host_total_gib:.1f} GiB")
 
     def refusal(self) -> str:
-        return (f"the scale plan does not fit: {self.line()} (≤ {HEADROOM:.0%} usable); the largest model that fits "
-                f"at this window is ~{self.largest_parameters() / 1e9:.2f}B parameters, the largest window at this "
-                f"size {self.largest_rows()} rows per run ({self.largest_rows() // TWIN_COPIES[-1]} per window): "
-                f"declare a smaller size, or activation checkpointing")
+        where = "host memory" if not self.host_fits else "GPU memory"
+        return (f"the scale plan does not fit in {where}: {self.line()} (≤ {HEADROOM:.0%} of the GPU, "
+                f"{HOST_HEADROOM:.0%} of the host usable); the largest model that fits is "
+                f"~{self.largest_parameters() / 1e9:.2f}B parameters"
+                + (f", the largest window at this size {self.largest_rows() // TWIN_COPIES[-1]} rows" if self.host_fits
+                   else "") + ": prove a smaller size of the same trainer")
 
     def as_dict(self) -> dict:
         return {**asdict(self), "fits": self.fits, "largest_rows": self.largest_rows(),
@@ -88,8 +100,10 @@ def probe(adapter, device: str) -> Plan:
     del trainer, params
     need = state + fixed + MAX_ROWS * per_row
     total = torch.cuda.get_device_properties(dev).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Plan(parameters, round(state / GIB, 2), per_row / GIB, round(fixed / GIB, 2), MAX_ROWS,
-                round(need / GIB, 1), round(total / GIB, 1))
+                round(need / GIB, 1), round(total / GIB, 1), round(KEPT_BYTES_PER_PARAMETER * parameters / GIB, 1),
+                round(host / GIB, 1))
 
 
 def main(argv=None) -> int:

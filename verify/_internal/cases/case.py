@@ -260,19 +260,6 @@ def shard(inputs: torch.Tensor, targets: torch.Tensor, accum_steps: int, rank: i
              targets[(n * world + rank) * b:(n * world + rank + 1) * b]) for n in range(accum_steps)]
 
 
-def block_runs(adapter, case: "Case", device, gate: Gate | None = None) -> list:
-    """float64 step-0 Trace of every block of rows one micro-step of one rank sums (the adapter at
-    accum_steps=1 on that block alone): the terms of the sums accumulation computes, its loss's and its
-    gradient's. `gate`: whose runs these are (drive)."""
-    inputs, targets = case.batches(adapter)[0]
-    out = []
-    for r in range(case.world):
-        for x, y in shard(inputs, targets, case.window_of(0), r, case.world, case.rank_rows):
-            t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(device), adapter=adapter))
-            out.append(drive(t, [(x, y)], 1, dtype=torch.float64, device=device, gate=gate))
-    return out
-
-
 # The twins, in the order they are run: each copy count an odd prime, so every division by a row or token count
 # rounds differently from the reference's and from the other twins' (×2 is exact in binary: 6 copies round as 3).
 TWIN_COPIES = (3, 5, 7)
@@ -307,24 +294,29 @@ class _NoMarks:
 
 
 def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cpu", rank: int = 0,
-          world: int = 1, windows=None, gate: Gate | None = None, observe=None, rank_rows=None, last=None) -> Trace:
+          world: int = 1, windows=None, gate: Gate | None = None, observe=None, rank_rows=None, last=None,
+          keep_params: bool = True) -> Trace:
     """The harness's loop: shard each global batch, hand each micro-step its own copy, mark a window
     before every trainer call (for the collective counter), and return CPU copies of what came back.
     `gate`: the gate these runs serve, named by a failure (a trainer writing into its batch); None outside
     the gates ("harness"). `observe`: a verify._internal.metrics.Observer (the metrics gate's runs). `rank_rows`:
     an uneven window's (Case.rank_rows; accum_steps is then this rank's N_r). `last`: the micro-steps of the last
-    window where it is short (Case.last_window, at the case's N; one process)."""
+    window where it is short (Case.last_window, at the case's N; one process). `keep_params=False`: no CPU copy of
+    the parameters after each step (Trace.params holds {} per step): a run read only for its losses or step-0
+    gradient (κ's block runs), which at a billion float64 parameters would hold 8 GiB of host memory a step."""
     from verify._internal.ranks.comm import set_active
 
     windows = windows or _NoMarks()
     set_active(windows)  # a Pull trainer re-marks micro-steps from its framework's thread
     try:
-        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows, last)
+        return _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows, last,
+                      keep_params)
     finally:
         set_active(None)
 
 
-def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows, last) -> Trace:
+def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, gate, observe, rank_rows, last,
+           keep_params) -> Trace:
     losses, params, kept = [], [], _FirstGrads(world == 1)
     stepping = observe.stepping if observe is not None else _not_observed
     for k, (inputs, targets) in enumerate(batches):
@@ -360,7 +352,7 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
         windows.mark(("params", k))  # the harness reading: metrics() and params() are reported, not judged
         if observe is not None:
             observe.reported(trainer)
-        params.append(_cpu(trainer.params()))
+        params.append(_cpu(trainer.params()) if keep_params else {})
         windows.mark(("after", k))
         losses.append(loss)
         for m, x, y, xc, yc in given:  # after the whole step: a trainer may keep its batch and edit it later

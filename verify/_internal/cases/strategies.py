@@ -30,7 +30,15 @@ __all__ = ["cases", "dist_cases", "uneven_windows", "mesh_cases", "mesh_worlds",
 GATE_MIN_EXAMPLES = 3
 
 
-MAX_ACCUM, MAX_MICRO = 8, 4  # the largest window a gate's case draws, N micro-steps of B rows (scaleplan sizes by it)
+MAX_ACCUM, MAX_MICRO = 8, 4  # the largest window a gate's case draws, N micro-steps of B rows
+# under the scale profile (verify.gpu_gate --scale): what a billion-parameter trainer's runs can hold (scaleplan)
+SCALE_ACCUM, SCALE_MICRO, SCALE_STEPS = 4, 2, 2
+
+
+def scale_profile() -> bool:
+    from verify._internal.settings import current
+
+    return current().hypothesis_profile == "scale"
 
 
 def budget(share: int, least: int, n: int | None = None) -> int:
@@ -132,6 +140,9 @@ def cases(draw, adapter, *, min_accum: int = 1, max_accum: int = MAX_ACCUM, max_
     (padding(some_padding=True)); uneven: None draws it at W ≥ 2 for an adapter that declares `uneven` (shrinking
     toward even), False never; short: True draws, for an adapter that declares `short_last_window` (world 1, N ≥ 2),
     whether the last window is short and its 1..N−1 micro-batches (shrinking toward full windows)."""
+    if scale_profile():
+        max_accum, max_micro_batch = min(max_accum, SCALE_ACCUM), min(max_micro_batch, SCALE_MICRO)
+        min_accum, max_steps = min(min_accum, max_accum), max(min_steps, min(max_steps, SCALE_STEPS))
     c = Case(
         accum_steps=draw(st.integers(min_accum, max_accum)),
         micro_batch=draw(st.integers(1, max_micro_batch)),

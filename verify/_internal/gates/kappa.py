@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from verify._internal.cases.case import Case, block_runs, drive, shard
+from verify._internal.cases.case import Case, drive, shard
 from verify._internal.gates.tolerance import conditions
 from verify._internal.verdict import Gate
 
@@ -24,6 +24,22 @@ def kappa_job(ctx, adapter, case: Case, ref) -> dict:
     return conditions(block_runs(adapter, case, ctx.device, Gate.DP_EQUIVALENCE), ref)
 
 
+def block_runs(adapter, case: Case, device, gate: Gate | None = None) -> list:
+    """float64 step-0 Trace of every block of rows one micro-step of one rank sums (the adapter at
+    accum_steps=1 on that block alone): the terms of the sums accumulation computes, its loss's and its
+    gradient's. `gate`: whose runs these are (drive). κ reads only each block gradient's norm, so grads0 holds the
+    norms (0-d float64 tensors) and no parameters are kept: a block costs host memory of scalars, not of a model."""
+    inputs, targets = case.batches(adapter)[0]
+    out = []
+    for r in range(case.world):
+        for x, y in shard(inputs, targets, case.window_of(0), r, case.world, case.rank_rows):
+            t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(device), adapter=adapter))
+            run = drive(t, [(x, y)], 1, dtype=F64, device=device, gate=gate, keep_params=False)
+            run.grads0 = {k: None if v is None else v.double().norm() for k, v in run.grads0.items()}
+            out.append(run)
+    return out
+
+
 def loss_blocks(adapter, case: Case, device, k: int, gate: Gate | None = None, rows: bool = False) -> list[float]:
     """The float64 loss of every block of rows one micro-step of one rank sums in window k (with `rows`, and of
     each row of a block of several), at the parameters the float64 big batch holds there: the adapter at
@@ -36,7 +52,7 @@ def loss_blocks(adapter, case: Case, device, k: int, gate: Gate | None = None, r
 
     def loss(bx, by) -> float:
         t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(device), adapter=adapter))
-        return drive(t, batches[:k] + [(bx, by)], 1, dtype=F64, device=device, gate=gate).losses[k]
+        return drive(t, batches[:k] + [(bx, by)], 1, dtype=F64, device=device, gate=gate, keep_params=False).losses[k]
 
     blocks = [b for r in range(case.world) for b in shard(x, y, case.window_of(k), r, case.world, case.rank_rows)]
     rows_of = [(bx[j:j + 1], by[j:j + 1]) for bx, by in blocks if len(bx) > 1 for j in range(len(bx))] if rows else []

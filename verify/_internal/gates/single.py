@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from verify._internal.cases.case import TWIN_COPIES, Case, block_runs, drive, twin
+from verify._internal.cases.case import TWIN_COPIES, Case, drive, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import by_term, determinism
-from verify._internal.gates.kappa import loss_kappa
+from verify._internal.gates.kappa import block_runs, loss_kappa
 from verify._internal.gates.tolerance import Judge, conditions, measured_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]

@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from verify._internal.cases.case import Case, _cpu, _to, block_runs, drive, split, twin
+from verify._internal.cases.case import Case, _cpu, _to, drive, split, twin
+from verify._internal.gates.kappa import block_runs
 from verify._internal.cases.corners import LONG_N
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import determinism
