@@ -127,12 +127,21 @@ def build(spec) -> Llama:
     return model.to(spec.dtype)
 
 
+def warmup(step: int) -> float:
+    """A linear warm-up over 3 steps: the LR moves within the gates' first steps."""
+    return min(1.0, (step + 1) / 3)
+
+
+def max_norm(options: Options) -> float:
+    return options.max_norm
+
+
 class Trainer:
     def __init__(self, spec):
         o = self.o = spec.options or Options()
         self.model = build(spec)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(0.9, 0.95), weight_decay=0.1)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda k: min(1.0, (k + 1) / 3))  # warm-up of 3
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup)
         self.n, self.bf16 = spec.accum_steps, spec.precision == "bf16"
         self.device_type = torch.device(spec.device).type
         self.tokens = torch.zeros((), dtype=torch.int64, device=spec.device)
@@ -186,7 +195,7 @@ class Plain(Trainer):
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad /= max(count, 1)
-        self.loss = float(loss_sum) / count if count else float("nan")
+        self.loss = float(loss_sum.detach()) / count if count else float("nan")
         self.logged = {"loss": self.loss, "tokens": count}
 
 
@@ -203,7 +212,7 @@ def _adapter(size: str, name: str):
         data=verify.data.tokens(vocab=s.vocab, seq_len=s.seq), plain=Plain, options=options(size),
         defaults=Options(size=size, checkpointing=size != "tiny", lr=3e-4 if size != "tiny" else 3e-3),
         batches=verify.Batches(ignore_index=IGNORE), numerics=verify.Numerics(precisions=("fp32", "bf16")),
-        metrics=verify.Metrics(names=("loss", "grad_norm", "lr", "tokens"), max_norm=lambda o: o.max_norm),
+        metrics=verify.Metrics(names=("loss", "grad_norm", "lr", "tokens"), max_norm=max_norm),
         name=name)(Trainer)
 
 
