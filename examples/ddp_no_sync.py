@@ -6,6 +6,7 @@ averaged gradient clipped; metrics() returns what the loop logs per step.
     python -m verify.selftest --verify-trainer examples.ddp_no_sync:factory
 """
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import verify
 
 MAX_NORM = 10.0  # the clip threshold; the drawn cases' norms straddle it, so clipped and unclipped steps are checked
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    bucket_cap_mb: float = 25.0  # DDP's default: this model's 321 parameters make one gradient bucket
+
+
+def bucket_side(options, above):
+    """DDP's bucket cap as a threshold: past it the gradient spans several buckets (a cap of 100 bytes: one bucket
+    per parameter), each all-reduced, and hooked, on its own."""
+    return dataclasses.replace(options or Options(), bucket_cap_mb=1e-4 if above else 25.0)
 
 
 def warmup(step):
@@ -27,7 +39,8 @@ class Trainer:
         torch.manual_seed(spec.seed)
         net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         # spec.group: None (the default group), or a sub-world's group under `python -m verify.run`
-        self.ddp = DDP(net.to(spec.device, spec.dtype), process_group=spec.group)
+        self.ddp = DDP(net.to(spec.device, spec.dtype), process_group=spec.group,
+                       bucket_cap_mb=(spec.options or Options()).bucket_cap_mb)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-2)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup)
         self.n = spec.accum_steps
@@ -81,7 +94,8 @@ class Trainer:
 # DDP_EXPECTED: DDP's one-time bucket rebuild broadcasts at micro-step 0 of step 1, declared.
 # subgroups: every collective goes over spec.group, so a launched world also runs its sub-worlds.
 # metrics: what metrics() logs, and the threshold it clips at (the harness checks the scale the optimizer saw).
+# thresholds: DDP's bucket cap, so every gate also runs with the gradient in one bucket and in several.
 metrics = verify.Metrics(names=("loss", "grad_norm", "lr", "rows"), max_norm=MAX_NORM)
-factory = verify.adapter(data=verify.data.regression(features=8), metrics=metrics,
-                         distributed=verify.Distributed(process_group=True, expected=verify.DDP_EXPECTED, subgroups=True))(
-    Trainer)
+factory = verify.adapter(data=verify.data.regression(features=8), metrics=metrics, defaults=Options(),
+                         distributed=verify.Distributed(process_group=True, expected=verify.DDP_EXPECTED, subgroups=True),
+                         thresholds=(verify.Threshold(name="DDP bucket cap", apply=bucket_side),))(Trainer)

@@ -97,6 +97,15 @@ class Llama(torch.nn.Module):
 
     def loss_sum(self, ids, targets):
         """Σ of the token cross-entropies over valid targets (rows, S) -> a 0-d tensor."""
+        h, y = self.hidden(ids), targets.flatten()
+        total = h.new_zeros((), dtype=torch.float32 if h.dtype == torch.bfloat16 else h.dtype)
+        for i in range(0, h.shape[0], self.o.loss_chunk):  # each chunk's logits recomputed in the backward
+            total = total + checkpoint(_chunk_ce, self.head, h[i:i + self.o.loss_chunk], y[i:i + self.o.loss_chunk],
+                                       use_reentrant=False)
+        return total
+
+    def hidden(self, ids):
+        """The final normed hidden states, (rows·S, dim)."""
         S = ids.shape[1]
         inv = 1.0 / 10000 ** (torch.arange(0, self.s.dim // self.s.heads, 2, device=ids.device, dtype=torch.float64)
                               / (self.s.dim // self.s.heads))
@@ -105,12 +114,7 @@ class Llama(torch.nn.Module):
         h = self.embed(ids)
         for block in self.blocks:
             h = checkpoint(block, h, cos, sin, use_reentrant=False) if self.o.checkpointing else block(h, cos, sin)
-        h, y = self.norm(h).flatten(0, 1), targets.flatten()
-        total = h.new_zeros((), dtype=torch.float32 if h.dtype == torch.bfloat16 else h.dtype)
-        for i in range(0, h.shape[0], self.o.loss_chunk):  # each chunk's logits recomputed in the backward
-            total = total + checkpoint(_chunk_ce, self.head, h[i:i + self.o.loss_chunk], y[i:i + self.o.loss_chunk],
-                                       use_reentrant=False)
-        return total
+        return self.norm(h).flatten(0, 1)
 
 
 def _chunk_ce(head, h, y):
@@ -118,12 +122,12 @@ def _chunk_ce(head, h, y):
                            reduction="sum")
 
 
-def build(spec) -> Llama:
+def build(spec, model_class=Llama) -> Llama:
     """On spec.device, from spec.seed, in float32, then cast to spec.dtype: one set of weights for every dtype."""
     o = spec.options or Options()
     torch.manual_seed(spec.seed)
     with torch.device(spec.device):
-        model = Llama(SIZES[o.size], o)
+        model = model_class(SIZES[o.size], o)
     return model.to(spec.dtype)
 
 
@@ -137,9 +141,11 @@ def max_norm(options: Options) -> float:
 
 
 class Trainer:
+    model_class = Llama
+
     def __init__(self, spec):
         o = self.o = spec.options or Options()
-        self.model = build(spec)
+        self.model = build(spec, self.model_class)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(0.9, 0.95), weight_decay=0.1)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup)
         self.n, self.bf16 = spec.accum_steps, spec.precision == "bf16"
@@ -199,6 +205,11 @@ class Plain(Trainer):
         self.logged = {"loss": self.loss, "tokens": count}
 
 
+def loss_chunk_side(options: Options | None, above: bool) -> Options:
+    """The loss chunk's threshold: past it a micro-batch's tokens span several chunks (5 tokens: rows split too)."""
+    return dataclasses.replace(options or Options(), loss_chunk=5 if above else 1 << 20)
+
+
 def options(size: str):
     """The drawn options: the model at `size`, its LR and clip threshold around the drawn windows' norms."""
     big = size != "tiny"
@@ -213,7 +224,7 @@ def _adapter(size: str, name: str):
         defaults=Options(size=size, checkpointing=size != "tiny", lr=3e-4 if size != "tiny" else 3e-3),
         batches=verify.Batches(ignore_index=IGNORE), numerics=verify.Numerics(precisions=("fp32", "bf16")),
         metrics=verify.Metrics(names=("loss", "grad_norm", "lr", "tokens"), max_norm=max_norm),
-        name=name)(Trainer)
+        thresholds=(verify.Threshold(name="loss chunk", apply=loss_chunk_side),), name=name)(Trainer)
 
 
 factory = _adapter("tiny", "Llama-shaped LM, tiny")

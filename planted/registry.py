@@ -23,7 +23,7 @@ from xtrain_core.config import ModelConfig, OptimConfig
 
 from verify import Adapter, Case, Gate, Mesh
 from verify.study import mesh_padding
-from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
+from planted import (broken, broken_dist, bucket_adapters, broken_lowprec, broken_mesh, broken_mesh_metrics, broken_metrics, broken_numerics,
                      broken_overflow, broken_tokens, broken_tp, calib_adapters, count_adapters, cp_adapters, ddp_modes,
                      hint_adapters, hsdp_adapters,
                      moe_adapters, objective_adapters, overflow_adapters, packed_adapters, parity_adapters, pull_loops,
@@ -32,6 +32,7 @@ from planted import (broken, broken_dist, broken_lowprec, broken_mesh, broken_me
 from planted import broken_amp_metrics  # issue 42 item 3: metrics in every precision
 from planted import atstep_adapters  # issue 42, the zoo's grads_from="optimizer" classes (optgrads)
 from xtrain_proof.options import XtrainOptions
+from examples import ddp_no_sync, llama_scale
 
 
 @dataclass(frozen=True)
@@ -608,6 +609,15 @@ PLANTED: tuple[PlantedBug, ...] = (
                "(its 1.1B size: python -m verify.gpu_gate --scale)", scale_adapters.tiny, Gate.EQUIVALENCE,
                r"(loss|gradient) .*step 0", Case(accum_steps=3, micro_batch=2, steps=1, seed=1, data_seed=2,
                                                  lengths=(16, 2, 16, 16, 3, 16))),
+    PlantedBug("llama_chunk_means", "the Llama recipe's chunked loss summing its chunks' means, right within one "
+               "chunk (NeMo Automodel #3803's shape): rejected past the declared threshold", scale_adapters.chunk_means,
+               Gate.EQUIVALENCE, r"(loss|gradient) .*step 0",
+               Case(accum_steps=3, micro_batch=2, steps=1, seed=1, data_seed=2, lengths=(16, 2, 16, 16, 3, 16),
+                    options=llama_scale.loss_chunk_side(None, above=True))),
+    PlantedBug("ddp_first_bucket_mean", "a DDP comm hook averaging only the first gradient bucket, right while the "
+               "model is one bucket: rejected past the recipe's declared bucket cap", bucket_adapters.first_bucket_only,
+               Gate.DP_EQUIVALENCE, r"(parameter|gradient)", Case(accum_steps=3, micro_batch=2, steps=2, world=2, seed=1,
+                                                      data_seed=2, options=ddp_no_sync.bucket_side(None, above=True))),
     PlantedBug("model_not_in_spec_dtype", "the model built in float32 whatever Spec.dtype (AdamW on a zero-gradient "
                "logit shift)", hint_adapters.wrong_dtype, Gate.EQUIVALENCE, r"'shift'",
                Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2)),

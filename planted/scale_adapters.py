@@ -5,6 +5,7 @@ bnpo). Right only where every micro-batch holds the same count; the equivalence 
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from examples import llama_scale
 from examples.llama_scale import IGNORE
@@ -25,12 +26,26 @@ class MicroTokenMean(llama_scale.Trainer):
             self.tokens.zero_(), self.loss_sum.zero_()
 
 
-def _broken(adapter):
-    return dataclasses.replace(adapter, factory=MicroTokenMean, name=f"broken: {adapter.name}, per-micro token mean",
-                               ref=None)
+class ChunkMeansLlama(llama_scale.Llama):
+    def loss_sum(self, ids, targets):
+        """NeMo Automodel #3803's shape: a chunked mean that SUMS its chunks' means (k chunks: up to k× the mean),
+        × the count to make the sum this trainer divides. One chunk (below the threshold): exactly right."""
+        h, y, c = self.hidden(ids), targets.flatten(), self.o.loss_chunk
+        means = [F.cross_entropy(self.head(h[i:i + c]), y[i:i + c], ignore_index=IGNORE)
+                 for i in range(0, h.shape[0], c) if (y[i:i + c] != IGNORE).any()]
+        return sum(means) * (y != IGNORE).sum() if means else h.sum() * 0
+
+
+class ChunkMeans(llama_scale.Trainer):
+    model_class = ChunkMeansLlama
+
+
+def _broken(adapter, cls=MicroTokenMean, what="per-micro token mean"):
+    return dataclasses.replace(adapter, factory=cls, name=f"broken: {adapter.name}, {what}", ref=None)
 
 
 tiny = _broken(llama_scale.factory)
 billion = _broken(llama_scale.billion)
 m134 = _broken(llama_scale.m134)
 half = _broken(llama_scale.half)
+chunk_means = _broken(llama_scale.factory, ChunkMeans, "a chunked mean summing its chunks' means")

@@ -33,7 +33,7 @@ __all__ = [
     # the protocol your trainer implements, and how to declare its adapter
     "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data",
     # its declarations, one per concern (docs/verify-your-trainer.md, "Declarations")
-    "Batches", "Distributed", "Numerics", "MemoryModel", "Metrics", "Objective", "Parity",
+    "Batches", "Distributed", "Numerics", "MemoryModel", "Metrics", "Objective", "Parity", "Threshold",
     # what a sync mode may communicate: expected collectives, a mode's exact counts, a mesh's axes
     "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "CountRow", "Windows", "Mesh",
     # a mesh case's DeviceMesh, built once per process (dims "dp", "pp", "cp" where > 1, "tp")
@@ -56,6 +56,7 @@ _WHERE = {
     "Objective": ("verify._internal.objective", "Objective"), "Parity": ("verify._internal.declare", "Parity"),
     "Batches": ("verify._internal.declare", "Batches"), "Distributed": ("verify._internal.declare", "Distributed"),
     "Numerics": ("verify._internal.declare", "Numerics"), "MemoryModel": ("verify._internal.declare", "MemoryModel"),
+    "Threshold": ("verify._internal.declare", "Threshold"),
     "Expected": ("verify._internal.protocol", "Expected"), "DDP_EXPECTED": ("verify._internal.protocol", "DDP_EXPECTED"),
     "DDP_WORLD1_EXPECTED": ("verify._internal.protocol", "DDP_WORLD1_EXPECTED"),
     "CountRow": ("verify._internal.gates.counts", "CountRow"), "Windows": ("verify._internal.ranks.comm", "Windows"),

@@ -30,3 +30,14 @@ def test_a_per_micro_token_mean_is_rejected():
     with pytest.raises(verify.GateFailure) as e:
         verify.check(verify.Gate.EQUIVALENCE, scale_adapters.tiny, CASE.replace(options=llama_scale.Options()))
     assert e.value.gate == verify.Gate.EQUIVALENCE and "step 0" in str(e.value)
+
+
+def test_a_chunked_mean_right_within_one_chunk_is_rejected_only_past_the_declared_chunk():
+    """NeMo Automodel #3803's shape (a chunked mean summing its chunks' means): every corner the recipe's defaults
+    give passes (one chunk per micro-batch), so only the declared threshold's corner above it can reject it."""
+    below, above = (CASE.replace(options=llama_scale.loss_chunk_side(None, side)) for side in (False, True))
+    verify.check(verify.Gate.EQUIVALENCE, scale_adapters.chunk_means, below)
+    verify.check(verify.Gate.EQUIVALENCE, scale_adapters.chunk_means, CASE.replace(options=llama_scale.Options()))
+    with pytest.raises(verify.GateFailure) as e:
+        verify.check(verify.Gate.EQUIVALENCE, scale_adapters.chunk_means, above)
+    assert e.value.gate == verify.Gate.EQUIVALENCE

@@ -10,7 +10,7 @@ import verify
 
 PUBLIC = {
     "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data", "Metrics", "Objective", "Parity",
-    "Batches", "Distributed", "Numerics", "MemoryModel",
+    "Batches", "Distributed", "Numerics", "MemoryModel", "Threshold",
     "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "CountRow", "Windows", "Mesh", "device_mesh",
     "Pull", "PullError", "check", "Case", "Gate", "GateFailure", "GateSkipped", "Settings",
     "run_selftest", "measure_memory", "report_header", "atomic_write",

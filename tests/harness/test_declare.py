@@ -79,8 +79,28 @@ def test_each_recipe_in_its_flat_form_of_earlier_releases_is_the_same_adapter(na
     recipe = importlib.import_module(f"examples.{name}").factory
     flat = {f.name: getattr(getattr(recipe, g), f.name) for g, (cls, _) in GROUPS.items() for f in dataclasses.fields(cls)}
     old = verify.adapter(data=recipe.data, plain=recipe.plain, options=recipe.options, defaults=recipe.defaults,
-                         metrics=recipe.metrics, objective=recipe.objective, parity=recipe.parity, **flat)(recipe.factory)
+                         metrics=recipe.metrics, objective=recipe.objective, parity=recipe.parity,
+                         thresholds=recipe.thresholds, **flat)(recipe.factory)
     for g in GROUPS:
         assert getattr(old, g) == getattr(recipe, g), (name, g)
     assert old.declarations() == recipe.declarations()
     assert pickle.loads(pickle.dumps(recipe)).declarations() == recipe.declarations()
+
+
+def test_every_gate_runs_its_first_corner_on_both_sides_of_each_declared_threshold():
+    from examples import llama_scale
+    from verify._internal.cases.corners import corners, gate_corners
+
+    for gate in (verify.Gate.EQUIVALENCE, verify.Gate.REPORTED_METRICS, verify.Gate.LONG_WINDOW):
+        plain, crossed = gate_corners(llama_scale.factory, gate), corners(llama_scale.factory, gate)
+        assert crossed[:len(plain)] == plain and len(crossed) == len(plain) + 2, gate
+        first = plain[0][0] if isinstance(plain[0], tuple) else plain[0]
+        for got, chunk in zip(crossed[len(plain):], (1 << 20, 5)):
+            for case in (got if isinstance(got, tuple) else (got,)):
+                if isinstance(case, verify.Case):
+                    assert case.options.loss_chunk == chunk and case.accum_steps in (first.accum_steps, 256), gate
+    assert llama_scale.factory.declarations()["thresholds"] == ["loss chunk"]
+    with pytest.raises(verify.AdapterError, match="thresholds= must hold verify.Threshold"):
+        verify.adapter(data=_data, thresholds=(1024,))(_factory)
+    with pytest.raises(verify.AdapterError, match="Threshold.apply must be callable"):
+        verify.Threshold(name="bucket", apply=25)

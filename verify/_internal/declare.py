@@ -19,7 +19,7 @@ from verify._internal.expected import Expected
 from verify._internal.precision import Precision
 from verify._internal.ranks.mesh import mesh_axes as _axes, mesh_sizes as _sizes
 
-__all__ = ["AdapterError", "Batches", "Distributed", "Numerics", "MemoryModel", "Parity", "GROUPS", "FLAT",
+__all__ = ["AdapterError", "Batches", "Distributed", "Numerics", "MemoryModel", "Parity", "Threshold", "GROUPS", "FLAT",
            "regroup", "declared_fields", "flag", "callables"]
 
 
@@ -138,6 +138,23 @@ class Parity:
         if not callable(self.apply):
             raise AdapterError(f"Parity.apply must be callable (options, on: bool) -> options, got {self.apply!r}")
         flag("Parity", "exact", self.exact)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Threshold:
+    """A size past which the trainer's stack takes another path (DDP's gradient bucket cap, ZeRO-3's parameter
+    persistence threshold, a chunked loss's chunk length): `name` (as reports say it), `apply(options, above)` -> the
+    adapter's options with the size on that side of it (options is the drawn value, None without an options
+    strategy). Every gate then also runs its first corner on both sides."""
+
+    name: str
+    apply: Callable[[Any, bool], Any]
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise AdapterError(f"Threshold.name must be a non-empty string, got {self.name!r}")
+        if not callable(self.apply):
+            raise AdapterError(f"Threshold.apply must be callable (options, above: bool) -> options, got {self.apply!r}")
 
 
 # the Adapter's group fields, their classes and what an adapter that declares nothing holds

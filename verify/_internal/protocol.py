@@ -20,7 +20,7 @@ import torch
 
 from verify._internal.atstep import GRADS_FROM, OptimizerGrads
 from verify._internal.declare import (FLAT, AdapterError, Batches, Distributed, MemoryModel, Numerics, Parity,
-                                      callables, declared_fields, regroup)
+                                      Threshold, callables, declared_fields, regroup)
 from verify._internal.expected import DDP_EXPECTED, DDP_WORLD1_EXPECTED, Expected
 from verify._internal.metrics import Metrics
 from verify._internal.objective import Objective
@@ -29,7 +29,8 @@ from verify._internal.ranks.mesh import Mesh, check_spec
 from verify._internal.verdict import raised_at
 
 __all__ = ["Trainer", "Spec", "Adapter", "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "adapter", "load_adapter",
-           "AdapterError", "Precision", "AUTOCAST", "Batches", "Distributed", "Numerics", "MemoryModel"]
+           "AdapterError", "Precision", "AUTOCAST", "Batches", "Distributed", "Numerics", "MemoryModel",
+           "Threshold"]
 
 
 @runtime_checkable
@@ -149,6 +150,7 @@ class Adapter:
     """How each term of the loss normalises (the normaliser gate); None: a token mean with an ignore_index,
     else a row mean that only the split-based gates judge."""
     parity: Parity | None = None  # a switch of the options that must not change the result (gates/parity.py)
+    thresholds: tuple[Threshold, ...] = ()  # sizes past which the stack takes another path: drawn on both sides
     grads_from: str = "grads"  # "grads": grads(); "optimizer": .grad as optimizer step() begins (atstep.py)
     unclipped: Callable | None = None
     """options -> the same options with gradient clipping off: lets a failure's diagnosis re-run it unclipped."""
@@ -170,6 +172,10 @@ class Adapter:
         for f, kind in (("metrics", Metrics), ("objective", Objective), ("parity", Parity)):
             if getattr(self, f) is not None and not isinstance(getattr(self, f), kind):
                 raise AdapterError(f"{f}= must be a verify.{kind.__name__}(...), got {getattr(self, f)!r}")
+        given = (self.thresholds,) if isinstance(self.thresholds, Threshold) else tuple(self.thresholds)
+        if any(not isinstance(t, Threshold) for t in given):
+            raise AdapterError(f"thresholds= must hold verify.Threshold(name=..., apply=...), got {self.thresholds!r}")
+        object.__setattr__(self, "thresholds", given)
         if self.metrics is not None and self.ignore_index is None and "tokens" in self.metrics.names:
             raise AdapterError("Metrics.names has 'tokens' but the adapter declares no ignore_index: report 'rows', "
                                "or declare Batches(ignore_index=...) so the harness can count valid targets")
@@ -199,6 +205,8 @@ class Adapter:
         if self.grads_from != "grads":
             out["grads_from"] = self.grads_from
         out.update({f: getattr(self, f) for f in ("metrics", "objective", "parity") if getattr(self, f) is not None})
+        if self.thresholds:
+            out["thresholds"] = [t.name for t in self.thresholds]
         return {f: (_qual(v) if callable(v) else [dataclasses.asdict(e) for e in v] if f == "expected"
                     else list(v) if isinstance(v, tuple) else {a: list(n) for a, n in v.items()}
                     if f == "mesh_sizes" else v.declared() if f in ("metrics", "objective") else v)

@@ -120,6 +120,22 @@ LONG_N = 256  # the longest window the long-window gate draws; every declared lo
 
 
 def corners(adapter, gate: Gate, *, min_world: int = 1, max_world: int = 1) -> list:
+    """The known-hard cases of the gate test of `gate` (gate_corners), then, for each size threshold the adapter
+    declares (Adapter.thresholds), the first of them on both sides of it: a path the stack takes only past a size
+    (a second DDP bucket, a second loss chunk) is run by every gate, as is the path below it."""
+    out = gate_corners(adapter, gate, min_world=min_world, max_world=max_world)
+    return out + [_crossed(out[0], t, above) for t in adapter.thresholds for above in (False, True)] if out else out
+
+
+def _crossed(corner, threshold, above: bool):
+    """A corner (a Case, or a tuple of one and the check's further arguments, Cases among them: the long window's)
+    with the options of each of its Cases on one side of `threshold`."""
+    if isinstance(corner, tuple):
+        return tuple(_crossed(c, threshold, above) if isinstance(c, Case) else c for c in corner)
+    return corner.replace(options=threshold.apply(corner.options, above))
+
+
+def gate_corners(adapter, gate: Gate, *, min_world: int = 1, max_world: int = 1) -> list:
     """The known-hard cases of the gate test of `gate` (a gate with a budget in gates/table.py) for `adapter`,
     within [min_world, max_world], in the form its @given draws (a Case; overflow: (case, micro, rank); mesh split
     invariance: (case, world)):
