@@ -20,12 +20,12 @@ MAX_NORM = 0.5  # the drawn windows' norms straddle it (0.3-1.2): clipped and un
 class TinyLM(torch.nn.Module):
     """Token + position embeddings, one causal self-attention head, a linear head."""
 
-    def __init__(self):
+    def __init__(self, vocab=VOCAB, seq_len=SEQ_LEN, dim=DIM):
         super().__init__()
-        self.tok = torch.nn.Embedding(VOCAB, DIM)
-        self.pos = torch.nn.Embedding(SEQ_LEN, DIM)
-        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
-        self.head = torch.nn.Linear(DIM, VOCAB)
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(seq_len, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.head = torch.nn.Linear(dim, vocab)
 
     def forward(self, ids):
         positions = torch.arange(ids.shape[1], device=ids.device)

@@ -20,12 +20,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
-from planted.template import ModelState, window_loss
+from planted.template import TextbookSteps, window_loss
 
 FEATURES, CLASSES = 8, 5
 
 
-class Trainer(ModelState):
+class Trainer(TextbookSteps):
     """N micro-steps of backward(loss / N), then AdamW; the LR warms up linearly over 3 optimizer steps."""
 
     def __init__(self, spec):
@@ -45,18 +45,6 @@ class Trainer(ModelState):
 
     def scale(self, loss):
         return loss if self.n == 1 else loss / self.n
-
-    def micro_step(self, x, y, micro):
-        loss = self.loss(x, y)
-        self.scale(loss).backward()
-        self.losses.append(loss.detach().to(torch.float64))
-        if micro == self.n - 1 and self.world > 1:
-            for p in self.model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= self.world
-
-    def partial_grads(self):  # the window's gradient had it ended after len(self.losses) micro-steps
-        return {k: p.grad * (self.n / len(self.losses)) for k, p in self.model.named_parameters()}
 
     def sched_steps(self) -> int:
         return 1

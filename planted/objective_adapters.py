@@ -73,7 +73,9 @@ class Normalised:
 
     def optimizer_step(self):
         self.grads()
-        loss = self.total / self.count if self.valid and self.count else float("nan")
+        return self._step(self.total / self.count if self.valid and self.count else float("nan"))
+
+    def _step(self, loss):
         if self.valid:  # a window without a valid target is no step at all
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -159,14 +161,7 @@ class TwoTerms(Normalised):
         want = self.terms or ("ce", "z")
         self.grads()
         ce = self.total / self.count if self.count else (0.0 if "ce" not in want else float("nan"))
-        loss = ce + self.z_total
-        if self.valid:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        for p in self.model.parameters():
-            p._divided = False
-        self._reset()
-        return loss
+        return self._step(ce + self.z_total)
 
 
 # -- the bugs -----------------------------------------------------------------------------------------------

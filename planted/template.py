@@ -75,6 +75,26 @@ class ModelState:
         return dict(self.model.named_parameters())
 
 
+class TextbookSteps(ModelState):
+    """The textbook micro-step of a hand-written trainer: backward of `scale(loss(x, y))` (the subclass's), the loss
+    kept in float64, the gradient averaged over `world` ranks at the boundary; and partial_grads(), the window's
+    gradient had it ended after the micro-steps so far. Needs self.model, self.n, self.world, self.losses."""
+
+    def micro_step(self, x, y, micro):
+        import torch.distributed as dist
+
+        loss = self.loss(x, y)
+        self.scale(loss).backward()
+        self.losses.append(loss.detach().double())
+        if micro == self.n - 1 and self.world > 1:
+            for p in self.model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
+
+    def partial_grads(self):
+        return {k: p.grad * (self.n / len(self.losses)) for k, p in self.model.named_parameters()}
+
+
 def window_loss(losses: list, world: int):
     """The window's reported loss: the mean of its micro-steps' losses, averaged over `world` ranks."""
     import torch

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import verify
-from planted.template import ModelState, window_loss
+from planted.template import ModelState, TextbookSteps, window_loss
 
 FEATURES, IGNORE, VOCAB = 6, -100, 9
 
@@ -26,7 +26,7 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-class MeanLoss(ModelState):
+class MeanLoss(TextbookSteps):
     """N micro-steps of backward(scale(loss)), the gradient averaged over ranks at the boundary, then AdamW."""
 
     def __init__(self, spec):
@@ -41,18 +41,6 @@ class MeanLoss(ModelState):
 
     def scale(self, loss):
         return loss / self.n
-
-    def micro_step(self, x, y, micro):
-        loss = self.loss(x, y)
-        self.scale(loss).backward()
-        self.losses.append(loss.detach().double())
-        if micro == self.n - 1 and self.world > 1:
-            for p in self.model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= self.world
-
-    def partial_grads(self):  # the window's gradient had it ended after len(self.losses) micro-steps
-        return {k: p.grad * (self.n / len(self.losses)) for k, p in self.model.named_parameters()}
 
     def optimizer_step(self):
         self.opt.step()
