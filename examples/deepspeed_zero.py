@@ -27,6 +27,14 @@ FEATURES, HIDDEN = 8, 32
 @dataclass(frozen=True)
 class Options:
     stage: int = 0  # ZeRO stage: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
+    persistence_threshold: int | None = None  # ZeRO-3's stage3_param_persistence_threshold (None: DeepSpeed's 1e5)
+
+
+def persistence_side(options, above):
+    """ZeRO-3's persistence threshold: parameters smaller than it are never partitioned, so a small model (this one's
+    largest tensor: 256 elements) is all persistent. Above it (a threshold of 0) every parameter is partitioned and
+    gathered for each forward and backward; below it (DeepSpeed's default) none is."""
+    return Options(stage=3, persistence_threshold=0 if above else None)
 
 
 def use_accelerator(device: str):
@@ -84,6 +92,8 @@ class Trainer:
             "zero_allow_untested_optimizer": True,  # torch's AdamW as the client optimizer
             "steps_per_print": 2**31,
         }
+        if options.stage == 3 and options.persistence_threshold is not None:
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = options.persistence_threshold
         self.bf16 = self.BF16 and spec.precision == "bf16"
         if self.bf16:
             config["bf16"] = {"enabled": True}
@@ -175,8 +185,10 @@ def bf16_counts(case):
 
 STAGES = st.builds(Options, stage=st.sampled_from([0, 1, 2, 3]))
 metrics = verify.Metrics(names=("loss",), max_norm=MAX_NORM)
+PERSISTENCE = verify.Threshold(name="ZeRO-3 parameter persistence", apply=persistence_side)
 factory = verify.adapter(data=verify.data.regression(features=FEATURES), options=STAGES, defaults=Options(),
-                         metrics=metrics, distributed=verify.Distributed(process_group=True, counts=counts))(Trainer)
+                         metrics=metrics, distributed=verify.Distributed(process_group=True, counts=counts),
+                         thresholds=(PERSISTENCE,))(Trainer)
 BF16 = verify.Numerics(precisions=("fp32", "bf16"))
 bf16 = verify.adapter(data=verify.data.regression(features=FEATURES), numerics=BF16,
                       options=st.builds(Options, stage=st.sampled_from([1, 2, 3])), defaults=Options(stage=1),

@@ -38,3 +38,17 @@ def test_bf16_with_fp32_accumulation_at_stage_1_passes_on_this_release():
     from examples.deepspeed_zero import bf16
 
     assert verify.check(Gate.DP_EQUIVALENCE, bf16, _case(1, "bf16")).ratio < 1
+
+
+@pytest.mark.parametrize("above", [False, True])
+def test_zero3_on_both_sides_of_its_persistence_threshold_meets_its_row_and_the_big_batch(above):
+    """Below the threshold (DeepSpeed's default) this model's parameters all persist; above it (0) every one is
+    partitioned and gathered for each forward and backward: the row's all-gather range covers both, and both are the
+    big batch's. The recipe declares it (verify.Threshold), so every gate runs its first corner on both sides."""
+    from examples.deepspeed_zero import factory, persistence_side
+
+    case = _case(3).replace(options=persistence_side(None, above))
+    r = verify.check(Gate.DP_EQUIVALENCE, factory, case)
+    step1 = next(iter(r.extra["comm"].steps.values()))[1]  # rank 0's step 1: past DeepSpeed's first-step set-up
+    gathers = sum(c.op == "all_gather" for cs in step1.micro for c in cs)  # seen at 0.19.8: 0 below, 1 a micro-step above
+    assert r.ratio < 1 and (gathers > 0) == above, (r, [[c.op for c in cs] for cs in step1.micro])
