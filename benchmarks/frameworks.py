@@ -38,7 +38,8 @@ from _xtrain_cli import Parser, UsageError, fail, positive_int, writable_dir
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xtrain-verify", "frameworks")
 DEFAULT = ("4.45.2,4.46.3,4.50.0,5.5.3,current,trl-0.21.0,trl-current,deepspeed-0.18.8,deepspeed-0.19.5,"
-           "deepspeed-current,accelerate-1.0.1,accelerate-current,lightning-2.4.0,lightning-current")
+           "deepspeed-current,accelerate-1.0.1,accelerate-current,lightning-2.4.0,lightning-current,"
+           "nemo_automodel-0.6.0,nemo_automodel-current")
 
 
 def _versions(text: str) -> list[str]:
@@ -59,12 +60,15 @@ def venv(version: str, cache: str, log) -> tuple[str, dict, float]:
     stack, release = parse(version)
     where = os.path.join(cache, version if stack.key else f"transformers-{version}")
     py, stamp = os.path.join(where, "bin", "python"), os.path.join(where, "pins.json")
-    want = stack.pins(release) + [f"-e {ROOT}"]
+    own = [p for p in stack.pins(release) if stack.no_deps and re.split(r"[=<>]", p)[0] == stack.package]
+    want = stack.pins(release) + [f"-e {ROOT}"] + (["--no-deps"] if own else [])
     t0 = time.perf_counter()
     if not (os.path.exists(py) and os.path.exists(stamp) and json.load(open(stamp)).get("pins") == want):
         shutil.rmtree(where, ignore_errors=True)
         _run([sys.executable, "-m", "venv", where], log)  # no --system-site-packages: only this release
-        _run([py, "-m", "pip", "install", "-q", *stack.pins(release), "-e", ROOT], log)
+        _run([py, "-m", "pip", "install", "-q", *[p for p in stack.pins(release) if p not in own], "-e", ROOT], log)
+        if own:  # the release itself, without its dependencies (Stack.no_deps)
+            _run([py, "-m", "pip", "install", "-q", "--no-deps", *own], log)
         probe = ("import json, importlib.metadata as m; print(json.dumps({d: m.version(d) for d in "
                  f"{['torch', *stack.shown]!r}}}))")
         installed = json.loads(_run([py, "-c", probe], log))

@@ -39,6 +39,7 @@ class Stack:
     extra_pins: dict = field(default_factory=dict)  # release -> the pins of its time (other packages)
     default_pins: tuple = ()
     probe_metrics: bool = False  # the metrics gate on each declared metric alone (the HF recipe)
+    no_deps: bool = False  # the release installed without its own dependencies (what its recipe imports needs none)
 
     def pins(self, release: str) -> list[str]:
         own = self.package if release == "current" else f"{self.package}=={release}"
@@ -75,6 +76,10 @@ LOCAL_BNPO = ("the token-level loss ('bnpo') divided by each micro-batch's own c
 # DeepSpeed (examples/deepspeed_zero.py)
 MUON_PER_MICRO = ("Muon under ZeRO-3 applies Newton–Schulz inside the reduce hook on every micro-batch, not once to the "
                   "window's gradient (#8443, fixed by PR #8600 in 0.19.8; Muon reached ZeRO-3 in 0.18.9)")
+# NeMo Automodel: its chunked cross-entropy (examples/nemo_chunked_loss.py), installed without its training stack
+CHUNK_MEANS = ("ChunkedCrossEntropy(reduction='mean') adds its chunks' means: once a micro-batch is longer than the chunk "
+               "the loss is up to chunks× its mean (NeMo Automodel #3803; the loss was rewritten in 0.7.0)")
+NEMO = "examples.nemo_chunked_loss:factory"
 BOUNDARY_LEFT_OUT = ("BF16_Optimizer (bf16, grad_accum_dtype fp32, ZeRO-1) adds the boundary micro-batch to the "
                      "rank-local fp32 buffer after the all-reduce: it is left out of the average (PR #7985, 0.19.0)")
 
@@ -94,6 +99,10 @@ STACKS = {s.key: s for s in [
                                                   DEEPSPEED_MUON),
           ("deepspeed",), known=(Known((0, 18, 6), (0, 19, 0), BOUNDARY_LEFT_OUT, DEEPSPEED_BF16),
                                  Known((0, 18, 9), (0, 19, 8), MUON_PER_MICRO, DEEPSPEED_MUON))),
+    # the loss module imports torch (0.7.0: and transformers); the package's own dependencies (megatron-fsdp, wandb,
+    # mlflow, GPU kernels) are its trainer's, which the recipe does not run
+    Stack("nemo_automodel", "NeMo Automodel", "nemo-automodel", (NEMO,), ("nemo-automodel",),
+          known=(Known((0, 0, 0), (0, 7, 0), CHUNK_MEANS, NEMO),), default_pins=("transformers",), no_deps=True),
     Stack("accelerate", "Accelerate", "accelerate", ("examples.accelerate_accumulate:factory",), ("accelerate",)),
     Stack("lightning", "Lightning", "lightning",
           ("examples.lightning_trainer:factory", "examples.fabric_no_backward_sync:factory"), ("lightning",)),
@@ -124,6 +133,10 @@ def explain(f: dict, known=()) -> str | None:
                 "that depends on how TRL's shuffle spreads the tokens over the micro-steps (and ranks); the normaliser "
                 "gate names the class: at one row per micro-batch the loss is the mean of the micro-batches' own token "
                 "means")
+    if CHUNK_MEANS in known and f["gate"] in loss_gates:
+        return ("the case's options put the chunk below a micro-batch's tokens (the declared threshold's corner): the "
+                "accumulation's micro-batches and the big batch span different numbers of chunks, so their summed "
+                "chunk means differ by that count")
     if MUON_PER_MICRO in known and f["gate"] in loss_gates:
         return ("the boundary gradient grads() reads is already Newton–Schulz-orthogonalised, per micro-batch: "
                 "N micro-steps give N orthogonalisations of partial gradients where the big batch gives one")

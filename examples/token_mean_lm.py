@@ -28,11 +28,15 @@ class TinyLM(torch.nn.Module):
         self.head = torch.nn.Linear(dim, vocab)
 
     def forward(self, ids):
+        return self.head(self.hidden(ids))  # (rows, S, VOCAB)
+
+    def hidden(self, ids):
+        """The states the head projects, (rows, S, DIM)."""
         positions = torch.arange(ids.shape[1], device=ids.device)
         h = self.tok(ids) + self.pos(positions)
         q, k, v = self.qkv(h).chunk(3, dim=-1)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.head(torch.tanh(h + attn))  # (rows, S, VOCAB)
+        return torch.tanh(h + attn)
 
 
 class Trainer:
