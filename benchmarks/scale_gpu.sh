@@ -21,7 +21,9 @@ side)
        > "$out/side-$side.log" 2>&1; tail -1 "$out/side-$side.log" >> "$out/side.jsonl")
   done ;;
 plan)
-  $py -m verify._internal.scaleplan examples.llama_scale:billion cuda:0 "$out/plan.json" 2>&1 | tail -3 ;;
+  for t in ${TRAINERS:-examples.llama_scale:billion}; do
+    $py -m verify._internal.scaleplan "$t" cuda:0 "$out/plan-${t##*:}.json" 2>&1 | tail -3
+  done ;;
 good)
   $py -m verify.gpu_gate --scale --trainer examples.llama_scale:billion --out "$out/good" 2>&1 | tail -8 ;;
 gates)  # the gates step alone, without the plan (what the plan's refusal would have run), measured
