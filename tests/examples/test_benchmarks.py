@@ -1,6 +1,7 @@
 """Smoke tests of benchmarks/: each script's cheapest configuration, on the CPU, in a subprocess, as a
 user would start it. They prove the scripts still run and write their JSON with the common header, not
 anything about speed."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -221,3 +222,13 @@ def test_frameworks_runs_each_stacks_recipes_and_an_uninstallable_release_is_one
     assert "| TRL 0.21.0 | examples.trl_grpo:factory | trl 0.21.0, deepspeed 0.18.8 | rejected | rejected ✓ | — |" in md
     assert "TRL 0.21's 'bnpo' divides each micro-batch's token sum" in md and "Not installable here: `pip" in md
     assert "## DeepSpeed 0.18.8, examples.deepspeed_zero:bf16_zero1: rejected" in md
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is not None, reason="torchao is installed here")
+def test_fp8_twins_without_torchao_is_one_line_exit_2(tmp_path, capsys):
+    from benchmarks import fp8_twins
+
+    with pytest.raises(SystemExit) as e:
+        fp8_twins.main(["--out", str(tmp_path / "fp8.json")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "benchmarks.fp8_twins: error: torchao is not installed: pip install torchao\n"
+    assert not list(tmp_path.iterdir())
