@@ -1,0 +1,42 @@
+"""The scale plan's host-memory model checked on the CPU (docs/design/memory.md, "Scale plan"): the peak RSS growth of
+one equivalence case (N = 3, B = 2, K steps) of the Llama recipe at 20M parameters, in bytes per parameter, beside
+the plan's (K + 1)·32 for the kept Traces plus 32 for the live float64 trainer (on the CPU it is in host memory too).
+
+    python -m benchmarks.scale_host [K]   # default 3; one K a process (the peak RSS only grows)
+"""
+import resource
+import sys
+import time
+
+import torch
+
+import verify
+from examples import llama_scale
+
+PROBE = llama_scale.Size(vocab=8000, dim=512, layers=4, heads=8, kv_heads=2, ffn=1536, seq=32)
+
+
+def growth(steps: int) -> float:
+    """Peak RSS growth (bytes) of one equivalence case at `steps` steps, in a fresh process's terms."""
+    llama_scale.SIZES["probe"] = PROBE
+    case = verify.Case(accum_steps=3, micro_batch=2, steps=steps, seed=1, data_seed=2,
+                       options=llama_scale.Options(size="probe"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    verify.check(verify.Gate.EQUIVALENCE, llama_scale.factory, case)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    torch.set_num_threads(2)
+    P = PROBE.parameters
+    k = int(args[0]) if args else 3
+    t0 = time.perf_counter()
+    g = growth(k)
+    print(f"K={k}: {P / 1e6:.1f}M parameters, peak RSS growth {g / 2**30:.2f} GiB = {g / P:.0f} B/parameter; "
+          f"plan {(k + 1) * 32} + 32 (the live float64 trainer) = {(k + 2) * 32}; {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
