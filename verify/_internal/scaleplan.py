@@ -21,9 +21,9 @@ HEADROOM = 0.9  # of the device's memory: the CUDA context, the allocator's frag
 HOST_HEADROOM = 0.8  # of the host's memory: the interpreter, torch, the data, the pytest process
 MAX_ROWS = TWIN_COPIES[-1] * max(SCALE_ACCUM * SCALE_MICRO, 3 * 2)  # the most rows one run holds (the corners: 3 × 2)
 MAX_STEPS = 3  # the metrics gate's corner: K = 3
-# the Traces an equivalence case keeps on the host at once, in parameter copies of (K + 1) snapshots (step-0 gradient,
-# parameters after each step): the float64 accumulation, reference and first twin (8 bytes), fp32 accumulation and big
-# batch (4 bytes)
+# the Traces an equivalence case holds on the host at once, in parameter copies of (K + 1) snapshots (step-0 gradient,
+# parameters after each step): the float64 accumulation and reference, and the twin being measured (8 bytes; a twin is
+# kept as its floor once measured), the fp32 accumulation and big batch (4 bytes)
 KEPT_BYTES_PER_PARAMETER = (3 * 8 + 2 * 4) * (MAX_STEPS + 1)
 
 

@@ -22,9 +22,9 @@ __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "G
 
 
 def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -> GateResult:
-    """`runs64`: float64 runs by (rows or twin, N), kept across calls on the same case (a float64 run has no
-    autocast: the long-window gate's bf16 and fp16 passes share theirs); the accumulated run is left there by
-    (precision, N)."""
+    """`runs64`: float64 runs by (rows, N) and the twins' measured floors by ("floor", i), kept across calls on the
+    same case (a float64 run has no autocast: the long-window gate's bf16 and fp16 passes share theirs); the
+    accumulated run is left there by (precision, N)."""
     gate, N = Gate.EQUIVALENCE, case.accum_steps
     batches = case.batches(adapter)
     f64, runs64 = torch.float64, {} if runs64 is None else runs64
@@ -32,15 +32,19 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
         adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter)), data, n, dtype=dtype,
         device=device, gate=gate, last=case.last_window if n == N else None)  # the big batch: one step per window
 
-    def kept(n, data=batches, what="rows"):
-        if (what, n) not in runs64:
-            runs64[what, n] = run(n, f64, data)
-        return runs64[what, n]
+    def kept(n):
+        if ("rows", n) not in runs64:
+            runs64["rows", n] = run(n, f64)
+        return runs64["rows", n]
 
     acc, big = run(N, torch.float32), run(1, torch.float32)
     runs64[case.precision, N], runs64[case.precision, 1] = acc, big  # the long window's order check reads them
     acc64, ref64 = kept(N), kept(1)
-    measure = lambda i: measured_floor(ref64, kept(1, twin(batches, TWIN_COPIES[i]), f"twin {i}"))  # noqa: E731
+    def measure(i: int) -> float:  # a twin is read once, for its floor: kept is the number, not the run (host memory)
+        if ("floor", i) not in runs64:
+            runs64["floor", i] = measured_floor(ref64, run(1, f64, twin(batches, TWIN_COPIES[i])))
+        return runs64["floor", i]
+
     j, doomed, floor = (Judge if case.last_window is None else _ShortJudge)(gate, case), None, None
     try:
         try:  # the float64 verdict, looked at first and raised last: a case that fails anyway computes no κ
