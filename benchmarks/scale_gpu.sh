@@ -4,7 +4,7 @@
 #   plan   the 1.1B trainer's memory plan alone
 #   good   python -m verify.gpu_gate --scale on the 1.1B recipe
 #   bug    the same on its per-micro token-mean bug (planted/scale_adapters.py)
-# usage: bash benchmarks/scale_gpu.sh PHASE OUT
+# usage: bash benchmarks/scale_gpu.sh PHASE OUT   (plan: python -m verify.gpu_gate --scale --plan-only, TRAINERS=...)
 set -u
 phase=$1 out=$2
 mkdir -p "$out"
@@ -22,7 +22,7 @@ side)
   done ;;
 plan)
   for t in ${TRAINERS:-examples.llama_scale:billion}; do
-    $py -m verify._internal.scaleplan "$t" cuda:0 "$out/plan-${t##*:}.json" 2>&1 | tail -3
+    $py -m verify.gpu_gate --scale --plan-only --trainer "$t" --out "$out/plan-${t##*:}" 2>&1 | tail -3
   done ;;
 good)
   $py -m verify.gpu_gate --scale --trainer examples.llama_scale:billion --out "$out/good" 2>&1 | tail -8 ;;

@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--scale", action="store_true",
                    help="one GPU, a production-size --trainer: its memory plan, then equivalence, bit-exact, metrics "
                         "(profile scale) and the memory probe")
+    p.add_argument("--plan-only", action="store_true",
+                   help="with --scale: the memory plan alone (DIR/plan.json, or its one-line refusal), nothing run")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
                    help="under torchrun: the launched world's backend (default nccl; gloo: CPU ranks, a dry run)")
     return p.parse_args(argv)
@@ -79,7 +81,10 @@ def scale_plan(out: str, args, pytest: list[str], env: dict) -> list[tuple[str, 
     scale: every corner and one drawn case), then the memory probe on the same trainer (an effective batch of 8).
     Each step's GPU peak is in the report (GpuPeak)."""
     py = sys.executable
-    return [("plan", [py, "-m", "verify._internal.scaleplan", args.trainer, "cuda:0", os.path.join(out, "plan.json")], {}),
+    plan = [("plan", [py, "-m", "verify._internal.scaleplan", args.trainer, "cuda:0", os.path.join(out, "plan.json")], {})]
+    if getattr(args, "plan_only", False):
+        return plan
+    return [*plan,
             ("gates", [*pytest, "--pyargs", "verify", "-k", SCALE_GATES, "--verify-device", "cuda", "-p", "no:xdist",
                        "--verify-report", os.path.join(out, "gates"), "--junitxml", os.path.join(out, "gates.xml")], env),
             ("memory", [py, "-m", "verify.memory", "--trainer", args.trainer, "--effective-batch", "8", "--device",
@@ -252,6 +257,8 @@ def main(argv=None, extra=None) -> int:
             raise UsageError("no CUDA GPU is visible to torch: this gate is for GPU runners (on a CPU box run "
                              "`HYPOTHESIS_PROFILE=ci python -m pytest -n auto`)")
         writable_dir("--out", args.out)
+        if args.plan_only and not args.scale:
+            raise UsageError("--plan-only is --scale's: add --scale (and --trainer MODULE:FACTORY)")
         if args.scale and not args.trainer:
             raise UsageError("--scale needs --trainer MODULE:FACTORY: the production-size trainer to prove "
                              "(a module-level adapter of it)")

@@ -277,3 +277,14 @@ def test_the_probe_measures_state_and_rows_on_the_device():
     plan = probe(llama_scale.factory, "cuda:0")
     params = llama_scale.SIZES["tiny"].parameters
     assert plan.parameters == params and plan.state_gib * 2**30 >= 4 * 8 * params * 0.99 and plan.fits
+
+
+def test_plan_only_runs_the_scale_plan_alone_and_needs_scale(tmp_path, monkeypatch, capsys):
+    args = SimpleNamespace(profile="gpu", max_world=4, no_memory=False, trainer="examples.llama_scale:half",
+                           scale=True, plan_only=True)
+    assert _names(gpu_gate.plan(1, str(tmp_path), args, extra=REPO)) == ["plan"]
+    monkeypatch.setattr(gpu_gate, "_cuda_available", lambda: True)
+    with pytest.raises(SystemExit) as e:
+        gpu_gate.main(["--out", str(tmp_path / "out"), "--plan-only", "--trainer", "examples.llama_scale:half"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--plan-only is --scale's: add --scale" in err, err
