@@ -154,19 +154,26 @@ class Trainer:
         self.loss_sum = torch.zeros((), dtype=spec.dtype, device=spec.device)
         self.loss, self.logged = float("nan"), {}
 
-    def micro_step(self, x, y, micro):
+    def forward_sum(self, x, y):
+        """The micro-batch's summed token loss, under bf16 autocast when the run's precision is bf16."""
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss_sum = self.model.loss_sum(x, y)
+            return self.model.loss_sum(x, y)
+
+    def divide(self, count: int, loss_sum) -> None:
+        """The boundary: every gradient and the loss ÷ the count (a window without a valid target: no step)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad /= max(count, 1)
+        self.loss = float(loss_sum) / count if count else float("nan")
+        self.logged = {"loss": self.loss, "tokens": count}
+
+    def micro_step(self, x, y, micro):
+        loss_sum = self.forward_sum(x, y)
         loss_sum.backward()  # the SUM: the window's count is known only at the boundary
         self.loss_sum += loss_sum.detach()
         self.tokens += (y != IGNORE).sum()
         if micro == self.n - 1:
-            tokens = int(self.tokens)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad /= max(tokens, 1)
-            self.loss = float(self.loss_sum) / tokens if tokens else float("nan")
-            self.logged = {"loss": self.loss, "tokens": tokens}
+            self.divide(int(self.tokens), self.loss_sum)
             self.tokens.zero_(), self.loss_sum.zero_()
 
     def grads(self):
@@ -194,15 +201,9 @@ class Plain(Trainer):
     batch's count; then the same clip and step."""
 
     def micro_step(self, x, y, micro):
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss_sum = self.model.loss_sum(x, y)
+        loss_sum = self.forward_sum(x, y)
         loss_sum.backward()
-        count = int((y != IGNORE).sum())
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad /= max(count, 1)
-        self.loss = float(loss_sum.detach()) / count if count else float("nan")
-        self.logged = {"loss": self.loss, "tokens": count}
+        self.divide(int((y != IGNORE).sum()), loss_sum.detach())
 
 
 def loss_chunk_side(options: Options | None, above: bool) -> Options:

@@ -4,7 +4,6 @@ bnpo). Right only where every micro-batch holds the same count; the equivalence 
 `billion` is what `python -m verify.gpu_gate --scale` is measured on (reports/scale/)."""
 import dataclasses
 
-import torch
 import torch.nn.functional as F
 
 from examples import llama_scale
@@ -13,8 +12,7 @@ from examples.llama_scale import IGNORE
 
 class MicroTokenMean(llama_scale.Trainer):
     def micro_step(self, x, y, micro):
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss_sum = self.model.loss_sum(x, y)
+        loss_sum = self.forward_sum(x, y)
         count = int((y != IGNORE).sum())
         (loss_sum / max(count, 1) / self.n).backward()  # BUG: this micro-batch's own count, then ÷ N
         self.loss_sum += loss_sum.detach() / max(count, 1) / self.n

@@ -40,6 +40,14 @@ def callables(owner, **shapes: str) -> None:
             raise AdapterError(f"{type(owner).__name__}.{name} must be callable {shape}, got {value!r}")
 
 
+def switch(owner, side: str) -> None:
+    """A declared switch of the options (Parity, Threshold): a non-empty `name`, and `apply(options, side: bool)`."""
+    kind = type(owner).__name__
+    if not isinstance(owner.name, str) or not owner.name:
+        raise AdapterError(f"{kind}.name must be a non-empty string, got {owner.name!r}")
+    callables(owner, apply=f"(options, {side}: bool) -> options")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Batches:
     """What the data may hold. `ignore_index`: the padding target (e.g. -100), claiming the token mean over the
@@ -133,10 +141,7 @@ class Parity:
     exact: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise AdapterError(f"Parity.name must be a non-empty string, got {self.name!r}")
-        if not callable(self.apply):
-            raise AdapterError(f"Parity.apply must be callable (options, on: bool) -> options, got {self.apply!r}")
+        switch(self, "on")
         flag("Parity", "exact", self.exact)
 
 
@@ -151,10 +156,7 @@ class Threshold:
     apply: Callable[[Any, bool], Any]
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise AdapterError(f"Threshold.name must be a non-empty string, got {self.name!r}")
-        if not callable(self.apply):
-            raise AdapterError(f"Threshold.apply must be callable (options, above: bool) -> options, got {self.apply!r}")
+        switch(self, "above")
 
 
 # the Adapter's group fields, their classes and what an adapter that declares nothing holds

@@ -322,13 +322,12 @@ def _qual(fn) -> str:
 def adapter(*, data, **declared):
     """Decorator: `@adapter(data=...) def factory(spec): ...` makes `factory` an Adapter; so does
     `factory = adapter(data=...)(MyTrainer)` for a trainer class whose constructor takes the Spec. The
-    keywords are Adapter's fields (and the flat names of earlier releases, declare.FLAT)."""
+    keywords are Adapter's fields (and the flat names of earlier releases, which Adapter folds: declare.FLAT)."""
     fields = {f.name for f in dataclasses.fields(Adapter)} - {"factory", "data", "ref", "mutation"}
     unknown = sorted(set(declared) - fields - set(FLAT))
     if unknown:
         raise AdapterError(f"adapter() has no declaration {unknown[0]!r}; declarations: {', '.join(sorted(fields))} "
                            f"(docs/verify-your-trainer.md, Declarations)")
-    declared = regroup(declared)
 
     def wrap(fn) -> Adapter:  # fn: a function or a trainer class, Spec -> trainer
         return Adapter(factory=fn, data=data, **{**declared, "name": declared.get("name") or f"{fn.__module__}.{fn.__qualname__}"})
