@@ -1,8 +1,9 @@
 """The scale plan's host-memory model checked on the CPU (docs/design/memory.md, "Scale plan"): the peak RSS growth of
 one equivalence case (N = 3, B = 2, K steps) of the Llama recipe at 20M parameters, in bytes per parameter, beside
-the plan's (K + 1)·32 for the kept Traces plus 32 for the live float64 trainer (on the CPU it is in host memory too).
+the plan's (K + 1)·16 + 24 for what an equivalence case keeps (scaleplan.KEPT_BYTES_PER_PARAMETER at K) plus 32 for
+the live float64 trainer (on the CPU it is in host memory too).
 
-    python -m benchmarks.scale_host [K]   # default 3; one K a process (the peak RSS only grows)
+    python -m benchmarks.scale_host [K]   # default 2 (the scale profile's largest); one K a process (the peak RSS only grows)
 """
 import resource
 import sys
@@ -30,11 +31,12 @@ def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     torch.set_num_threads(2)
     P = PROBE.parameters
-    k = int(args[0]) if args else 3
+    k = int(args[0]) if args else 2
     t0 = time.perf_counter()
     g = growth(k)
+    kept = 2 * 8 * (k + 1) + 2 * 4 + 2 * 8  # scaleplan.KEPT_BYTES_PER_PARAMETER, at this K
     print(f"K={k}: {P / 1e6:.1f}M parameters, peak RSS growth {g / 2**30:.2f} GiB = {g / P:.0f} B/parameter; "
-          f"plan {(k + 1) * 32} + 32 (the live float64 trainer) = {(k + 2) * 32}; {time.perf_counter() - t0:.0f} s")
+          f"plan {kept} + 32 (the live float64 trainer) = {kept + 32}; {time.perf_counter() - t0:.0f} s")
     return 0
 
 

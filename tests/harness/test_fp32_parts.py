@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tests.helpers import fp32_parts as fp
 from verify._internal.cases.case import TWIN_COPIES, Case, Trace, drive, twin
 from verify._internal.gates import (GateFailure, check_distributed, check_empty_window, check_equivalence, check_normaliser)
-from verify._internal.gates.floor64 import judged
+from verify._internal.gates.floor64 import TwinMeter, judged, twin_diff
 from verify._internal.gates.tolerance import EPS32, FLOOR, Judge, measured_floor
 from verify._internal.gates.windows import check_partial_sums
 from verify._internal.cases.strategies import budget, cases, dist_cases
@@ -127,3 +127,25 @@ def test_the_pooled_reference_runs_each_twin(i):
     assert pooled["ref64"].losses == here.losses
     for name, g in here.grads0.items():
         assert torch.equal(pooled["ref64"].grads0[name], g), name
+
+
+@pytest.mark.parametrize("adapter, case", [
+    (fp.mse32, ONE_DRAW),  # '0.bias' holds an element its gradient leaves unresolved: judged() masks it
+    (fp.count32, Case(accum_steps=2, micro_batch=2, steps=3, seed=3, data_seed=5, lengths=(0, 0, 0, 0, 5, 2, 0, 3,
+                                                                                            4, 4, 1, 5))),  # window 0 empty
+], ids=["masked", "empty_first_window"])
+def test_a_twin_measured_as_it_runs_is_the_kept_twin(adapter, case):
+    """The equivalence gate measures its twin with TwinMeter (keeping none of the twin's parameters: host memory
+    at a billion parameters): the same floor as twin_diff on the whole kept run, where the mask comes from a
+    gradient known only after step 0 (the first window empty: Trace.first) too."""
+    batches = case.batches(adapter)
+    run = lambda data, keep=True: drive(adapter(case.spec(accum_steps=1, dtype=torch.float64, adapter=adapter)),  # noqa: E731
+                                        data, 1, dtype=torch.float64, keep_params=keep)
+    ref = run(batches)
+    kept = run(twin(batches))
+    meter = TwinMeter(ref)
+    streamed = run(twin(batches), meter)
+    assert streamed.params == [{}] * case.steps and len(meter.steps) == case.steps
+    assert meter.diff(streamed) == twin_diff(ref, kept) > 0
+    if case.lengths:
+        assert ref.first is not None and streamed.first is not None

@@ -13,18 +13,18 @@ from dataclasses import asdict, dataclass
 import torch
 
 from verify._internal.cases.case import TWIN_COPIES
-from verify._internal.cases.strategies import SCALE_ACCUM, SCALE_MICRO
+from verify._internal.cases.strategies import SCALE_ACCUM, SCALE_MICRO, SCALE_STEPS
 from verify._internal.protocol import Spec
 
 GIB = 2**30
 HEADROOM = 0.9  # of the device's memory: the CUDA context, the allocator's fragmentation, the harness's own tensors
 HOST_HEADROOM = 0.8  # of the host's memory: the interpreter, torch, the data, the pytest process
 MAX_ROWS = TWIN_COPIES[-1] * max(SCALE_ACCUM * SCALE_MICRO, 3 * 2)  # the most rows one run holds (the corners: 3 × 2)
-MAX_STEPS = 3  # the metrics gate's corner: K = 3
-# the Traces an equivalence case holds on the host at once, in parameter copies of (K + 1) snapshots (step-0 gradient,
-# parameters after each step): the float64 accumulation and reference, and the twin being measured (8 bytes; a twin is
-# kept as its floor once measured), the fp32 accumulation and big batch (4 bytes)
-KEPT_BYTES_PER_PARAMETER = (3 * 8 + 2 * 4) * (MAX_STEPS + 1)
+# The most an equivalence case holds on the host at once, in bytes per parameter (the other gates hold less: the
+# metrics gate's float64 runs keep no parameters, bit-exact's are fp32): the float64 accumulation and reference, each
+# (K + 1) snapshots (the step-0 gradient, the parameters after each of K ≤ SCALE_STEPS steps, 8 bytes); the fp32 pair's
+# step-0 gradients (4 bytes each); a twin measured as it runs: its step-0 gradient and the one step in flight.
+KEPT_BYTES_PER_PARAMETER = 2 * 8 * (SCALE_STEPS + 1) + 2 * 4 + 2 * 8
 
 
 @dataclass(frozen=True)

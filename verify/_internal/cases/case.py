@@ -295,7 +295,7 @@ class _NoMarks:
 
 def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cpu", rank: int = 0,
           world: int = 1, windows=None, gate: Gate | None = None, observe=None, rank_rows=None, last=None,
-          keep_params: bool = True) -> Trace:
+          keep_params=True) -> Trace:
     """The harness's loop: shard each global batch, hand each micro-step its own copy, mark a window
     before every trainer call (for the collective counter), and return CPU copies of what came back.
     `gate`: the gate these runs serve, named by a failure (a trainer writing into its batch); None outside
@@ -303,7 +303,8 @@ def drive(trainer, batches, accum_steps: int, *, dtype=torch.float32, device="cp
     an uneven window's (Case.rank_rows; accum_steps is then this rank's N_r). `last`: the micro-steps of the last
     window where it is short (Case.last_window, at the case's N; one process). `keep_params=False`: no CPU copy of
     the parameters after each step (Trace.params holds {} per step): a run read only for its losses or step-0
-    gradient (κ's block runs), which at a billion float64 parameters would hold 8 GiB of host memory a step."""
+    gradient (κ's block runs), which at a billion float64 parameters would hold 8 GiB of host memory a step; a
+    callable: called with (step, that step's CPU copy) instead of keeping it (a twin measured as it runs)."""
     from verify._internal.ranks.comm import set_active
 
     windows = windows or _NoMarks()
@@ -352,7 +353,9 @@ def _drive(trainer, batches, accum_steps, dtype, device, rank, world, windows, g
         windows.mark(("params", k))  # the harness reading: metrics() and params() are reported, not judged
         if observe is not None:
             observe.reported(trainer)
-        params.append(_cpu(trainer.params()) if keep_params else {})
+        if callable(keep_params):  # a streaming reader (floor64.TwinMeter): it reads this step's copy, none is kept
+            keep_params(k, _cpu(trainer.params()))
+        params.append(_cpu(trainer.params()) if keep_params is True else {})
         windows.mark(("after", k))
         losses.append(loss)
         for m, x, y, xc, yc in given:  # after the whole step: a trainer may keep its batch and edit it later

@@ -17,7 +17,7 @@ from verify._internal.cases.case import TWIN_COPIES
 from verify._internal.verdict import GateFailure
 
 __all__ = ["EPS32", "C", "FLOOR", "rel_err", "whole_norm", "overall_error", "twin_diff", "twin_floor", "measured_floor",
-           "bound64", "judged", "Float64Checks"]
+           "bound64", "judged", "Float64Checks", "TwinMeter"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 C = 8.0
@@ -41,9 +41,19 @@ def whole_norm(grads: dict) -> float:
 
 
 def overall_error(got: dict, ref: dict) -> float:
-    """Relative error over every parameter at once (the names both have)."""
+    """Relative error over every parameter at once (the names both have): rel_err of the two flattened, summed a
+    parameter at a time (no flat float64 copy: three of them would be 24 bytes per parameter at the peak)."""
     names = [k for k in ref if k in got]
-    return rel_err(_flat(got, names), _flat(ref, names)) if names else 0.0
+    if not names:
+        return 0.0
+    if any(got[k].shape != ref[k].shape for k in names):
+        return float("inf")
+    d = n = 0.0
+    for k in names:
+        r = ref[k].detach().double()
+        d += (got[k].detach().double() - r).pow(2).sum().item()
+        n += r.pow(2).sum().item()
+    return math.sqrt(d) / math.sqrt(n) if n > 0 else math.sqrt(d)
 
 
 def twin_floor(measured: float = 0.0) -> float:
@@ -80,17 +90,53 @@ def judged(acc: dict, ref: dict, floor: float = EPS32) -> dict:
     return out
 
 
-def twin_diff(ref, twin) -> float:
-    """The float64 reference's own rounding, from two mathematically equal runs of it (Traces; `twin` saw the
-    same rows in another order): the largest relative difference over the losses of every step, the step-0
-    gradient over all parameters at once and every parameter after every step (max|Δ| / max(1, max|p|), as
-    the parameter check scales, over the elements it judges at eps32). Not finite: FLOOR (the cap)."""
+class TwinMeter:
+    """twin_diff streamed: drive(keep_params=TwinMeter(ref)) hands it the twin's parameters after each step and keeps
+    none (a billion float64 parameters are 8 GiB a step), then `diff(twin)` is twin_diff(ref, twin). A parameter's
+    mask (judged) needs the twin's resolving gradient, known for sure only once the run ends (an empty first window
+    sets it later): each step keeps max|Δ| over every element and over the elements ref alone resolves, and `diff`
+    picks per parameter what judged() would have masked."""
+
+    def __init__(self, ref):
+        self.ref, self.lim = ref, bound64(EPS32) * whole_norm(ref.resolving)
+        self.steps: list[dict] = []
+
+    def __call__(self, k: int, params: dict) -> None:
+        out = {}
+        for name, p in self.ref.params[k].items() if k < len(self.ref.params) else ():
+            if name in params and p.numel():
+                g = self.ref.resolving.get(name)
+                keep = ~(g.detach().double().abs() <= self.lim) if g is not None and g.shape == p.shape else None
+                scale = max(1.0, p.abs().max().item())
+                out[name] = (_max_abs(params[name], p) / scale, _max_abs(params[name], p, keep) / scale)
+        self.steps.append(out)
+
+    def diff(self, twin) -> float:
+        out = _scalar_diff(self.ref, twin)
+        masks = judged(twin.resolving, self.ref.resolving)
+        for step in self.steps:
+            for name, (whole, masked) in step.items():
+                out = max(out, masked if name in masks else whole)
+        return out if math.isfinite(out) else FLOOR
+
+
+def _scalar_diff(ref, twin) -> float:
+    """twin_diff's losses and step-0 gradient (the part that needs no parameters)."""
     out = 0.0
     for a, b in zip(twin.losses, ref.losses):
         if not (math.isnan(a) or math.isnan(b)):
             out = max(out, abs(a - b) / (abs(b) or 1.0))
     if ref.grads0:
         out = max(out, overall_error(twin.grads0, ref.grads0))
+    return out
+
+
+def twin_diff(ref, twin) -> float:
+    """The float64 reference's own rounding, from two mathematically equal runs of it (Traces; `twin` saw the
+    same rows in another order): the largest relative difference over the losses of every step, the step-0
+    gradient over all parameters at once and every parameter after every step (max|Δ| / max(1, max|p|), as
+    the parameter check scales, over the elements it judges at eps32). Not finite: FLOOR (the cap)."""
+    out = _scalar_diff(ref, twin)
     masks = judged(twin.resolving, ref.resolving)
     for pa, pb in zip(twin.params, ref.params):
         for name, p in pb.items():

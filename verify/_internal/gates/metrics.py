@@ -275,7 +275,8 @@ def metrics_gate(adapter, case: Case, device: str) -> GateResult:
 
     def run(n, data=batches):
         t = adapter(case.spec(accum_steps=n, dtype=F64, device=device, adapter=adapter))
-        return drive(t, data, n, dtype=F64, device=device, gate=Gate.REPORTED_METRICS, observe=observer(adapter))
+        return drive(t, data, n, dtype=F64, device=device, gate=Gate.REPORTED_METRICS, observe=observer(adapter),
+                     keep_params=False)  # judged by what was reported and seen, never the parameters
 
     acc, big = run(N), run(1)
     counts = expected_counts(adapter, batches)

@@ -16,7 +16,8 @@ from verify._internal.cases.case import TWIN_COPIES, Case, drive, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.kappa import block_runs, loss_kappa
-from verify._internal.gates.tolerance import Judge, conditions, measured_floor
+from verify._internal.gates.floor64 import TwinMeter
+from verify._internal.gates.tolerance import Judge, conditions, twin_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
 
@@ -28,9 +29,12 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     gate, N = Gate.EQUIVALENCE, case.accum_steps
     batches = case.batches(adapter)
     f64, runs64 = torch.float64, {} if runs64 is None else runs64
-    run = lambda n, dtype, data=batches: drive(  # noqa: E731
+    # The host keeps the float64 pair's parameters after every step; the fp32 runs are read for their losses and
+    # step-0 gradients only, a twin as it runs (scaleplan.KEPT_BYTES_PER_PARAMETER counts what stays)
+    run = lambda n, dtype, data=batches, keep=None: drive(  # noqa: E731
         adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter)), data, n, dtype=dtype,
-        device=device, gate=gate, last=case.last_window if n == N else None)  # the big batch: one step per window
+        device=device, gate=gate, last=case.last_window if n == N else None,  # the big batch: one step per window
+        keep_params=dtype == f64 if keep is None else keep)
 
     def kept(n):
         if ("rows", n) not in runs64:
@@ -40,9 +44,10 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     acc, big = run(N, torch.float32), run(1, torch.float32)
     runs64[case.precision, N], runs64[case.precision, 1] = acc, big  # the long window's order check reads them
     acc64, ref64 = kept(N), kept(1)
-    def measure(i: int) -> float:  # a twin is read once, for its floor: kept is the number, not the run (host memory)
+    def measure(i: int) -> float:  # a twin is read once, as it runs, for its floor: kept is the number, not the run
         if ("floor", i) not in runs64:
-            runs64["floor", i] = measured_floor(ref64, run(1, f64, twin(batches, TWIN_COPIES[i])))
+            meter = TwinMeter(ref64)
+            runs64["floor", i] = twin_floor(meter.diff(run(1, f64, twin(batches, TWIN_COPIES[i]), keep=meter)))
         return runs64["floor", i]
 
     j, doomed, floor = (Judge if case.last_window is None else _ShortJudge)(gate, case), None, None
