@@ -1,23 +1,11 @@
-"""The native reference (Numerics(native=...)): big-batch equivalence for a trainer with no float64 path (FP8
-training, fused Triton kernels), judged against its own runs in its own precision. No float64 run is made.
+"""The native reference (Numerics(native=...)): equivalence for a trainer with no float64 path (FP8, fused kernels),
+judged against its own runs in its own precision; no float64 run is made.
 
-split  step 0: the accumulation's loss and boundary gradient vs Σ_m w_m·(the trainer at N = 1 on micro-batch m
-       alone), w_m = micro-batch m's share of the window's rows, or of its valid tokens (Batches.ignore_index). Each
-       part quantizes as the accumulation's micro-step m does (an FP8 scale follows its own batch), so only the
-       accumulator and the normaliser separate them:
-           err ≤ C·max(noise, 2γ_{N−1}·max(1, κ)) + FLOOR·max(1, κ)
-       noise: the trainer's own rounding in its precision, measured on the split again with each micro-batch's rows
-       reversed three times over (every count and scale the loss divides by changes), per parameter and over all
-       parameters, the larger, capped at 8·eps_native; 2γ_{N−1}: the fp32 accumulator's sum of N terms (not a twin
-       of the window: a bug that depends on the micro-batches' order would move that twin too);
-       κ = max_m ‖w_m·g_m‖ / ‖Σ‖.
-big    every step's loss and the step-0 gradient vs the big batch in the same precision: a quantizer whose scale
-       follows its batch rounds the big batch and each micro-batch apart, each by eps_native (NATIVE_EPS) of its scale:
-           err ≤ C·max(noise, eps_native·max(1, κ/√N)) + FLOOR·max(1, κ)
-       For FP8 (eps 0.125) this bound is about 1: the split carries the verdict; in bf16 / fp32 it sees a bug whose
-       effect depends on how the rows are grouped (a kernel that scales every token by the first one's weight).
-Parameters after the step are not judged: the trainer's own runs give no bound on how its optimizer answers
-quantization noise. What the mode can and cannot see: docs/design/tolerance.md, "The native reference".
+split  step 0 vs Σ_m w_m·(the trainer at N = 1 on micro-batch m alone), w_m its share of the rows or valid tokens:
+       each part quantizes as micro-step m does, so ≤ C·max(noise, 2γ_{N−1}·max(1, κ)) + FLOOR·max(1, κ);
+big    every loss and the step-0 gradient vs the big batch in its precision: ≤ C·max(noise, eps_native·max(1, κ/√N))
+       + FLOOR·max(1, κ). noise: the split's twin (each micro-batch's rows reversed ×3), capped at 8·eps_native.
+Parameters are not judged. Derivation, what it sees and does not: docs/design/tolerance.md, "The native reference".
 """
 from __future__ import annotations
 
@@ -27,9 +15,9 @@ import torch
 
 from verify._internal.cases.case import Case, drive, shard, twin
 from verify._internal.gates.clipped import UNJUDGED, unclipped_options
+from verify._internal.gates.floor64 import summation_floor
 from verify._internal.gates.tolerance import (C, EPS32, FLOOR, LOSS_MAX_REL, NATIVE_TEXT, Judge, overall_error,
                                               whole_norm)
-from verify._internal.gates.windows import summation_floor
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 
 __all__ = ["NATIVE_EPS", "NATIVE_TEXT", "native_equivalence"]
@@ -138,7 +126,11 @@ def native_equivalence(adapter, case: Case, device: str) -> GateResult:
         ref, ref_loss = _weighted(parts, [w[m] for m in kept])
         ref3, ref3_loss = _weighted([run(1, twin([micro[m]]), sc) for m in kept], [w[m] for m in kept])
         over = overall_error(ref3, ref)
-    scale = _Scale(ref, C * max(j.eps, min(over, 8 * j.eps)))
+    # what each comparison resolves: the split shares every quantization with the accumulation (the case's autocast
+    # rounding and the twin's measured noise apart), the big batch is rounded apart at the native precision
+    measured = min(over, 8 * j.eps)
+    scale = _Scale(ref, C * max(NATIVE_EPS[case.precision], measured))
+    big_scale = _Scale(big.grads0, C * max(j.eps, measured))
     if sum(counts):
         for name, g in ref.items():
             noise[name] = max(over, scale.err(ref3[name], g))
@@ -152,7 +144,7 @@ def native_equivalence(adapter, case: Case, device: str) -> GateResult:
             j.within(f"gradient (step 0) of {name!r} vs the split{scale.note(g)}", scale.err(acc_s.grads0[name], g),
                      noise[name], kappa[name], False, sf)
     for name, g in big.grads0.items():  # the big batch: the same noise, and the native precision's grouping
-        j.within(f"gradient (step 0) of {name!r} vs the big batch{scale.note(g)}", scale.err(acc.grads0[name], g),
+        j.within(f"gradient (step 0) of {name!r} vs the big batch{big_scale.note(g)}", big_scale.err(acc.grads0[name], g),
                  noise.get(name, 0.0), kappa.get(name, 1.0), True)
     for k, (la, lb) in enumerate(zip(acc.losses, big.losses)):
         if not j._undefined(la, lb, f"step-{k} loss", k):
