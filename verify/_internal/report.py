@@ -47,8 +47,8 @@ def _keep_floor(s: dict, result) -> None:
     f = result.extra.get("floor64")
     if f is not None:
         s["float64_floor"] = max(float(f), s.get("float64_floor") or 0.0)
-    if result.extra.get("reference"):  # a native reference (Numerics(native=...)): no float64 run, the report says so
-        s["reference"] = result.extra["reference"]
+    if result.extra.get("native"):  # a native reference (Numerics(native=...)): no float64 run, the report says so
+        s["native"] = result.extra["native"]
 
 
 def _key(gate: Gate, case) -> str:
@@ -314,7 +314,7 @@ def render_md(doc: dict) -> str:
                          f"{g.get('expected_before_boundary', 0)}; {_links(g)}largest case: ")
             short = g.get("worst_case_text") or "—"
             ratio = "—" if base in (*EXACT, *LARGEST) else _ratio(g["worst_ratio"])
-            floor, native = g.get("float64_floor"), g.get("reference")
+            floor, native = g.get("float64_floor"), g.get("native")
             floor = native or ("—" if floor is None else f"{floor:.2e}")
             lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | "
                          f"{floor} | {extra}{short} | {NATIVE_TEXT if native else BOUNDS.get(base, '')} |")

@@ -151,4 +151,4 @@ def native_equivalence(adapter, case: Case, device: str) -> GateResult:
             j.within(f"step-{k} loss vs the big batch", _rel(la, lb), max(loss_noise, LOSS_MAX_REL / C),
                      loss_kappa if k == 0 else 1.0, True)
     unjudged = UNJUDGED.format(what="split") if clipped and sum(counts) else None
-    return GateResult(gate, case, j.worst, j.worst_ratio, reference=f"native {native}", unjudged=unjudged)
+    return GateResult(gate, case, j.worst, j.worst_ratio, native=f"native {native}", unjudged=unjudged)
