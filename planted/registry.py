@@ -639,6 +639,20 @@ PLANTED: tuple[PlantedBug, ...] = (
                r"additivity over windows .* gradient of '.*': relative error",
                Case(accum_steps=3, micro_batch=2, steps=2, seed=1, data_seed=2, lengths=(3, 5, 2, 4, 5, 1, 4, 5, 3, 2,
                                                                                          5, 4))),
+    # -- issue 44 item 3: trainers without a float64 path, judged by the native reference (Numerics(native=...)) --
+    PlantedBug("fp8_micro_token_mean", "the torchao FP8 recipe, each micro-batch ÷ its own valid tokens, then ÷ N "
+               "(native fp8: the split)", _lazy("native_adapters", "fp8_micro_token_mean"), Gate.EQUIVALENCE,
+               r"native fp8: .*step 0.* vs the split", Case(accum_steps=3, micro_batch=2, steps=1, seed=1, data_seed=2,
+                                                           lengths=(0, 0, 16, 5, 16, 9)), needs="torchao"),
+    PlantedBug("fp8_delayed_per_forward", "FP8 delayed scaling whose amax history advances every forward: micro-step "
+               "m quantized at micro-batch m−1's scale", _lazy("native_adapters", "fp8_delayed_per_forward"),
+               Gate.EQUIVALENCE, r"native fp8: .*step 0 vs the split", Case(accum_steps=2, micro_batch=2, steps=1,
+                                                                            seed=1, data_seed=2)),
+    PlantedBug("liger_first_token", "a fused linear cross-entropy whose reduction='none' backward scales every token "
+               "by the first one's upstream gradient (Liger < 0.8.2, PR #1298), per-sequence means",
+               _lazy("native_adapters", "liger_first_token"), Gate.EQUIVALENCE,
+               r"native fp32: gradient \(step 0\) of .* vs the big batch", Case(accum_steps=2, micro_batch=2, steps=1,
+                                                                                seed=1, data_seed=2)),
 )
 
 BY_NAME = {b.name: b for b in PLANTED}

@@ -2,7 +2,7 @@
 
     Batches      what the data may hold: padding, windows without a valid target, a short last window
     Distributed  how the trainer talks: data parallelism, its group, what it sends before the boundary, meshes
-    Numerics     the autocast precisions it supports and how an fp16 overflow is made
+    Numerics     the autocast precisions it supports, how an fp16 overflow is made, a native (no float64) reference
     MemoryModel  what `python -m verify.memory` predicts and offers for it
 
 `verify.Metrics`, `verify.Objective` and `verify.Parity` are declarations of their own. A new feature adds one
@@ -19,7 +19,7 @@ from verify._internal.expected import Expected
 from verify._internal.precision import Precision
 from verify._internal.ranks.mesh import mesh_axes as _axes, mesh_sizes as _sizes
 
-__all__ = ["AdapterError", "Batches", "Distributed", "Numerics", "MemoryModel", "Parity", "Threshold", "GROUPS", "FLAT",
+__all__ = ["AdapterError", "Batches", "Distributed", "Numerics", "NATIVE", "MemoryModel", "Parity", "Threshold", "GROUPS", "FLAT",
            "regroup", "declared_fields", "flag", "callables"]
 
 
@@ -100,16 +100,25 @@ class Distributed:
             object.__setattr__(self, "data_parallel", True)
 
 
+NATIVE = ("fp8", "bf16", "fp16", "fp32")  # a native reference's precisions (gates/native.py: each one's epsilon)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Numerics:
     """`precisions`: the autocast precisions the trainer supports, among fp32, bf16, fp16 (the gates draw among
     them); `overflow`: fp16, (trainer, inputs, targets, rows) -> (inputs, targets) making those rows overflow
-    (None: the harness writes an inf into that micro-step's backward)."""
+    (None: the harness writes an inf into that micro-step's backward); `native`: the trainer has no float64 path
+    (FP8 training, fused kernels), so its gates judge it against its own runs, never a float64 one: the precision
+    of its coarsest kernels, among NATIVE (docs/design/tolerance.md, "The native reference")."""
 
     precisions: tuple[str, ...] = ("fp32",)
     overflow: Callable | None = None
+    native: str | None = None
 
     def __post_init__(self):
+        if self.native is not None and self.native not in NATIVE:
+            raise AdapterError(f"Numerics.native must be one of {', '.join(NATIVE)} (the precision of the trainer's "
+                               f"coarsest kernels) or None (a float64 reference), got {self.native!r}")
         given = (self.precisions,) if isinstance(self.precisions, str) else tuple(self.precisions)
         if not given or any(p not in tuple(Precision) for p in given):
             raise AdapterError(f"Numerics.precisions must be a non-empty subset of fp32, bf16, fp16, got {self.precisions!r}")

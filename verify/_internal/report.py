@@ -14,6 +14,7 @@ import os
 
 from verify._internal.ranks.comm import LINKS
 from verify._internal.gates.table import TABLE, gate_budget
+from verify._internal.gates.tolerance import NATIVE_TEXT
 from verify._internal.verdict import Gate
 
 __all__ = ["record", "skip", "not_applicable", "dump", "write", "replaces", "read", "render_md", "REPORT_NAME"]
@@ -46,6 +47,8 @@ def _keep_floor(s: dict, result) -> None:
     f = result.extra.get("floor64")
     if f is not None:
         s["float64_floor"] = max(float(f), s.get("float64_floor") or 0.0)
+    if result.extra.get("native"):  # a native reference (Numerics(native=...)): no float64 run, the report says so
+        s["native"] = result.extra["native"]
 
 
 def _key(gate: Gate, case) -> str:
@@ -311,12 +314,14 @@ def render_md(doc: dict) -> str:
                          f"{g.get('expected_before_boundary', 0)}; {_links(g)}largest case: ")
             short = g.get("worst_case_text") or "—"
             ratio = "—" if base in (*EXACT, *LARGEST) else _ratio(g["worst_ratio"])
-            floor = g.get("float64_floor")
+            floor, native = g.get("float64_floor"), g.get("native")
+            floor = native or ("—" if floor is None else f"{floor:.2e}")
             lines.append(f"| {name} | {g['examples']} | {ratio} | {g.get('worst_check') or '—'} | "
-                         f"{'—' if floor is None else f'{floor:.2e}'} | {extra}{short} | {BOUNDS.get(base, '')} |")
+                         f"{floor} | {extra}{short} | {NATIVE_TEXT if native else BOUNDS.get(base, '')} |")
         lines += ["", "float64 floor: the largest rounding floor a gate's float64 checks used — eps32 (what an fp32 "
                   "run of the case resolves), or the reference's own rounding measured on its twin where eps32 was "
-                  "not enough; —: the gate has no float64 check (docs/design.md §3).", ""]
+                  "not enough; —: the gate has no float64 check (docs/design.md §3); native …: no float64 run, the "
+                  "trainer judged against its own runs in that precision (Numerics(native=...)).", ""]
     fails = doc.get("failures") or []
     if not gates and not fails:
         lines.append("No gate run recorded yet: `pytest --pyargs verify --verify-trainer "

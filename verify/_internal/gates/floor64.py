@@ -17,7 +17,7 @@ from verify._internal.cases.case import TWIN_COPIES
 from verify._internal.verdict import GateFailure
 
 __all__ = ["EPS32", "C", "FLOOR", "rel_err", "whole_norm", "overall_error", "twin_diff", "twin_floor", "measured_floor",
-           "bound64", "judged", "Float64Checks", "TwinMeter"]
+           "bound64", "judged", "Float64Checks", "TwinMeter", "summation_floor"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 C = 8.0
@@ -60,6 +60,14 @@ def twin_floor(measured: float = 0.0) -> float:
     """The floor the float64 checks use: what an fp32 run of the case can resolve (eps32), or the reference's
     own rounding `measured` on a twin (twin_diff) where that is larger, capped at FLOOR (module docstring)."""
     return min(max(measured, EPS32), FLOOR)
+
+
+def summation_floor(n: int) -> float:
+    """2·γ_{n−1} (u = eps32 / 2, γ_k = k·u / (1 − k·u)): the most two fp32 recursive sums of the same n terms, in
+    two orders, can differ by relative to Σ|terms| (Higham, Accuracy and Stability, §4.2), so relative to the sum
+    where its terms do not cancel."""
+    k, u = n - 1, EPS32 / 2
+    return 2 * k * u / (1 - k * u)
 
 
 def bound64(floor: float = EPS32, kappa: float = 1.0) -> float:

@@ -136,8 +136,8 @@ def diagnose(adapter, failure: GateFailure) -> tuple[str | None, dict]:
     dtype, a per-rank schedule) for any gate but the counting ones; the knobs for numeric gates only, and not
     where the raiser set its own hint (a determinism diagnosis)."""
     case, gate = getattr(failure, "case", None), getattr(failure, "gate", None)
-    if case is None or gate is None:
-        return None, {}
+    if case is None or gate is None or getattr(adapter, "native", None) is not None:
+        return None, {}  # every re-run lead runs float64 (a native trainer has no such path): its verdict says it
     built = None if gate in COUNTING else _try(built_wrong, adapter, case, _pooled(adapter, case, gate))
     if built:  # every run the gates compare rests on the trainer's init and dtype: this lead comes first
         return "re-run: " + built, {}

@@ -26,6 +26,10 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     """`runs64`: float64 runs by (rows, N) and the twins' measured floors by ("floor", i), kept across calls on the
     same case (a float64 run has no autocast: the long-window gate's bf16 and fp16 passes share theirs); the
     accumulated run is left there by (precision, N)."""
+    if adapter.native is not None:  # no float64 path: judged against its own runs (gates/native.py)
+        from verify._internal.gates.native import native_equivalence
+
+        return native_equivalence(adapter, case, device)
     gate, N = Gate.EQUIVALENCE, case.accum_steps
     batches = case.batches(adapter)
     f64, runs64 = torch.float64, {} if runs64 is None else runs64

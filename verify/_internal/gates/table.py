@@ -59,6 +59,8 @@ class GateRow:
     to see; none for a gate the self-test does not run (its fixed cases draw no split, partial sum or empty window)."""
     draw: Draw | None = None
     """How its own test draws (None: judged on `runs_in`'s runs, or a test that composes several gates)."""
+    native: bool = False
+    """It judges a trainer that declares Numerics(native=...) (no float64 path) too; else it does not apply there."""
 
     def __post_init__(self):
         if (self.budget is None) == (self.runs_in is None):
@@ -249,11 +251,11 @@ TABLE: dict[Gate, GateRow] = {r.gate: r for r in (
             draw=Draw(_cases(short=True)),  # a short last window only where declared (short_last_window)
             operators=("drop_micro_step", "repeat_micro_step", "grads_times_N", "grads_over_N",
                        "optimizer_step_every_micro", "zero_grad_in_micro_loop", "stale_micro_batch",
-                       "loss_sum_not_mean", "per_micro_mean", "count_from_first_micro")),
+                       "loss_sum_not_mean", "per_micro_mean", "count_from_first_micro"), native=True),
     GateRow(Gate.BIT_EXACT, "torch.equal on every gradient, loss and parameter after K steps",
             _lazy("verify._internal.gates.single", "check_bit_exact"), (1, 1), why_not=_plain,
             draw=Draw(_cases(max_accum=1, max_micro_batch=8)),
-            operators=("all_positions", "sequences")),
+            operators=("all_positions", "sequences"), native=True),
     GateRow(Gate.BOUNDARY_ONLY, "no collective on micro-steps 0..N-2 unless declared; boundary reduces P ≤ E ≤ P + 8 "
             "elements", _DIST, runs_in=Gate.DP_EQUIVALENCE, why_not=_data_parallel,
             operators=("extra_collective_micro_0",)),
@@ -323,7 +325,11 @@ def why_not(gate: Gate, adapter, settings=None) -> str | None:
     """Why `gate` does not apply to `adapter` under `settings` (default this process's), or None."""
     from verify._internal.settings import current
 
-    return TABLE[Gate(gate)].why_not(adapter, settings or current())
+    row = TABLE[Gate(gate)]
+    if getattr(adapter, "native", None) is not None and not row.native:
+        return (f"{adapter.name} declares Numerics(native={adapter.native!r}): the {row.gate.value} gate judges "
+                f"against float64 runs, which this trainer has no path for")
+    return row.why_not(adapter, settings or current())
 
 
 def check(gate: Gate, adapter, case, *args):

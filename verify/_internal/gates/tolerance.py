@@ -22,7 +22,7 @@ from verify._internal.verdict import Gate, GateFailure
 __all__ = ["GateFailure", "C", "FLOOR", "EPS32", "EPS", "LOSS", "LOSS_MAX_REL", "KAPPA_EXACT_ABOVE", "rel_err", "condition",
            "conditions", "whole_norm", "resolved", "param_scale", "scale_note", "param_err",
            "bound", "needs_kappa", "overall_error", "step0_checks", "twin_diff", "twin_floor", "measured_floor",
-           "bound64", "Judge", "STEP0_TEXT", "FLOAT64_TEXT"]
+           "bound64", "Judge", "STEP0_TEXT", "FLOAT64_TEXT", "NATIVE_TEXT"]
 
 # each precision's own epsilon: the rounding of one accumulated term under that autocast (bound's F_p)
 EPS = {"fp32": EPS32, "bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
@@ -39,6 +39,10 @@ _F = f"{FLOOR / EPS32:g}·eps32"
 STEP0_TEXT = (f"err(acc) ≤ {C:g}·max(err(big), err(big, all parameters)) + {_F}·max(1, κ) "
               f"+ {C:g}·eps_p·max(0, κ/√n − 1)")
 FLOAT64_TEXT = f"{C:g}·min(max(eps32, twin), {_F})·max(1, κ)"
+# a native reference's (gates/native.py: Numerics(native=...), no float64 run)
+NATIVE_TEXT = (f"no float64 run: step 0 vs Σ w_m·(the trainer at N=1 on micro-batch m), ≤ {C:g}·max(noise, 2γ_(N−1)) "
+               f"+ {_F}·max(1, κ); every loss and the step-0 gradient vs the big batch, ≤ {C:g}·max(noise, "
+               f"eps_native·max(1, κ/√N)) + the same floor; noise: the trainer's own twins in its precision")
 
 
 def _norm(ref) -> float:

@@ -20,6 +20,7 @@ from verify._internal.gates.kappa import block_runs
 from verify._internal.cases.corners import LONG_N
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 from verify._internal.gates.diagnose import determinism
+from verify._internal.gates.floor64 import summation_floor
 from verify._internal.gates.single import _equivalence, check_equivalence, run_alone
 from verify._internal.gates.tolerance import (C, EPS32, KAPPA_EXACT_ABOVE, bound64, condition, measured_floor,
                                               overall_error, param_err, scale_note, twin_floor, whole_norm)
@@ -96,14 +97,6 @@ def _long_window(adapter, case: Case, device: str) -> list[GateResult]:
             raise GateFailure(f"[{Gate.LONG_WINDOW}] {p}, N={c.accum_steps}: {e}", gate=_outer(e, Gate.LONG_WINDOW),
                               case=c, error=e.error, bound=e.bound, hint=e.hint) from None
     return out
-
-
-def summation_floor(n: int) -> float:
-    """2·γ_{n−1} (u = eps32 / 2, γ_k = k·u / (1 − k·u)): the most two fp32 recursive sums of the same n terms, in
-    two orders, can differ by relative to Σ|terms| (Higham, Accuracy and Stability, §4.2), so relative to the sum
-    where its terms do not cancel."""
-    k, u = n - 1, EPS32 / 2
-    return 2 * k * u / (1 - k * u)
 
 
 def reverse_micro(batches, n: int):
