@@ -1,6 +1,6 @@
 """The native reference (verify/_internal/gates/native.py; docs/design/tolerance.md, "The native reference"): what it
 sees and what it does not, pinned on the planted bench; honest trainers it was not tuned to pass; the report says which
-reference ran. The recipes: tests/examples/test_native.py."""
+reference ran. The recipes: tests/examples/test_native_recipes.py."""
 import os
 import sys
 
