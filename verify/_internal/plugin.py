@@ -39,8 +39,9 @@ def _profiles() -> None:
     settings.register_profile("ci", parent=ci, max_examples=100, deadline=None, phases=phases,
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=150)
-    # production sizes on one GPU (verify.gpu_gate --scale): every gate's corners and one drawn case
-    settings.register_profile("scale", parent=settings.get_profile("ci"), max_examples=1)
+    # production sizes on one GPU (verify.gpu_gate --scale): every gate's corners and one drawn case, stopping at the
+    # first failure (a corner of a billion-parameter trainer costs minutes, and each failure kept its runs' memory)
+    settings.register_profile("scale", parent=settings.get_profile("ci"), max_examples=1, report_multiple_bugs=False)
 
 
 def load_profile(s: Settings) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["Gate", "GateFailure", "GateSkipped", "GateResult"]
+__all__ = ["Gate", "GateFailure", "GateSkipped", "GateResult", "bare"]
 
 
 class Gate(StrEnum):
@@ -73,6 +73,14 @@ class GateResult:
 
     def __repr__(self):
         return f"GateResult({self.gate.value!r}, worst={self.worst!r}, ratio={self.ratio:.3g})"
+
+
+def bare(e: BaseException) -> BaseException:
+    """`e` without the frames it was raised through (its traceback, and the exceptions it was raised while handling):
+    a gate's frames hold every run it kept, which a failure kept for a report (hypothesis keeps each failing example's)
+    would hold on to — at a billion parameters, gigabytes of host memory each."""
+    e.__traceback__, e.__context__, e.__cause__, e.__suppress_context__ = None, None, None, True
+    return e
 
 
 def raised_at(e: BaseException) -> str:

@@ -134,6 +134,10 @@ def _checks(adapter, case, plain: bool, dist: bool) -> list:
 
         if overflow_hook(adapter)[0] is not None:
             checks.append((Gate.OVERFLOW, lambda a, c: check_overflow(a, c.replace(precision="fp16"), 0, c.world - 1)))
+    if adapter.native is not None:  # no float64 path: only the gates that judge a native trainer (the gate table's)
+        from verify._internal.gates.table import TABLE
+
+        checks = [(name, check) for name, check in checks if TABLE[name].native]
     metrics = (Gate.REPORTED_METRICS,) if adapter.metrics is not None else ()  # a world's run judges its metrics too
     return [(name, check, DP + metrics if name is Gate.DP_EQUIVALENCE else MESHED + metrics
              if name is Gate.MESH_EQUIVALENCE else (name,)) for name, check in checks]

@@ -271,6 +271,10 @@ def diagnosed(adapter, failure):
     unchanged where the re-runs say nothing or could not run."""
     if adapter is None or not isinstance(failure, GateFailure):
         return failure
+    from verify._internal.cases.strategies import scale_profile
+
+    if scale_profile():  # each re-run is a production-size trainer's whole case, held beside the failure's own runs:
+        return failure  # at 1.1B the host could not (SIGKILL); the hint comes from the failure's numbers alone
     try:
         line, _ = diagnose(adapter, failure)
     except Exception:  # noqa: BLE001  (the verdict stands whatever the diagnosis does)

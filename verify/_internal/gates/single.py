@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from verify._internal.cases.case import TWIN_COPIES, Case, drive, twin
-from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
+from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped, bare
 from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.kappa import block_runs, loss_kappa
 from verify._internal.gates.floor64 import TwinMeter
@@ -126,7 +126,10 @@ def run_alone(name, adapter, case: Case, pool=None) -> GateResult:
     if case.world != 1:
         raise ValueError(f"single-process gates take world-1 cases, got world {case.world}")
     if not adapter.process_group:
-        return _GATES.get(name, name)(adapter, case, case.device)
+        try:
+            return _GATES.get(name, name)(adapter, case, case.device)
+        except GateFailure as e:  # the verdict, not the frames: theirs hold every run the gate kept (host memory)
+            raise bare(e) from None
     from verify._internal.ranks.pool import get_pool
 
     verdict = (pool or get_pool(1)).run(gate_job, name, adapter, case)[0]

@@ -13,7 +13,7 @@ from typing import Callable
 from verify._internal.cases.strategies import GATE_MIN_EXAMPLES, budget, mesh_worlds
 from verify._internal.gates.tolerance import FLOAT64_TEXT, LOSS_MAX_REL, STEP0_TEXT, C
 from verify._internal.gates.worlds import needs_world, world_range
-from verify._internal.verdict import Gate
+from verify._internal.verdict import Gate, GateSkipped
 
 __all__ = ["GateRow", "Draw", "TABLE", "why_not", "check", "gate_budget", "random_budget"]
 
@@ -326,17 +326,26 @@ def why_not(gate: Gate, adapter, settings=None) -> str | None:
     from verify._internal.settings import current
 
     row = TABLE[Gate(gate)]
-    if getattr(adapter, "native", None) is not None and not row.native:
-        return (f"{adapter.name} declares Numerics(native={adapter.native!r}): the {row.gate.value} gate judges "
-                f"against float64 runs, which this trainer has no path for")
-    return row.why_not(adapter, settings or current())
+    return _not_native(adapter, row) or row.why_not(adapter, settings or current())
+
+
+def _not_native(adapter, row: GateRow) -> str | None:
+    """Why a gate that judges against float64 runs does not apply to a trainer without a float64 path."""
+    if getattr(adapter, "native", None) is None or row.native:
+        return None
+    return (f"{adapter.name} declares Numerics(native={adapter.native!r}): the {row.gate.value} gate judges against "
+            f"float64 runs, which this trainer has no path for")
 
 
 def check(gate: Gate, adapter, case, *args):
     """One gate on one case, as the plugin runs it (verify.check): the GateResult of a pass; raises GateFailure
     (the verdict, its numbers and its hint) or GateSkipped (the gate does not apply). `args`: the overflow gate's
     (micro-step, rank), split invariance's (max_world,), mesh split invariance's (world,)."""
-    return TABLE[Gate(gate)].check(adapter, case, *args)
+    row = TABLE[Gate(gate)]
+    reason = _not_native(adapter, row)
+    if reason:
+        raise GateSkipped(reason)
+    return row.check(adapter, case, *args)
 
 
 def gate_budget(gate: Gate, n: int | None = None) -> int:
