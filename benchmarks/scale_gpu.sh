@@ -4,6 +4,7 @@
 #   plan   the 1.1B trainer's memory plan alone
 #   good   python -m verify.gpu_gate --scale on the 1.1B recipe
 #   bug    the same on its per-micro token-mean bug (planted/scale_adapters.py)
+#   gates  the gates alone (TRAINER=..., GATES=<pytest -k expression>, EXTRA=<more pytest arguments>)
 # usage: bash benchmarks/scale_gpu.sh PHASE OUT   (plan: python -m verify.gpu_gate --scale --plan-only, TRAINERS=...)
 set -u
 phase=$1 out=$2
@@ -26,9 +27,10 @@ plan)
   done ;;
 good)
   $py -m verify.gpu_gate --scale --trainer examples.llama_scale:billion --out "$out/good" 2>&1 | tail -8 ;;
-gates)  # the gates step alone, without the plan (what the plan's refusal would have run), measured
-  HYPOTHESIS_PROFILE=scale $py -m benchmarks.gpu_peak "1.1B gates, profile scale" -- $py -m pytest -p no:cacheprovider \
-    -p _xtrain_pytest.entry -q -rs --pyargs verify -k "accumulation_equals_big_batch or accum1_bit_identical or reported_metrics" \
+gates)  # the gates step alone, without the plan, measured; GATES narrows it (-k) so one gate fits one 10-minute call:
+  # the 1.1B recipe's equivalence and bit-exact took ~545 s together (reports/scale/)
+  HYPOTHESIS_PROFILE=scale $py -m benchmarks.gpu_peak "1.1B gates (${GATES:-all three}), profile scale" -- $py -m pytest -p no:cacheprovider \
+    -p _xtrain_pytest.entry -q -rs --pyargs verify -k "${GATES:-accumulation_equals_big_batch or accum1_bit_identical or reported_metrics}" \
     --verify-trainer "${TRAINER:-examples.llama_scale:billion}" --verify-device cuda -p no:xdist ${EXTRA:-} > "$out/gates.log" 2>&1
   tail -4 "$out/gates.log" ;;
 bug)
