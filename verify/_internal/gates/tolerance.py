@@ -42,7 +42,8 @@ FLOAT64_TEXT = f"{C:g}·min(max(eps32, twin), {_F})·max(1, κ)"
 # a native reference's (gates/native.py: Numerics(native=...), no float64 run)
 NATIVE_TEXT = (f"no float64 run: step 0 vs Σ w_m·(the trainer at N=1 on micro-batch m), ≤ {C:g}·max(noise, 2γ_(N−1)) "
                f"+ {_F}·max(1, κ); every loss and the step-0 gradient vs the big batch, ≤ {C:g}·max(noise, "
-               f"eps_native·max(1, κ/√N)) + the same floor; noise: the trainer's own twins in its precision")
+               f"eps_native·max(1, κ/√N)) + the same floor, a loss ≥ {LOSS_MAX_REL:g}; noise: the trainer's own twins "
+               f"in its precision")
 
 
 def _norm(ref) -> float:
