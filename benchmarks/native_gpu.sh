@@ -15,12 +15,14 @@ PYTHONPATH=/tmp/site python3 -m benchmarks.native_gpu fp8 > "$out/fp8.jsonl" 2> 
 for v in 0.8.1 0.8.5; do
   PYTHONPATH="/tmp/liger-$v" python3 -m benchmarks.native_gpu liger "$v" >> "$out/liger.jsonl" 2>> "$out/liger.err"
 done
+# every row to stdout too: a device call returns a limited number of files, and its output's tail always
 python3 - "$out" <<'PY'
 import json, sys, collections
 for f in ("fp8", "liger"):
     c = collections.Counter()
     for line in open(f"{sys.argv[1]}/{f}.jsonl"):
         r = json.loads(line); c[(r["trainer"], r["verdict"])] += 1
+        print(f"{r['trainer']} | {r['case']} | {r['verdict']} | {r['seconds']} s | {r['line'][:160]}")
     for (t, v), n in sorted(c.items()):
         print(f"{t}: {v} ×{n}")
 PY

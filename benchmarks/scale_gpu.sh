@@ -26,7 +26,8 @@ plan)
     $py -m verify.gpu_gate --scale --plan-only --trainer "$t" --out "$out/plan-${t##*:}" 2>&1 | tail -3
   done ;;
 good)
-  $py -m verify.gpu_gate --scale --trainer examples.llama_scale:billion --out "$out/good" 2>&1 | tail -8 ;;
+  $py -m verify.gpu_gate --scale --trainer examples.llama_scale:billion --out "$out/good" > "$out/good.log" 2>&1  # kept if the call is cut
+  tail -8 "$out/good.log" ;;
 gates)  # the gates step alone, without the plan, measured; GATES narrows it (-k) so one gate fits one 10-minute call:
   # the 1.1B recipe's equivalence and bit-exact took ~545 s together (reports/scale/)
   HYPOTHESIS_PROFILE=scale $py -m benchmarks.gpu_peak "1.1B gates (${GATES:-all three}), profile scale" -- $py -m pytest -p no:cacheprovider \
@@ -34,6 +35,7 @@ gates)  # the gates step alone, without the plan, measured; GATES narrows it (-k
     --verify-trainer "${TRAINER:-examples.llama_scale:billion}" --verify-device cuda -p no:xdist ${EXTRA:-} > "$out/gates.log" 2>&1
   tail -4 "$out/gates.log" ;;
 bug)
-  $py -m verify.gpu_gate --scale --trainer planted.scale_adapters:billion --out "$out/bug" 2>&1 | tail -8 ;;
+  $py -m verify.gpu_gate --scale --trainer planted.scale_adapters:billion --out "$out/bug" > "$out/bug.log" 2>&1  # kept if the call is cut
+  tail -8 "$out/bug.log" ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
