@@ -17,7 +17,7 @@ from verify._internal.cases.case import Case, drive, shard, twin
 from verify._internal.gates.clipped import UNJUDGED, unclipped_options
 from verify._internal.gates.floor64 import summation_floor
 from verify._internal.gates.tolerance import (C, EPS32, FLOOR, LOSS_MAX_REL, NATIVE_TEXT, Judge, overall_error,
-                                              whole_norm)
+                                              param_err, param_scale, scale_note, whole_norm)
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
 
 __all__ = ["NATIVE_EPS", "NATIVE_TEXT", "native_equivalence"]
@@ -67,26 +67,20 @@ class NativeJudge(Judge):
 
 
 class _Scale:
-    """What one parameter's gradient error is relative to: its own norm, or the whole gradient's where its own is
-    below `resolution` × the whole's — zero at the run's resolution (a key bias: softmax ignores a shift of every
-    score), its computed value the native precision's rounding (tolerance.param_scale's line, drawn at the native
-    precision's resolution rather than eps32's)."""
+    """tolerance.param_err / param_scale / scale_note against `ref`'s whole gradient, the line between a parameter's
+    own norm and the whole's drawn at `resolution` (this comparison's: the native precision's, not float64's)."""
 
     def __init__(self, ref: dict, resolution: float):
         self.whole, self.resolution = whole_norm(ref), resolution
 
     def __call__(self, g) -> float:
-        n = g.detach().double().norm().item()
-        return (n if n > self.resolution * self.whole else self.whole) or 1.0
+        return param_scale(g, self.whole, resolution=self.resolution) or 1.0
 
     def err(self, x, ref) -> float:
-        if x.shape != ref.shape:
-            return math.inf
-        return (x.detach().double() - ref.detach().double()).norm().item() / self(ref)
+        return param_err(x, ref, self.whole, resolution=self.resolution)
 
     def note(self, g) -> str:
-        n = g.detach().double().norm().item()
-        return "" if n > self.resolution * self.whole else " (zero at the run's resolution: relative to the whole gradient)"
+        return scale_note(g, self.whole, resolution=self.resolution)
 
 
 def _rel(a: float, b: float) -> float:

@@ -50,31 +50,33 @@ def _norm(ref) -> float:
     return ref.detach().double().norm().item() if isinstance(ref, torch.Tensor) else abs(float(ref))
 
 
-def resolved(ref, whole: float, floor: float = EPS32) -> bool:
+def resolved(ref, whole: float, floor: float = EPS32, resolution: float | None = None) -> bool:
     """Whether a parameter's gradient `ref` (a tensor or its norm) is above the whole gradient's resolution:
-    bound64(floor) × `whole`, the most the whole gradient's own float64 comparison may differ by."""
-    return _norm(ref) > bound64(floor) * whole
+    bound64(floor) × `whole`, the most the whole gradient's own float64 comparison may differ by (`resolution`: that
+    multiple given, for a comparison that is not float64's: gates/native.py)."""
+    return _norm(ref) > (bound64(floor) if resolution is None else resolution) * whole
 
 
-def param_scale(ref, whole: float, floor: float = EPS32) -> float:
+def param_scale(ref, whole: float, floor: float = EPS32, resolution: float | None = None) -> float:
     """What one parameter's gradient error is relative to: its own norm where `resolved`, else the whole gradient's:
     a gradient zero in exact arithmetic (a key bias: softmax ignores a shift of all a query's scores) is rounding of
     terms no count of the harness gives, noise over noise relative to itself (docs/design/tolerance.md, "Zero
     gradients"). Every check that judges one parameter's gradient alone divides by it (param_err, condition)."""
-    return _norm(ref) if resolved(ref, whole, floor) else whole
+    return _norm(ref) if resolved(ref, whole, floor, resolution) else whole
 
 
-def scale_note(ref, whole: float, floor: float = EPS32) -> str:
+def scale_note(ref, whole: float, floor: float = EPS32, resolution: float | None = None) -> str:
     """What a message adds where param_scale judges a parameter against the whole gradient."""
-    return "" if resolved(ref, whole, floor) else " (zero at the run's resolution: relative to the whole gradient)"
+    return "" if resolved(ref, whole, floor, resolution) else " (zero at the run's resolution: relative to the whole gradient)"
 
 
-def param_err(x: torch.Tensor, ref: torch.Tensor, whole: float, floor: float = EPS32) -> float:
+def param_err(x: torch.Tensor, ref: torch.Tensor, whole: float, floor: float = EPS32,
+              resolution: float | None = None) -> float:
     """‖x − ref‖ / param_scale(ref, whole, floor), float64 (∞ on a shape mismatch; absolute where the scale is 0)."""
     x, ref = x.detach().double(), ref.detach().double()
     if x.shape != ref.shape:
         return float("inf")
-    d, n = (x - ref).norm().item(), param_scale(ref, whole, floor)
+    d, n = (x - ref).norm().item(), param_scale(ref, whole, floor, resolution)
     return d / n if n > 0 else d
 
 
