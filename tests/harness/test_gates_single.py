@@ -166,3 +166,16 @@ def test_an_undeclared_adapter_draws_the_same_cases_and_no_short_window():
 
     asked = drawn(True)
     assert asked == drawn(False) and not any(c.last_window for c in asked)
+
+
+def test_a_failure_keeps_no_frame_of_the_runs_it_judged():
+    """A kept failure (hypothesis keeps each failing example's; the plugin its verdict) must not hold the gate's
+    frames, whose locals are every run of the case: at 1.1B parameters three such failures SIGKILLed the host."""
+    import traceback
+
+    bug = planted.BY_NAME["missing_1_over_N"]
+    with pytest.raises(GateFailure) as e:
+        check_equivalence(bug.load(), bug.case)
+    frames = [f.name for f in traceback.extract_tb(e.value.__traceback__)]
+    assert "_equivalence" not in frames and "run_alone" in frames, frames
+    assert e.value.__context__ is None and e.value.__cause__ is None
