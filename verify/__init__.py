@@ -31,7 +31,7 @@ def _other_verify() -> None:
 _other_verify()
 __all__ = [
     # the protocol your trainer implements, and how to declare its adapter
-    "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data",
+    "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data", "hf",
     # its declarations, one per concern (docs/verify-your-trainer.md, "Declarations")
     "Batches", "Distributed", "Numerics", "MemoryModel", "Metrics", "Objective", "Parity", "Threshold",
     # what a sync mode may communicate: expected collectives, a mode's exact counts, a mesh's axes
@@ -72,7 +72,7 @@ _WHERE = {
 
 
 def __getattr__(name: str):
-    if name in ("data", "mesh"):  # mesh: the deprecated path of device_mesh and Mesh (it warns)
+    if name in ("data", "hf", "mesh"):  # mesh: the deprecated path of device_mesh and Mesh (it warns)
         return importlib.import_module(f".{name}", __name__)
     where = _WHERE.get(name)
     if where is None:

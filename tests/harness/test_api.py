@@ -9,7 +9,7 @@ import pytest
 import verify
 
 PUBLIC = {
-    "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data", "Metrics", "Objective", "Parity",
+    "Trainer", "Spec", "Adapter", "adapter", "AdapterError", "data", "hf", "Metrics", "Objective", "Parity",
     "Batches", "Distributed", "Numerics", "MemoryModel", "Threshold",
     "Expected", "DDP_EXPECTED", "DDP_WORLD1_EXPECTED", "CountRow", "Windows", "Mesh", "device_mesh",
     "Pull", "PullError", "check", "Case", "Gate", "GateFailure", "GateSkipped", "Settings",

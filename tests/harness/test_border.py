@@ -40,7 +40,7 @@ LAYERS = [
                       "verify._internal.ranks.comm", "verify._internal.ranks.mesh", "verify.mesh"]),
     # running a case: cases and strategies, the pull driver, rank pools, the GPU lock
     ("harness runtime", ["verify._internal.cases", "verify._internal.cases.*", "verify._internal.ranks.*",
-                         "verify._internal.gpulock"]),
+                         "verify._internal.gpulock", "verify.hf"]),
     ("gates", ["verify._internal.gates", "verify._internal.gates.*"]),
     # the run report prints each gate's bound in words from the tolerance policy's constants
     ("report", ["verify._internal.report", "verify._internal.report_merge", "verify._internal.prove"]),
