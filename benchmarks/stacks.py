@@ -140,6 +140,11 @@ def explain(f: dict, known=()) -> str | None:
                 "that depends on how TRL's shuffle spreads the tokens over the micro-steps (and ranks); the normaliser "
                 "gate names the class: at one row per micro-batch the loss is the mean of the micro-batches' own token "
                 "means")
+    if PACKED_PAIRS in known and f["gate"] in loss_gates:
+        return ("each micro-batch's DPO loss is the mean over its own packed pairs, then ÷ N: a micro-batch of 1 pair "
+                "gives that pair the weight of a micro-batch of 3 (1/2 against 1/6 each, where the window's pair mean "
+                "gives each 1/4); the normaliser gate names it: the windows' losses weighted by their pairs do not "
+                "add up to the union's")
     if CHUNK_MEANS in known and f["gate"] in loss_gates:
         return ("the case's options put the chunk below a micro-batch's tokens (the declared threshold's corner): the "
                 "accumulation's micro-batches and the big batch span different numbers of chunks, so their summed "
