@@ -80,6 +80,10 @@ MUON_PER_MICRO = ("Muon under ZeRO-3 applies Newton–Schulz inside the reduce h
 CHUNK_MEANS = ("ChunkedCrossEntropy(reduction='mean') adds its chunks' means: once a micro-batch is longer than the chunk "
                "the loss is up to chunks× its mean (NeMo Automodel #3803; the loss was rewritten in 0.7.0)")
 NEMO = "examples.nemo_chunked_loss:factory"
+# ms-swift: its DPOTrainer on packed preference pairs (examples/swift_dpo.py)
+SWIFT = "examples.swift_dpo:factory"
+PACKED_PAIRS = ("packed DPO averages each micro-batch's pairs, then divides by gradient_accumulation_steps: micro-batches "
+                "packing different numbers of pairs weigh their pairs unequally (ms-swift PR #10144, fixed in 4.6.0)")
 BOUNDARY_LEFT_OUT = ("BF16_Optimizer (bf16, grad_accum_dtype fp32, ZeRO-1) adds the boundary micro-batch to the "
                      "rank-local fp32 buffer after the all-reduce: it is left out of the average (PR #7985, 0.19.0)")
 
@@ -103,6 +107,9 @@ STACKS = {s.key: s for s in [
     # mlflow, GPU kernels) are its trainer's, which the recipe does not run
     Stack("nemo_automodel", "NeMo Automodel", "nemo-automodel", (NEMO,), ("nemo-automodel",),
           known=(Known((0, 0, 0), (0, 7, 0), CHUNK_MEANS, NEMO),), default_pins=("transformers",), no_deps=True),
+    # the release brings its own transformers, TRL, accelerate and datasets (4.5.3: transformers < 5.17)
+    Stack("swift", "ms-swift", "ms-swift", (SWIFT,), ("ms-swift", "transformers", "trl"),
+          known=(Known((0, 0, 0), (4, 6, 0), PACKED_PAIRS, SWIFT),)),
     Stack("accelerate", "Accelerate", "accelerate", ("examples.accelerate_accumulate:factory",), ("accelerate",)),
     Stack("lightning", "Lightning", "lightning",
           ("examples.lightning_trainer:factory", "examples.fabric_no_backward_sync:factory"), ("lightning",)),
@@ -133,6 +140,11 @@ def explain(f: dict, known=()) -> str | None:
                 "that depends on how TRL's shuffle spreads the tokens over the micro-steps (and ranks); the normaliser "
                 "gate names the class: at one row per micro-batch the loss is the mean of the micro-batches' own token "
                 "means")
+    if PACKED_PAIRS in known and f["gate"] in loss_gates:
+        return ("each micro-batch's DPO loss is the mean over its own packed pairs, then ÷ N: a micro-batch of 1 pair "
+                "gives that pair the weight of a micro-batch of 3 (1/2 against 1/6 each, where the window's pair mean "
+                "gives each 1/4); the normaliser gate names it: the windows' losses weighted by their pairs do not "
+                "add up to the union's")
     if CHUNK_MEANS in known and f["gate"] in loss_gates:
         return ("the case's options put the chunk below a micro-batch's tokens (the declared threshold's corner): the "
                 "accumulation's micro-batches and the big batch span different numbers of chunks, so their summed "

@@ -46,3 +46,30 @@ correct = verify.adapter(data=DATA)(_factory)
 times_n = verify.adapter(data=DATA)(lambda spec: _factory(spec, scale=1))  # the 1/N missing, clipping ON
 fails = verify.adapter(data=DATA)(lambda spec: _factory(spec, fail_at=1))
 long_window = verify.adapter(data=DATA)(lambda spec: _factory(spec, n=spec.accum_steps + 1, timeout=5))
+
+
+def _as_dict(x, y):
+    return {"x": x, "y": y}
+
+
+def rebuilt_loop(model, loader, n):
+    """A loop that moves each batch as ms-swift's to_device does, type(batch)({k: ...}), then pops from a copy
+    of it (swift's concatenated_forward): a copy is the taken batch, never a second take."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    it = iter(loader)
+    while True:
+        window = [next(it) for _ in range(n)]
+        for b in window:
+            b = type(b)({k: v.to("cpu") for k, v in b.items()}).copy()
+            F.mse_loss(model(b.pop("x")), b.pop("y")).div(n).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _rebuilt(spec):
+    model, pull = _model(spec), verify.Pull(spec, batch=_as_dict)
+    loader = torch.utils.data.DataLoader(pull.dataset, batch_size=1, collate_fn=pull.collate)
+    return pull.start(lambda: rebuilt_loop(model, loader, spec.accum_steps), model)
+
+
+rebuilt = verify.adapter(data=DATA)(_rebuilt)

@@ -32,7 +32,8 @@ def owned(spec) -> dict:
     return dict(output_dir=tempfile.gettempdir(), gradient_accumulation_steps=spec.accum_steps,
                 per_device_train_batch_size=1, max_steps=MAX_STEPS, use_cpu=spec.device == "cpu", report_to="none",
                 save_strategy="no", logging_strategy="steps", logging_steps=1, disable_tqdm=True,
-                dataloader_pin_memory=False, dataloader_num_workers=0, bf16=False, fp16=False)
+                dataloader_pin_memory=False, dataloader_num_workers=0, dataloader_prefetch_factor=None,
+                dataloader_persistent_workers=False, bf16=False, fp16=False)
 
 
 
@@ -124,6 +125,8 @@ def _stand_in(data, rows):
     else a list."""
     x, y = data(1, 0)
     first = [rows(x[0], y[0])]
+    if not isinstance(first[0], dict):  # a packed row (ms-swift's packing yields a list of samples)
+        return first
     try:
         import datasets
     except ImportError:
@@ -135,8 +138,9 @@ def _quiet(run) -> None:
     """Logs stay in log_history; the gates build hundreds of trainers, none of which should print."""
     from transformers import PrinterCallback, ProgressCallback
 
-    for cb in (PrinterCallback, ProgressCallback):
-        run.remove_callback(cb)
+    for cb in list(run.callback_handler.callbacks):  # a subclass's own printer (ms-swift's) too
+        if isinstance(cb, (PrinterCallback, ProgressCallback)):
+            run.remove_callback(cb)
 
 
 def _Logs():

@@ -42,6 +42,14 @@ def test_a_prefetching_loop_with_clipping_passes_the_gates(case):
     assert _pull_threads() == []  # each dropped Pull stopped its thread
 
 
+def test_a_batch_rebuilt_from_its_items_and_copied_is_the_batch_taken():
+    # ms-swift moves a batch as type(batch)({k: ...}) and its DPO forward edits batch.copy(): both are the batch
+    # already taken from the harness, not a second micro-batch
+    r = check_equivalence(pull_loops.rebuilt, Case(accum_steps=3, micro_batch=2, steps=2, seed=2, data_seed=3))
+    assert r.ratio < 1
+    assert _pull_threads() == []
+
+
 def test_grads_are_read_before_clipping_so_times_N_is_rejected():
     case = Case(accum_steps=4, micro_batch=2, steps=1)
     spec = case.spec()

@@ -120,8 +120,11 @@ class _Channel:
 class _Lazy(Mapping):
     """One micro-batch, taken from the harness at its first use (FIFO with the other lazy batches)."""
 
-    def __init__(self, channel: _Channel):
-        self._ch, self._batch = channel, None
+    def __init__(self, channel):
+        if isinstance(channel, Mapping):  # rebuilt as type(batch)({k: ...}) (swift's to_device): a taken batch
+            self._ch, self._batch = None, dict(channel)
+        else:
+            self._ch, self._batch = channel, None
 
     def _get(self):
         if self._batch is None:
@@ -137,6 +140,9 @@ class _Lazy(Mapping):
 
     def __getitem__(self, key):
         return self._get()[key]
+
+    def copy(self):  # dict's: a loop that edits its copy of the batch (swift's concatenated_forward)
+        return dict(self._get())
 
     def __iter__(self):
         return iter(self._get())
