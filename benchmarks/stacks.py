@@ -82,6 +82,14 @@ CHUNK_MEANS = ("ChunkedCrossEntropy(reduction='mean') adds its chunks' means: on
 NEMO = "examples.nemo_chunked_loss:factory"
 BOUNDARY_LEFT_OUT = ("BF16_Optimizer (bf16, grad_accum_dtype fp32, ZeRO-1) adds the boundary micro-batch to the "
                      "rank-local fp32 buffer after the all-reduce: it is left out of the average (PR #7985, 0.19.0)")
+# verl: its legacy PPO actor (examples/verl_actor.py), DataParallelPPOActor.update_policy, one recipe per loss_agg_mode
+VERL = "examples.verl_actor:"
+VERL_TOKEN_MEAN = ("the legacy actor never fills config.global_batch_info, so agg_loss's token-mean divides each "
+                   "micro-batch by its own valid tokens (and each rank by its own), then by the micro-batches: "
+                   "verl #5625, #7321 (PR #5877 closed; 0.8.0 dropped the actor for its engine, which fills it)")
+VERL_SEQ_MEAN = ("the legacy actor never fills config.global_batch_info, so agg_loss's sequence means divide each "
+                 "micro-batch by its own non-empty sequences (those without a response token are left out since "
+                 "0.6), then by the micro-batches: wrong once a window holds an empty completion (#7321's fallback)")
 
 STACKS = {s.key: s for s in [
     Stack("", "transformers", "transformers", (HF,), ("transformers", "accelerate"), probe_metrics=True,
@@ -103,6 +111,11 @@ STACKS = {s.key: s for s in [
     # mlflow, GPU kernels) are its trainer's, which the recipe does not run
     Stack("nemo_automodel", "NeMo Automodel", "nemo-automodel", (NEMO,), ("nemo-automodel",),
           known=(Known((0, 0, 0), (0, 7, 0), CHUNK_MEANS, NEMO),), default_pins=("transformers",), no_deps=True),
+    Stack("verl", "verl", "verl", tuple(VERL + m for m in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                                                           "seq_mean_token_sum_norm")), ("verl", "transformers"),
+          known=(Known((0, 0, 0), (0, 8, 0), VERL_TOKEN_MEAN, VERL + "token_mean"),
+                 *(Known((0, 6, 0), (0, 8, 0), VERL_SEQ_MEAN, VERL + m)
+                   for m in ("seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")))),
     Stack("accelerate", "Accelerate", "accelerate", ("examples.accelerate_accumulate:factory",), ("accelerate",)),
     Stack("lightning", "Lightning", "lightning",
           ("examples.lightning_trainer:factory", "examples.fabric_no_backward_sync:factory"), ("lightning",)),
@@ -137,6 +150,10 @@ def explain(f: dict, known=()) -> str | None:
         return ("the case's options put the chunk below a micro-batch's tokens (the declared threshold's corner): the "
                 "accumulation's micro-batches and the big batch span different numbers of chunks, so their summed "
                 "chunk means differ by that count")
+    if (VERL_TOKEN_MEAN in known or VERL_SEQ_MEAN in known) and f["gate"] in loss_gates:
+        return ("on padded windows each micro-batch is normalised by its own count (valid tokens, or non-empty "
+                "sequences) and the micro-batches averaged with loss_scale_factor = 1/N: the big batch's one count "
+                "differs as soon as the micro-batches' counts do; unpadded windows pass")
     if MUON_PER_MICRO in known and f["gate"] in loss_gates:
         return ("the boundary gradient grads() reads is already Newton–Schulz-orthogonalised, per micro-batch: "
                 "N micro-steps give N orthogonalisations of partial gradients where the big batch gives one")
