@@ -151,9 +151,10 @@ def explain(f: dict, known=()) -> str | None:
                 "accumulation's micro-batches and the big batch span different numbers of chunks, so their summed "
                 "chunk means differ by that count")
     if (VERL_TOKEN_MEAN in known or VERL_SEQ_MEAN in known) and f["gate"] in loss_gates:
-        return ("on padded windows each micro-batch is normalised by its own count (valid tokens, or non-empty "
-                "sequences) and the micro-batches averaged with loss_scale_factor = 1/N: the big batch's one count "
-                "differs as soon as the micro-batches' counts do; unpadded windows pass")
+        return ("each micro-batch is normalised by its own count (valid tokens, or non-empty sequences) and the "
+                "micro-batches averaged with loss_scale_factor = 1/N: wrong as soon as their counts differ, and a "
+                "micro-batch without a response token is 0/0 = NaN, after which verl's _optimizer_step skips the "
+                "whole mini-batch (grad_norm not finite); equal micro-batches pass at worlds 1 and 2")
     if MUON_PER_MICRO in known and f["gate"] in loss_gates:
         return ("the boundary gradient grads() reads is already Newton–Schulz-orthogonalised, per micro-batch: "
                 "N micro-steps give N orthogonalisations of partial gradients where the big batch gives one")
