@@ -86,6 +86,14 @@ PACKED_PAIRS = ("packed DPO averages each micro-batch's pairs, then divides by g
                 "packing different numbers of pairs weigh their pairs unequally (ms-swift PR #10144, fixed in 4.6.0)")
 BOUNDARY_LEFT_OUT = ("BF16_Optimizer (bf16, grad_accum_dtype fp32, ZeRO-1) adds the boundary micro-batch to the "
                      "rank-local fp32 buffer after the all-reduce: it is left out of the average (PR #7985, 0.19.0)")
+# verl: its legacy PPO actor (examples/verl_actor.py), DataParallelPPOActor.update_policy, one recipe per loss_agg_mode
+VERL = "examples.verl_actor:"
+VERL_TOKEN_MEAN = ("the legacy actor never fills config.global_batch_info, so agg_loss's token-mean divides each "
+                   "micro-batch by its own valid tokens (and each rank by its own), then by the micro-batches: "
+                   "verl #5625, #7321 (PR #5877 closed; 0.8.0 dropped the actor for its engine, which fills it)")
+VERL_SEQ_MEAN = ("the legacy actor never fills config.global_batch_info, so agg_loss's sequence means divide each "
+                 "micro-batch by its own non-empty sequences (those without a response token are left out since "
+                 "0.6), then by the micro-batches: wrong once a window holds an empty completion (#7321's fallback)")
 
 STACKS = {s.key: s for s in [
     Stack("", "transformers", "transformers", (HF,), ("transformers", "accelerate"), probe_metrics=True,
@@ -110,6 +118,11 @@ STACKS = {s.key: s for s in [
     # the release brings its own transformers, TRL, accelerate and datasets (4.5.3: transformers < 5.17)
     Stack("swift", "ms-swift", "ms-swift", (SWIFT,), ("ms-swift", "transformers", "trl"),
           known=(Known((0, 0, 0), (4, 6, 0), PACKED_PAIRS, SWIFT),)),
+    Stack("verl", "verl", "verl", tuple(VERL + m for m in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                                                           "seq_mean_token_sum_norm")), ("verl", "transformers"),
+          known=(Known((0, 0, 0), (0, 8, 0), VERL_TOKEN_MEAN, VERL + "token_mean"),
+                 *(Known((0, 6, 0), (0, 8, 0), VERL_SEQ_MEAN, VERL + m)
+                   for m in ("seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")))),
     Stack("accelerate", "Accelerate", "accelerate", ("examples.accelerate_accumulate:factory",), ("accelerate",)),
     Stack("lightning", "Lightning", "lightning",
           ("examples.lightning_trainer:factory", "examples.fabric_no_backward_sync:factory"), ("lightning",)),
@@ -149,6 +162,11 @@ def explain(f: dict, known=()) -> str | None:
         return ("the case's options put the chunk below a micro-batch's tokens (the declared threshold's corner): the "
                 "accumulation's micro-batches and the big batch span different numbers of chunks, so their summed "
                 "chunk means differ by that count")
+    if (VERL_TOKEN_MEAN in known or VERL_SEQ_MEAN in known) and f["gate"] in loss_gates:
+        return ("each micro-batch is normalised by its own count (valid tokens, or non-empty sequences) and the "
+                "micro-batches averaged with loss_scale_factor = 1/N: wrong as soon as their counts differ, and a "
+                "micro-batch without a response token is 0/0 = NaN, after which verl's _optimizer_step skips the "
+                "whole mini-batch (grad_norm not finite); equal micro-batches pass at worlds 1 and 2")
     if MUON_PER_MICRO in known and f["gate"] in loss_gates:
         return ("the boundary gradient grads() reads is already Newton–Schulz-orthogonalised, per micro-batch: "
                 "N micro-steps give N orthogonalisations of partial gradients where the big batch gives one")
