@@ -103,6 +103,9 @@ STACKS = {s.key: s for s in [
     # mlflow, GPU kernels) are its trainer's, which the recipe does not run
     Stack("nemo_automodel", "NeMo Automodel", "nemo-automodel", (NEMO,), ("nemo-automodel",),
           known=(Known((0, 0, 0), (0, 7, 0), CHUNK_MEANS, NEMO),), default_pins=("transformers",), no_deps=True),
+    # torchtitan 0.3.0 imports triton at import time; its train step on the CPU: examples/torchtitan_train.py
+    Stack("torchtitan", "torchtitan", "torchtitan", ("examples.torchtitan_train:factory",), ("torchtitan",),
+          default_pins=("triton",)),
     Stack("accelerate", "Accelerate", "accelerate", ("examples.accelerate_accumulate:factory",), ("accelerate",)),
     Stack("lightning", "Lightning", "lightning",
           ("examples.lightning_trainer:factory", "examples.fabric_no_backward_sync:factory"), ("lightning",)),

@@ -65,7 +65,7 @@ def _end_to_end(name):
 
 
 RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents", "moe_aux", "trl_grpo",
-                             "deepspeed_zero", "token_mean_lm", "llama_scale", "nemo_chunked_loss"]
+                             "deepspeed_zero", "token_mean_lm", "llama_scale", "nemo_chunked_loss", "torchtitan_train"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
