@@ -123,6 +123,9 @@ STACKS = {s.key: s for s in [
           known=(Known((0, 0, 0), (0, 8, 0), VERL_TOKEN_MEAN, VERL + "token_mean"),
                  *(Known((0, 6, 0), (0, 8, 0), VERL_SEQ_MEAN, VERL + m)
                    for m in ("seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")))),
+    # torchtitan 0.3.0 imports triton at import time; its train step on the CPU: examples/torchtitan_train.py
+    Stack("torchtitan", "torchtitan", "torchtitan", ("examples.torchtitan_train:factory",), ("torchtitan",),
+          default_pins=("triton",)),
     Stack("accelerate", "Accelerate", "accelerate", ("examples.accelerate_accumulate:factory",), ("accelerate",)),
     Stack("lightning", "Lightning", "lightning",
           ("examples.lightning_trainer:factory", "examples.fabric_no_backward_sync:factory"), ("lightning",)),

@@ -1,0 +1,28 @@
+"""torchtitan's own train step (examples/torchtitan_train.py) through the harness: the big batch at world 1, and
+FSDP2 over dp = 2 with its count row (it reduce-scatters every micro-step by design) and the one-rank big batch."""
+import pytest
+
+import verify
+from verify import Case, Gate
+
+# torchtitan 0.3.0 brings ~60 packages (datasets, wandb, tensorboard) and imports triton (286 MB): its own extra
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (the [torchtitan] extra)")
+pytest.importorskip("triton", reason="torchtitan 0.3.0 imports triton (the [torchtitan] extra)")
+pytestmark = pytest.mark.distributed  # a process group even at world 1: a one-rank pool
+
+
+def _case(world):
+    return Case(accum_steps=3, micro_batch=2, steps=2, world=world, seed=1, data_seed=2)
+
+
+def test_torchtitan_train_step_is_the_big_batch_at_world_1():
+    from examples.torchtitan_train import factory
+
+    assert verify.check(Gate.EQUIVALENCE, factory, _case(1)).ratio < 1
+
+
+@pytest.mark.slow
+def test_torchtitan_fsdp2_over_two_ranks_meets_its_count_row_and_the_big_batch():
+    from examples.torchtitan_train import factory
+
+    assert verify.check(Gate.DP_EQUIVALENCE, factory, _case(2)).ratio < 1
