@@ -1,6 +1,6 @@
-"""The release matrix: the recipes of each major stack (transformers, TRL, DeepSpeed, Accelerate, Lightning) on a
-few releases each, every release a known accumulation bug was reported on among them (benchmarks/stacks.py says
-which, and what each bug's verdict means). One row per (release, recipe): passes, or rejected with each failing
+"""The release matrix: the recipes of each stack (transformers, TRL, DeepSpeed, Accelerate, Lightning, NeMo Automodel,
+ms-swift, verl, torchtitan) on a few releases each, every release a known accumulation bug was reported on among
+them (benchmarks/stacks.py says which, and what each bug's verdict means). One row per (release, recipe): passes, or rejected with each failing
 gate and its shrunk (minimal) case, with the time.
 
     python -m benchmarks.frameworks [--versions 4.45.2,...,trl-0.21.0,deepspeed-0.18.8,...] [--out reports/frameworks]
@@ -37,9 +37,9 @@ from _xtrain_cli import Parser, UsageError, fail, positive_int, writable_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xtrain-verify", "frameworks")
-DEFAULT = ("4.45.2,4.46.3,4.50.0,5.5.3,current,trl-0.21.0,trl-current,deepspeed-0.18.8,deepspeed-0.19.5,"
+DEFAULT = ("4.45.2,4.46.3,4.50.0,5.5.3,5.9.0,current,trl-0.21.0,trl-current,deepspeed-0.18.8,deepspeed-0.19.5,"
            "deepspeed-current,accelerate-1.0.1,accelerate-current,lightning-2.4.0,lightning-current,"
-           "nemo_automodel-0.6.0,nemo_automodel-current")
+           "nemo_automodel-0.6.0,nemo_automodel-current,swift-4.5.3,swift-current,verl-0.7.1,torchtitan-current")
 
 
 def _versions(text: str) -> list[str]:

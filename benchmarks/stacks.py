@@ -14,7 +14,7 @@ from verify import Gate
 
 TORCH = "torch==2.13.0"  # pinned like the README's install: the local CPU wheel, never a multi-GB CUDA build
 TOOLS = ["pytest>=8", "hypothesis>=6.100"]
-HF, TRL = "examples.hf_trainer:factory", "examples.trl_grpo:factory"
+HF, TRL, SFT = "examples.hf_trainer:factory", "examples.trl_grpo:factory", "examples.trl_sft:factory"
 DEEPSPEED_BF16 = "examples.deepspeed_zero:bf16_zero1"
 DEEPSPEED_MUON = "examples.deepspeed_zero:muon_zero3"
 
@@ -70,6 +70,9 @@ PER_RANK = ("under DDP each rank's loss divided by its own valid-target count (a
             "by default; True from 4.54, #39395)")
 TWICE_OVER_N = ("accelerate's backward divides the loss by N a second time: the gradient and the logged grad_norm "
                 "1/N (#45305, fixed in 5.5.4 by #45349)")
+OVERCOUNT = ("num_items_in_batch counts every label, position 0 of each row included, while the causal-LM loss shifts it "
+             "away: each window's token mean is divided by its valid targets + its rows (#46204, fixed in 5.10.1; every "
+             "release from 4.46 has it, the matrix runs TRL's SFT recipe on it from 5.9.0, with TRL 1.16)")
 # TRL: its GRPO loss (examples/trl_grpo.py) on the harness's fixed rollouts
 LOCAL_BNPO = ("the token-level loss ('bnpo') divided by each micro-batch's own completion tokens on each rank, then by "
               "gradient_accumulation_steps: 'exact only with gas=1 and num GPUs=1' (trl PR #3938, 'dapo' from 0.22)")
@@ -96,13 +99,14 @@ VERL_SEQ_MEAN = ("the legacy actor never fills config.global_batch_info, so agg_
                  "0.6), then by the micro-batches: wrong once a window holds an empty completion (#7321's fallback)")
 
 STACKS = {s.key: s for s in [
-    Stack("", "transformers", "transformers", (HF,), ("transformers", "accelerate"), probe_metrics=True,
+    Stack("", "transformers", "transformers", (HF, SFT), ("transformers", "accelerate", "trl"), probe_metrics=True,
           known=(Known((0, 0, 0), (4, 50, 0), PER_MICRO, HF), Known((4, 46, 0), (4, 48, 0), NOT_OVER_N, HF),
                  Known((0, 0, 0), (4, 51, 0), NEXT_LR, HF), Known((0, 0, 0), (4, 54, 0), PER_RANK, HF),
-                 Known((5, 2, 0), (5, 5, 4), TWICE_OVER_N, HF)),
+                 Known((5, 2, 0), (5, 5, 4), TWICE_OVER_N, HF), Known((5, 9, 0), (5, 10, 1), OVERCOUNT, SFT)),
           # accelerate of each release's time for the old ones (their Trainer predates accelerate's later changes)
           extra_pins={"4.45.2": ["accelerate==1.0.1"], "4.46.3": ["accelerate==1.1.1"], "4.50.0": ["accelerate==1.5.2"],
-                      "5.5.3": ["accelerate==1.13.0"]}, default_pins=("accelerate",)),
+                      "5.5.3": ["accelerate==1.13.0"], "5.9.0": ["accelerate", "trl==1.16.0"]},
+          default_pins=("accelerate", "trl")),
     Stack("trl", "TRL", "trl", (TRL, "examples.trl_grpo:grpo", "examples.trl_grpo:dr_grpo"),
           ("trl", "transformers", "accelerate"), known=(Known((0, 0, 0), (0, 22, 0), LOCAL_BNPO, TRL),),
           extra_pins={"0.21.0": ["transformers==4.55.4", "accelerate==1.15.0"]},
@@ -161,6 +165,10 @@ def explain(f: dict, known=()) -> str | None:
                 "gives that pair the weight of a micro-batch of 3 (1/2 against 1/6 each, where the window's pair mean "
                 "gives each 1/4); the normaliser gate names it: the windows' losses weighted by their pairs do not "
                 "add up to the union's")
+    if OVERCOUNT in known and f["gate"] in loss_gates:
+        return ("rows without a valid target still add one to the count (their position 0), so the window's loss is "
+                "Σ / (valid targets + rows): the normaliser's padding check names it; every split counts the same rows, "
+                "so equivalence passes")
     if CHUNK_MEANS in known and f["gate"] in loss_gates:
         return ("the case's options put the chunk below a micro-batch's tokens (the declared threshold's corner): the "
                 "accumulation's micro-batches and the big batch span different numbers of chunks, so their summed "

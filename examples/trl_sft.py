@@ -33,12 +33,13 @@ def tokenizer():
 
 
 def row(x, y):
-    """A tokenized example as SFT data holds it, cut after its last valid target (the harness right-pads the targets
-    with -100; a causal model's earlier outputs never see what follows): input_ids and the labels (the model
-    shifts them). TRL's collator pads the micro-batch's rows to the longest."""
+    """A tokenized example as SFT data holds it: labels = input_ids, with the targets the harness masks as -100
+    (position 0 keeps its token: the model shifts it away, a count must too), cut after the last valid target (a
+    causal model's earlier outputs never see what follows). TRL's collator pads the micro-batch's rows."""
     labels = verify.data.shifted_labels(y)
-    valid = (labels != -100).nonzero()
-    end = int(valid[-1]) + 1 if len(valid) else 1
+    labels[0] = x[0]
+    valid = (labels[1:] != -100).nonzero()
+    end = int(valid[-1]) + 2 if len(valid) else 1
     return {"input_ids": x[:end].tolist(), "labels": labels[:end].tolist()}
 
 
