@@ -1,7 +1,7 @@
 """The release matrix: the recipes of each stack (transformers, TRL, DeepSpeed, Accelerate, Lightning, NeMo Automodel,
 ms-swift, verl, torchtitan) on a few releases each, every release a known accumulation bug was reported on among
-them (benchmarks/stacks.py says which, and what each bug's verdict means). One row per (release, recipe): passes, or rejected with each failing
-gate and its shrunk (minimal) case, with the time.
+them (benchmarks/stacks.py says which, and what each bug's verdict means). One row per (release, recipe): passes,
+or rejected with each failing gate and its shrunk (minimal) case, with the time.
 
     python -m benchmarks.frameworks [--versions 4.45.2,...,trl-0.21.0,deepspeed-0.18.8,...] [--out reports/frameworks]
                                     [--cache DIR] [--profile dev|ci] [--max-world 2] [--timeout SECONDS]
