@@ -69,8 +69,9 @@ def venv(version: str, cache: str, log) -> tuple[str, dict, float]:
         _run([py, "-m", "pip", "install", "-q", *[p for p in stack.pins(release) if p not in own], "-e", ROOT], log)
         if own:  # the release itself, without its dependencies (Stack.no_deps)
             _run([py, "-m", "pip", "install", "-q", "--no-deps", *own], log)
-        probe = ("import json, importlib.metadata as m; print(json.dumps({d: m.version(d) for d in "
-                 f"{['torch', *stack.shown]!r}}}))")
+        # a shown distribution a release's pins leave out (TRL beside transformers 4.45, for its SFT recipe) is absent
+        probe = ("import json, importlib.metadata as m\nout = {}\nfor d in " + repr(['torch', *stack.shown]) + ":\n"
+                 "    try: out[d] = m.version(d)\n    except m.PackageNotFoundError: pass\nprint(json.dumps(out))")
         installed = json.loads(_run([py, "-c", probe], log))
         with open(stamp, "w") as f:
             json.dump(dict(pins=want, installed=installed), f)
