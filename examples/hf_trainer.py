@@ -27,5 +27,7 @@ def gpt2(spec):
 # registers its attention mask (bool) and masked_bias (float) as buffers. Declared; later releases have none.
 BUFFERS = verify.Expected("broadcast", count=2, why="DDP's buffer broadcast at every forward (GPT-2 < 4.46)")
 
-factory = verify.hf.trainer(Trainer, model=gpt2, args=TrainingArguments(output_dir="out", learning_rate=1e-3),
-                            data=verify.data.causal_lm(vocab=VOCAB, seq_len=SEQ), expected=(BUFFERS,))
+ARGS = TrainingArguments(output_dir="out", learning_rate=1e-3)  # max_grad_norm stays its default, 1.0: clipping on
+DATA = verify.data.causal_lm(vocab=VOCAB, seq_len=SEQ)
+
+factory = verify.hf.trainer(Trainer, model=gpt2, args=ARGS, data=DATA, expected=(BUFFERS,))

@@ -4,6 +4,7 @@ from unittest import mock
 
 import examples.hf_trainer as hf
 import examples.lightning_trainer as lt
+import verify
 
 
 class _PerMicroBatchMean(hf.Trainer):
@@ -13,11 +14,6 @@ class _PerMicroBatchMean(hf.Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.model_accepts_loss_kwargs = False
-
-
-def _hf_per_micro_batch_mean(spec):
-    with mock.patch.object(hf, "Trainer", _PerMicroBatchMean):
-        return hf.factory.factory(spec)
 
 
 class _OverNTwice(lt.Regressor):
@@ -30,5 +26,6 @@ def _lightning_over_n_twice(spec):
         return lt.factory.factory(spec)
 
 
-hf_per_micro_batch_mean = hf.factory.replace(factory=_hf_per_micro_batch_mean)
+hf_per_micro_batch_mean = verify.hf.trainer(_PerMicroBatchMean, model=hf.gpt2, args=hf.ARGS, data=hf.DATA,
+                                            expected=(hf.BUFFERS,))
 lightning_over_n_twice = lt.factory.replace(factory=_lightning_over_n_twice)

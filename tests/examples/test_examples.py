@@ -46,7 +46,7 @@ def _metrics_judged(name, gates):
     clipping active on some step."""
     if name not in METRICS:
         return
-    declared = importlib.import_module(f"examples.{name}").METRICS.names
+    declared = importlib.import_module(f"examples.{name}").factory.metrics.names
     got = gates["reported metrics"]
     assert set(got["checked"]) == {*declared, "clip (applied)"} and got["clipped_steps"] > 0, got
 
