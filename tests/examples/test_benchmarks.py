@@ -147,15 +147,16 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
                "the scheduler's step (the next step's)) (the big batch, step 0); case N=2 B=2 K=2 seed=1 data_seed=2")
     probes = {"4.45.2": {"grad_norm": "passes", "lr": next_lr}, "current": {"grad_norm": "passes", "lr": "passes"}}
     monkeypatch.setattr(fw, "run_probe", lambda py, log: probes[py])
-    selftests = []  # a passing row's self-test: only the current release's (the rejected one has nothing to mutate)
+    selftests = []  # a passing row's self-test: the current release's two recipes (the rejected one: nothing to mutate)
     st = {"current": dict(exit_code=0, ok=True, score="23/23", seconds=30.0)}
     monkeypatch.setattr(fw, "run_selftest", lambda py, d, **k: selftests.append(py) or st[py])
     out = tmp_path / "out"
     assert fw.main(["--out", str(out), "--versions", "4.45.2,current", "--cache", str(tmp_path / "cache")]) == 0
-    assert selftests == ["current"]
+    assert selftests == ["current", "current"]  # the HF recipe's and TRL's SFT recipe's rows
     doc = json.loads((out / "frameworks.json").read_text())
     assert doc["kind"] == "frameworks" and doc["schema_version"] == verify.report_header("frameworks")["schema_version"]
-    old, new = doc["versions"]
+    old, new, sft = doc["versions"]
+    assert (new["recipe"], sft["recipe"]) == (stacks.HF, stacks.SFT) and sft["verdict"] == "passes"
     assert (old["verdict"], old["expected"], new["verdict"], new["expected"]) == ("rejected", "rejected", "passes", "passes")
     assert old["failures"][0]["gate"] == "split invariance" and old["failures"][0]["case"].endswith("lengths=[8, 7]")
     md = (out / "frameworks.md").read_text()
@@ -172,6 +173,8 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     assert bugs("4.50.0") == [stacks.NEXT_LR, stacks.PER_RANK] and bugs("4.54.0") == []
     assert bugs("4.46.3") == [stacks.PER_MICRO, stacks.NOT_OVER_N, stacks.NEXT_LR, stacks.PER_RANK]
     assert bugs("5.5.3") == [stacks.TWICE_OVER_N] and bugs("5.5.4") == [] == bugs("5.1")
+    assert bugs("5.9.0") == [stacks.OVERCOUNT] and bugs("5.10.1") == []  # #46204: TRL's SFT recipe alone
+    assert [r for r, _ in tf.rows("5.9.0")] == [stacks.SFT]
     st["current"] = dict(exit_code=1, ok=False, score="22/23", seconds=30.0)  # a passing row whose operator survives
     assert fw.main(["--out", str(out), "--versions", "current", "--cache", str(tmp_path / "cache")]) == 1
     assert "| passes | passes ✗ (not as expected) | 22/23 ✗ (30.0 s) |" in (out / "frameworks.md").read_text()
