@@ -106,8 +106,9 @@ def build(spec):
                 m.set_force_sum_reduction_for_comms(True)
     model.to_empty(device=t.device)
     # As torchtitan's seed checkpoint: the full model initialised in one piece, then loaded into the shards. (Sharded
-    # init_weights draws each shard from the same CPU generator: DTensor's RNG tracker is CUDA's.)
-    with torch.device("meta"), utils.set_default_dtype(spec.dtype):
+    # init_weights draws each shard from the same CPU generator: DTensor's RNG tracker is CUDA's.) Drawn in float32
+    # for every dtype, then cast: float64 draws are other numbers, and the reference must start from the same weights
+    with torch.device("meta"), utils.set_default_dtype(torch.float32):
         whole = t.model_config.build()
     whole.to_empty(device=t.device)
     torch.manual_seed(spec.seed)

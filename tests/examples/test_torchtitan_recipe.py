@@ -3,7 +3,7 @@ FSDP2 over dp = 2 with its count row (it reduce-scatters every micro-step by des
 import pytest
 
 import verify
-from verify import Case, Gate
+from verify import Case, Gate, GateFailure
 
 # torchtitan 0.3.0 brings ~60 packages (datasets, wandb, tensorboard) and imports triton (286 MB): its own extra
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (the [torchtitan] extra)")
@@ -19,6 +19,15 @@ def test_torchtitan_train_step_is_the_big_batch_at_world_1():
     from examples.torchtitan_train import factory
 
     assert verify.check(Gate.EQUIVALENCE, factory, _case(1)).ratio < 1
+
+
+def test_a_boundary_gradient_times_n_is_rejected():
+    """The recipe's float64 reference starts from its float32 weights (drawn in float32, then cast): before, the
+    float64 draws were other numbers, the big-batch error was O(1), and this bug passed at error / bound 0.28."""
+    from planted.torchtitan_bugs import grads_times_n
+
+    with pytest.raises(GateFailure, match=r"\[equivalence\] gradient \(step 0\) .*accumulation error 2\.000e\+00"):
+        verify.check(Gate.EQUIVALENCE, grads_times_n, _case(1))
 
 
 @pytest.mark.slow
