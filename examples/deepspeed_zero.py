@@ -70,6 +70,10 @@ class Trainer:
             # through _set_dtype dropping the dtype it is given). ZeRO-2 keeps ZeRO-3's arithmetic (fp32 master
             # weights and gradient partitions, a reduction every micro-step) and its traffic fits ZeRO-3's row.
             options = Options(stage=2)
+        if self.MUON and spec.dtype == torch.float64:
+            # Muon's float64 reference: the math, at stage 0 (Muon in the optimizer's step, on the window's gradient);
+            # ZeRO-1/2 orthogonalise in their flat partition, so grads() there reads the update, not the gradient
+            options = Options(stage=0)
         if self.BF16 and spec.precision != "bf16":
             # the bf16 adapter's fp32 / float64 runs are its references: the math, run at stage 0 (each stage's own
             # fp32 path is factory's to prove; ZeRO-1/2's cannot step on the CPU accelerator in 0.18.6-0.18.9)
@@ -206,7 +210,13 @@ def muon_counts(case):
     return verify.CountRow(mode=row.mode + " Muon", before=row.before, boundary=boundary)
 
 
+def muon_counts64(case):
+    """Muon's float64 reference runs at stage 0 (Trainer): stage 0's row."""
+    return counts(case.replace(options=Options(stage=0)))
+
+
 # DeepSpeed's Muon under ZeRO-3 (its Newton–Schulz belongs on the window's gradient, once per step: #8443)
 muon_zero3 = verify.adapter(data=verify.data.regression(features=FEATURES), options=st.just(Options(stage=3)),
                             defaults=Options(stage=3),
-                            distributed=verify.Distributed(process_group=True, counts=muon_counts))(MuonTrainer)
+                            distributed=verify.Distributed(process_group=True, counts=muon_counts,
+                                                                     counts64=muon_counts64))(MuonTrainer)

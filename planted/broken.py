@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.nn.functional as F
 
+from xtrain_core.model import GPT
 from xtrain_core.trainer import AccumTrainer
 
 from xtrain_proof import adapters as xtrain
@@ -95,6 +97,25 @@ scheduler_step_every_micro = _adapter(SchedulerEveryMicro)
 n1_different_reduction = _adapter(N1OtherReduction)
 writes_into_targets = _adapter(WritesIntoTargets)
 scaled_by_one = _adapter(N1ScaledByOne)
+
+
+def make_drawn_in_spec_dtype(spec):
+    """The model drawn in Spec.dtype (built under that default dtype, as `Model(dtype=...)` builds one): the float64
+    reference starts from other numbers than the float32 runs, so every bound measured against it is O(1) — and the
+    1/N scale is missing (MissingScale), which that bound admitted (torchtitan's recipe before 5d79fc6)."""
+    o = xtrain.options_of(spec)
+    before = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        torch.set_default_dtype(spec.dtype)
+        try:
+            model = GPT(o.model)
+        finally:
+            torch.set_default_dtype(before)
+    return MissingScale(model.to(spec.device), o.optim, spec.accum_steps, **xtrain.numerics(spec))
+
+
+drawn_in_spec_dtype = missing_1_over_N.replace(factory=make_drawn_in_spec_dtype, name="broken: drawn in Spec.dtype, ×N")
 # Which gate must reject each, and on what case: planted.py (scaled_by_one is a control: it must pass).
 
 

@@ -307,6 +307,31 @@ bucket_view_ignores_head_bias = _adapter(
 router_drops_stale_expert = _adapter(
     RouterDropsStaleExpert, find_unused_row, (), "broken: router drops an expert's accumulated gradient")
 
+
+
+class ReferenceSyncsEveryMicro(BucketView):
+    """Its float64 reference syncs every micro-step (no no_sync), its float32 runs only at the boundary: a framework
+    whose float64 path takes another mode (DeepSpeed runs float64 at another ZeRO stage), declared with that run's
+    own row (Distributed.counts64: reference_every_micro_row); undeclared, the float64 run breaks bucket_view's row."""
+
+    def sync(self, micro):
+        return contextlib.nullcontext() if self.model.head.weight.dtype == torch.float64 else super().sync(micro)
+
+
+def reference_every_micro_row(case) -> CountRow:
+    return CountRow("every micro-step", before={"all_reduce": 1}, boundary={"all_reduce": 2}, elements=(P_MLP, P_MLP + 1))
+
+
+# the rebuild follows the first synchronised backward: micro-step 0 of step 1 at the boundary mode, of step 0's
+# micro-step 1 in the every-micro-step reference
+REFERENCE_EXPECTED = DDP_EXPECTED + (Expected("broadcast", count=2, dtype="integer", step=0, micro=1,
+                                              why="DDP's bucket rebuild after the reference's first synced backward"),)
+reference_syncs_every_micro = Adapter(
+    factory=ReferenceSyncsEveryMicro, data=DATA, process_group=True, expected=REFERENCE_EXPECTED, counts=bucket_view_row,
+    counts64=reference_every_micro_row, name="DDP bucket_view, its float64 reference synced every micro-step")
+reference_row_undeclared = reference_syncs_every_micro.replace(
+    counts64=None, name="broken: the float64 reference's mode undeclared (bucket_view's row)")
+
 # Which gate must reject each, and what its message must say (the row): planted.py.
 
 

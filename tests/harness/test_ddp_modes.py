@@ -66,6 +66,21 @@ def test_every_mode_declares_its_row():
         assert row.before == {} and row.elements[0] == row.elements[1], row
 
 
+@needs_2
+@settings(max_examples=budget(10, 2), deadline=None)
+@given(data=st.data())
+def test_a_float64_reference_in_another_mode_is_judged_by_its_own_row(data):
+    """Distributed.counts64: the float64 reference syncs every micro-step (a framework's float64 path in another
+    mode), the float32 runs only at the boundary; each run is judged by its own row (undeclared: ROW_BUGS)."""
+    adapter = ddp_modes.reference_syncs_every_micro
+    case = data.draw(dist_cases(adapter, **WORLDS, min_accum=2, max_accum=4, max_steps=2))
+    steps = check_distributed(adapter, case).extra["comm"].steps
+    for (rank, dt), ss in steps.items():  # micro-steps 0..N-2: one bucket all-reduce each in float64, none in float32
+        per_micro = {len([c for c in m if c.op == "all_reduce"]) for s in ss for m in s.micro}
+        assert per_micro == ({1} if dt == "torch.float64" else {0}), (rank, dt, per_micro, case)
+        assert [s.boundary_elements for s in ss] == [P_MLP + 1] * case.steps, (rank, dt, case)
+
+
 # -- planted bugs ---------------------------------------------------------------------------------
 
 ROW_BUGS = [b.name for b in planted.of_gate("boundary-only", module="ddp_modes")]  # each message names its row
@@ -87,6 +102,8 @@ def test_rejects_broken(name, data):
     assert re.search(pattern, msg), msg  # names the count table row
     if name.endswith("backward_only"):
         assert "micro-step 0 of" in msg and "before the boundary" in msg and "all_reduce float32" in msg, msg
+    elif name == "reference_row_undeclared":  # the float32 runs meet bucket_view's row; the float64 run does not
+        assert "all_reduce float64" in msg, msg
     elif name == "bucket_view_ignores_head_bias":  # the counts match: the element bound alone rejects it
         assert f"the reductions carry {P_MLP} floating elements" in msg and f"expects {P_MLP + 1}..{P_MLP + 1}" in msg, msg
     else:

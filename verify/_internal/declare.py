@@ -73,7 +73,8 @@ class Distributed:
     `process_group`: it needs a group even alone (DDP), implying data_parallel; `subgroups`: it honours
     Spec.group; `uneven`: it normalises by the GLOBAL count, so ranks may hold unequal rows; `expected`: the
     collectives it may issue before the boundary; `counts`: case -> verify.CountRow, a sync mode's exact
-    collectives ({axis: CountRow} on a mesh); `scheduler_per_rank`: its LR scheduler steps once per rank per
+    collectives ({axis: CountRow} on a mesh); `counts64`: the float64 reference's row, where that run takes
+    another mode (a stage the framework can run in float64; default: counts at fp32); `scheduler_per_rank`: its LR scheduler steps once per rank per
     optimizer step (Spec.schedule_world); `mesh_axes`, `mesh_sizes`: the axes beyond dp and the sizes it shards to."""
 
     data_parallel: bool = False
@@ -82,6 +83,7 @@ class Distributed:
     uneven: bool = False
     expected: tuple[Expected, ...] = ()
     counts: Callable | None = None
+    counts64: Callable | None = None
     scheduler_per_rank: bool = False
     mesh_axes: tuple[str, ...] = ()
     mesh_sizes: dict | None = None
@@ -93,7 +95,7 @@ class Distributed:
         if any(not isinstance(e, Expected) for e in expected):
             raise AdapterError(f"Distributed.expected must hold verify.Expected(op, ...) entries, got {self.expected!r}")
         object.__setattr__(self, "expected", expected)
-        callables(self, counts="(case -> verify.CountRow)")
+        callables(self, counts="(case -> verify.CountRow)", counts64="(case -> verify.CountRow)")
         object.__setattr__(self, "mesh_axes", _axes(self.mesh_axes, AdapterError))
         object.__setattr__(self, "mesh_sizes", _sizes(self.mesh_sizes, self.mesh_axes, AdapterError))
         if self.process_group:

@@ -112,14 +112,15 @@ class CountRow:
         return [c for c in cs if c.floating and family(c.op) in self.carriers]
 
 
-def declared_row(adapter, case):
+def declared_row(adapter, case, reference: bool = False):
     """adapter.counts(case), checked: a data-parallel case (case.mesh None) gets a CountRow, a mesh case a dict
     axis -> CountRow (or coords -> CountRow, checked per rank by mesh_counts); None without a declaration.
     Anything else is an AdapterError naming what came back (a duck-typed row fails here, not as an
-    AttributeError deep in the counter)."""
-    if adapter.counts is None:
+    AttributeError deep in the counter). `reference`: the float64 run's row (adapter.counts64 where declared)."""
+    counts = adapter.counts64 if reference and adapter.counts64 is not None else adapter.counts
+    if counts is None:
         return None
-    row = adapter.counts(case)
+    row = counts(case)
     if case.mesh is None:
         return as_row(row, f"{adapter.name}: counts(case) for a data-parallel case (case.mesh is None)")
     if not isinstance(row, dict):

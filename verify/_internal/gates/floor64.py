@@ -17,7 +17,7 @@ from verify._internal.cases.case import TWIN_COPIES
 from verify._internal.verdict import GateFailure
 
 __all__ = ["EPS32", "C", "FLOOR", "rel_err", "whole_norm", "overall_error", "twin_diff", "twin_floor", "measured_floor",
-           "bound64", "judged", "Float64Checks", "TwinMeter", "summation_floor"]
+           "bound64", "judged", "Float64Checks", "TwinMeter", "summation_floor", "start_print", "same_start"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 C = 8.0
@@ -54,6 +54,39 @@ def overall_error(got: dict, ref: dict) -> float:
         d += (got[k].detach().double() - r).pow(2).sum().item()
         n += r.pow(2).sum().item()
     return math.sqrt(d) / math.sqrt(n) if n > 0 else math.sqrt(d)
+
+
+def start_print(params: dict) -> dict:
+    """name -> (Σp, Σ|p|, dtype) of a trainer's parameters before its first step, summed in float64 where they live
+    (no host copy of a billion weights): what same_start compares."""
+    out = {}
+    with torch.no_grad():
+        for k, p in params.items():
+            p = p.full_tensor() if callable(getattr(p, "full_tensor", None)) else p
+            if isinstance(p, torch.Tensor) and p.is_floating_point():
+                out[k] = (float(p.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(p, 1, dtype=torch.float64)),
+                          p.dtype)
+    return out
+
+
+def same_start(low: dict, ref: dict, what: str) -> str | None:
+    """Why the float64 run `ref` does not start from the weights of the lower-precision run `low` (start_print of
+    each), or None. Rounding each float64 weight to the low run's dtype moves it by at most eps/2 of itself, so
+    both sums move by at most eps/2 · Σ|p|; the bound allows eps · Σ|p| (the sums' own float64 rounding is far
+    below). Weights drawn again in float64 differ by about √n·σ where this allows ~n·σ·eps: caught."""
+    for k, (s, a, dtype) in low.items():
+        if k not in ref:
+            continue
+        s64, a64, _ = ref[k]
+        bound = torch.finfo(dtype).eps * a64
+        d = max(abs(s64 - s), abs(a64 - a))
+        if not d <= bound:  # NaN included
+            return (f"the float64 run ({what}) does not start from the {str(dtype).removeprefix('torch.')} run's weights: "
+                    f"{k!r} sums to {s64:.10g} (Σ|p| {a64:.10g}) there and {s:.10g} (Σ|p| {a:.10g}) here, {d:.3g} "
+                    f"apart where rounding moves it by at most {bound:.3g}, so every bound measured against it is "
+                    f"another model's. Draw the weights in float32 (or load them) and cast to Spec.dtype: a module "
+                    f"built with dtype=float64 draws other numbers from the same seed")
+    return None
 
 
 def twin_floor(measured: float = 0.0) -> float:

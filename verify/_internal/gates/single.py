@@ -16,7 +16,7 @@ from verify._internal.cases.case import TWIN_COPIES, Case, drive, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped, bare
 from verify._internal.gates.diagnose import by_term, determinism
 from verify._internal.gates.kappa import block_runs, loss_kappa
-from verify._internal.gates.floor64 import TwinMeter
+from verify._internal.gates.floor64 import TwinMeter, same_start, start_print
 from verify._internal.gates.tolerance import Judge, conditions, twin_floor
 
 __all__ = ["check_equivalence", "check_bit_exact", "run_alone", "GateResult", "GateSkipped"]
@@ -35,19 +35,31 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     f64, runs64 = torch.float64, {} if runs64 is None else runs64
     # The host keeps the float64 pair's parameters after every step; the fp32 runs are read for their losses and
     # step-0 gradients only, a twin as it runs (scaleplan.KEPT_BYTES_PER_PARAMETER counts what stays)
-    run = lambda n, dtype, data=batches, keep=None: drive(  # noqa: E731
-        adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter)), data, n, dtype=dtype,
-        device=device, gate=gate, last=case.last_window if n == N else None,  # the big batch: one step per window
-        keep_params=dtype == f64 if keep is None else keep)
+    starts = {}  # what each run of this call, and each kept float64 run, starts from (floor64.start_print)
+
+    def run(n, dtype, data=batches, keep=None, start=None):
+        trainer = adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter))
+        if start is not None:
+            start[n] = start_print(trainer.params())
+        return drive(trainer, data, n, dtype=dtype, device=device, gate=gate,
+                     last=case.last_window if n == N else None,  # the big batch: one step per window
+                     keep_params=dtype == f64 if keep is None else keep)
 
     def kept(n):
         if ("rows", n) not in runs64:
-            runs64["rows", n] = run(n, f64)
+            runs64["rows", n] = run(n, f64, start=runs64.setdefault("starts", {}))
         return runs64["rows", n]
 
-    acc, big = run(N, torch.float32), run(1, torch.float32)
+    acc, big = run(N, torch.float32, start=starts), run(1, torch.float32, start=starts)
     runs64[case.precision, N], runs64[case.precision, 1] = acc, big  # the long window's order check reads them
     acc64, ref64 = kept(N), kept(1)
+    # a reference from other weights bounds nothing; two float32 builds that differ already are unseeded (the
+    # failure's re-run names that: gates/evidence.py)
+    seeded = same_start(starts[1], starts[N], "") is None
+    for n, what in ((1, "the big batch"), (N, f"accum_steps={N}")):
+        why = same_start(starts[1], runs64["starts"][n], what) if seeded and n in runs64.get("starts", {}) else None
+        if why:
+            raise GateFailure(f"[{gate}] {why}; case {case}", gate=gate, case=case)
     def measure(i: int) -> float:  # a twin is read once, as it runs, for its floor: kept is the number, not the run
         if ("floor", i) not in runs64:
             meter = TwinMeter(ref64)
