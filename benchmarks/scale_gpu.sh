@@ -31,7 +31,7 @@ good)
   tail -8 "$out/good.log" ;;
 gates)  # the gates step alone, without the plan, measured; GATES narrows it (-k) so one gate fits one 10-minute call:
   # the 1.1B recipe's equivalence and bit-exact took ~545 s together (reports/scale/)
-  HYPOTHESIS_PROFILE=scale $py -m benchmarks.gpu_peak "1.1B gates (${GATES:-all three}), profile scale" -- $py -m pytest -p no:cacheprovider \
+  HYPOTHESIS_PROFILE=scale XTRAIN_TEST_THREADS=$(( $(nproc) < 16 ? $(nproc) : 16 )) $py -m benchmarks.gpu_peak "1.1B gates (${GATES:-all three}), profile scale" -- $py -m pytest -p no:cacheprovider \
     -p _xtrain_pytest.entry -q -rs --pyargs verify -k "${GATES:-accumulation_equals_big_batch or accum1_bit_identical or reported_metrics}" \
     --verify-trainer "${TRAINER:-examples.llama_scale:billion}" --verify-device cuda -p no:xdist ${EXTRA:-} > "$out/gates.log" 2>&1
   tail -4 "$out/gates.log" ;;

@@ -18,7 +18,7 @@ import time
 
 from verify._internal.cli import Parser, UsageError, fail, plugin_args, positive_int, writable_dir
 
-from verify._internal.settings import Settings, SettingError, child_environ, env_of, install
+from verify._internal.settings import Settings, SettingError, child_environ, env_of, install, usable_cores
 
 STEP_TIMEOUT = {"plan": 300, "gates": 900, "memory": 600, "nccl": 1200, "launched": 1800}  # seconds
 SCALE_GATES = "accumulation_equals_big_batch or accum1_bit_identical or reported_metrics"  # verify/test_gates.py
@@ -53,8 +53,9 @@ def plan(gpus: int, out: str, args, launch: dict | None = None, extra=None) -> l
     trainer = getattr(args, "trainer", None)
     pytest += ["--verify-trainer", trainer] if trainer else []
     env = {env_of("hypothesis_profile"): args.profile}
-    if getattr(args, "scale", False):
-        return scale_plan(out, args, pytest, {env_of("hypothesis_profile"): "scale"})
+    if getattr(args, "scale", False):  # the float64 comparisons of a billion parameters run on the host: its cores
+        threads = str(min(usable_cores(), 16))  # (one trainer at a time on the GPU: no rank competes for them)
+        return scale_plan(out, args, pytest, {env_of("hypothesis_profile"): "scale", env_of("threads"): threads})
     steps = [("gates", [*pytest, "--pyargs", "verify", "-m", "not distributed", "--verify-device", "cuda", "-n", "4",
                         "--verify-report", os.path.join(out, "gates"), "--junitxml", os.path.join(out, "gates.xml")], env)]
     if not args.no_memory and not trainer:  # the probe's own default: the configured default trainer
