@@ -179,3 +179,31 @@ def test_noise_is_resolved_against_the_first_window_with_a_gradient():
     assert all(not g.any() for g in ref.grads0.values()) and ref.first is not None and ref.resolving is ref.first
     assert "k.bias" in judged(ref.first, ref.first) and "k.bias" not in judged(ref.grads0, ref.grads0)
     assert check_equivalence(t169, case).ratio < 1
+
+
+# -- the reference starts where the runs start (tolerance.md, "The reference starts where the runs start") --------
+
+def test_a_start_rounded_to_the_runs_resolution_is_the_same_start_and_a_redraw_is_not():
+    from verify._internal.gates.floor64 import same_start, start_print
+
+    torch.manual_seed(0)
+    w64 = torch.randn(256, 300, dtype=torch.float64)  # a big weight: its sums alone would admit a bf16-scale redraw
+    ref = start_print({"w": w64})
+    assert same_start(start_print({"w": w64.float()}), ref, "big") is None
+    bf16 = {"w": w64.to(torch.bfloat16).float()}  # a framework that casts its model keeps masters of rounded weights
+    assert same_start(start_print(bf16), ref, "big", torch.bfloat16) is None
+    why = same_start(start_print(bf16), ref, "the big batch")  # at fp32's resolution: another start
+    assert why.startswith("the float64 run (the big batch) does not start from the float32 run's weights: 'w'"), why
+    redraw = start_print({"w": torch.randn(256, 300)})
+    for cast in (None, torch.bfloat16):
+        assert "element 0 is" in same_start(redraw, ref, "big", cast)
+
+
+def test_a_start_print_is_a_copy_not_a_view_of_the_live_weights():
+    from verify._internal.gates.floor64 import same_start, start_print
+
+    w = torch.randn(8, 8, dtype=torch.float64)
+    start, before = w.clone(), start_print({"w": w})
+    w.add_(1.0)  # the run trains after its start is read: what was read stays the start
+    assert same_start(start_print({"w": start.float()}), before, "big") is None
+    assert same_start(start_print({"w": w.float()}), before, "big") is not None

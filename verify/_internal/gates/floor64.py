@@ -57,35 +57,43 @@ def overall_error(got: dict, ref: dict) -> float:
 
 
 def start_print(params: dict) -> dict:
-    """name -> (Σp, Σ|p|, dtype) of a trainer's parameters before its first step, summed in float64 where they live
-    (no host copy of a billion weights): what same_start compares."""
+    """name -> (Σp, Σ|p|, the first HEAD elements, dtype) of a trainer's parameters before its first step, in
+    float64, summed where they live (no host copy of a billion weights): what same_start compares."""
     out = {}
     with torch.no_grad():
         for k, p in params.items():
             p = p.full_tensor() if callable(getattr(p, "full_tensor", None)) else p
             if isinstance(p, torch.Tensor) and p.is_floating_point():
                 out[k] = (float(p.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(p, 1, dtype=torch.float64)),
-                          p.dtype)
+                          p.detach().reshape(-1)[:HEAD].to("cpu", torch.float64, copy=True), p.dtype)
     return out
 
 
-def same_start(low: dict, ref: dict, what: str) -> str | None:
+HEAD = 64  # elements compared one by one: a redraw moves each by ~σ, where a coarse run's sums would admit it
+
+
+def same_start(low: dict, ref: dict, what: str, autocast=None) -> str | None:
     """Why the float64 run `ref` does not start from the weights of the lower-precision run `low` (start_print of
-    each), or None. Rounding each float64 weight to the low run's dtype moves it by at most eps/2 of itself, so
-    both sums move by at most eps/2 · Σ|p|; the bound allows eps · Σ|p| (the sums' own float64 rounding is far
-    below). Weights drawn again in float64 differ by about √n·σ where this allows ~n·σ·eps: caught."""
-    for k, (s, a, dtype) in low.items():
+    each), or None. Rounding a float64 weight to the low run's resolution (its parameter's dtype, or `autocast`'s
+    where a framework casts the model: DeepSpeed's bf16 engine keeps fp32 masters of bf16-rounded weights) moves it
+    by at most eps/2 of itself: each of the first HEAD elements agrees within eps·|p|, and both sums within
+    eps·Σ|p| (the sums' own float64 rounding is far below). A redraw moves each element by ~σ: caught."""
+    for k, (s, a, head, dtype) in low.items():
         if k not in ref:
             continue
-        s64, a64, _ = ref[k]
-        bound = torch.finfo(dtype).eps * a64
-        d = max(abs(s64 - s), abs(a64 - a))
-        if not d <= bound:  # NaN included
-            return (f"the float64 run ({what}) does not start from the {str(dtype).removeprefix('torch.')} run's weights: "
-                    f"{k!r} sums to {s64:.10g} (Σ|p| {a64:.10g}) there and {s:.10g} (Σ|p| {a:.10g}) here, {d:.3g} "
-                    f"apart where rounding moves it by at most {bound:.3g}, so every bound measured against it is "
-                    f"another model's. Draw the weights in float32 (or load them) and cast to Spec.dtype: a module "
-                    f"built with dtype=float64 draws other numbers from the same seed")
+        s64, a64, head64, _ = ref[k]
+        eps = max(torch.finfo(dtype).eps, torch.finfo(autocast).eps if autocast is not None else 0.0)
+        d, bound = max(abs(s64 - s), abs(a64 - a)), eps * a64
+        far = (head64 - head).abs() > eps * head64.abs()
+        if not d <= bound or bool(far.any()) or head.shape != head64.shape:  # NaN included
+            i = int(far.nonzero()[0]) if bool(far.any()) else None
+            where = (f"element {i} is {float(head64[i]):.10g} there and {float(head[i]):.10g} here" if i is not None
+                     else f"it sums to {s64:.10g} (Σ|p| {a64:.10g}) there and {s:.10g} (Σ|p| {a:.10g}) here, {d:.3g} "
+                          f"apart where rounding moves it by at most {bound:.3g}")
+            return (f"the float64 run ({what}) does not start from the {str(dtype).removeprefix('torch.')} run's "
+                    f"weights: {k!r}: {where}, so every bound measured against it is another model's. Draw the "
+                    f"weights in float32 (or load them) and cast to Spec.dtype: a module built with dtype=float64 "
+                    f"draws other numbers from the same seed")
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from verify._internal.precision import AUTOCAST
 from verify._internal.cases.case import TWIN_COPIES, Case, drive, twin
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped, bare
 from verify._internal.gates.diagnose import by_term, determinism
@@ -55,9 +56,10 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     acc64, ref64 = kept(N), kept(1)
     # a reference from other weights bounds nothing; two float32 builds that differ already are unseeded (the
     # failure's re-run names that: gates/evidence.py)
-    seeded = same_start(starts[1], starts[N], "") is None
+    cast = AUTOCAST.get(case.precision)  # a framework may cast the model to it: the run's weights rounded there
+    seeded = same_start(starts[1], starts[N], "", cast) is None
     for n, what in ((1, "the big batch"), (N, f"accum_steps={N}")):
-        why = same_start(starts[1], runs64["starts"][n], what) if seeded and n in runs64.get("starts", {}) else None
+        why = same_start(starts[1], runs64["starts"][n], what, cast) if seeded and n in runs64.get("starts", {}) else None
         if why:
             raise GateFailure(f"[{gate}] {why}; case {case}", gate=gate, case=case)
     def measure(i: int) -> float:  # a twin is read once, as it runs, for its floor: kept is the number, not the run
