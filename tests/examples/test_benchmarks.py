@@ -235,3 +235,19 @@ def test_fp8_twins_without_torchao_is_one_line_exit_2(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert e.value.code == 2 and err == "benchmarks.fp8_twins: error: torchao is not installed: pip install torchao\n"
     assert not list(tmp_path.iterdir())
+
+
+def test_start_zoo_finds_no_false_alarm_and_names_a_redraw(tmp_path, monkeypatch):
+    """benchmarks.start_zoo: the zoo's first trainers start alike in float32 and float64 (exit 0, the report
+    written); a population whose trainer draws in Spec.dtype is named (exit 1)."""
+    from benchmarks import start_zoo
+    from benchmarks.zoo import population
+    from planted import broken
+
+    out = tmp_path / "start-zoo.json"
+    assert start_zoo.main(["--seeds", "0:4", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["trainers"] >= 1 and doc["false_alarms"] == 0, doc
+    monkeypatch.setattr(population, "t0", broken.drawn_in_spec_dtype, raising=False)
+    assert start_zoo.main(["--seeds", "0:1", "--out", str(out)]) == 1
+    assert "does not start from the float32 run's weights" in json.loads(out.read_text())["rows"][0]["false_alarms"][0]
