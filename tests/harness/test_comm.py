@@ -3,7 +3,7 @@ the harness's windows, classify DDP's non-gradient traffic, and refuse to underc
 import pytest
 
 from verify._internal.ranks.comm import Collective, Windows, _parse
-from tests.helpers.dist_jobs import overflow_recorder, probe_counter, recorder_reads_clean
+from tests.helpers.dist_jobs import overflow_recorder, probe_counter, recorder_reads_clean, windows_drained_per_step
 from verify._internal.gates.worlds import max_world
 from verify._internal.ranks.pool import get_pool
 
@@ -38,6 +38,12 @@ def test_ring_overflow_is_an_error_not_an_undercount():
     msg = pool.run(overflow_recorder, 600)[0]  # ring of 512 entries
     assert "overflowed" in msg and "TORCH_FR_BUFFER_SIZE" in msg, msg
     assert pool.run(recorder_reads_clean) == [1]  # and the next read is whole again
+
+
+def test_a_run_longer_than_the_ring_is_read_step_by_step():
+    """torchtitan's FSDP2 at N=5, K=3 issued more collectives in one run than the 512-entry ring holds: Windows
+    with a recorder reads it at each step's end ("after"), so the ring need hold one step."""
+    assert get_pool(1).run(windows_drained_per_step, 300, 3)[0] == [300, 300, 300]
 
 
 def test_windows_attribute_by_creation_time():

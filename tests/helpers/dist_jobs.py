@@ -161,3 +161,19 @@ def world1_job(ctx, case):
     finally:
         torch.use_deterministic_algorithms(deterministic)
     return got, want, n_collectives
+
+
+def windows_drained_per_step(ctx, per_step: int, steps: int) -> list[int]:
+    """`steps` steps of `per_step` collectives each, marked as drive marks them: more in the run than the ring holds,
+    fewer in a step. Returns the collectives attributed to each step's micro-step window."""
+    from verify._internal.ranks.comm import Windows
+
+    ctx.recorder.discard()
+    win, t = Windows(ctx.recorder), torch.ones(1, device=ctx.device)
+    for k in range(steps):
+        win.mark(("micro", k, 0))
+        for _ in range(per_step):
+            dist.all_reduce(t)
+        win.mark(("after", k))
+    got = win.attribute(win.collected())
+    return [len(got[("micro", k, 0)]) for k in range(steps)]

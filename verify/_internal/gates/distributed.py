@@ -66,14 +66,14 @@ def rank_job(ctx, adapter, case: Case, *, dtypes=DTYPES, gate=Gate.DP_EQUIVALENC
     out = RankOutcome(ctx.rank, {})
     for dtype in dtypes:
         ctx.recorder.discard()  # forget anything before this run (a reference job may have filled the ring)
-        win = Windows()
+        win = Windows(ctx.recorder)
         win.mark(("init",))
         trainer = adapter(case.spec(dtype=dtype, device=str(ctx.device), adapter=adapter, group=ctx.group, rank=rank))
         trace = drive(trainer, batches, case.micro_steps(rank), dtype=dtype, device=ctx.device, rank=rank,
                       world=world, windows=win, gate=gate, observe=observer(adapter) if dtype == F64_DTYPE else None,
                       rank_rows=case.rank_rows)
         del trainer
-        comms = win.attribute(ctx.recorder.read())
+        comms = win.attribute(win.collected())
         out.runs[str(dtype)] = RankRun(trace, comms, ctx.recorder.main_thread,
                                        sum(p.numel() for p in trace.params[-1].values()) if trace.params else 0,
                                        group_links())

@@ -286,11 +286,20 @@ class Windows:
     """Harness-controlled time marks; `attribute` assigns each entry to the window it was created in. A
     framework-owned loop (verify.Pull) marks again from its own thread, reusing the harness's labels."""
 
-    def __init__(self):
+    def __init__(self, recorder: Recorder | None = None):
         self.marks: list[tuple[int, object]] = []
+        self.recorder, self.seen = recorder, []
 
     def mark(self, label) -> None:
         self.marks.append((time.time_ns(), label))
+        if self.recorder is not None and isinstance(label, tuple) and label[:1] == ("after",):
+            # a step's end (drive): the ring is read here, so it need hold one step's collectives, not a run's
+            # (torchtitan's FSDP2 at N=5, K=3: ~180 a step, a run past the 512-entry ring)
+            self.seen += self.recorder.read()
+
+    def collected(self) -> list[Collective]:
+        """Every entry since the run began: those read at each step's end, then the rest."""
+        return self.seen + (self.recorder.read() if self.recorder is not None else [])
 
     def attribute(self, entries: list[Collective]) -> dict:
         """label -> [Collective]; entries before the first mark go to None."""
