@@ -14,8 +14,7 @@ import time
 import torch
 
 import verify
-from verify._internal.gates.floor64 import same_start, start_print
-from verify._internal.precision import AUTOCAST
+from verify.study import AUTOCAST, same_start, start_print
 
 
 def honest(seed: int) -> dict | None:

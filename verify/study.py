@@ -10,16 +10,19 @@ from dataclasses import dataclass
 
 from verify._internal.cases.corners import mesh_padding
 from verify._internal.gates.distributed import F32, _split, check_distributed, run_distributed
+from verify._internal.gates.floor64 import same_start, start_print
 from verify._internal.gates.mesh_counts import axis_of
 from verify._internal.gates.table import TABLE
 from verify._internal.gates.tolerance import C, EPS32, Judge
+from verify._internal.precision import AUTOCAST
 from verify._internal.ranks.comm import _TORCH_NAME, Recorder, enable as count_collectives, family
 from verify._internal.ranks.pool import RankPool, close_all as close_pools, get_pool as pool
 from verify._internal.settings import current as current_settings, install, using
 from verify._internal.verdict import Gate
 
 __all__ = ["RankPool", "pool", "close_pools", "install", "using", "current_settings", "strategy", "mesh_padding", "check_distributed", "count_collectives",
-           "Recorder", "rank_runs", "Boundary", "boundary", "FLOAT64_BOUND", "float64_deviations"]
+           "Recorder", "rank_runs", "Boundary", "boundary", "FLOAT64_BOUND", "float64_deviations",
+           "start_print", "same_start", "AUTOCAST"]  # the equivalence gate's start check (benchmarks/start_zoo.py)
 
 FLOAT64_BOUND = C * EPS32  # what the float64 checks judge at: what an fp32 run resolves (docs/design/tolerances.md)
 
