@@ -308,7 +308,6 @@ router_drops_stale_expert = _adapter(
     RouterDropsStaleExpert, find_unused_row, (), "broken: router drops an expert's accumulated gradient")
 
 
-
 class ReferenceSyncsEveryMicro(BucketView):
     """Its float64 reference syncs every micro-step (no no_sync), its float32 runs only at the boundary: a framework
     whose float64 path takes another mode (DeepSpeed runs float64 at another ZeRO stage), declared with that run's

@@ -74,8 +74,8 @@ class Distributed:
     Spec.group; `uneven`: it normalises by the GLOBAL count, so ranks may hold unequal rows; `expected`: the
     collectives it may issue before the boundary; `counts`: case -> verify.CountRow, a sync mode's exact
     collectives ({axis: CountRow} on a mesh); `counts64`: the float64 reference's row, where that run takes
-    another mode (a stage the framework can run in float64; default: counts at fp32); `scheduler_per_rank`: its LR scheduler steps once per rank per
-    optimizer step (Spec.schedule_world); `mesh_axes`, `mesh_sizes`: the axes beyond dp and the sizes it shards to."""
+    another mode (a stage the framework can run in float64; default: counts at fp32); `scheduler_per_rank`: its
+    LR scheduler steps once per rank per optimizer step (Spec.schedule_world); `mesh_axes`, `mesh_sizes`: the axes beyond dp and the sizes it shards to."""
 
     data_parallel: bool = False
     process_group: bool = False

@@ -321,8 +321,7 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     row = declared_row(adapter, case)
     # the float64 reference run has no autocast (precision fp32): a framework's collectives follow its precision,
     # and its mode where the framework runs float64 in another (Distributed.counts64)
-    row64 = (declared_row(adapter, case.replace(precision="fp32"), reference=True)
-             if case.precision != "fp32" or adapter.counts64 is not None else row)
+    row64 = declared_row(adapter, case.replace(precision="fp32"), reference=True)
     report = check_boundary_only(outcomes, case, expected=adapter.expected, row=row, row64=row64)
     kpool = (pool if case.world == 1 else ref_pool) or get_pool(1)  # where the reference ran
     ref64 = outcomes[0].refs["ref64"]

@@ -84,9 +84,10 @@ def same_start(low: dict, ref: dict, what: str, autocast=None) -> str | None:
         s64, a64, head64, _ = ref[k]
         eps = max(torch.finfo(dtype).eps, torch.finfo(autocast).eps if autocast is not None else 0.0)
         d, bound = max(abs(s64 - s), abs(a64 - a)), eps * a64
-        far = (head64 - head).abs() > eps * head64.abs()
-        if not d <= bound or bool(far.any()) or head.shape != head64.shape:  # NaN included
-            i = int(far.nonzero()[0]) if bool(far.any()) else None
+        alike = head.shape == head64.shape
+        far = (head64 - head).abs() > eps * head64.abs() if alike else None
+        if not d <= bound or not alike or bool(far.any()):  # NaN included
+            i = int(far.nonzero()[0]) if alike and bool(far.any()) else None
             where = (f"element {i} is {float(head64[i]):.10g} there and {float(head[i]):.10g} here" if i is not None
                      else f"it sums to {s64:.10g} (Σ|p| {a64:.10g}) there and {s:.10g} (Σ|p| {a:.10g}) here, {d:.3g} "
                           f"apart where rounding moves it by at most {bound:.3g}")

@@ -36,7 +36,7 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     f64, runs64 = torch.float64, {} if runs64 is None else runs64
     # The host keeps the float64 pair's parameters after every step; the fp32 runs are read for their losses and
     # step-0 gradients only, a twin as it runs (scaleplan.KEPT_BYTES_PER_PARAMETER counts what stays)
-    starts = {}  # what each run of this call, and each kept float64 run, starts from (floor64.start_print)
+    starts = {}  # what this call's float32 runs start from (floor64.start_print); the float64 ones': runs64["starts"]
 
     def run(n, dtype, data=batches, keep=None, start=None):
         trainer = adapter(case.spec(accum_steps=n, dtype=dtype, device=device, adapter=adapter))
@@ -58,8 +58,8 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     # failure's re-run names that: gates/evidence.py)
     cast = AUTOCAST.get(case.precision)  # a framework may cast the model to it: the run's weights rounded there
     seeded = same_start(starts[1], starts[N], "", cast) is None
-    for n, what in ((1, "the big batch"), (N, f"accum_steps={N}")):
-        why = same_start(starts[1], runs64["starts"][n], what, cast) if seeded and n in runs64.get("starts", {}) else None
+    for n, what in {N: f"accum_steps={N}", 1: "the big batch"}.items():
+        why = same_start(starts[1], runs64["starts"][n], what, cast) if seeded else None
         if why:
             raise GateFailure(f"[{gate}] {why}; case {case}", gate=gate, case=case)
     def measure(i: int) -> float:  # a twin is read once, as it runs, for its floor: kept is the number, not the run
