@@ -58,7 +58,7 @@ def _equivalence(adapter, case: Case, device: str, runs64: dict | None = None) -
     # failure's re-run names that: gates/evidence.py)
     cast = AUTOCAST.get(case.precision)  # a framework may cast the model to it: the run's weights rounded there
     seeded = same_start(starts[1], starts[N], "", cast) is None
-    for n, what in {N: f"accum_steps={N}", 1: "the big batch"}.items():
+    for n, what in {1: "the big batch", **({N: f"accum_steps={N}"} if N > 1 else {})}.items():
         why = same_start(starts[1], runs64["starts"][n], what, cast) if seeded else None
         if why:
             raise GateFailure(f"[{gate}] {why}; case {case}", gate=gate, case=case)
