@@ -18,6 +18,7 @@ from verify._internal.cases.case import Case, Trace
 from verify._internal.cases.strategies import _options_strategy
 from verify._internal.gates import GateFailure
 from verify._internal.gates.metrics import check_metrics
+from verify._internal.gates import objective
 from verify._internal.gates.objective import check_normaliser
 from verify._internal.gates.single import check_equivalence
 from verify._internal.gates.tolerance import Judge
@@ -43,11 +44,24 @@ def _fixed(cls):
                           name=f"clipped at the step at {cls.cap}")(cls)
 
 
-def test_the_normaliser_runs_unclipped_where_unclipped_is_declared():
+@pytest.fixture
+def checked(monkeypatch):
+    """What the normaliser judged: every check it made, passed or not (which one is worst depends on the CPU's
+    rounding, so a test names the checks it needs, not the worst)."""
+    seen, check = [], objective._Term.check
+    monkeypatch.setattr(objective._Term, "check", lambda t, what, *a, **k: (seen.append(what), check(t, what, *a, **k)))
+    return seen
+
+
+def _gradients(seen: list) -> bool:
+    return any("gradient of" in what for what in seen)
+
+
+def test_the_normaliser_runs_unclipped_where_unclipped_is_declared(checked):
     """Zoo class C (t9, t10, t19): clipped windows are not additive. Before, the additivity check failed this honest
     trainer at rel 0.31 ('0.weight') with clipping on; now its runs use unclipped(options) and judge every gradient."""
     r = check_normaliser(cs.declared, CLIPPED)
-    assert not r.extra.get("unjudged") and "gradient" in r.worst, r.extra
+    assert not r.extra.get("unjudged") and _gradients(checked), (r.extra, checked)
 
 
 def test_a_clipped_run_nothing_declares_is_judged_by_its_loss_and_says_so():
@@ -58,18 +72,18 @@ def test_a_clipped_run_nothing_declares_is_judged_by_its_loss_and_says_so():
     assert any(ln.startswith("normaliser, in part (2 of 3 examples): ") and "unclipped=" in ln for ln in lines), lines
 
 
-def test_a_run_a_larger_run_shows_unclipped_is_judged_with_nothing_declared():
+def test_a_run_a_larger_run_shows_unclipped_is_judged_with_nothing_declared(checked):
     """Every run of one options clips at one M, to a norm > M − clip_eps, and none steps more than M: a run smaller
     than another by more than clip_eps was not clipped. Rows of window A alone (a mean's gradient is a convex
     combination of its rows') usually top the windows: a trainer that does not clip has its additivity judged."""
     r = check_normaliser(verify.adapter(**cs.COMMON, name="not clipped, undeclared")(cs.Unclipped), CASE)
-    assert "additivity" not in (r.extra.get("unjudged") or "") and "gradient" in r.worst, r.extra
+    assert "additivity" not in (r.extra.get("unjudged") or "") and _gradients(checked), (r.extra, checked)
 
 
-def test_a_run_the_declared_max_norm_shows_unclipped_is_judged_whole():
+def test_a_run_the_declared_max_norm_shows_unclipped_is_judged_whole(checked):
     """Metrics.max_norm M: a stepped norm ≤ M − clip_eps was not clipped, so it is the pre-clip gradient."""
     r = check_normaliser(_fixed(FixedClip), CASE)
-    assert not r.extra.get("unjudged") and "gradient" in r.worst, r.extra
+    assert not r.extra.get("unjudged") and _gradients(checked), (r.extra, checked)
     assert check_normaliser(_fixed(TightClip), CASE).extra.get("unjudged")  # clipped at 0.05: its loss only
 
 

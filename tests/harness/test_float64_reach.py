@@ -64,7 +64,10 @@ def test_a_zero_gradient_bias_under_adafactor_passes():
     """Adafactor's first step is sign descent: the key bias (gradient ~1e-18) moves by ±lr·RMS(bias) on noise. Its
     elements are zero at the run's resolution: the parameter check judges the rest (none of the key bias)."""
     acc, ref = _f64(fr.adafactor_lm, LM, LM.accum_steps), _f64(fr.adafactor_lm, LM, 1)
-    assert float((acc.params[1]["k.bias"] - ref.params[1]["k.bias"]).abs().max()) > bound64(FLOOR)  # the old verdict
+    # its gradient is noise, yet each run steps it by lr's order with the noise's sign: far apart in float64 (the
+    # old check judged these elements and failed 5 of 12 drawn cases; how far depends on the CPU's rounding)
+    assert max(float(t.grads0["k.bias"].abs().max()) for t in (acc, ref)) < bound64() * whole_norm(ref.grads0)
+    assert float((acc.params[1]["k.bias"] - ref.params[1]["k.bias"]).abs().max()) > 1e6 * torch.finfo(torch.float64).eps
     masks = judged(acc.grads0, ref.grads0)
     assert not masks["k.bias"].any() and all(bool(m.any()) for k, m in masks.items() if k != "k.bias")
     assert check_equivalence(fr.adafactor_lm, LM).ratio < 1
