@@ -5,7 +5,7 @@
 #   good   python -m verify.gpu_gate --scale on the 1.1B recipe
 #   bug    the same on its per-micro token-mean bug (planted/scale_adapters.py)
 #   gates  the gates alone (TRAINER=..., GATES=<pytest -k expression>, EXTRA=<more pytest arguments>)
-#   memory the memory probe alone, as gpu_gate --scale runs it (TRAINER=...), its GPU peak measured
+#   memory the memory probe alone, as gpu_gate --scale runs it (TRAINER=..., E=...), its GPU peak measured
 # usage: bash benchmarks/scale_gpu.sh PHASE OUT   (plan: python -m verify.gpu_gate --scale --plan-only, TRAINERS=...)
 set -u
 phase=$1 out=$2
@@ -36,8 +36,9 @@ gates)  # the gates step alone, without the plan, measured; GATES narrows it (-k
     --verify-trainer "${TRAINER:-examples.llama_scale:billion}" --verify-device cuda -p no:xdist ${EXTRA:-} > "$out/gates.log" 2>&1
   tail -4 "$out/gates.log" ;;
 memory)
-  $py -m benchmarks.gpu_peak "1.1B memory probe, effective batch 8" -- $py -m verify.memory --trainer \
-    "${TRAINER:-examples.llama_scale:billion}" --effective-batch 8 --device cuda:0 --out "$out/memory" > "$out/memory.log" 2>&1
+  $py -m benchmarks.gpu_peak "1.1B memory probe, effective batch ${E:-512}, the sweeps' ends" -- $py -m verify.memory \
+    --trainer "${TRAINER:-examples.llama_scale:billion}" --effective-batch "${E:-512}" --sweep ends --steps 1 \
+    --device cuda:0 --out "$out/memory" > "$out/memory.log" 2>&1
   tail -6 "$out/memory.log" ;;
 bug)
   $py -m verify.gpu_gate --scale --trainer planted.scale_adapters:billion --out "$out/bug" > "$out/bug.log" 2>&1  # kept if the call is cut

@@ -1,5 +1,5 @@
 """python -m verify.gpu_gate [--out DIR] [--profile gpu|ci|dev] [--max-world W] [--no-memory] [--backend nccl|gloo]
-                            [--trainer MODULE:FACTORY] [--scale]
+                            [--trainer MODULE:FACTORY] [--scale] [--effective-batch E]
 
 The CI gate on a GPU box: the shipped gates on CUDA (profile gpu), the memory probe on the first GPU, and with
 ≥ 2 GPUs the data-parallel gates over NCCL; each step a subprocess with its own log, then DIR/gpu-gate.json and
@@ -37,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--scale", action="store_true",
                    help="one GPU, a production-size --trainer: its memory plan, then equivalence, bit-exact, metrics "
                         "(profile scale) and the memory probe")
+    p.add_argument("--effective-batch", type=positive_int, default=None, metavar="E",
+                   help="the memory probe's effective batch (default 32; with --scale 512, at the ends of each sweep: "
+                        "a checkpointed row's activations are small next to a large model's gradient buffers)")
     p.add_argument("--plan-only", action="store_true",
                    help="with --scale: the memory plan alone (DIR/plan.json, or its one-line refusal), nothing run")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
@@ -59,7 +62,8 @@ def plan(gpus: int, out: str, args, launch: dict | None = None, extra=None) -> l
     steps = [("gates", [*pytest, "--pyargs", "verify", "-m", "not distributed", "--verify-device", "cuda", "-n", "4",
                         "--verify-report", os.path.join(out, "gates"), "--junitxml", os.path.join(out, "gates.xml")], env)]
     if not args.no_memory and not trainer:  # the probe's own default: the configured default trainer
-        steps.append(("memory", [py, "-m", "verify.memory", "--effective-batch", "32", "--device", "cuda:0",
+        steps.append(("memory", [py, "-m", "verify.memory", "--effective-batch", str(getattr(args, "effective_batch", None) or 32),
+                                 "--device", "cuda:0",
                                  "--out", os.path.join(out, "memory")], {}))
     if gpus >= 2:
         steps.append(("nccl", [*pytest, "--pyargs", "verify", "-m", "distributed", "--verify-backend", "nccl",
@@ -79,8 +83,9 @@ def plan(gpus: int, out: str, args, launch: dict | None = None, extra=None) -> l
 def scale_plan(out: str, args, pytest: list[str], env: dict) -> list[tuple[str, list[str], dict]]:
     """--scale: the memory plan (verify/_internal/scaleplan.py; one line and exit 2 when it cannot fit, nothing else
     run), then equivalence, bit-exact and metrics in one process on cuda:0 (no xdist: one trainer at a time; profile
-    scale: every corner and one drawn case), then the memory probe on the same trainer (an effective batch of 8).
-    Each step's GPU peak is in the report (GpuPeak)."""
+    scale: every corner and one drawn case), then the memory probe on the same trainer: --effective-batch (512) at
+    the ends of each sweep, one measured step (five builds of the trainer, not one per divisor of E). Each step's GPU
+    peak is in the report (GpuPeak)."""
     py = sys.executable
     plan = [("plan", [py, "-m", "verify._internal.scaleplan", args.trainer, "cuda:0", os.path.join(out, "plan.json")], {})]
     if getattr(args, "plan_only", False):
@@ -88,8 +93,9 @@ def scale_plan(out: str, args, pytest: list[str], env: dict) -> list[tuple[str, 
     return [*plan,
             ("gates", [*pytest, "--pyargs", "verify", "-k", SCALE_GATES, "--verify-device", "cuda", "-p", "no:xdist",
                        "--verify-report", os.path.join(out, "gates"), "--junitxml", os.path.join(out, "gates.xml")], env),
-            ("memory", [py, "-m", "verify.memory", "--trainer", args.trainer, "--effective-batch", "8", "--device",
-                        "cuda:0", "--out", os.path.join(out, "memory")], {})]
+            ("memory", [py, "-m", "verify.memory", "--trainer", args.trainer, "--effective-batch",
+                        str(getattr(args, "effective_batch", None) or 512), "--sweep", "ends", "--steps", "1", "--device", "cuda:0",
+                        "--out", os.path.join(out, "memory")], {})]
 
 
 def nccl_world(gpus: int, args) -> dict:

@@ -217,6 +217,11 @@ def test_scale_plans_first_then_three_gates_in_one_process_then_the_memory_probe
     assert plan[2:5] == ["verify._internal.scaleplan", "examples.llama_scale:billion", "cuda:0"]
     assert gates[gates.index("-k") + 1] == gpu_gate.SCALE_GATES and "no:xdist" in gates and "-n" not in gates
     assert env["HYPOTHESIS_PROFILE"] == "scale" and "--trainer" in memory and "cuda:0" in memory
+    # the probe at an effective batch a checkpointed row's activations show at, five runs (the sweeps' ends)
+    assert " ".join(memory).endswith("--effective-batch 512 --sweep ends --steps 1 --device cuda:0 --out "
+                                      f"{tmp_path}/memory"), memory
+    wider = gpu_gate.plan(1, str(tmp_path), gpu_gate.parse_args(["--scale", "--trainer", "m:f", "--effective-batch", "64"]))
+    assert wider[-1][1][wider[-1][1].index("--effective-batch") + 1] == "64"
 
 
 def test_scale_without_a_trainer_is_one_line_exit_2(tmp_path, monkeypatch, capsys):

@@ -14,7 +14,7 @@ import torch
 from tests.helpers.memory import HAS_CUDA, fake_report, rows
 
 from verify.memory.invariants import check_invariants
-from verify.memory.plan import MiB, plan_configs
+from verify.memory.plan import GiB, MiB, plan_configs
 
 pytestmark = pytest.mark.memory
 
@@ -83,6 +83,24 @@ def test_plans():
     assert [c.N for c in e12 if "A" in c.sweeps] == [1, 2, 3, 4, 6, 12]
     assert sorted(c.N for c in e12 if "B" in c.sweeps) == [1, 2, 4, 8]
     assert [(c.N, c.B, c.sweeps) for c in plan_configs(1)] == [(1, 1, ("A", "B"))]
+
+
+def test_the_ends_of_each_sweep_are_what_every_claim_compares():
+    """--sweep ends (a production-size trainer): five runs at any E, and each claim still has its rows."""
+    for E in (512, 12, 6):
+        ends = plan_configs(E, "ends")
+        assert [(c.N, c.B) for c in ends if "A" in c.sweeps] == [(1, E), (2, E // 2), (E, 1)]
+        assert [(c.N, c.B) for c in ends if "B" in c.sweeps] == [(E, 1), (1, 1), (2, 1)]
+        assert len(ends) == 5
+    assert [(c.N, c.B, c.sweeps) for c in plan_configs(1, "ends")] == [(1, 1, ("A", "B"))]
+    # the claims decide on those rows alone: a correct trainer passes, one holding every micro-step's graph fails
+    good = {(1, 512): 29.0, (2, 256): 25.0, (512, 1): 24.6, (1, 1): 20.5, (2, 1): 24.6}
+    leak = {**good, (512, 1): 29.0 + 24.6}
+    for peaks, want in ((good, "PASS"), (leak, "FAIL")):
+        rows = [dict(rank=0, N=c.N, B=c.B, sweeps=c.sweeps, peak_bytes=int(peaks[(c.N, c.B)] * GiB),
+                     grad_bytes=int(4.1 * GiB)) for c in plan_configs(512, "ends")]
+        verdicts = check_invariants([rows], E_local=512, cuda=True)
+        assert {v["id"]: v["status"] for v in verdicts} == dict(a1=want, a2=want, b1=want, b2="PASS"), verdicts
 
 
 # -- the measurement protocol, for any adapter -----------------------------------------------------------

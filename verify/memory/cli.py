@@ -1,5 +1,6 @@
 """python -m verify.memory --effective-batch E [--device auto|cpu|cuda|cuda:K] [--trainer NAME|MODULE:FACTORY]
-                        [--model M] [--seq-len S] [--steps K] [--warmup K] [--out DIR] [--threads T] [--anchor JSON]
+                        [--model M] [--seq-len S] [--steps K] [--warmup K] [--sweep full|ends] [--out DIR]
+                        [--threads T] [--anchor JSON]
 
 Measures the peak memory of gradient accumulation and checks that it follows ONE micro-batch, not N: sweep A
 at fixed effective batch E (every N dividing E, B = E/N), sweep B at fixed B = 1 (N = 1, 2, 4, ... up to E),
@@ -22,7 +23,7 @@ from typing import Callable
 
 from verify._internal.cli import (Parser, Progress, UsageError, check_fits, fail, int_at_least, positive_int, resolve_device, writable_dir)
 from verify._internal.settings import launcher_var
-from verify.memory.plan import Plan, plan_configs
+from verify.memory.plan import SWEEPS, Plan, plan_configs
 
 # What a wing (a trainer family's flags and options) and a sweep over this command line (benchmarks/memory_modes.py)
 # use: the Wing itself, and the plumbing that makes their bad input one line and exit status 2, as this command's.
@@ -85,6 +86,9 @@ def parse_args(argv=None, wing: Wing | None = None):
     p.add_argument("--warmup", type=positive_int, default=None, metavar="K",
                    help="warm-up optimizer steps before the measured ones (default: 1 in one process, as the anchor; "
                         "2 under torchrun: torch DDP rebuilds its gradient buckets in its second iteration)")
+    p.add_argument("--sweep", choices=SWEEPS, default="full",
+                   help="full: every N dividing E and every power of two (default); ends: N = 1, 2 and E of each "
+                        "sweep, five runs however large E is (a production-size trainer: see verify.gpu_gate --scale)")
     p.add_argument("--out", default="reports", help="directory for memory-E{E}.json/.md/.png (default reports/)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU intra-op threads (default: torch's)")
     p.add_argument("--anchor", default=None,
@@ -286,7 +290,8 @@ def build_plan(args, wing: Wing | None = None) -> Plan:
                 seq_len=model.get("seq_len"),
                 n_params=model.get("n_params"), sources=wing.sources,
                 steps=args.steps or (3 if device.type == "cuda" else 1), warmup=args.warmup or (2 if world > 1 else 1),
-                threads=args.threads or torch.get_num_threads(), out=out, anchor=anchor, anchor_note=note)
-    plan.configs = plan_configs(plan.E_local)
+                threads=args.threads or torch.get_num_threads(), out=out, anchor=anchor, anchor_note=note,
+                sweep=args.sweep)
+    plan.configs = plan_configs(plan.E_local, plan.sweep)
     return plan
 

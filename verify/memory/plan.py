@@ -66,6 +66,8 @@ class Plan:
     warmup: int = 1
     """Warm-up optimizer steps before the probe: 1 in one process (the anchor's protocol), 2 under torchrun
     (torch DDP rebuilds its gradient buckets in the forward of its second iteration)."""
+    sweep: str = "full"
+    """SWEEPS: which configurations plan_configs gives"""
     configs: list[Config] = field(default_factory=list)
 
     @property
@@ -77,13 +79,21 @@ class Plan:
         return self.device.type == "cuda"
 
 
-def plan_configs(e_local: int) -> list[Config]:
+SWEEPS = ("full", "ends")
+"""full: every N of both sweeps; ends: N = 1, 2 and E of each, the rows the four claims compare (a trainer of
+production size costs a build and E micro-steps a row, so E large enough to show its activations stays affordable)."""
+
+
+def plan_configs(e_local: int, sweep: str = "full") -> list[Config]:
     """Sweep A (N | E, B = E/N, ascending N), then sweep B (B = 1, N = 1, 2, 4, ... ≤ E); shared ones once."""
     a = [(n, e_local // n) for n in range(1, e_local + 1) if e_local % n == 0]
     b, n = [], 1
     while n <= e_local:
         b.append((n, 1))
         n *= 2
+    if sweep == "ends":  # (b1) then compares N = 2 with N = E: flat across the whole range
+        a = [(n, bb) for n, bb in a if n in (1, 2, e_local)]
+        b = sorted({(n, 1) for n in (1, 2, e_local) if n <= e_local})
     out = [Config(n, bb, ("A", "B") if (n, bb) in b else ("A",)) for n, bb in a]
     out += [Config(n, bb, ("B",)) for n, bb in b if (n, bb) not in a]
     return out

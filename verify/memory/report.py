@@ -262,6 +262,10 @@ def write_all(report, out: Path) -> list[Path]:
     return [Path(p) for p in atomic_write_all(files)]
 
 
+def _ends(plan: Plan) -> str:
+    return f"; of these only N = 1, 2, {plan.E_local} (--sweep ends)" if plan.sweep == "ends" else ""
+
+
 def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nvml: str | None = None) -> dict:
     """The report: the common header (verify/_internal/header.py), memory-specific provenance, settings, probe
     definitions, thresholds, every configuration with its per-rank rows, the verdicts, the anchor
@@ -295,8 +299,8 @@ def assemble(plan: Plan, per_rank: list[list[dict]], verdicts: list[dict], *, nv
                       model=plan.model, model_text=plan.model_text, n_params=n_params,
                       seq_len=plan.seq_len, warmup_steps=plan.warmup, measured_steps=plan.steps, dtype="float32",
                       threads=plan.threads if not plan.cuda else None, tf32=False if plan.cuda else None,
-                      sweep_A=f"N | {plan.E_local}, B = {plan.E_local}/N (per rank)",
-                      sweep_B="B = 1, N = 1, 2, 4, ... ≤ " + str(plan.E_local)),
+                      sweep_A=f"N | {plan.E_local}, B = {plan.E_local}/N (per rank)" + _ends(plan),
+                      sweep_B="B = 1, N = 1, 2, 4, ... ≤ " + str(plan.E_local) + _ends(plan)),
         probe=probe,
         thresholds=dict(rel=REL_TOL, abs_noise_bytes=floor, well_below="peak(E,1) ≤ ideal + ½·(peak(1,E) − ideal), ideal = peak(1,1) + grad_bytes "
                         "(at least half the saving of ideal accumulation); INCONCLUSIVE when peak(1,E) − ideal < "
