@@ -217,7 +217,8 @@ def known_text() -> list[str]:
     out = []
     for s in STACKS.values():
         if s.known:
-            out.append(f"{s.title}: " + "; ".join(f"{_range(k.since, k.fixed)}, {k.what}" for k in s.known) + ".")
+            told = dict.fromkeys(f"{_range(k.since, k.fixed)}, {k.what}" for k in s.known)  # one bug, several recipes
+            out.append(f"{s.title}: " + "; ".join(told) + ".")
     return out
 
 

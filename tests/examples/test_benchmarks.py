@@ -175,6 +175,8 @@ def test_frameworks_writes_the_report_from_stand_in_runs(tmp_path, monkeypatch):
     assert bugs("5.5.3") == [stacks.TWICE_OVER_N] and bugs("5.5.4") == [] == bugs("5.1")
     assert bugs("5.9.0") == [stacks.OVERCOUNT] and bugs("5.10.1") == []  # #46204: TRL's SFT recipe alone
     assert [r for r, _ in tf.rows("5.9.0")] == [stacks.SFT]
+    head = " ".join(stacks.known_text())  # verl's sequence-mean bug is one bug of three recipes: told once
+    assert all(head.count(f"{k.what}") == 1 for s in stacks.STACKS.values() for k in s.known), head
     st["current"] = dict(exit_code=1, ok=False, score="22/23", seconds=30.0)  # a passing row whose operator survives
     assert fw.main(["--out", str(out), "--versions", "current", "--cache", str(tmp_path / "cache")]) == 1
     assert "| passes | passes ✗ (not as expected) | 22/23 ✗ (30.0 s) |" in (out / "frameworks.md").read_text()
