@@ -5,10 +5,9 @@
 Measures the peak memory of gradient accumulation and checks that it follows ONE micro-batch, not N: sweep A
 at fixed effective batch E (every N dividing E, B = E/N), sweep B at fixed B = 1 (N = 1, 2, 4, ... up to E),
 each configuration isolated; an adapter's memory model (MemoryModel(predicted_peak=...)) is reported beside.
-Writes OUT/memory-E{E}.json, .md and .png.
-Exit status: 0 PASS, 1 FAIL (an invariant fails, or an absurd prediction), 3 INCONCLUSIVE (not decidable at
-this size), 2 bad input. A trainer family extends this command line with a `Wing` (xtrain's:
-xtrain_proof/memory.py). Invariants, thresholds and isolation: docs/design/memory.md, "Peak memory".
+Writes OUT/memory-E{E}.json, .md and .png. Exit status: 0 PASS, 1 FAIL (an invariant fails, or an absurd
+prediction), 3 INCONCLUSIVE (not decidable at this size), 2 bad input. A trainer family extends this command line
+with a `Wing` (xtrain's: xtrain_proof/memory.py). Invariants, thresholds, isolation: docs/design/memory.md.
 """
 from __future__ import annotations
 
