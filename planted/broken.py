@@ -116,6 +116,30 @@ def make_drawn_in_spec_dtype(spec):
 
 
 drawn_in_spec_dtype = missing_1_over_N.replace(factory=make_drawn_in_spec_dtype, name="broken: drawn in Spec.dtype, ×N")
+
+
+class TripledObjective(AccumTrainer):
+    """A correct trainer of 3× the loss: accumulation right, the objective another one."""
+
+    def _objective(self, forward_mean, forward_sum, *a, **k):
+        def mean(idx, targets):
+            return 3 * forward_mean(idx, targets)
+
+        def total(idx, targets):
+            s, count = forward_sum(idx, targets)
+            return 3 * s, count
+        return super()._objective(mean, total, *a, **k)
+
+
+def make_other_reference(spec):
+    """Same weights, another computation in float64 (as a float64 path a stack takes where its engine refuses
+    float64: DeepSpeed Muon's grads() at ZeRO-2 read the update): the float64 runs agree with each other, so only the
+    big batch's own error, O(1), shows it; the float32 runs carry ×N (MissingScale), which that bound admitted."""
+    cls = TripledObjective if spec.dtype == torch.float64 else MissingScale
+    return cls(xtrain.model_for(spec), xtrain.options_of(spec).optim, spec.accum_steps, **xtrain.numerics(spec))
+
+
+other_reference = missing_1_over_N.replace(factory=make_other_reference, name="broken: float64 of another objective, ×N")
 # Which gate must reject each, and on what case: planted.py (scaled_by_one is a control: it must pass).
 
 

@@ -43,7 +43,9 @@ class LowPrecisionParams(AccumTrainer):
         super()._backward(None if objective is None else objective * self.static)
 
     def _unscale(self) -> None:
-        if self.static != 1.0 and not self._unscaled:
+        if self.static == 1.0:  # outside acts_in: xtrain's own (its GradScaler's unscale_ under fp16)
+            super()._unscale()
+        elif not self._unscaled:
             torch._foreach_div_(self._grads_list(), self.static)
             self._unscaled = True
 

@@ -22,7 +22,8 @@ from verify._internal.verdict import Gate
 
 __all__ = ["RankPool", "pool", "close_pools", "install", "using", "current_settings", "strategy", "mesh_padding", "check_distributed", "count_collectives",
            "Recorder", "rank_runs", "Boundary", "boundary", "FLOAT64_BOUND", "float64_deviations",
-           "start_print", "same_start", "AUTOCAST"]  # the equivalence gate's start check (benchmarks/start_zoo.py)
+           "start_print", "same_start", "AUTOCAST",  # the equivalence gate's start check (benchmarks/start_zoo.py)
+           "reference_gap", "C"]  # and what its reference must compute (benchmarks/reference_zoo.py)
 
 FLOAT64_BOUND = C * EPS32  # what the float64 checks judge at: what an fp32 run resolves (docs/design/tolerances.md)
 
@@ -83,3 +84,17 @@ def float64_deviations():
         yield seen
     finally:
         Judge._float64 = original
+
+
+def reference_gap(adapter, case) -> float:
+    """err(big) over all parameters at step 0: the big batch of `case` (its precision) against its float64 run, as
+    the equivalence gate measures it. Judge.sees refuses a case where C × this reaches 1 (rounding's κ aside)."""
+    import torch
+
+    from verify._internal.cases.case import drive
+    from verify._internal.gates.floor64 import overall_error
+
+    batches = case.batches(adapter)
+    big, ref = (drive(adapter(case.spec(accum_steps=1, dtype=dtype, adapter=adapter)), batches, 1, dtype=dtype,
+                      keep_params=False) for dtype in (torch.float32, torch.float64))
+    return overall_error(big.grads0, ref.grads0)

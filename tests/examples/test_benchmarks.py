@@ -239,6 +239,22 @@ def test_fp8_twins_without_torchao_is_one_line_exit_2(tmp_path, capsys, monkeypa
     assert not list(tmp_path.iterdir())
 
 
+def test_reference_zoo_finds_no_false_alarm_and_names_another_computation(tmp_path, monkeypatch):
+    """benchmarks.reference_zoo: the zoo's first trainers' big batches sit at their precision's rounding from their
+    float64 runs (exit 0); a trainer whose float64 build computes 3× the loss is named (exit 1)."""
+    from benchmarks import reference_zoo
+    from benchmarks.zoo import population
+    from planted import broken
+
+    out = tmp_path / "reference-zoo.json"
+    assert reference_zoo.main(["--seeds", "0:4", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["trainers"] >= 1 and doc["false_alarms"] == 0 and max(doc["worst_gap"].values()) < 0.01, doc
+    monkeypatch.setattr(population, "t0", broken.other_reference, raising=False)
+    assert reference_zoo.main(["--seeds", "0:1", "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["rows"][0]["gaps"]["fp32"] == pytest.approx(2 / 3)
+
+
 def test_start_zoo_finds_no_false_alarm_and_names_a_redraw(tmp_path, monkeypatch):
     """benchmarks.start_zoo: the zoo's first trainers start alike in float32 and float64 (exit 0, the report
     written); a population whose trainer draws in Spec.dtype is named (exit 1)."""

@@ -181,10 +181,11 @@ class Judge(Float64Checks):
         self.suffix = suffix or (lambda step: "")
         self.worst, self.worst_ratio, self.note = "", 0.0, ""
 
-    def fail(self, msg: str, step: int = 0, *, error: float | None = None, bound: float | None = None):
+    def fail(self, msg: str, step: int = 0, *, error: float | None = None, bound: float | None = None,
+             hint: str | None = None):
         """error / bound: a relative error and its limit (the hints read them: verify/_internal/hints.py)."""
         raise GateFailure(f"[{self.gate}] {self.where}{msg}{self.suffix(step)}; case {self.case}", gate=self.gate,
-                          case=self.case, error=error, bound=bound)
+                          case=self.case, error=error, bound=bound, hint=hint)
 
     def _within(self, acc: float, big: float, what: str, kappa: float = 1.0, overall: float = 0.0) -> None:
         precision = getattr(self.case, "precision", "fp32")
@@ -224,6 +225,8 @@ class Judge(Float64Checks):
         lazy = kappa if callable(kappa) and doomed is None else None
         known = kappa if isinstance(kappa, dict) else None
         self.note = " (κ not computed: the float64 run fails too)" if doomed is not None and callable(kappa) else ""
+        if doomed is None:
+            known = self.sees(big, ref, known, lazy)
         for what, name, a, b, k, o in step0_checks(acc, big, ref, known, self.case.precision):
             if lazy is not None and needs_kappa(a, b, o):
                 known = known if known is not None else lazy()
@@ -238,6 +241,32 @@ class Judge(Float64Checks):
                           f"rank's gradient is W× a big-batch row's before /W) before it backs off; if that is all, give "
                           f"the adapter's scaler a lower init_scale under the gates — otherwise the scale is applied wrong")
             self._within(a, b, what, k, o)
+
+    def sees(self, big, ref, known: dict | None, lazy) -> dict | None:
+        """Every step-0 bound is C·err(big): where the big batch differs from its float64 reference by 1/C or more
+        over all parameters, the bound admits any gradient, a zero one too. Cancellation (κ) in the run's precision
+        can explain that much; otherwise the float64 runs do not compute what the runs in `precision` do (another
+        engine mode, optimizer path or objective), and nothing here can be judged. Returns κ where it computed it."""
+        if unstepped(big, ref, self.case.precision):
+            return known
+        overall = overall_error(big.grads0, ref.grads0)
+        if not C * overall >= 1.0:
+            return known
+        known = known if known is not None or lazy is None else lazy()
+        kappa = max((known or {}).values(), default=1.0)
+        eps = EPS[self.case.precision]
+        if overall <= C * eps * max(1.0, kappa):
+            return known
+        self.fail(f"the big batch ({self.case.precision}) and its float64 reference differ by {overall:.3g} over all "
+                  f"parameters' step-0 gradients, more than {C:g}·eps·κ = {C * eps * max(1.0, kappa):.2g} of rounding "
+                  f"explains (κ {kappa:.3g}): every bound here is {C:g} × that, so any gradient would pass, a zero one "
+                  f"too. The float64 runs do not compute what the {self.case.precision} runs do — another engine mode "
+                  f"or optimizer path where float64 is refused, another objective, or grads() read after the "
+                  f"optimizer changed them", error=overall, bound=1.0 / C,
+                  hint="build the float64 reference as the same computation: what your factory does for "
+                       "Spec.dtype=float64 that it does not for float32 (verify.Distributed(counts64=...) declares "
+                       "a float64 run in another engine mode; its gradient must still be the window's)")
+        return known
 
     def accumulator(self, acc, dtype=torch.float32) -> None:
         """bf16 / fp16 autocast keeps parameters, so `.grad`, in `dtype` (the protocol's precisions): a boundary
