@@ -35,3 +35,16 @@ def test_torchtitan_fsdp2_over_two_ranks_meets_its_count_row_and_the_big_batch()
     from examples.torchtitan_train import factory
 
     assert verify.check(Gate.DP_EQUIVALENCE, factory, _case(2)).ratio < 1
+
+
+@pytest.mark.parametrize("op", ["loss_sum_not_mean", "count_from_first_micro"])
+def test_a_reported_loss_mutant_is_rejected_on_the_selftests_padded_case(op):
+    """The self-test's N=3 B=2 case, padded (rows 1 and 5 of window 0 without a valid target). The mutant's
+    parameters match, its loss does not, so the loss's κ runs each row alone: before, the all-padding row reached
+    torchtitan's guard ("Loss is not finite ... Stopping training") and the self-test counted an error."""
+    from examples.torchtitan_train import factory
+    from verify.selftest import OPERATORS, selftest_cases
+
+    case = selftest_cases(factory)[0][1]
+    with pytest.raises(GateFailure, match=r"\[equivalence\] loss of step 0"):
+        verify.check(Gate.EQUIVALENCE, OPERATORS[op].apply(factory), case)

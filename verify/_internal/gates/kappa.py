@@ -9,13 +9,19 @@ import math
 
 import torch
 
-from verify._internal.cases.case import Case, drive, shard
+from verify._internal.cases.case import Case, Trace, drive, shard
 from verify._internal.gates.tolerance import conditions
 from verify._internal.verdict import Gate
 
-__all__ = ["kappa_job", "loss_blocks", "loss_condition", "loss_kappa", "loss_kappa_job"]
+__all__ = ["fed", "kappa_job", "loss_blocks", "loss_condition", "loss_kappa", "loss_kappa_job"]
 
 F64 = torch.float64
+
+
+def fed(adapter, targets) -> bool:
+    """Whether a block of rows may be run alone as a window: not one without a valid target where the adapter
+    declares empty_windows=False (its loss is 0/0 there, and such a trainer may stop on it: torchtitan's guard)."""
+    return adapter.ignore_index is None or adapter.empty_windows or bool((targets != adapter.ignore_index).any())
 
 
 def kappa_job(ctx, adapter, case: Case, ref) -> dict:
@@ -28,11 +34,15 @@ def block_runs(adapter, case: Case, device, gate: Gate | None = None) -> list:
     """float64 step-0 Trace of every block of rows one micro-step of one rank sums (the adapter at
     accum_steps=1 on that block alone): the terms of the sums accumulation computes, its loss's and its
     gradient's. `gate`: whose runs these are (drive). κ reads only each block gradient's norm, so grads0 holds the
-    norms (0-d float64 tensors) and no parameters are kept: a block costs host memory of scalars, not of a model."""
+    norms (0-d float64 tensors) and no parameters are kept: a block costs host memory of scalars, not of a model.
+    A block the adapter is never fed (fed()) adds no term to the sums: its Trace holds no gradient and a NaN loss."""
     inputs, targets = case.batches(adapter)[0]
     out = []
     for r in range(case.world):
         for x, y in shard(inputs, targets, case.window_of(0), r, case.world, case.rank_rows):
+            if not fed(adapter, y):  # kept in its place: windows.py reads the blocks of micro-steps 0..m by index
+                out.append(Trace(losses=[math.nan], grads0={}, params=[]))
+                continue
             t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(device), adapter=adapter))
             run = drive(t, [(x, y)], 1, dtype=F64, device=device, gate=gate, keep_params=False)
             run.grads0 = {k: None if v is None else v.double().norm() for k, v in run.grads0.items()}
@@ -46,11 +56,14 @@ def loss_blocks(adapter, case: Case, device, k: int, gate: Gate | None = None, r
     accum_steps=1 steps through windows 0..k−1 as the big batch does (the same rows, so the same parameters,
     bit for bit), then sees the block (the row) alone as window k. A loss's κ takes rows: one whose rows cancel
     inside a block (a policy gradient's advantages, the other micro-batches empty) is resolved no better than
-    its largest row (docs/design/tolerance.md, "Later losses")."""
+    its largest row (docs/design/tolerance.md, "Later losses"). A block or row the adapter is never fed (fed()):
+    NaN, undefined, as its 0/0 would be (loss_condition leaves it out)."""
     batches = case.batches(adapter)
     x, y = batches[k]
 
     def loss(bx, by) -> float:
+        if not fed(adapter, by):
+            return math.nan
         t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(device), adapter=adapter))
         return drive(t, batches[:k] + [(bx, by)], 1, dtype=F64, device=device, gate=gate, keep_params=False).losses[k]
 

@@ -13,6 +13,7 @@ import math
 import torch
 
 from verify._internal.cases.case import drive, shard
+from verify._internal.gates.kappa import fed
 from verify._internal.gates.tolerance import C, EPS, EPS32, bound64
 from verify._internal.metrics import norm_of
 from verify._internal.verdict import Gate
@@ -141,6 +142,8 @@ def loss_kappa(adapter, case, device, batches, k: int, big) -> float:
     policy's max: the window's loss weighs each micro-batch's by w ≤ 1 (1/N for a mean, its share of the count for
     a token mean, 1 for a sum), so Σ w·|loss| ≤ κ·|window loss| for each."""
     def loss(x, y) -> float:
+        if not fed(adapter, y):  # never fed alone (empty_windows=False): undefined, left out of the sum
+            return math.nan
         t = adapter(case.spec(accum_steps=1, dtype=F64, device=device, adapter=adapter))
         return drive(t, [(x, y)], 1, dtype=F64, device=device, gate=Gate.REPORTED_METRICS).losses[0]
 
