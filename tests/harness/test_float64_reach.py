@@ -210,3 +210,32 @@ def test_a_start_print_is_a_copy_not_a_view_of_the_live_weights():
     w.add_(1.0)  # the run trains after its start is read: what was read stays the start
     assert same_start(start_print({"w": start.float()}), before, "big") is None
     assert same_start(start_print({"w": w.float()}), before, "big") is not None
+
+
+def _gap(big_w: float, precision: str):
+    ref = Trace([1.0], {"w": torch.tensor([1.0, 0.0], dtype=torch.float64)}, [])
+    big = Trace([1.0], {"w": torch.tensor([big_w, 0.0])}, [])
+    return Judge(Gate.EQUIVALENCE, PG.replace(precision=precision)), big, ref
+
+
+def test_a_reference_that_computes_something_else_is_refused_in_fp32():
+    """C·err(big) ≥ 1 over all parameters: the bound admits any gradient. fp32 rounding explains it only with
+    cancellation (κ); then the case passes, else it is refused whatever the accumulation run did."""
+    judge, big, ref = _gap(1.2, "fp32")
+    with pytest.raises(GateFailure, match=r"the big batch \(fp32\) and its float64 reference differ by 0\.2 over all"):
+        judge.step0(big, big, ref)
+    judge, big, ref = _gap(1.2, "fp32")
+    judge.step0(big, big, ref, {"w": 1e6})  # 8·eps32·1e6 ≈ 0.95 of rounding: explained
+    judge, big, ref = _gap(1.12, "fp32")
+    judge.step0(big, big, ref)  # 8 × 0.12 < 1: the bound still rejects a zero gradient
+    with pytest.raises(GateFailure, match="accumulation error 1.000e"):
+        judge.step0(Trace([1.0], {"w": torch.zeros(2)}, []), big, ref)
+
+
+def test_a_low_precision_big_batch_that_far_says_its_step_0_check_judged_nothing():
+    """bf16 / fp16: an honest big batch can come near 1/C (the zoo's largest gap, bf16: 0.052): not refused, but
+    the report says its step-0 check judged nothing there."""
+    for precision in ("bf16", "fp16"):
+        judge, big, ref = _gap(1.2, precision)
+        judge.step0(big, big, ref)
+        assert "admits any gradient; the float64 checks judged" in judge.unjudged

@@ -28,10 +28,11 @@ def test_low_precision_parameters_are_rejected_in_their_precision_only(name, pre
     bug = planted.BY_NAME[name]
     adapter, case = bug.adapter, bug.case
     assert case.precision == precision and dtype in bug.pattern
-    check_equivalence(adapter, case.replace(accum_steps=1))  # N = 1: nothing accumulates
     other = "bf16" if precision == "fp16" else "fp16"
-    check_equivalence(adapter, case.replace(precision=other))  # xtrain's trainer there
-    check_equivalence(adapter, case.replace(precision="fp32"))
+    for ok in (case.replace(accum_steps=1), case.replace(precision=other), case.replace(precision="fp32")):
+        # N = 1: nothing accumulates; elsewhere xtrain's trainer, its step-0 check judged (a 1024× scaled gradient
+        # once passed here blind: Judge.sees)
+        assert not check_equivalence(adapter, ok).extra.get("unjudged"), ok
 
 
 def test_a_trainer_declaring_fp32_only_runs_no_low_precision_window():

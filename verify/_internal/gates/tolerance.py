@@ -244,25 +244,29 @@ class Judge(Float64Checks):
 
     def sees(self, big, ref, known: dict | None, lazy) -> dict | None:
         """Every step-0 bound is C·err(big): where the big batch differs from its float64 reference by 1/C or more
-        over all parameters, the bound admits any gradient, a zero one too. Cancellation (κ) in the run's precision
-        can explain that much; otherwise the float64 runs do not compute what the runs in `precision` do (another
-        engine mode, optimizer path or objective), and nothing here can be judged. Returns κ where it computed it."""
+        over all parameters, the bound admits any gradient, a zero one too. In fp32, rounding explains that only
+        with cancellation (κ); otherwise the float64 runs do not compute what the fp32 runs do, and the case is
+        refused. Under bf16 / fp16 autocast an honest big batch can come near (the zoo's largest: 0.052 in bf16):
+        the step-0 check is then said to judge nothing, and the float64 checks judge alone. Returns κ where it
+        computed it (docs/design/tolerance.md, "The reference computes what the runs compute")."""
         if unstepped(big, ref, self.case.precision):
             return known
         overall = overall_error(big.grads0, ref.grads0)
         if not C * overall >= 1.0:
             return known
         known = known if known is not None or lazy is None else lazy()
-        kappa = max((known or {}).values(), default=1.0)
-        eps = EPS[self.case.precision]
-        if overall <= C * eps * max(1.0, kappa):
+        kappa, precision = max((known or {}).values(), default=1.0), self.case.precision
+        if overall <= C * EPS[precision] * max(1.0, kappa):
             return known
-        self.fail(f"the big batch ({self.case.precision}) and its float64 reference differ by {overall:.3g} over all "
-                  f"parameters' step-0 gradients, more than {C:g}·eps·κ = {C * eps * max(1.0, kappa):.2g} of rounding "
-                  f"explains (κ {kappa:.3g}): every bound here is {C:g} × that, so any gradient would pass, a zero one "
-                  f"too. The float64 runs do not compute what the {self.case.precision} runs do — another engine mode "
-                  f"or optimizer path where float64 is refused, another objective, or grads() read after the "
-                  f"optimizer changed them", error=overall, bound=1.0 / C,
+        gap = f"the big batch ({precision}) and its float64 reference differ by {overall:.3g} over all parameters' " \
+              f"step-0 gradients (κ {kappa:.3g})"
+        if precision != "fp32":
+            self.unjudged = f"{gap}: the step-0 bound ({C:g} × that) admits any gradient; the float64 checks judged"
+            return known
+        self.fail(f"{gap}, more than {C:g}·eps32·κ = {C * EPS32 * max(1.0, kappa):.2g} of rounding explains: every "
+                  f"bound here is {C:g} × that, so any gradient would pass, a zero one too. The float64 runs do not "
+                  f"compute what the fp32 runs do — another engine mode or optimizer path where float64 is refused, "
+                  f"another objective, or grads() read after the optimizer changed them", error=overall, bound=1.0 / C,
                   hint="build the float64 reference as the same computation: what your factory does for "
                        "Spec.dtype=float64 that it does not for float32 (verify.Distributed(counts64=...) declares "
                        "a float64 run in another engine mode; its gradient must still be the window's)")
