@@ -5,9 +5,11 @@ the unwrapped trainer, whose non-finite-loss guard stopped it; the mutants' own 
 import math
 
 import pytest
-from tests.helpers.guarded_lm import guarded
+from tests.helpers.guarded_lm import guarded, last_micro
+from verify._internal.cases.case import Case
 from verify._internal.cases.case import Trace
 from verify._internal.gates import check_equivalence
+from verify._internal.gates.metrics import check_metrics
 from verify._internal.gates.kappa import block_runs, loss_blocks, loss_condition
 from verify._internal.gates.metrics_bounds import loss_kappa
 from verify._internal.verdict import GateFailure
@@ -62,3 +64,25 @@ def test_the_selftest_kills_both_without_errors():
     res = run_selftest(guarded, operators=["loss_sum_not_mean", "count_from_first_micro"])
     assert res.errors == [] and res.baseline_ok, res.error_lines()
     assert res.killed == ["loss_sum_not_mean", "count_from_first_micro"], res.table()
+
+
+def test_a_last_micro_loss_is_not_learned_by_running_an_empty_micro_batch_alone():
+    """Metrics(loss="last_micro"): the harness runs the last micro-batch alone for the value to expect. Where it holds
+    no valid target it is not run (before: the guard raised), and the report says that loss was not checked."""
+    case = Case(accum_steps=2, micro_batch=1, steps=1, seed=1, data_seed=2, lengths=(8, 0))
+    r = check_metrics(last_micro, case)
+    assert "holds no valid target" in r.extra["metrics_unchecked"]["loss"], r.extra
+    full = check_metrics(last_micro, case.replace(lengths=(8, 5)))  # one that holds some: judged
+    assert "loss" not in full.extra["metrics_unchecked"] and full.extra["metrics_checked"]["loss"], full.extra
+
+
+def test_the_uneven_diagnosis_runs_no_rank_without_a_valid_target_alone():
+    """gates/uneven.py names equal rank weights by each rank's own mean: a rank holding no valid target has none, and
+    the trainer is not run on its rows (the guard would raise inside a failure's diagnosis)."""
+    from types import SimpleNamespace
+
+    from verify._internal.gates.uneven import rank_grads_job
+
+    case = Case(accum_steps=1, micro_batch=1, steps=1, seed=1, data_seed=2, world=2, lengths=(8, 0))
+    own = rank_grads_job(SimpleNamespace(device="cpu"), guarded, case)
+    assert own[0] and own[1] is None

@@ -19,7 +19,7 @@ from verify._internal.cases.case import Case, drive, shard
 from verify._internal.gates.clipped import stepped_norm
 from verify._internal.metrics import ENABLE, Observer, applied_coef, max_norm_of, norm_of
 from verify._internal.verdict import Gate, GateFailure, GateResult, GateSkipped
-from verify._internal.gates.kappa import loss_kappa as loss_kappa64, loss_kappa_job
+from verify._internal.gates.kappa import fed, loss_kappa as loss_kappa64, loss_kappa_job
 from verify._internal.gates.metrics_bounds import FLOAT64, Float64Bounds, LowBounds, loss_kappa
 from verify._internal.gates.tolerance import factor_text
 
@@ -167,7 +167,8 @@ def judge_run(adapter, case: Case, seen: list[dict], norms: list, counts: list, 
             else:
                 ok, err, tol = judged(name, k, s, got, want)
                 if not ok and name == "loss" and m.loss == "window" and k == 0 and last_micro is not None:
-                    extra = (("the loss of this rank's last micro-batch", last_micro()),)  # run only to name a failure
+                    mine = last_micro()  # run only to name a failure
+                    extra = () if mine is None else (("the loss of this rank's last micro-batch", mine),)
                 if not ok:
                     text, hint = named(got, want, s, tol, (*extra, *b.extra(s, name, cap, m.clip_eps)))
                     fail(f"{name} reported {got!r}, expected {want!r} ({why}){text}", k, err, tol, hint)
@@ -211,7 +212,11 @@ def _expected(name, m, s, k, norm, counts, losses, applied, want_coef, last_micr
             return None, (), "loss='last_micro' is judged on the float64 runs (at step 0), not in low precision"
         if k > 0 or last_micro is None:
             return None, (), "loss='last_micro' is known to the harness at step 0 only (the initial parameters)"
-        return last_micro(), (("the window's loss", losses[0]),), "the loss of this rank's last micro-batch at step 0"
+        mine = last_micro()
+        if mine is None:
+            return None, (), ("loss='last_micro': this rank's last micro-batch of step 0 holds no valid target, and the "
+                              "adapter is never fed such a window alone (empty_windows=False)")
+        return mine, (("the window's loss", losses[0]),), "the loss of this rank's last micro-batch at step 0"
     if name == "grad_norm" and norm is None and at_step is not None and m.grad_norm == "post_clip":
         return at_step, (), "‖the gradient as the optimizer stepped it‖, read as its step began"
     if name in ("grad_norm", "clip_coef") and norm is None:
@@ -288,7 +293,7 @@ def metrics_gate(adapter, case: Case, device: str) -> GateResult:
             if n == 1:
                 return big.losses[0]
             x, y = shard(*batches[0], n, 0, 1)[n - 1]
-            return run(1, [(x, y)]).losses[0]
+            return run(1, [(x, y)]).losses[0] if fed(adapter, y) else None
         return value
 
     for who, tr, n, other in (("the big batch", big, 1, None), ("the accumulation run", acc, N, big)):
@@ -313,10 +318,12 @@ def judge_precision(adapter, case: Case, device: str, batches, counts, big, tall
               who=f"the {p} accumulation run", tally=tally, bounds=bounds)
 
 
-def block_loss_job(ctx, adapter, case: Case, rank: int) -> float:
+def block_loss_job(ctx, adapter, case: Case, rank: int) -> float | None:
     """On a one-rank pool: the float64 step loss of rank `rank`'s last micro-batch of step 0 alone (the adapter
     at N = 1 on those rows, the initial parameters): what Metrics(loss="last_micro") reports at step 0."""
     x, y = shard(*case.batches(adapter)[0], case.accum_steps, rank, case.world)[-1]
+    if not fed(adapter, y):  # never fed alone (empty_windows=False): no value to expect
+        return None
     t = adapter(case.spec(accum_steps=1, dtype=F64, device=str(ctx.device), adapter=adapter))
     return drive(t, [(x, y)], 1, dtype=F64, device=ctx.device, gate=Gate.REPORTED_METRICS).losses[0]
 

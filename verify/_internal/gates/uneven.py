@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from verify._internal.cases.case import Case, drive, shard
+from verify._internal.gates.kappa import fed
 from verify._internal.objective import NORMALISERS, Weights, objective_of
 from verify._internal.verdict import Gate, GateFailure
 
@@ -35,7 +36,7 @@ def rank_counts(adapter, case: Case, kind: str) -> list[float]:
     return out
 
 
-def rank_grads_job(ctx, adapter, case: Case) -> list[dict]:
+def rank_grads_job(ctx, adapter, case: Case) -> list[dict | None]:
     """On a one-rank pool: each rank's float64 step-0 gradient of its own rows alone (the adapter at
     accum_steps=1 on them: that rank's own mean)."""
     x, y = case.batches(adapter)[0]
@@ -43,6 +44,9 @@ def rank_grads_job(ctx, adapter, case: Case) -> list[dict]:
     for r in range(case.world):
         blocks = shard(x, y, case.accum_steps, r, case.world, case.rank_rows)
         batch = (torch.cat([a for a, _ in blocks]), torch.cat([b for _, b in blocks]))
+        if not fed(adapter, batch[1]):  # never fed alone (empty_windows=False): that rank has no own mean
+            out.append(None)
+            continue
         t = adapter(case.spec(accum_steps=1, dtype=torch.float64, device=str(ctx.device), adapter=adapter))
         out.append(drive(t, [batch], 1, dtype=torch.float64, device=ctx.device, gate=Gate.DP_EQUIVALENCE).grads0)
     return out
@@ -63,6 +67,8 @@ def equal_weights(adapter, case: Case, failure: GateFailure, got: dict, pool) ->
     if not total or len(set(counts)) == 1:
         return failure
     own = pool.run(rank_grads_job, adapter, case)[0]
+    if any(g is None for g in own):
+        return failure
     names = [n for n in got if all(n in g for g in own)]
     if not names:
         return failure
