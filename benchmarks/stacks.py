@@ -28,6 +28,10 @@ class Known:
     recipe: str
 
 
+def _release(release: str) -> tuple:
+    return tuple(int(x) for x in (release.split(".") + ["0"])[:3])
+
+
 @dataclass(frozen=True)
 class Stack:
     key: str  # the version token's prefix ("" for transformers)
@@ -40,6 +44,7 @@ class Stack:
     default_pins: tuple = ()
     probe_metrics: bool = False  # the metrics gate on each declared metric alone (the HF recipe)
     no_deps: bool = False  # the release installed without its own dependencies (what its recipe imports needs none)
+    eras: tuple = ()  # (since, recipes), oldest first: from release `since` on, the recipes a bug-free release runs
 
     def pins(self, release: str) -> list[str]:
         own = self.package if release == "current" else f"{self.package}=={release}"
@@ -48,14 +53,22 @@ class Stack:
     def bugs(self, release: str) -> list[Known]:
         if release == "current":
             return []
-        r = tuple(int(x) for x in (release.split(".") + ["0"])[:3])
+        r = _release(release)
         return [k for k in self.known if k.since <= r < k.fixed]
+
+    def recipes_of(self, release: str) -> tuple:
+        """The recipes a release without known bugs runs: its era's ('current': the last era's)."""
+        recipes = self.recipes
+        for since, era in self.eras:
+            if release == "current" or since <= _release(release):
+                recipes = era
+        return recipes
 
     def rows(self, release: str) -> list[tuple[str, list[str]]]:
         """(recipe, the known bugs it shows on this release) for each recipe the release runs."""
         bugs = self.bugs(release)
         if not bugs:
-            return [(r, []) for r in self.recipes]
+            return [(r, []) for r in self.recipes_of(release)]
         recipes = list(dict.fromkeys(k.recipe for k in bugs))
         return [(r, [k.what for k in bugs if k.recipe == r]) for r in recipes]
 
@@ -94,6 +107,9 @@ VERL = "examples.verl_actor:"
 VERL_TOKEN_MEAN = ("the legacy actor never fills config.global_batch_info, so agg_loss's token-mean divides each "
                    "micro-batch by its own valid tokens (and each rank by its own), then by the micro-batches: "
                    "verl #5625, #7321 (PR #5877 closed; 0.8.0 dropped the actor for its engine, which fills it)")
+# verl 0.9: its engine actor (examples/verl_engine.py), FSDPEngineWithLMHead.train_batch with ppo_loss; the sync
+# deferred to the last micro-batch (#7719), as 0.9.0 always did. 0.8.0 not tried
+VERL_ENGINE = "examples.verl_engine:"
 VERL_SEQ_MEAN = ("the legacy actor never fills config.global_batch_info, so agg_loss's sequence means divide each "
                  "micro-batch by its own non-empty sequences (those without a response token are left out since "
                  "0.6), then by the micro-batches: wrong once a window holds an empty completion (#7321's fallback)")
@@ -126,7 +142,9 @@ STACKS = {s.key: s for s in [
                                                            "seq_mean_token_sum_norm")), ("verl", "transformers"),
           known=(Known((0, 0, 0), (0, 8, 0), VERL_TOKEN_MEAN, VERL + "token_mean"),
                  *(Known((0, 6, 0), (0, 8, 0), VERL_SEQ_MEAN, VERL + m)
-                   for m in ("seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")))),
+                   for m in ("seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"))),
+          eras=(((0, 9, 0), tuple(VERL_ENGINE + m for m in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                                                             "seq_mean_token_sum_norm"))),)),
     # torchtitan 0.3.0 imports triton at import time; its train step on the CPU: examples/torchtitan_train.py
     Stack("torchtitan", "torchtitan", "torchtitan", ("examples.torchtitan_train:factory",), ("torchtitan",),
           default_pins=("triton",)),

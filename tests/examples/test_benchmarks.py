@@ -227,6 +227,21 @@ def test_frameworks_runs_each_stacks_recipes_and_an_uninstallable_release_is_one
     assert "TRL 0.21's 'bnpo' divides each micro-batch's token sum" in md and "Not installable here: `pip" in md
     assert "## DeepSpeed 0.18.8, examples.deepspeed_zero:bf16_zero1: rejected" in md
 
+
+def test_a_stacks_era_picks_the_recipes_of_its_releases():
+    """verl 0.8 dropped the legacy actor for its engine: a bug-free release from 0.9 on (and 'current') runs the engine
+    recipes, 0.7.1 its known bugs' legacy recipes; a stack without eras runs its recipes everywhere."""
+    from benchmarks import stacks
+
+    verl = stacks.STACKS["verl"]
+    engine = [stacks.VERL_ENGINE + m for m in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                                               "seq_mean_token_sum_norm")]
+    assert [r for r, _ in verl.rows("0.9.1")] == engine == [r for r, _ in verl.rows("current")]
+    assert [r for r, _ in verl.rows("0.9")] == engine and all(not k for _, k in verl.rows("0.9.0"))
+    assert [r for r, _ in verl.rows("0.7.1")] == [stacks.VERL + r.split(":")[1] for r in engine]
+    assert stacks.STACKS["trl"].recipes_of("0.99.0") == stacks.STACKS["trl"].recipes
+
+
 def test_fp8_twins_without_torchao_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
     from benchmarks import fp8_twins
 
