@@ -168,11 +168,11 @@ class Trainer:
         self.window = []
 
     def loss(self, rows):
-        """ppo_loss as verl's actor worker sets it: its config's loss_agg_mode, the global counts from the data."""
+        """ppo_loss as ActorRolloutRefWorker sets it (partial(ppo_loss, config=...)); the counts come with the data."""
         config = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=rows // self.n,
                                  ppo_epochs=1, loss_agg_mode=self.LOSS_AGG_MODE, entropy_coeff=0.0,
                                  grad_clip=MAX_NORM, use_dynamic_bsz=False, use_torch_compile=False, rollout_n=1)
-        return partial(ppo_loss, config)
+        return partial(ppo_loss, config=config)
 
     def micro_step(self, x, y, micro):
         self.window.append(verify.data.unpack_rollouts(x, y))
@@ -180,7 +180,7 @@ class Trainer:
             return
         data = self.batch(self.window)
         with self.engine.train_mode():
-            self.output = self.engine.train_batch(data, loss_function=self.loss(len(self.window[0].advantages) * self.n))
+            self.output = self.engine.train_batch(data, loss_function=self.loss(data.batch_size[0]))
         self.window = []
 
     def batch(self, window):
