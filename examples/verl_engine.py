@@ -4,7 +4,7 @@ window; a tiny Qwen2 saved from its config, FSDP2 over the ranks (world 1 too). 
 registers one (CPUPlatform). The gradient is read as in examples/verl_actor.py: optimizer_step wrapped. The float64
 reference extends verl's dtype table with fp64 (PrecisionType.to_dtype), its runs only. docs/design/recipes.md.
 
-    pip install "verl>=0.9,<0.10"          # no GPU extras; the [verl] extra pins the legacy actor's <0.8
+    pip install "verl>=0.9.1,<0.10"        # no GPU extras (0.9.0 needs flash-attn); [verl] pins the legacy <0.8
     pytest --pyargs verify --verify-trainer examples.verl_engine:token_mean
     python -m verify.selftest --verify-trainer examples.verl_engine:seq_mean_token_mean
 """
