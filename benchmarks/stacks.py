@@ -108,7 +108,7 @@ VERL_TOKEN_MEAN = ("the legacy actor never fills config.global_batch_info, so ag
                    "micro-batch by its own valid tokens (and each rank by its own), then by the micro-batches: "
                    "verl #5625, #7321 (PR #5877 closed; 0.8.0 dropped the actor for its engine, which fills it)")
 # verl 0.9: its engine actor (examples/verl_engine.py), FSDPEngineWithLMHead.train_batch with ppo_loss; the sync
-# deferred to the last micro-batch (#7719), as 0.9.0 always did. 0.8.0 not tried
+# deferred to the last micro-batch (#7719), as 0.9.0 always did. 0.9.0 pads through flash-attn (no CPU row); 0.8.0 not tried
 VERL_ENGINE = "examples.verl_engine:"
 VERL_SEQ_MEAN = ("the legacy actor never fills config.global_batch_info, so agg_loss's sequence means divide each "
                  "micro-batch by its own non-empty sequences (those without a response token are left out since "
