@@ -66,7 +66,7 @@ def _end_to_end(name):
 
 RECIPES = EXAMPLES + MESH + ["pipeline_schedule", "pipeline_dp", "packed_documents", "moe_aux", "trl_grpo",
                              "deepspeed_zero", "token_mean_lm", "llama_scale", "nemo_chunked_loss", "trl_sft",
-                             "swift_dpo", "verl_actor", "torchtitan_train"]
+                             "swift_dpo", "verl_actor", "verl_engine", "torchtitan_train"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
