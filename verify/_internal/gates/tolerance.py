@@ -117,13 +117,16 @@ def conditions(runs: list, ref) -> dict:
     return out
 
 
-def step0_checks(acc, big, ref, kappa: dict | None, precision: str):
+def step0_checks(acc, big, ref, kappa: dict | None, precision: str, overall: float | None = None):
     """Every step-0 check of the policy: (what, parameter name or None for the loss, err(acc), err(big), κ,
-    overall floor); bound(err(big), κ, overall) is its limit. acc and big ran in `precision`, ref in float64."""
+    overall floor); bound(err(big), κ, overall) is its limit. acc and big ran in `precision`, ref in float64.
+    `overall`: err(big) over all parameters where the caller has it (a pass over every parameter)."""
     lr = ref.losses[0]
     scale = abs(lr) or 1.0
     skip = unstepped(big, ref, precision)  # the big batch's overflowed step 0 (its GradScaler skipped it) bounds nothing
-    overall, whole = overall_error(big.grads0, ref.grads0) if not skip else math.inf, whole_norm(ref.grads0)
+    if overall is None:
+        overall = overall_error(big.grads0, ref.grads0) if not skip else math.inf
+    whole = whole_norm(ref.grads0)
     # One scalar is the luckiest tensor of all: under autocast the big batch's loss can come out of a different
     # kernel path near-exact (seen: fp16 N=7, 1.9e-7 against 2.7e-6 typical), so its floor is the big batch's
     # error over all gradients, as for any one parameter. fp32 keeps FLOOR alone.
@@ -225,9 +228,11 @@ class Judge(Float64Checks):
         lazy = kappa if callable(kappa) and doomed is None else None
         known = kappa if isinstance(kappa, dict) else None
         self.note = " (κ not computed: the float64 run fails too)" if doomed is not None and callable(kappa) else ""
-        if doomed is None:
-            known = self.sees(big, ref, known, lazy)
-        for what, name, a, b, k, o in step0_checks(acc, big, ref, known, self.case.precision):
+        skip = unstepped(big, ref, self.case.precision)
+        overall = math.inf if skip else overall_error(big.grads0, ref.grads0)
+        if doomed is None and not skip:
+            known = self.sees(overall, known, lazy)
+        for what, name, a, b, k, o in step0_checks(acc, big, ref, known, self.case.precision, overall):
             if lazy is not None and needs_kappa(a, b, o):
                 known = known if known is not None else lazy()
                 k = known.get(LOSS if name is None else name, 1.0)
@@ -242,16 +247,14 @@ class Judge(Float64Checks):
                           f"the adapter's scaler a lower init_scale under the gates — otherwise the scale is applied wrong")
             self._within(a, b, what, k, o)
 
-    def sees(self, big, ref, known: dict | None, lazy) -> dict | None:
+    def sees(self, overall: float, known: dict | None, lazy) -> dict | None:
         """Every step-0 bound is C·err(big): where the big batch differs from its float64 reference by 1/C or more
         over all parameters, the bound admits any gradient, a zero one too. In fp32, rounding explains that only
         with cancellation (κ); otherwise the float64 runs do not compute what the fp32 runs do, and the case is
         refused. Under bf16 / fp16 autocast an honest big batch can come near (the zoo's largest: 0.052 in bf16):
         the step-0 check is then said to judge nothing, and the float64 checks judge alone. Returns κ where it
-        computed it (docs/design/tolerance.md, "The reference computes what the runs compute")."""
-        if unstepped(big, ref, self.case.precision):
-            return known
-        overall = overall_error(big.grads0, ref.grads0)
+        computed it (docs/design/tolerance.md, "The reference computes what the runs compute"). `overall`: err(big)
+        over all parameters, of a big batch that stepped."""
         if not C * overall >= 1.0:
             return known
         known = known if known is not None or lazy is None else lazy()
