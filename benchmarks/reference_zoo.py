@@ -17,13 +17,13 @@ from verify.study import C, reference_gap
 
 def honest(seed: int) -> dict | None:
     """One zoo trainer's gaps per precision (None for a data-parallel one: its runs need a process group)."""
-    from benchmarks.zoo import population
+    from benchmarks.zoo.population import one_process
 
-    adapter = getattr(population, f"t{seed}")
-    if adapter.process_group:
+    found = one_process(seed)
+    if found is None:
         return None
-    gaps = {p: reference_gap(adapter, verify.Case(accum_steps=3, micro_batch=2, steps=1, seed=seed,
-                                                  options=adapter.defaults, precision=p)) for p in adapter.precisions}
+    adapter, cases = found
+    gaps = {p: reference_gap(adapter, case) for p, case in cases.items()}
     return dict(seed=seed, gaps=gaps, false_alarms=[p for p, g in gaps.items() if not C * g < 1.0])
 
 

@@ -19,15 +19,14 @@ from verify.study import AUTOCAST, same_start, start_print
 
 def honest(seed: int) -> dict | None:
     """One zoo trainer's verdicts (None for a data-parallel one: its runs need a process group)."""
-    from benchmarks.zoo import population
+    from benchmarks.zoo.population import one_process
 
-    adapter = getattr(population, f"t{seed}")
-    if adapter.process_group:
+    found = one_process(seed)
+    if found is None:
         return None
+    adapter, cases = found
     alarms = []
-    for precision in adapter.precisions:
-        case = verify.Case(accum_steps=3, micro_batch=2, steps=1, seed=seed, options=adapter.defaults,
-                           precision=precision)
+    for precision, case in cases.items():
         def start(n, dtype):
             return start_print(adapter(case.spec(accum_steps=n, dtype=dtype, adapter=adapter)).params())
 

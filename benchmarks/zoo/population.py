@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from dataclasses import dataclass
 
 import verify
@@ -135,3 +136,13 @@ def __getattr__(name: str):
     ad = adapter_of(int(m.group(1)), m.group(2))
     globals()[name] = ad  # the adapter is a module-level name from now on (Adapter.locate finds it)
     return ad
+
+
+def one_process(seed: int):
+    """(t<seed>, {precision: a case of its defaults, N=3 B=2 K=1}), or None for a data-parallel trainer (its runs need
+    a process group): what the reference's false-alarm benchmarks judge (benchmarks/start_zoo.py, reference_zoo.py)."""
+    adapter = getattr(sys.modules[__name__], f"t{seed}")
+    if adapter.process_group:
+        return None
+    return adapter, {p: verify.Case(accum_steps=3, micro_batch=2, steps=1, seed=seed, options=adapter.defaults,
+                                    precision=p) for p in adapter.precisions}
