@@ -118,8 +118,8 @@ def make_drawn_in_spec_dtype(spec):
 drawn_in_spec_dtype = missing_1_over_N.replace(factory=make_drawn_in_spec_dtype, name="broken: drawn in Spec.dtype, ×N")
 
 
-class TripledObjective(AccumTrainer):
-    """A correct trainer of 3× the loss: accumulation right, the objective another one."""
+class Tripled:
+    """Mixin of xtrain's trainers: 3× the loss, accumulation right, the objective another one."""
 
     def _objective(self, forward_mean, forward_sum, *a, **k):
         def mean(idx, targets):
@@ -129,6 +129,10 @@ class TripledObjective(AccumTrainer):
             s, count = forward_sum(idx, targets)
             return 3 * s, count
         return super()._objective(mean, total, *a, **k)
+
+
+class TripledObjective(Tripled, AccumTrainer):
+    pass
 
 
 def make_other_reference(spec):

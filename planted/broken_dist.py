@@ -17,6 +17,7 @@ import torch.distributed as dist
 from xtrain_core.distributed import DistAccumTrainer, TorchDDPTrainer
 
 from xtrain_proof import adapters as xtrain
+from planted.broken import Tripled
 from planted.template import Planted, SyncSwitch
 
 
@@ -157,6 +158,18 @@ class IgnoresSpecGroup(DistAccumTrainer):
         super().__init__(*a, **k)
 
 
+class DistTripled(Tripled, DistAccumTrainer):
+    pass
+
+
+def make_other_reference(spec):
+    """xtrain's data-parallel trainer, right in float32, whose float64 build computes 3× the loss (the reference at
+    one rank as the ranks' gradients' judge): the big batch is 0.667 from it, so every step-0 bound admitted anything."""
+    cls = DistTripled if spec.dtype == torch.float64 else DistAccumTrainer
+    group = {} if spec.group is None else dict(group=spec.group)
+    return cls(xtrain.model_for(spec), xtrain.options_of(spec).optim, spec.accum_steps, **group, **xtrain.numerics(spec))
+
+
 def _adapter(cls, base=xtrain.data_parallel):
     return xtrain.variant(cls, base)
 
@@ -173,6 +186,8 @@ reduce_some_params = _adapter(ReduceSomeParams)
 broadcast_params_every_micro = _adapter(BroadcastParamsEveryMicro)
 int_view_checksum_every_micro = _adapter(IntViewChecksumEveryMicro)
 dies_mid_step = _adapter(DiesMidStep)
+other_reference = xtrain.data_parallel.replace(factory=make_other_reference, name="broken: float64 of another objective",
+                                               precisions=("fp32",))  # under autocast only said unjudged
 ignores_spec_group = _adapter(IgnoresSpecGroup)
 ddp_sync_flag_after_forward = _adapter(DDPSyncFlagAfterForward, xtrain.torch_ddp)
 ddp_no_sync_around_backward_only = _adapter(DDPNoSyncAroundBackwardOnly, xtrain.torch_ddp)

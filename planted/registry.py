@@ -216,6 +216,9 @@ PLANTED: tuple[PlantedBug, ...] = (
                _BEFORE + r".*all_reduce.* process group [1-9]", DIST),
     PlantedBug("no_all_reduce", "never communicates", broken_dist.no_all_reduce, Gate.BOUNDARY_ONLY,
                r"boundary \(micro-step \d+ of \d+, .*\): no gradient all-reduce", DIST),
+    PlantedBug("dist_other_reference", "right in float32; the float64 reference at one rank computes 3× the loss",
+               broken_dist.other_reference, Gate.DP_EQUIVALENCE,
+               r"the big batch \(fp32\) and its float64 reference differ by 0\.667 over all parameters", DIST),
     PlantedBug("divide_by_world_twice", "gradient ÷ W twice",
                broken_dist.divide_by_world_twice, Gate.DP_EQUIVALENCE,
                r"gradient \(step 0\) of .*: accumulation error .* the boundary's collectives \(step 0, micro-step \d+ "

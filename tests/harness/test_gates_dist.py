@@ -112,3 +112,12 @@ def test_bytes_per_step_counted_for_the_report():
     assert r.extra["boundary_bytes"] == [4 * (P + 2)] * 2  # the gradients once, plus the two loss slots
     assert r.extra["boundary_collectives"] == [1, 1]
     assert torch.float32  # noqa: B015 (keeps the import honest on minimal torch builds)
+
+
+@needs_2
+def test_a_bf16_big_batch_far_from_its_reference_is_said_unjudged_on_every_rank_gate():
+    """Judge.sees under autocast: not refused (an honest bf16 big batch can come near 1/C), and the data-parallel
+    gate's result carries the note as the one-process gate's does (the report's "Not checked" lines read it)."""
+    r = check_distributed(broken_dist.other_reference, planted.BY_NAME["dist_other_reference"].case.replace(
+        precision="bf16"))
+    assert "admits any gradient; the float64 checks judged" in (r.extra.get("unjudged") or ""), r.extra

@@ -275,13 +275,13 @@ def boundary_summary(report: CommReport | None, rank: int, dtype: str, step: int
 # -- the numbers' verdict --------------------------------------------------------------------------
 
 def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: CommReport | None = None,
-                           kappa=None, measure=None, loss_kappa=None) -> tuple[str, float, float | None]:
+                           kappa=None, measure=None, loss_kappa=None) -> tuple[str, float, float | None, str | None]:
     """Every rank vs the one-rank reference on the big batch; returns (the check closest to its bound,
-    its error / bound, the float64 floor judged with). kappa: name -> κ, or a function returning it when a
+    its error / bound, the float64 floor judged with, what the step-0 checks could not judge or None). kappa: name -> κ, or a function returning it when a
     check needs it (Judge.step0); measure: a function measuring the case's own float64 floor on its twin when
     a float64 check needs it, loss_kappa: k -> κ of step k's loss, where a float64 loss check needs it (Judge.float64)."""
     big, ref = outcomes[0].refs["big32"], outcomes[0].refs["ref64"]
-    worst, used = ("", 0.0), None
+    worst, used, unjudged = ("", 0.0), None, None
     kappa = functools.cache(kappa) if callable(kappa) else kappa  # one function for every rank: computed once
     measure = functools.cache(measure) if callable(measure) else measure
     loss_kappa = functools.cache(loss_kappa) if callable(loss_kappa) else loss_kappa
@@ -300,6 +300,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
         j.loss_trajectory(acc, big)
         if doomed is not None:
             raise doomed
+        unjudged = unjudged or getattr(j, "unjudged", None)  # the big batch is every rank's: one note
         if j.worst_ratio >= worst[1]:
             worst = (f"rank {o.rank}: {j.worst}", j.worst_ratio)
     for dt in outcomes[0].runs:  # all ranks hold the same parameters, bit for bit, after every step
@@ -310,7 +311,7 @@ def check_dist_equivalence(outcomes: list[RankOutcome], case: Case, report: Comm
                 for name, p in pb.items():
                     j.equal(pa.get(name, torch.empty(0)), p,
                             f"parameter {name!r} after step {k} vs rank 0's ({dt.replace('torch.', '')} run): ranks diverged", k)
-    return worst[0], worst[1], used
+    return worst[0], worst[1], used, unjudged
 
 
 def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
@@ -332,7 +333,7 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     loss_kappa = ((lambda k: kpool.run(loss_kappa_job, adapter, case, k, ref64.losses[k])[0])  # noqa: E731
                   if case.micro_blocks > 1 else None)
     try:
-        worst, ratio, floor = check_dist_equivalence(outcomes, case, report, lazy, measure, loss_kappa)
+        worst, ratio, floor, unjudged = check_dist_equivalence(outcomes, case, report, lazy, measure, loss_kappa)
     except GateFailure as e:  # diagnose before judging: do two identical W-rank runs agree?
         rerun = lambda: run_distributed(adapter, case, pool=pool, ref_pool=ref_pool)[0].runs[F32].trace  # noqa: E731
         failure = determinism(e, rerun, outcomes[0].runs[F32].trace)
@@ -342,7 +343,7 @@ def check_distributed(adapter, case: Case, *, pool=None, ref_pool=None) -> GateR
     metrics = judge_world(adapter, case, {o.rank: o.runs[F64].trace for o in outcomes if F64 in o.runs}, ref64,
                           pool=kpool) if adapter.metrics is not None else {}
     steps = report.steps[(0, F32)]
-    return GateResult(Gate.DP_EQUIVALENCE, case, worst, ratio, comm=report, floor64=floor, metrics=metrics,
+    return GateResult(Gate.DP_EQUIVALENCE, case, worst, ratio, comm=report, floor64=floor, metrics=metrics, unjudged=unjudged,
                       boundary_bytes=[s.boundary_bytes for s in steps],
                       boundary_collectives=[len(s.reduced) for s in steps],
                       boundary_bytes_by_link=[s.bytes_by_link(outcomes[0].runs[F32].links) for s in steps],

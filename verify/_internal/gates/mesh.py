@@ -144,7 +144,7 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
     kappa = functools.cache(lambda: kpool.run(kappa_job, adapter, case, ref)[0])
     lazy = kappa if case.accum_steps * case.world > 1 else None
     loss_kappa = functools.cache(lambda k: kpool.run(loss_kappa_job, adapter, case, k, ref.losses[k])[0]) if lazy else None
-    worst, used = ("", 0.0), None
+    worst, used, unjudged = ("", 0.0), None, None
     for d in range(case.mesh.dp):
         j = Judge(GATE, case, where(case) + (f"replica {d}: " if case.mesh.dp > 1 else ""))
         doomed = None
@@ -160,6 +160,7 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
                 raise doomed
         except GateFailure as e:
             raise _name_stage(e, stages, case.mesh.pp) from None
+        unjudged = unjudged or getattr(j, "unjudged", None)  # the big batch is every replica's: one note
         if j.worst_ratio >= worst[1]:
             worst = (f"replica {d}: {j.worst}", j.worst_ratio)
     for dt, replicas in runs.items():  # every dp replica holds the same parameters, bit for bit
@@ -177,7 +178,7 @@ def check_mesh(adapter, case: Case, *, pool=None, ref_pool=None) -> GateResult:
         f64 = {o.rank: o.runs[F64].trace for o in outcomes}
         metrics = judge_world(adapter, case, f64, ref, norms=mesh_norms([f64[r] for r in sorted(f64)], case),
                               pool=kpool)
-    return GateResult(GATE, case, worst[0], worst[1], floor64=used, counts=counted, metrics=metrics)
+    return GateResult(GATE, case, worst[0], worst[1], floor64=used, counts=counted, metrics=metrics, unjudged=unjudged)
 
 
 def check_mesh_splits(adapter, case: Case, world: int) -> GateResult:
